@@ -1,0 +1,3 @@
+from earl_stream.cli import main
+
+raise SystemExit(main())

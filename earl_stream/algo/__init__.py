@@ -1,0 +1,1 @@
+"""Algorithms (advantages, losses), kept apart from the loops that call them."""

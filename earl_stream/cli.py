@@ -1,0 +1,184 @@
+"""The `earl-stream` command line. Every user error ends in one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Sequence
+
+from earl_stream.errors import EarlError
+
+log = logging.getLogger("earl_stream")
+
+OVERRIDES_HELP = "dotted config overrides, e.g. trainer.lr=3e-4 rollout.workers=3 (see `config show --fields`)"
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="PATH", help="YAML config file (default: the embedded Tic-Tac-Toe run)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="earl-stream", description=(
+        "Asynchronous streaming agentic RL for LLMs: rollout and trainer pools around a distributed, "
+        "layout-indexed experience store."))
+    parser.add_argument("--log-level", default=os.environ.get("EARL_LOG_LEVEL", "INFO"), help="logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start a whole run on this machine (supervisor, rollout workers, trainer)",
+                       description="Start a supervisor, rollout workers and a trainer pool as separate processes "
+                                   "on this machine and train until --steps (or Ctrl-C).")
+    _add_config_args(p)
+    p.add_argument("--bind", default="127.0.0.1:0", metavar="HOST:PORT", help="supervisor address (port 0 = any free)")
+    p.add_argument("--steps", type=int, help="training steps (overrides steps=)")
+    p.add_argument("--summary", metavar="PATH", help="write the JSON summary here (default RUN_DIR/summary.json)")
+
+    p = sub.add_parser("supervisor", help="run the supervisor (control plane) of a run")
+    _add_config_args(p)
+    p.add_argument("--bind", default="127.0.0.1:5555", metavar="HOST:PORT", help="address to listen on")
+    p.add_argument("--state-dir", metavar="DIR", help="where the supervisor keeps its state (default RUN_DIR)")
+    p.add_argument("--ready-file", metavar="PATH", help="write {address, metrics_address} here once listening")
+
+    p = sub.add_parser("worker", help="run a rollout worker or a trainer pool against a supervisor")
+    p.add_argument("--role", required=True, choices=("rollout", "trainer"))
+    p.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT", help="the supervisor's address")
+    p.add_argument("--advertise", default="127.0.0.1", metavar="HOST",
+                   help="address other processes use to reach this worker's shard node")
+    p.add_argument("--nproc", type=int, default=1, help="trainer ranks to start on this host (gloo)")
+
+    p = sub.add_parser("status", help="show the state of a running system")
+    p.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print the raw JSON status")
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    cs = csub.add_parser("show", help="print the effective configuration as YAML")
+    _add_config_args(cs)
+    cs.add_argument("--fields", action="store_true", help="list every field with its help instead")
+
+    p = sub.add_parser("init-model", help="build a tiny random Hugging Face model and tokenizer in DIR")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-start-seconds", type=float, default=0.0,
+                   help="supervised warm start on synthetic Tic-Tac-Toe play (0 = leave it random)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname).1s %(processName)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return _dispatch(args)
+    except EarlError as exc:
+        print(f"earl-stream {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from earl_stream.config import load_config
+
+    if args.command == "up":
+        from earl_stream.launcher import up
+
+        overrides = list(args.overrides) + ([f"steps={args.steps}"] if args.steps is not None else [])
+        return up(load_config(args.config, overrides), bind=args.bind, summary_path=args.summary)
+    if args.command == "supervisor":
+        from earl_stream.supervisor.server import serve
+
+        cfg = load_config(args.config, args.overrides)
+        serve(cfg, args.bind, ready_file=args.ready_file)
+        return 0
+    if args.command == "worker":
+        return _worker(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "config":
+        from earl_stream.config import config_to_yaml, field_help
+
+        if args.fields:
+            for name, text in field_help():
+                print(f"{name:36s} {text}")
+            return 0
+        print(config_to_yaml(load_config(args.config, args.overrides)), end="")
+        return 0
+    if args.command == "init-model":
+        from earl_stream.modeling import init_model
+
+        path = init_model(args.dir, seed=args.seed)
+        if args.warm_start_seconds > 0:
+            from earl_stream.warmstart import warm_start
+
+            report = warm_start(path, seconds=args.warm_start_seconds, seed=args.seed)
+            print(f"warm start: {report}")
+        print(f"model and tokenizer written to {path}")
+        return 0
+    raise AssertionError(args.command)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    if args.role == "rollout":
+        from earl_stream.workers.rollout import run_rollout_worker
+
+        run_rollout_worker(args.supervisor, host=args.advertise)
+        return 0
+    if args.nproc > 1 and "RANK" not in os.environ:
+        return _spawn_ranks(args)
+    from earl_stream.workers.trainer import run_trainer_rank
+
+    return run_trainer_rank(args.supervisor, host=args.advertise)
+
+
+def _spawn_ranks(args: argparse.Namespace) -> int:
+    """Start --nproc trainer ranks on this host, torchrun-style (RANK, WORLD_SIZE, MASTER_*)."""
+    import signal
+    import time
+
+    from earl_stream.procs import ProcessGroup, describe_exit
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = ProcessGroup()
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    for rank in range(args.nproc):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        group.start(f"trainer rank {rank}", ["worker", "--role", "trainer", "--supervisor", args.supervisor,
+                                             "--advertise", args.advertise], env=env)
+    try:
+        while not stopping and any(c.proc.poll() is None for c in group.children):
+            failed = group.failed()
+            if failed is not None:
+                raise EarlError(describe_exit(failed))
+            time.sleep(0.2)
+    finally:
+        group.stop()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from earl_stream import protocol as P
+    from earl_stream.live import status_line
+
+    client = P.ControlClient(args.supervisor, timeout_s=5)
+    status = json.loads(client.call(P.StatusRequest(), what="status").status_json)
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(status_line(status, 0))
+        for w in status["workers"]:
+            health = "alive" if w["alive"] else "DEAD"
+            print(f"  {w['id']:12s} {w['role']:8s} {health:5s} pid {w['pid']} on {w['host']} "
+                  f"(seen {w['last_seen_s']}s ago)")
+    return 0

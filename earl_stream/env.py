@@ -1,0 +1,326 @@
+"""The environment plug-in protocol, its result type, and the environment registry.
+
+This module owns what an environment *is* to earl_stream (`Environment`, `StepResult`), how its
+optional attributes are read (`env_options`), how sync or async implementations are driven
+(`env_reset`, `env_step`), and how a spec string becomes a class (`resolve_env`, `make_env`).
+Running episodes, timeouts and turning a crashing environment into a failed episode are the agent
+loop's job; concrete games live in the top-level `envs` package.
+
+A spec is one of:
+  * a registered name (`register_env`), or a name in the entry-point group `earl_stream.envs`;
+  * `package.module:Class`;
+  * `path/to/file.py:Class` (the file is imported once per resolved path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from earl_stream.errors import EnvError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "EnvFactory",
+    "EnvOptions",
+    "Environment",
+    "StepResult",
+    "env_options",
+    "env_reset",
+    "env_step",
+    "known_envs",
+    "make_env",
+    "register_env",
+    "resolve_env",
+    "unregister_env",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "earl_stream.envs"
+
+# Names that must resolve even when the project is run from a source tree without being installed
+# (then the entry points of pyproject.toml are not visible to importlib.metadata).
+_BUILTIN_ENVS: dict[str, str] = {"tictactoe": "envs.tictactoe:TicTacToe"}
+
+DEFAULT_MAX_TURN_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one environment step returns.
+
+    observation: the text shown to the model next (ignored by the agent loop once `done`).
+    reward: float reward of this step; an episode's return is the sum over its steps.
+    done: True on the terminal step.
+    info: small JSON-able dict (e.g. {"outcome": "win"} on the terminal step).
+    """
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A multi-turn text environment.
+
+    Required: `reset(seed)` returns the first observation; `step(action_text)` applies the model's
+    decoded reply. Both may be `async def` (preferred) or plain methods; drive them with
+    `env_reset` / `env_step`. Optional attributes, read with `env_options`:
+    `system_prompt: str | None` (None), `max_turn_tokens: int` (32),
+    `max_episode_tokens: int | None` (None, no limit beyond the engine's).
+    """
+
+    async def reset(self, seed: int) -> str: ...
+
+    async def step(self, action_text: str) -> StepResult: ...
+
+
+EnvFactory = Callable[..., Environment]
+
+
+@dataclass(frozen=True)
+class EnvOptions:
+    """The optional attributes of an environment, with defaults filled in."""
+
+    system_prompt: str | None = None
+    max_turn_tokens: int = DEFAULT_MAX_TURN_TOKENS
+    max_episode_tokens: int | None = None
+
+
+def env_options(env: object) -> EnvOptions:
+    """Read an environment's optional attributes (see `Environment`), checking their types."""
+    name = type(env).__name__
+    system_prompt = getattr(env, "system_prompt", None)
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise EnvError(f"{name}.system_prompt must be a str or None, got {type(system_prompt).__name__}")
+    max_turn = getattr(env, "max_turn_tokens", DEFAULT_MAX_TURN_TOKENS)
+    if not isinstance(max_turn, int) or isinstance(max_turn, bool) or max_turn < 1:
+        raise EnvError(f"{name}.max_turn_tokens must be a positive int, got {max_turn!r}")
+    max_episode = getattr(env, "max_episode_tokens", None)
+    if max_episode is not None and (not isinstance(max_episode, int) or max_episode < 1):
+        raise EnvError(f"{name}.max_episode_tokens must be a positive int or None, got {max_episode!r}")
+    return EnvOptions(system_prompt, max_turn, max_episode)
+
+
+async def _call(env: object, method: str, arg: object) -> object:
+    fn = getattr(env, method, None)
+    if fn is None or not callable(fn):
+        raise EnvError(f"{type(env).__name__} has no callable {method}(); it is not an Environment")
+    try:
+        result = fn(arg)
+        if inspect.isawaitable(result):
+            result = await result
+    except EnvError:
+        raise
+    except Exception as exc:  # an environment's own bug: typed so the agent loop can fail the episode
+        raise EnvError(f"{type(env).__name__}.{method}() raised {type(exc).__name__}: {exc}") from exc
+    return result
+
+
+async def env_reset(env: object, seed: int) -> str:
+    """Reset `env` (sync or async `reset`) and return its first observation (checked to be a str)."""
+    observation = await _call(env, "reset", seed)
+    if not isinstance(observation, str):
+        raise EnvError(
+            f"{type(env).__name__}.reset() must return the first observation as str, "
+            f"got {type(observation).__name__}"
+        )
+    return observation
+
+
+async def env_step(env: object, action: str) -> StepResult:
+    """Step `env` (sync or async `step`) with the decoded action text; the result must be a StepResult."""
+    result = await _call(env, "step", action)
+    if not isinstance(result, StepResult):
+        raise EnvError(
+            f"{type(env).__name__}.step() must return earl_stream.env.StepResult, "
+            f"got {type(result).__name__}"
+        )
+    return result
+
+
+# ---------------------------------------------------------------------------------------- registry
+
+_registry: dict[str, EnvFactory] = {}
+_registry_lock = threading.Lock()
+_file_modules: dict[Path, Any] = {}
+
+
+def register_env(name: str, factory: EnvFactory) -> None:
+    """Register `factory` (a class or a callable returning an Environment) under `name`, in-process.
+
+    Raises EnvError if the name is already registered, is not a plain identifier-like name, or if
+    `factory` is not callable.
+    """
+    if not name or ":" in name or name.strip() != name:
+        raise EnvError(f"invalid environment name {name!r}: use a non-empty name without ':' or spaces")
+    if not callable(factory):
+        raise EnvError(f"environment factory for {name!r} must be callable, got {type(factory).__name__}")
+    with _registry_lock:
+        if name in _registry:
+            raise EnvError(f"environment {name!r} is already registered ({_registry[name]!r})")
+        _registry[name] = factory
+
+
+def unregister_env(name: str) -> None:
+    """Remove an in-process registration (EnvError if `name` was not registered with register_env)."""
+    with _registry_lock:
+        if _registry.pop(name, None) is None:
+            raise EnvError(f"environment {name!r} is not registered in this process")
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_envs() -> list[str]:
+    """Every name `resolve_env` accepts without a ':' (registered, entry points, built-ins), sorted."""
+    with _registry_lock:
+        names = set(_registry)
+    names.update(_entry_points())
+    names.update(_BUILTIN_ENVS)
+    return sorted(names)
+
+
+def resolve_env(spec: str) -> EnvFactory:
+    """Turn a spec (see the module docstring) into the environment class or factory it names.
+
+    Lookup order for a plain name: in-process registry, entry points, built-ins. Raises EnvError
+    with the known names for an unknown name, and with the cause for an import failure.
+    """
+    spec = spec.strip()
+    if not spec:
+        raise EnvError(f"empty environment spec; known environments: {', '.join(known_envs())}")
+    with _registry_lock:
+        registered = _registry.get(spec)
+    if registered is not None:
+        return registered
+    if ":" not in spec:
+        return _resolve_name(spec)
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise EnvError(f"environment spec {spec!r} must look like 'module:Class' or 'file.py:Class'")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        module = _load_file(Path(target))
+    else:
+        module = _import_module(target, spec)
+    return _get_factory(module, attr, spec)
+
+
+def _resolve_name(name: str) -> EnvFactory:
+    ep = _entry_points().get(name)
+    if ep is not None:
+        try:
+            factory = ep.load()
+        except Exception as exc:
+            raise EnvError(
+                f"environment {name!r} (entry point {ep.value}) failed to import: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return _check_factory(factory, f"entry point {name}={ep.value}")
+    builtin = _BUILTIN_ENVS.get(name)
+    if builtin is None:
+        raise EnvError(f"unknown environment {name!r}; known environments: {', '.join(known_envs())}")
+    module_name, _, attr = builtin.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise EnvError(f"built-in environment {name!r} failed to import: {exc}") from exc
+        # Source tree not on sys.path (e.g. an uninstalled checkout run from elsewhere): the `envs`
+        # package sits next to the `earl_stream` package.
+        source = Path(__file__).resolve().parents[1] / (module_name.replace(".", "/") + ".py")
+        if not source.is_file():
+            raise EnvError(
+                f"built-in environment {name!r} needs module {module_name}, which is neither "
+                f"installed nor at {source}; install the project (pip install -e .)"
+            ) from exc
+        module = _load_file(source)
+    return _get_factory(module, attr, builtin)
+
+
+def _import_module(module_name: str, spec: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:
+        raise EnvError(
+            f"environment spec {spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _load_file(path: Path) -> Any:
+    resolved = path.expanduser().resolve()
+    with _registry_lock:
+        cached = _file_modules.get(resolved)
+    if cached is not None:
+        return cached
+    if not resolved.is_file():
+        raise EnvError(f"environment file {path} does not exist")
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    module_name = f"earl_stream_envfile_{resolved.stem}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if module_spec is None or module_spec.loader is None:
+        raise EnvError(f"environment file {path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    # Registered before exec so that dataclasses/pickling inside the file can find their module.
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise EnvError(f"environment file {path} failed to import: {type(exc).__name__}: {exc}") from exc
+    with _registry_lock:
+        module = _file_modules.setdefault(resolved, module)
+    logger.debug("loaded environment file %s as %s", resolved, module_name)
+    return module
+
+
+def _get_factory(module: Any, attr: str, spec: str) -> EnvFactory:
+    try:
+        factory = getattr(module, attr)
+    except AttributeError:
+        raise EnvError(f"environment spec {spec!r}: {module.__name__} has no attribute {attr!r}") from None
+    return _check_factory(factory, spec)
+
+
+def _check_factory(factory: Any, where: str) -> EnvFactory:
+    if not callable(factory):
+        raise EnvError(f"{where} is {type(factory).__name__}, not a class or factory")
+    if inspect.isclass(factory) and not all(callable(getattr(factory, m, None)) for m in ("reset", "step")):
+        raise EnvError(f"{where}: class {factory.__name__} lacks reset() and step(); it is not an Environment")
+    return factory  # type: ignore[no-any-return]
+
+
+def make_env(spec: str, params: dict[str, Any] | None = None) -> Environment:
+    """Resolve `spec` and instantiate it with `params` as keyword arguments.
+
+    Raises EnvError if the spec does not resolve, the constructor rejects the params, or the result
+    lacks reset()/step().
+    """
+    factory = resolve_env(spec)
+    kwargs = dict(params or {})
+    try:
+        env = factory(**kwargs)
+    except EnvError:
+        raise
+    except Exception as exc:
+        raise EnvError(
+            f"environment {spec!r} could not be created with params {sorted(kwargs)}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(env, Environment):
+        raise EnvError(f"environment {spec!r} built a {type(env).__name__}, which lacks reset()/step()")
+    return env

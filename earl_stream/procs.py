@@ -1,0 +1,83 @@
+"""Child processes of `earl-stream up` and `worker --nproc`: start, watch, stop, leave no orphans.
+
+Children are started in their own session (the terminal's Ctrl-C reaches only the parent, which
+then stops them in order) and with PR_SET_PDEATHSIG, so that they die with their parent even if the
+parent is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: children then rely on the parent's orderly stop
+        pass
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: str | None = None
+
+
+class ProcessGroup:
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def start(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
+              log_path: str | None = None) -> Child:
+        out = open(log_path, "ab") if log_path else None
+        proc = subprocess.Popen([sys.executable, "-m", "earl_stream", *args], env={**os.environ, **(env or {})},
+                                stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        if out:
+            out.close()
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        log.debug("started %s (pid %d)", name, proc.pid)
+        return child
+
+    def failed(self) -> Child | None:
+        """The first child that exited with a non-zero code, if any."""
+        for c in self.children:
+            code = c.proc.poll()
+            if code not in (None, 0):
+                return c
+        return None
+
+    def stop(self, timeout_s: float = 15.0, *, only: Sequence[Child] | None = None) -> None:
+        """SIGTERM every live child, wait, then SIGKILL what is left."""
+        children = list(only if only is not None else self.children)
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in children:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.proc.pid, timeout_s)
+                c.proc.kill()
+                c.proc.wait()
+
+
+def describe_exit(child: Child) -> str:
+    code = child.proc.returncode
+    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
+    where = f"; its log: {child.log_path}" if child.log_path else ""
+    return f"{child.name} (pid {child.proc.pid}) {how}{where}"

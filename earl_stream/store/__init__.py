@@ -1,0 +1,54 @@
+"""The experience store's data plane: shard nodes, pulls, layouts, sample metadata and weights.
+
+Tensor bytes stay in the process that produced them (a `ShardNode`); metadata rows (`SampleMeta`,
+Arrow `METADATA_SCHEMA`) go to the supervisor, which is not part of this package. Consumers compute
+their share with `partition` and pull it with `pull_samples` / `pull_weights` through a `ShardClient`.
+"""
+
+from __future__ import annotations
+
+from earl_stream.store.client import PeerUnreachable, RemoteError, ShardClient
+from earl_stream.store.experience import ExperienceWriter, SamplesUnavailable, pull_samples, record_checksum
+from earl_stream.store.layout import Layout, Partition, partition
+from earl_stream.store.node import ShardNode
+from earl_stream.store.schema import (
+    METADATA_SCHEMA,
+    SCHEMA_VERSION,
+    SampleMeta,
+    metas_to_table,
+    sample_key,
+    table_from_ipc,
+    table_to_ipc,
+    table_to_metas,
+)
+from earl_stream.store.weights import WeightEntry, WeightsManifest, drop_weights, publish_weights, pull_weights
+from earl_stream.store.wire import ErrorCode, ManifestEntry
+
+__all__ = [
+    "METADATA_SCHEMA",
+    "SCHEMA_VERSION",
+    "ErrorCode",
+    "ExperienceWriter",
+    "Layout",
+    "ManifestEntry",
+    "Partition",
+    "PeerUnreachable",
+    "RemoteError",
+    "SampleMeta",
+    "SamplesUnavailable",
+    "ShardClient",
+    "ShardNode",
+    "WeightEntry",
+    "WeightsManifest",
+    "drop_weights",
+    "metas_to_table",
+    "partition",
+    "publish_weights",
+    "pull_samples",
+    "pull_weights",
+    "record_checksum",
+    "sample_key",
+    "table_from_ipc",
+    "table_to_ipc",
+    "table_to_metas",
+]

@@ -1,0 +1,314 @@
+"""The pulling side of the shard data plane (TCP transport).
+
+Owns `ShardClient`: one persistent, authenticated connection per peer address, requests for element
+ranges of stored arrays, receipt straight into one preallocated buffer per reply, crc32 checks, and
+concurrent pulls from several peers. It knows nothing about what keys mean (see `experience.py`,
+`weights.py`). Shared-memory and UCX transports will implement the same `pull` / `manifest` API.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+
+from earl_stream.errors import ProtocolError, StoreError
+from earl_stream.store import wire
+from earl_stream.store.wire import ErrorCode, Kind, ManifestEntry
+
+log = logging.getLogger(__name__)
+
+Piece = tuple[str, int, int]  # (key, start, end): elements [start, end) of the array under key
+ALIGN = 64  # every received piece starts at a multiple of this in the receive buffer
+_T = TypeVar("_T")
+# After these errors the server closes the connection (the stream cannot be resynchronised).
+_FATAL_CODES = frozenset({ErrorCode.BAD_MAGIC, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.FRAME_TOO_LARGE, ErrorCode.AUTH_FAILED})
+
+
+class PeerUnreachable(StoreError):
+    """The peer could not be reached, dropped the connection, or did not answer in time."""
+
+    def __init__(self, address: str, message: str) -> None:
+        super().__init__(message)
+        self.address = address
+
+
+class RemoteError(StoreError):
+    """The peer answered with an ERROR frame."""
+
+    def __init__(self, address: str, code: ErrorCode, message: str) -> None:
+        super().__init__(f"peer {address} refused: {code.name}: {message}")
+        self.address = address
+        self.code = code
+
+
+@dataclass
+class _Conn:
+    address: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'host:port' (or '[v6]:port') -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise StoreError(f"peer address {address!r} is not 'host:port'")
+    return host.strip("[]"), int(port)
+
+
+class ShardClient:
+    """Pulls element ranges of arrays from shard nodes. Thread-safe; one connection per peer.
+
+    `secret`: cluster secret for nodes that require one; `timeout_s`: default bound on one whole
+    request (connect, send, and the complete reply); `max_payload`: largest reply accepted, in bytes.
+    """
+
+    def __init__(
+        self,
+        *,
+        secret: bytes | None = None,
+        timeout_s: float = 30.0,
+        max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
+        max_parallel_peers: int = 8,
+    ) -> None:
+        self._secret = secret
+        self._timeout_s = timeout_s
+        self._max_payload = max_payload
+        self._max_parallel = max_parallel_peers
+        self._conns: dict[str, _Conn] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # --- public API ----------------------------------------------------------------------------------
+
+    def pull(self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None) -> list[np.ndarray]:
+        """Fetch pieces from one peer in one request; one 1-D array per piece, in order.
+
+        The arrays are views into one receive buffer (each piece aligned to 64 bytes), with the dtype
+        the peer stored. Raises `RemoteError` (unknown key, bad range), `PeerUnreachable`, or
+        `StoreError` on a checksum mismatch.
+        """
+        pieces = [(str(k), int(s), int(e)) for k, s, e in pieces]
+        if not pieces:
+            return []
+        for key, start, end in pieces:
+            if not 0 <= start <= end:
+                raise StoreError(f"piece {key!r} [{start}, {end}) is not a valid element range")
+        request = wire.encode_frame(wire.PullRequest(pieces))
+        what = f"a reply to PULL of {len(pieces)} piece(s)"
+        return self._call(address, what, timeout_s, lambda s, d: self._pull_on(s, d, address, request, pieces))
+
+    def manifest(self, address: str, prefix: str = "", *, timeout_s: float | None = None) -> list[ManifestEntry]:
+        """Keys (sorted), dtypes and shapes of the arrays a peer holds under `prefix`."""
+        request = wire.encode_frame(wire.ManifestRequest(prefix))
+
+        def op(sock: socket.socket, deadline: float) -> list[ManifestEntry]:
+            sock.sendall(request)
+            head, header = self._read_reply(sock, deadline, address, Kind.MANIFEST_REPLY)
+            return list(header.entries)
+
+        return self._call(address, f"a MANIFEST reply for prefix {prefix!r}", timeout_s, op)
+
+    def pull_many(
+        self,
+        requests: Mapping[str, Sequence[Piece]],
+        *,
+        timeout_s: float | None = None,
+        return_exceptions: bool = False,
+    ) -> dict[str, Any]:
+        """Pull from several peers concurrently: address -> list of arrays (as `pull`).
+
+        With `return_exceptions`, a failed peer maps to its StoreError instead of raising the first one.
+        """
+        results: dict[str, Any] = {}
+        if len(requests) <= 1:
+            for address, pieces in requests.items():
+                results[address] = self._guarded(return_exceptions, self.pull, address, pieces, timeout_s=timeout_s)
+            return results
+        pool = self._get_pool()
+        futures = {
+            address: pool.submit(self._guarded, return_exceptions, self.pull, address, pieces, timeout_s=timeout_s)
+            for address, pieces in requests.items()
+        }
+        for address, fut in futures.items():
+            results[address] = fut.result()
+        return results
+
+    def close(self) -> None:
+        """Close every connection and the worker pool."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns.values())
+            self._conns.clear()
+            pool, self._pool = self._pool, None
+        for conn in conns:
+            with conn.lock:
+                conn.close()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> ShardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _guarded(return_exceptions: bool, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | StoreError:
+        try:
+            return fn(*args, **kwargs)
+        except StoreError as exc:
+            if return_exceptions:
+                return exc
+            raise
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise StoreError("ShardClient is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max_parallel, thread_name_prefix="shard-pull")
+            return self._pool
+
+    def _conn_for(self, address: str) -> _Conn:
+        with self._lock:
+            if self._closed:
+                raise StoreError("ShardClient is closed")
+            conn = self._conns.get(address)
+            if conn is None:
+                conn = self._conns[address] = _Conn(address)
+            return conn
+
+    def _call(self, address: str, what: str, timeout_s: float | None, op: Callable[[socket.socket, float], _T]) -> _T:
+        """Run `op` on the peer's connection under its lock; reconnect once if a reused one went stale."""
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        conn = self._conn_for(address)
+        with conn.lock:
+            for attempt in range(2):
+                fresh = conn.sock is None
+                if fresh:
+                    conn.sock = self._connect(address, deadline, timeout)
+                assert conn.sock is not None
+                try:
+                    return op(conn.sock, deadline)
+                except socket.timeout:
+                    conn.close()
+                    raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for {what} from peer {address}") from None
+                except RemoteError as exc:
+                    if exc.code in _FATAL_CODES:
+                        conn.close()
+                    raise
+                except OSError as exc:  # includes wire.PeerClosed
+                    conn.close()
+                    if fresh or attempt:
+                        raise PeerUnreachable(address, f"lost connection to peer {address} while waiting for {what}: {exc}") from exc
+                    log.info("connection to %s went stale (%s); reconnecting once", address, exc)
+                except ProtocolError as exc:
+                    conn.close()
+                    raise StoreError(f"peer {address} broke the protocol while sending {what}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _connect(self, address: str, deadline: float, timeout: float) -> socket.socket:
+        host, port = split_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+        except OSError as exc:
+            raise PeerUnreachable(address, f"cannot connect to shard node {address}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            self._handshake(sock, address, deadline)
+        except socket.timeout:
+            sock.close()
+            raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for the handshake of peer {address}") from None
+        except StoreError:
+            sock.close()
+            raise
+        except (OSError, ProtocolError) as exc:
+            sock.close()
+            raise PeerUnreachable(address, f"handshake with shard node {address} failed: {exc}") from exc
+        return sock
+
+    def _handshake(self, sock: socket.socket, address: str, deadline: float) -> None:
+        _, challenge = self._read_reply(sock, deadline, address, Kind.CHALLENGE)
+        if not challenge.auth_required:
+            return
+        if self._secret is None:
+            raise StoreError(f"shard node {address} requires the cluster secret; pass ShardClient(secret=...)")
+        sock.sendall(wire.encode_frame(wire.Hello(wire.auth_mac(self._secret, challenge.nonce))))
+        try:
+            self._read_reply(sock, deadline, address, Kind.HELLO_OK)
+        except RemoteError as exc:
+            raise StoreError(f"shard node {address} refused our credentials: is the cluster secret the same?") from exc
+
+    def _read_reply(self, sock: socket.socket, deadline: float, address: str, expect: Kind) -> tuple[wire.FramePrefix, Any]:
+        """Read one frame's prefix and header; an ERROR frame raises `RemoteError`."""
+        prefix = wire.recv_exact(sock, wire.PREFIX_SIZE, deadline)
+        head = wire.parse_prefix(prefix, self._max_payload)
+        header = wire.decode_header(head.kind, wire.recv_exact(sock, head.header_len, deadline))
+        if head.kind == Kind.ERROR:
+            if head.payload_len:
+                raise ProtocolError(f"ERROR frame with a {head.payload_len}-byte payload")
+            raise RemoteError(address, header.code, header.message)
+        if head.kind != expect:
+            raise ProtocolError(f"expected {expect.name}, got {Kind(head.kind).name}")
+        if expect != Kind.PULL_REPLY and head.payload_len:
+            raise ProtocolError(f"{expect.name} frame with an unexpected {head.payload_len}-byte payload")
+        return head, header
+
+    def _pull_on(
+        self, sock: socket.socket, deadline: float, address: str, request: bytes, pieces: list[Piece]
+    ) -> list[np.ndarray]:
+        sock.sendall(request)
+        head, reply = self._read_reply(sock, deadline, address, Kind.PULL_REPLY)
+        if len(reply.pieces) != len(pieces):
+            raise ProtocolError(f"asked for {len(pieces)} pieces, reply describes {len(reply.pieces)}")
+        dtypes = [wire.storable_dtype(p.dtype) for p in reply.pieces]
+        sizes = [p.count * dt.itemsize for p, dt in zip(reply.pieces, dtypes)]
+        for (key, start, end), info in zip(pieces, reply.pieces):
+            if info.count != end - start:
+                raise ProtocolError(f"piece {key!r}: asked {end - start} elements, reply has {info.count}")
+        if sum(sizes) != head.payload_len:
+            raise ProtocolError(f"reply payload is {head.payload_len} bytes, its pieces add up to {sum(sizes)}")
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total = -(-(total + size) // ALIGN) * ALIGN
+        buf = np.empty(max(total, 1), dtype=np.uint8)
+        view = memoryview(buf)
+        run_start = 0  # receive runs of pieces that are already adjacent with one recv loop
+        for i in range(len(sizes) + 1):
+            if i == len(sizes) or (i > run_start and offsets[i] != offsets[i - 1] + sizes[i - 1]):
+                end = offsets[i - 1] + sizes[i - 1]
+                wire.recv_exact_into(sock, view[offsets[run_start] : end], deadline)
+                run_start = i
+        out = []
+        for (key, start, end), info, dt, off, size in zip(pieces, reply.pieces, dtypes, offsets, sizes):
+            raw = buf[off : off + size]
+            if zlib.crc32(raw) != info.crc32:
+                raise StoreError(
+                    f"checksum mismatch for {key!r} [{start}, {end}) from peer {address}: the bytes were corrupted "
+                    "in storage or in transit; treat this shard as lost"
+                )
+            out.append(raw.view(dt))
+        return out

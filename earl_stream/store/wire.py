@@ -1,0 +1,259 @@
+"""Framing of the shard data plane: frame layout, typed headers, limits, and auth proofs.
+
+A frame is a fixed prefix `struct` (magic b"ESTR", protocol version u16, kind u16, header length u32,
+payload length u64), then a msgpack header (a msgspec struct chosen by kind), then raw payload bytes.
+Nothing here is ever unpickled. This module owns the byte layout and its validation; the last section
+holds the few stream primitives (exact receive into a buffer, vectored send) that the TCP transport
+of `node.py` and `client.py` share. Storage and connection handling live in those modules.
+
+Conversation: on connect the server sends CHALLENGE (nonce, auth_required). If auth is required, the
+client's first frame must be HELLO with HMAC-SHA256(secret, context || nonce); the server answers
+HELLO_OK, or ERROR and closes. Then any number of PULL / MANIFEST requests, each answered by one reply
+(PULL_REPLY / MANIFEST_REPLY) or by ERROR.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from earl_stream.errors import ProtocolError
+
+MAGIC = b"ESTR"
+PROTOCOL_VERSION = 1
+PREFIX = struct.Struct("!4sHHIQ")  # magic, version, kind, header length, payload length
+PREFIX_SIZE = PREFIX.size
+MAX_HEADER_BYTES = 1 << 20
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+NONCE_BYTES = 32
+_AUTH_CONTEXT = b"earl_stream shard node auth v1\x00"
+# Storable element types: fixed-size numbers only (no objects, no structured records).
+STORABLE_KINDS = frozenset("biufc")
+
+
+class Kind(enum.IntEnum):
+    """Frame kinds."""
+
+    CHALLENGE = 1  # server -> client, first frame of every connection
+    HELLO = 2  # client -> server, auth proof
+    HELLO_OK = 3
+    PULL = 10
+    PULL_REPLY = 11
+    MANIFEST = 12
+    MANIFEST_REPLY = 13
+    ERROR = 15
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a request was refused (carried in ERROR frames)."""
+
+    BAD_MAGIC = 1
+    UNSUPPORTED_VERSION = 2
+    FRAME_TOO_LARGE = 3
+    MALFORMED = 4
+    UNKNOWN_KIND = 5
+    AUTH_FAILED = 6
+    UNKNOWN_KEY = 7
+    BAD_RANGE = 8
+    REPLY_TOO_LARGE = 9
+    INTERNAL = 10
+
+
+class Challenge(msgspec.Struct, frozen=True):
+    nonce: bytes
+    auth_required: bool
+
+
+class Hello(msgspec.Struct, frozen=True):
+    mac: bytes
+
+
+class HelloOk(msgspec.Struct, frozen=True):
+    pass
+
+
+class PullRequest(msgspec.Struct, frozen=True):
+    """Pieces as (key, start, end): elements [start, end) of the 1-D array stored under key."""
+
+    pieces: list[tuple[str, int, int]]
+
+
+class PieceInfo(msgspec.Struct, frozen=True, array_like=True):
+    """One piece of a PULL reply: numpy dtype string (e.g. '<i4'), element count, crc32 of its bytes."""
+
+    dtype: str
+    count: int
+    crc32: int
+
+
+class PullReply(msgspec.Struct, frozen=True):
+    """Payload = the pieces' bytes back to back, in request order."""
+
+    pieces: list[PieceInfo]
+
+
+class ManifestRequest(msgspec.Struct, frozen=True):
+    prefix: str
+
+
+class ManifestEntry(msgspec.Struct, frozen=True):
+    """One stored array: its key, numpy dtype string and shape (always 1-D today)."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+
+
+class ManifestReply(msgspec.Struct, frozen=True):
+    entries: list[ManifestEntry]
+
+
+class ErrorReply(msgspec.Struct, frozen=True):
+    code: ErrorCode
+    message: str
+
+
+HEADER_TYPES: dict[Kind, type[msgspec.Struct]] = {
+    Kind.CHALLENGE: Challenge,
+    Kind.HELLO: Hello,
+    Kind.HELLO_OK: HelloOk,
+    Kind.PULL: PullRequest,
+    Kind.PULL_REPLY: PullReply,
+    Kind.MANIFEST: ManifestRequest,
+    Kind.MANIFEST_REPLY: ManifestReply,
+    Kind.ERROR: ErrorReply,
+}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {kind: msgspec.msgpack.Decoder(typ) for kind, typ in HEADER_TYPES.items()}
+_KIND_OF = {typ: kind for kind, typ in HEADER_TYPES.items()}
+
+
+class FrameError(ProtocolError):
+    """A frame broke the protocol. `fatal` means the byte stream cannot be resynchronised."""
+
+    def __init__(self, code: ErrorCode, message: str, *, fatal: bool) -> None:
+        super().__init__(message)
+        self.code = code
+        self.fatal = fatal
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection (EOF)."""
+
+
+@dataclass(frozen=True)
+class FramePrefix:
+    kind: int
+    header_len: int
+    payload_len: int
+
+
+def encode_frame(header: msgspec.Struct, payload_len: int = 0) -> bytes:
+    """Prefix + msgpack header of one frame; the caller sends `payload_len` payload bytes after it."""
+    kind = _KIND_OF[type(header)]
+    raw = _ENCODER.encode(header)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"{kind.name} header is {len(raw)} bytes, over the {MAX_HEADER_BYTES}-byte limit; split the request")
+    return PREFIX.pack(MAGIC, PROTOCOL_VERSION, kind, len(raw), payload_len) + raw
+
+
+def parse_prefix(raw: bytes | bytearray | memoryview, max_payload: int) -> FramePrefix:
+    """Validate a fixed prefix; every failure here is fatal (the stream cannot be trusted after it)."""
+    magic, version, kind, header_len, payload_len = PREFIX.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError(ErrorCode.BAD_MAGIC, f"bad magic {bytes(magic)!r}, expected {MAGIC!r}", fatal=True)
+    if version != PROTOCOL_VERSION:
+        raise FrameError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"protocol version {version} not supported (this node speaks {PROTOCOL_VERSION})",
+            fatal=True,
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise FrameError(ErrorCode.FRAME_TOO_LARGE, f"header length {header_len} > limit {MAX_HEADER_BYTES}", fatal=True)
+    if payload_len > max_payload:
+        raise FrameError(ErrorCode.FRAME_TOO_LARGE, f"payload length {payload_len} > limit {max_payload}", fatal=True)
+    return FramePrefix(kind, header_len, payload_len)
+
+
+def decode_header(kind: int, raw: bytes | bytearray | memoryview) -> Any:
+    """Decode the msgpack header of a frame of `kind` (errors are not fatal: the frame was fully read)."""
+    try:
+        decoder = _DECODERS[Kind(kind)]
+    except ValueError:
+        raise FrameError(ErrorCode.UNKNOWN_KIND, f"unknown frame kind {kind}", fatal=False) from None
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError(ErrorCode.MALFORMED, f"malformed {Kind(kind).name} header: {exc}", fatal=False) from exc
+
+
+def auth_mac(secret: bytes, nonce: bytes) -> bytes:
+    """HMAC-SHA256 proof that the sender holds `secret`, bound to this connection's nonce."""
+    return hmac.new(secret, _AUTH_CONTEXT + nonce, hashlib.sha256).digest()
+
+
+def check_mac(secret: bytes, nonce: bytes, mac: bytes) -> bool:
+    return hmac.compare_digest(auth_mac(secret, nonce), mac)
+
+
+def storable_dtype(text: str) -> np.dtype:
+    """Parse a dtype string from the wire, accepting only fixed-size numeric types."""
+    try:
+        dtype = np.dtype(text)
+    except TypeError as exc:
+        raise ProtocolError(f"unknown dtype {text!r} on the wire") from exc
+    if dtype.kind not in STORABLE_KINDS or dtype.hasobject or dtype.itemsize == 0:
+        raise ProtocolError(f"dtype {text!r} is not a storable numeric type")
+    return dtype
+
+
+# --- stream primitives shared by the TCP transport (node and client) --------------------------------
+
+_IOV_MAX = 1024
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    """Fill `view` from `sock`; `deadline` (time.monotonic) bounds the whole read (socket.timeout)."""
+    got, size = 0, len(view)
+    while got < size:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout("deadline passed")
+            sock.settimeout(remaining)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise PeerClosed(f"peer closed the connection after {got} of {size} bytes")
+        got += n
+
+
+def recv_exact(sock: socket.socket, size: int, deadline: float | None) -> bytearray:
+    buf = bytearray(size)
+    recv_exact_into(sock, memoryview(buf), deadline)
+    return buf
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send buffers back to back with vectored `sendmsg`, no joining copies; handles partial sends."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + _IOV_MAX])
+        while sent > 0:
+            head = len(views[i])
+            if sent >= head:
+                sent -= head
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0

@@ -1,0 +1,243 @@
+"""The supervisor process: a ZMQ ROUTER that answers control-plane messages, keeps membership by
+heartbeats and leases, and keeps the ledger (prompts, layout index, claims) and run statistics.
+
+It never touches tensor bytes: producers keep their shards, consumers pull them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from earl_stream import metrics as M
+from earl_stream import protocol as P
+from earl_stream.config import RunConfig, config_to_json
+from earl_stream.errors import ProtocolError
+from earl_stream.supervisor.ledger import Ledger, outcome_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Worker:
+    worker_id: str
+    role: P.Role
+    host: str
+    pid: int
+    rank: int
+    shard_address: str
+    metrics_address: str
+    last_seen: float
+    alive: bool = True
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class Supervisor:
+    """Control-plane state machine; `handle` maps one request to one reply (no I/O)."""
+
+    def __init__(self, cfg: RunConfig, *, address: str = "") -> None:
+        self.cfg = cfg
+        self.address = address
+        self.config_json = config_to_json(cfg)
+        t = cfg.trainer
+        self.ledger = Ledger(cfg.envs, seed=cfg.seed, group_size=t.group_size, groups_per_step=t.groups_per_step,
+                             max_staleness=t.max_staleness)
+        self.workers: dict[str, Worker] = {}
+        self.policy_version = 0
+        self.weights_address = ""
+        self.trainer_metrics: dict[str, float] = {}
+        self.finished = False
+        self.started = time.time()
+        self.recent: deque[tuple[float, str, int, str]] = deque(maxlen=cfg.supervisor.stats_window)
+        self.pending_free: dict[str, list[str]] = {}  # producer address -> sample ids to drop
+        self._ids = 0
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def handle(self, msg: Any, now: float) -> P.Msg:
+        handler = getattr(self, "_on_" + type(msg).__name__.lower(), None)
+        if handler is None:
+            return P.ErrorReply(message=f"unexpected message {type(msg).__name__}")
+        worker = self.workers.get(getattr(msg, "worker_id", ""))
+        if worker is not None:
+            worker.last_seen = now
+        return handler(msg, now)
+
+    def _on_register(self, msg: P.Register, now: float) -> P.Msg:
+        wid = msg.worker_id if msg.worker_id in self.workers else f"{msg.role.value}-{self._ids}"
+        if wid not in self.workers:
+            self._ids += 1
+        self.workers[wid] = Worker(wid, msg.role, msg.host, msg.pid, msg.rank, msg.shard_address,
+                                   msg.metrics_address, now)
+        if msg.role != P.Role.CLIENT:
+            log.info("registered %s (pid %d on %s, shards at %s)", wid, msg.pid, msg.host, msg.shard_address or "-")
+        return P.Registered(worker_id=wid, config_json=self.config_json, policy_version=self.policy_version,
+                            weights_address=self.weights_address)
+
+    def _on_heartbeat(self, msg: P.Heartbeat, now: float) -> P.Msg:
+        worker = self.workers.get(msg.worker_id)
+        if worker is None or not worker.alive:
+            return P.HeartbeatReply(known=False, policy_version=self.policy_version)
+        worker.stats = dict(msg.stats)
+        free = self.pending_free.pop(worker.shard_address, [])
+        return P.HeartbeatReply(policy_version=self.policy_version, weights_address=self.weights_address,
+                                stop=self.finished, free_sample_ids=free)
+
+    def _on_requestprompts(self, msg: P.RequestPrompts, now: float) -> P.Msg:
+        if self.finished or msg.worker_id not in self.workers:
+            return P.Prompts(prompts=[])
+        return P.Prompts(prompts=self.ledger.issue(msg.worker_id, msg.max_groups))
+
+    def _on_putmeta(self, msg: P.PutMeta, now: float) -> P.Msg:
+        self.ledger.add_rows(msg.worker_id, msg.rows)
+        self.ledger.fail_groups(msg.failed_groups)
+        for row in msg.rows:
+            self.recent.append((row.reward, outcome_of(row), row.total_tokens, row.env))
+        return P.Ack()
+
+    def _on_claim(self, msg: P.Claim, now: float) -> P.Msg:
+        ipc, stale = self.ledger.claim(msg.step, msg.num_groups, msg.min_policy_version)
+        self._queue_free(stale)
+        return P.Claimed(step=msg.step, ready=ipc is not None, table_ipc=ipc or b"")
+
+    def _on_release(self, msg: P.Release, now: float) -> P.Msg:
+        self._queue_free(self.ledger.release(msg.step, msg.lost_sample_ids))
+        return P.Ack()
+
+    def _on_publishversion(self, msg: P.PublishVersion, now: float) -> P.Msg:
+        self.policy_version = max(self.policy_version, msg.version)
+        self.weights_address = msg.weights_address
+        self.trainer_metrics = dict(msg.metrics)
+        M.SUP_POLICY_VERSION.set(self.policy_version)
+        return P.Ack()
+
+    def _on_finished(self, msg: P.Finished, now: float) -> P.Msg:
+        log.info("run finished (%s): telling workers to stop", msg.reason)
+        self.finished = True
+        return P.Ack()
+
+    def _on_statusrequest(self, msg: P.StatusRequest, now: float) -> P.Msg:
+        return P.StatusReply(status_json=json.dumps(self.status(now)))
+
+    def _queue_free(self, frees: dict[str, list[str]]) -> None:
+        for address, ids in frees.items():
+            self.pending_free.setdefault(address, []).extend(ids)
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def check_leases(self, now: float) -> None:
+        lease = self.cfg.supervisor.lease_s
+        for w in self.workers.values():
+            if w.alive and w.role != P.Role.CLIENT and now - w.last_seen > lease:
+                w.alive = False
+                result = self.ledger.worker_lost(w.worker_id, w.shard_address)
+                self.pending_free.pop(w.shard_address, None)
+                log.warning("worker %s (pid %d) missed its lease of %.1fs: declared dead; %d samples lost, "
+                            "%d prompts re-issued", w.worker_id, w.pid, lease, result["samples_lost"],
+                            result["prompts_reissued"])
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self, now: float) -> dict[str, Any]:
+        c = self.ledger.counters
+        rewards = [r for r, _, _, _ in self.recent]
+        outcomes = [o for _, o, _, _ in self.recent]
+        lengths = [n for _, _, n, _ in self.recent]
+        wall = max(time.time() - self.started, 1e-9)
+        pct = {f"p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)} if lengths else {}
+        if lengths:
+            pct["max"] = float(max(lengths))
+        per_env: dict[str, dict[str, float]] = {}
+        for r, _, n, env in self.recent:
+            e = per_env.setdefault(env, {"episodes": 0, "reward_sum": 0.0, "tokens_sum": 0})
+            e["episodes"] += 1
+            e["reward_sum"] += r
+            e["tokens_sum"] += n
+        return {
+            "address": self.address,
+            "policy_version": self.policy_version,
+            "finished": self.finished,
+            "wall_seconds": wall,
+            **dataclasses.asdict(c),
+            "samples_in_store": self.ledger.samples_waiting(),
+            "mean_reward_last": float(np.mean(rewards)) if rewards else None,
+            "win_rate_last": outcomes.count("win") / len(outcomes) if outcomes else None,
+            "draw_rate_last": outcomes.count("draw") / len(outcomes) if outcomes else None,
+            "tokens_per_second": c.tokens_produced / wall,
+            "context_length": pct,
+            "envs": {k: {"episodes_window": v["episodes"], "mean_reward": v["reward_sum"] / v["episodes"],
+                         "mean_context_tokens": v["tokens_sum"] / v["episodes"]} for k, v in per_env.items()},
+            "trainer": self.trainer_metrics,
+            "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
+                         "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats}
+                        for w in self.workers.values() if w.role != P.Role.CLIENT],
+        }
+
+    def export_metrics(self, now: float) -> None:
+        c = self.ledger.counters
+        for kind in ("samples_produced", "samples_consumed", "samples_lost", "samples_stale", "prompts_reissued",
+                     "duplicates_detected"):
+            M.SUP_SAMPLES.labels(kind).set(getattr(c, kind))
+        M.SUP_SAMPLES.labels("in_store").set(self.ledger.samples_waiting())
+        for role in (P.Role.ROLLOUT, P.Role.TRAINER):
+            ws = [w for w in self.workers.values() if w.role == role]
+            M.SUP_WORKERS.labels(role.value, "alive").set(sum(w.alive for w in ws))
+            M.SUP_WORKERS.labels(role.value, "dead").set(sum(not w.alive for w in ws))
+        if self.recent:
+            M.SUP_REWARD.set(float(np.mean([r for r, _, _, _ in self.recent])))
+            lengths = [n for _, _, n, _ in self.recent]
+            for q in (50, 90, 99):
+                M.SUP_CONTEXT.labels(f"p{q}").set(float(np.percentile(lengths, q)))
+            M.SUP_CONTEXT.labels("max").set(max(lengths))
+
+
+def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None) -> None:
+    """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    host, _, port = bind.rpartition(":")
+    try:
+        if port in ("", "0"):
+            bound = sock.bind_to_random_port(f"tcp://{host or '127.0.0.1'}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+            bound = int(port)
+    except zmq.ZMQError as exc:
+        raise ProtocolError(f"cannot bind the supervisor to {bind}: {exc.strerror}") from None
+    address = f"tcp://{host or '127.0.0.1'}:{bound}"
+    sup = Supervisor(cfg, address=address)
+    metrics_address = M.start_metrics_server(host or "127.0.0.1")
+    log.info("supervisor listening on %s (metrics on http://%s/metrics)", address, metrics_address)
+    if ready_file:
+        Path(ready_file).write_text(json.dumps({"address": address, "metrics_address": metrics_address}))
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    last_tick = 0.0
+    while not stopping:
+        if sock.poll(100):
+            frames = sock.recv_multipart()
+            now = time.monotonic()
+            try:
+                reply = sup.handle(P.decode(frames[-1]), now)
+            except ProtocolError as exc:
+                log.warning("bad control message from peer %r: %s", frames[0][:16], exc)
+                reply = P.ErrorReply(message=str(exc))
+            sock.send_multipart([frames[0], b"", P.encode(reply)])
+        now = time.monotonic()
+        if now - last_tick > 0.25:
+            sup.check_leases(now)
+            sup.export_metrics(now)
+            last_tick = now
+    sock.close(0)
+    log.info("supervisor stopped")

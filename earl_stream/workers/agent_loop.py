@@ -1,0 +1,131 @@
+"""The agent loop: plays one multi-turn episode of an environment with an engine, token in and
+token out, and turns it into a `SampleRecord`.
+
+Earlier turns are never re-tokenised: the context is the concatenation of the chat format's turn
+tokens and the engine's own output tokens. The loss mask covers only the engine's tokens. A crashing,
+hanging or misbehaving environment fails its own episode (`EpisodeFailed`), never the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from typing import Callable
+
+import numpy as np
+
+from earl_stream.chat import ChatFormat
+from earl_stream.env import Environment, EnvOptions, StepResult, env_reset, env_step
+from earl_stream.errors import EnvError
+from earl_stream.records import SampleRecord
+from earl_stream.workers.engines.base import FinishReason, GenerateRequest
+from earl_stream.workers.engines.batcher import AsyncBatcher
+
+
+class EpisodeFailed(EnvError):
+    """The environment of one episode failed; the message says how."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclasses.dataclass
+class _Trace:
+    """Token fields of an episode as it grows (lists, turned into arrays once at the end)."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+    def add_context(self, tokens: list[int]) -> None:
+        self.ids += tokens
+        self.mask += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+
+    def add_model(self, tokens: list[int], logprobs: list[float], version: int) -> None:
+        self.ids += tokens
+        self.mask += [1] * len(tokens)
+        self.logprobs += logprobs
+        self.versions += [version] * len(tokens)
+
+
+async def play_episode(
+    env: Environment,
+    options: EnvOptions,
+    chat: ChatFormat,
+    batcher: AsyncBatcher,
+    *,
+    env_name: str,
+    seed: int,
+    prompt_ordinal: int,
+    group_id: str,
+    sampling: Sampling,
+    policy_version: Callable[[], int],
+    decode: Callable[[list[int]], str],
+    step_timeout_s: float = 30.0,
+) -> SampleRecord:
+    """Play one episode to its end. Raises EpisodeFailed if the environment misbehaves."""
+    episode_id = uuid.uuid4().hex[:16]
+    observation = await _guard(env_reset(env, seed), step_timeout_s, "reset")
+    trace = _Trace()
+    trace.add_context(chat.first_turn(options.system_prompt, observation))
+    prompt_tokens = len(trace.ids)
+    reward, turns, info = 0.0, 0, {}
+    while True:
+        request = GenerateRequest(prompt_ids=list(trace.ids), max_new_tokens=options.max_turn_tokens,
+                                  stop_token_ids=chat.stop_token_ids, temperature=sampling.temperature,
+                                  top_p=sampling.top_p, top_k=sampling.top_k, cache_key=episode_id)
+        result = await batcher.generate(request)
+        trace.add_model(list(result.token_ids), list(result.logprobs), policy_version())
+        if result.finish_reason == FinishReason.LENGTH:
+            trace.add_context([chat.end_token_id])  # close the turn so the next one renders right
+        turns += 1
+        reply = decode([t for t in result.token_ids if t not in chat.stop_token_ids])
+        step: StepResult = await _guard(env_step(env, reply), step_timeout_s, "step")
+        reward += float(step.reward)
+        info = step.info
+        if step.done:
+            break
+        if options.max_episode_tokens is not None and len(trace.ids) >= options.max_episode_tokens:
+            info = {"outcome": "truncated"}
+            break
+        trace.add_context(chat.next_turn(step.observation))
+    batcher_release = getattr(batcher, "release", None)
+    if batcher_release is not None:
+        batcher_release(episode_id)
+    return SampleRecord(
+        sample_id=f"{group_id}-{episode_id}", prompt_ordinal=prompt_ordinal, episode_id=episode_id,
+        group_id=group_id, env=env_name, turns=turns, prompt_tokens=prompt_tokens,
+        input_ids=np.asarray(trace.ids, dtype=np.int32), loss_mask=np.asarray(trace.mask, dtype=np.uint8),
+        behaviour_logprobs=np.asarray(trace.logprobs, dtype=np.float32),
+        policy_version=np.asarray(trace.versions, dtype=np.int32), reward=reward,
+        info=_small_json(info),
+    )
+
+
+async def _guard(coro, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
+    try:
+        return await asyncio.wait_for(coro, timeout_s)
+    except asyncio.TimeoutError:
+        raise EpisodeFailed(f"environment {what} took longer than {timeout_s:.0f}s") from None
+    except EnvError as exc:
+        raise EpisodeFailed(f"environment {what} failed: {exc}") from None
+    except Exception as exc:  # an environment is user code: any error fails only its episode
+        raise EpisodeFailed(f"environment {what} raised {type(exc).__name__}: {exc}") from None
+
+
+def _small_json(info: dict) -> dict:
+    try:
+        text = json.dumps(info)
+    except (TypeError, ValueError):
+        return {"unserialisable_info": True}
+    return info if len(text) <= 4096 else {"info_truncated": True}
+

@@ -1,0 +1,58 @@
+"""What every worker role does the same way: register with the supervisor and receive the run's
+config, find the model, and stop cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+from earl_stream import protocol as P
+from earl_stream.config import RunConfig, config_from_dict
+
+log = logging.getLogger(__name__)
+
+
+def register(client: P.ControlClient, role: P.Role, *, host: str, rank: int = -1, shard_address: str = "",
+             metrics_address: str = "", worker_id: str = "", deadline_s: float = 60.0) -> tuple[P.Registered, RunConfig]:
+    reply = client.call_retry(
+        P.Register(role=role, host=host or socket.gethostname(), pid=os.getpid(), rank=rank,
+                   shard_address=shard_address, metrics_address=metrics_address, worker_id=worker_id),
+        deadline_s=deadline_s, what="registration")
+    return reply, config_from_dict(json.loads(reply.config_json))
+
+
+def model_path(cfg: RunConfig) -> Path:
+    """The model directory of the run: the user's, or the embedded tiny model (built once)."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    from earl_stream.modeling import ensure_default_model
+
+    return ensure_default_model(warm_start_seconds=cfg.model.warm_start_seconds)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (or by the supervisor); loops check it at safe points."""
+
+    def __init__(self, install_signals: bool = True) -> None:
+        self._event = threading.Event()
+        if install_signals and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        log.info("received %s: stopping at the next safe point", signal.Signals(signum).name)
+        self._event.set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)

@@ -1,0 +1,99 @@
+"""The inference-engine plug-in contract shared by every backend (built-in torch, vLLM, SGLang).
+
+It owns the request/result types and the `Engine` Protocol. It leaves batching across asyncio
+episodes to `batcher.AsyncBatcher`, and everything about how tokens are computed to the backends.
+
+Log-prob convention (what the trainer's importance ratios rely on): `GenerateResult.logprobs[i]` is
+the natural-log probability of `token_ids[i]` under the distribution it was actually sampled from,
+i.e. `log_softmax(logits / temperature)` after top-k then top-p filtering, renormalised. With
+`temperature == 0` (greedy) it is `log_softmax(logits)` of the argmax token.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped growing."""
+
+    STOP = "stop"  # a stop token was sampled (it is the last entry of token_ids)
+    LENGTH = "length"  # max_new_tokens were generated without a stop token
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One sequence to extend.
+
+    `prompt_ids` is always the FULL context (every turn so far), so a backend without a cache is
+    still correct. `cache_key` names an episode whose KV cache a backend may keep between its turns;
+    two requests with the same key must not be in flight at the same time.
+    `top_k == 0` and `top_p == 1.0` disable those filters; `seed` makes sampling of this request
+    deterministic regardless of which other requests share its batch.
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    cache_key: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """The generated continuation: `token_ids` and `logprobs` have the same length (stop token included)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """Knobs the parallelism selector sets on a rollout engine.
+
+    `max_concurrent_sequences` bounds the rows of one forward batch; `kv_budget_tokens` bounds the
+    tokens whose KV the engine holds at once (the running batch plus caches kept between turns).
+    """
+
+    max_concurrent_sequences: int
+    kv_budget_tokens: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What a rollout worker needs from an inference backend."""
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Extend every request; one result per request, in input order. Blocking."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the weights in place (no process reload) and drop every kept KV cache."""
+        ...
+
+    def release(self, cache_key: str) -> None:
+        """Forget the KV cache kept under `cache_key` (unknown keys are ignored)."""
+        ...
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights currently loaded (0 before the first load)."""
+        ...
+
+    @property
+    def capacity(self) -> EngineCapacity:
+        """The current capacity knobs."""
+        ...
+
+    def set_capacity(self, capacity: EngineCapacity) -> None:
+        """Adopt new capacity knobs (between batches)."""
+        ...

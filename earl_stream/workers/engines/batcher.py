@@ -1,0 +1,235 @@
+"""Batching across asyncio episodes: many coroutines share one blocking `Engine`.
+
+It owns the queue of waiting requests, the decision of when a batch starts (as soon as
+`max_batch_size` requests wait, or `max_wait_s` after the oldest one arrived), running the engine
+in a worker thread so that the event loop (environments, control-plane I/O) keeps running, and
+serialising "exclusive" work such as a weight load between batches. Batching is per request (a
+batch runs to completion; requests arriving meanwhile form the next one): agentic turns are short,
+so prefill, not decode, dominates. What happens inside a batch is the engine's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from earl_stream.errors import EngineError
+from earl_stream.workers.engines.base import Engine, GenerateRequest, GenerateResult
+
+_LOG = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class _Waiting:
+    request: GenerateRequest
+    future: asyncio.Future[GenerateResult]
+    arrived: float  # loop.time() at submission
+
+
+@dataclass
+class _Exclusive:
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+
+
+class AsyncBatcher:
+    """Collects concurrent `generate` calls into `engine.generate(batch)` calls run in a worker thread.
+
+    Use it from one event loop. Exceptions raised by the engine fail exactly the requests of the
+    batch that raised; later batches run normally.
+    """
+
+    def __init__(self, engine: Engine, *, max_batch_size: int = 64, max_wait_s: float = 0.002) -> None:
+        if max_batch_size < 1 or max_wait_s < 0:
+            raise EngineError(f"AsyncBatcher needs max_batch_size >= 1 and max_wait_s >= 0, got {max_batch_size}, {max_wait_s}")
+        self._engine = engine
+        self._max_batch = max_batch_size
+        self._max_wait = max_wait_s
+        self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._exclusive: collections.deque[_Exclusive] = collections.deque()
+        self._running: list[_Waiting] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._closed = False
+        self._batches = 0
+        self._requests = 0
+
+    @property
+    def batches_run(self) -> int:
+        """Engine batches completed or failed so far."""
+        return self._batches
+
+    @property
+    def requests_run(self) -> int:
+        """Requests handed to the engine so far."""
+        return self._requests
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not yet in a batch."""
+        return len(self._waiting)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Extend one sequence; returns when the batch it joined has finished."""
+        loop = self._start()
+        future: asyncio.Future[GenerateResult] = loop.create_future()
+        self._waiting.append(_Waiting(request, future, loop.time()))
+        self._wake()
+        return await future
+
+    async def run_exclusive(self, fn: Callable[[], T | Awaitable[T]]) -> T:
+        """Run `fn` between batches (never during one) and return its result.
+
+        A plain callable runs in a worker thread; a coroutine function runs on the loop. Exclusive
+        work queued before the next batch starts runs first.
+        """
+        loop = self._start()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._exclusive.append(_Exclusive(fn, future))
+        self._wake()
+        return cast(T, await future)
+
+    def close(self) -> None:
+        """Stop at once: waiting, running and exclusive calls fail with EngineError. Idempotent.
+
+        A batch already inside the engine thread runs to its end, but its results are dropped.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+        self._fail_all(EngineError("AsyncBatcher was closed before this request ran"))
+
+    async def aclose(self) -> None:
+        """Stop gracefully: the running batch finishes and delivers; queued work fails with EngineError."""
+        if self._closed:
+            return
+        self._stopping = True
+        self._fail_queued(EngineError("AsyncBatcher was closed before this request ran"))
+        self._wake()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._closed = True
+
+    # ---------------------------------------------------------------- internals
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        if self._closed or self._stopping:
+            raise EngineError("AsyncBatcher is closed; create a new one")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self._wakeup = asyncio.Event()
+            self._task = loop.create_task(self._run(), name="earl-engine-batcher")
+        elif self._loop is not loop:
+            raise EngineError("AsyncBatcher used from a second event loop; use one batcher per loop")
+        return loop
+
+    def _wake(self) -> None:
+        assert self._wakeup is not None
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while not self._stopping:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                while (self._exclusive or self._waiting) and not self._stopping:
+                    if self._exclusive:
+                        await self._run_one_exclusive(self._exclusive.popleft())
+                        continue
+                    batch = await self._collect()
+                    if batch:
+                        await self._run_batch(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            _LOG.exception("engine batcher stopped")
+            self._closed = True
+            self._fail_all(EngineError(f"engine batcher stopped: {exc!r}"))
+
+    async def _collect(self) -> list[_Waiting]:
+        """Wait until a full batch waits or the oldest waited max_wait_s; take up to max_batch_size."""
+        assert self._wakeup is not None and self._loop is not None
+        self._drop_cancelled()
+        while self._waiting and len(self._waiting) < self._max_batch and not self._exclusive:
+            remaining = self._waiting[0].arrived + self._max_wait - self._loop.time()
+            if remaining <= 0:
+                break
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+            self._drop_cancelled()
+        if self._exclusive or self._stopping:
+            return []
+        count = min(len(self._waiting), self._max_batch)
+        return [self._waiting.popleft() for _ in range(count)]
+
+    async def _run_batch(self, batch: list[_Waiting]) -> None:
+        self._running = batch
+        self._requests += len(batch)
+        try:
+            results = await asyncio.to_thread(self._engine.generate, [w.request for w in batch])
+            if len(results) != len(batch):
+                raise EngineError(f"engine returned {len(results)} results for {len(batch)} requests")
+        except Exception as exc:  # the engine's failure belongs to exactly this batch's callers
+            _LOG.warning("engine batch of %d requests failed: %r", len(batch), exc)
+            for waiting in batch:
+                if not waiting.future.done():
+                    waiting.future.set_exception(exc)
+        else:
+            for waiting, result in zip(batch, results):
+                if not waiting.future.done():
+                    waiting.future.set_result(result)
+        finally:
+            self._running = []
+            self._batches += 1
+
+    async def _run_one_exclusive(self, item: _Exclusive) -> None:
+        if item.future.done():
+            return
+        try:
+            if inspect.iscoroutinefunction(item.fn):
+                result = await item.fn()
+            else:
+                result = await asyncio.to_thread(item.fn)
+                if inspect.isawaitable(result):
+                    result = await result
+        except Exception as exc:
+            if not item.future.done():
+                item.future.set_exception(exc)
+        else:
+            if not item.future.done():
+                item.future.set_result(result)
+
+    def _drop_cancelled(self) -> None:
+        if any(w.future.done() for w in self._waiting):
+            self._waiting = collections.deque(w for w in self._waiting if not w.future.done())
+
+    def _fail_queued(self, exc: Exception) -> None:
+        for waiting in self._waiting:
+            if not waiting.future.done():
+                waiting.future.set_exception(exc)
+        for item in self._exclusive:
+            if not item.future.done():
+                item.future.set_exception(exc)
+        self._waiting.clear()
+        self._exclusive.clear()
+
+    def _fail_all(self, exc: Exception) -> None:
+        self._fail_queued(exc)
+        for waiting in self._running:
+            if not waiting.future.done():
+                waiting.future.set_exception(exc)

@@ -1,0 +1,499 @@
+"""The built-in PyTorch inference engine: batched generation through the HF model's own forward.
+
+It owns: packing requests into forward batches (left padding with an explicit attention mask and
+position ids derived from it, so padding does not change results), per-row sampling with each
+request's own parameters and generator, and the KV caches kept between the turns of an episode
+(`cache_key`; LRU, bounded by the KV budget). It leaves scheduling across asyncio episodes to
+`AsyncBatcher` and tokenisation to the agent loop. CPU/fp32 is the tested configuration.
+
+Batch layout (one row per request, T = C + N + generated):
+  mask [B, T]: | pad | kept KV of row (c_i) || pad | new prompt tokens of row (n_i) | generated ...
+  where C = max c_i and N = max n_i. Gaps are masked out; positions are cumsum(mask) - 1.
+Rows that finish are dropped from the batch (their KV is kept first if they have a cache_key).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from earl_stream.errors import EngineError
+from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Cumulative counters of one engine (for metrics and tests)."""
+
+    batches: int  # forward batches run
+    forward_calls: int  # model forward passes (prefill + decode steps)
+    prefill_tokens: int  # prompt tokens run through the model
+    reused_tokens: int  # prompt tokens whose KV came from a cache kept between turns
+    generated_tokens: int
+    kept_cache_tokens: int  # tokens currently held in kept caches
+
+
+@dataclass
+class _Kept:
+    """KV of one episode's prefix: per layer (keys, values), each [1, kv_heads, len(tokens), head_dim]."""
+
+    tokens: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def prefix(self, n: int) -> _Kept:
+        return _Kept(self.tokens[:n], [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class _KVStore:
+    """Kept caches by episode key, least recently used first; thread-safe, bounded in tokens."""
+
+    def __init__(self, budget_tokens: int) -> None:
+        self._entries: OrderedDict[str, _Kept] = OrderedDict()
+        self._tokens = 0
+        self._budget = budget_tokens
+        self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def take(self, key: str, prompt: list[int]) -> _Kept | None:
+        """Remove the entry and return its part that is a prefix of `prompt` (None if unusable)."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return None
+            self._tokens -= len(entry.tokens)
+        # At least one prompt token must run through the model to produce next-token logits.
+        n = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
+        if n <= 0:
+            return None
+        return entry if n == len(entry.tokens) else entry.prefix(n)
+
+    def put(self, key: str, entry: _Kept) -> None:
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old.tokens)
+            if len(entry.tokens) > self._budget:
+                return
+            self._entries[key] = entry
+            self._tokens += len(entry.tokens)
+            self._evict_locked(self._budget)
+
+    def evict_to(self, limit: int) -> None:
+        with self._lock:
+            self._evict_locked(limit)
+
+    def _evict_locked(self, limit: int) -> None:
+        while self._tokens > limit and self._entries:
+            _, old = self._entries.popitem(last=False)
+            self._tokens -= len(old.tokens)
+
+    def set_budget(self, budget_tokens: int) -> None:
+        with self._lock:
+            self._budget = budget_tokens
+            self._evict_locked(budget_tokens)
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old.tokens)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._tokens = 0
+
+
+@dataclass
+class _Row:
+    """Decode state of one request within a batch."""
+
+    req: GenerateRequest
+    prompt: list[int]
+    generator: torch.Generator | None
+    keep_key: str | None
+    kept: _Kept | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: FinishReason | None = None
+
+
+class TorchEngine:
+    """Generates with a Hugging Face causal LM (`past_key_values` KV cache), batching requests.
+
+    Thread-safe: `generate` and `load_state_dict` serialise on one lock; `release` and
+    `set_capacity` do not wait for a running batch.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int = 64,
+        kv_budget_tokens: int = 65536,
+        seed: int = 0,
+    ) -> None:
+        _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
+        self._model = model.eval()
+        self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
+        self._rng = torch.Generator().manual_seed(seed)
+        self._kv = _KVStore(kv_budget_tokens)
+        self._lock = threading.Lock()
+        self._version = 0
+        self._device = next(model.parameters()).device
+        config = model.config.get_text_config(decoder=True)
+        self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        pad = getattr(config, "pad_token_id", None)
+        self._pad_id = pad if isinstance(pad, int) and 0 <= pad < self._vocab else 0
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        # Kept caches are re-assembled from plain per-layer tensors: only full-attention layers fit that.
+        self._can_keep = all(t == "full_attention" for t in layer_types)
+        if not self._can_keep:
+            _LOG.warning("model has non-full-attention layers %s: KV caches are not kept between turns", layer_types)
+        self._counts = {"batches": 0, "forward_calls": 0, "prefill_tokens": 0, "reused_tokens": 0, "generated": 0}
+
+    # ---------------------------------------------------------------- Engine protocol
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def capacity(self) -> EngineCapacity:
+        return self._capacity
+
+    def set_capacity(self, capacity: EngineCapacity) -> None:
+        """Takes effect at the next `generate` call; shrinks the kept caches at once."""
+        _check_capacity(capacity)
+        self._capacity = capacity
+        self._kv.set_budget(capacity.kv_budget_tokens)
+
+    @property
+    def stats(self) -> EngineStats:
+        c = self._counts
+        return EngineStats(
+            c["batches"], c["forward_calls"], c["prefill_tokens"], c["reused_tokens"], c["generated"], self._kv.tokens
+        )
+
+    def release(self, cache_key: str) -> None:
+        self._kv.release(cache_key)
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Extend every request; results in input order. Raises EngineError on a bad request or a failed batch."""
+        reqs = list(requests)
+        for i, req in enumerate(reqs):
+            self._check_request(i, req)
+        results: list[GenerateResult | None] = [None] * len(reqs)
+        with self._lock, torch.inference_mode():
+            for batch in self._plan(reqs):
+                for i, res in zip(batch, self._run_batch([reqs[i] for i in batch])):
+                    results[i] = res
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy `state` into the live parameters (strict by name and shape), drop kept caches, set the version.
+
+        A name missing from `state` is accepted only when it aliases a provided tensor (tied weights).
+        """
+        with self._lock:
+            own = self._model.state_dict()
+            problems = _state_problems(state, own)
+            if problems:
+                raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded: " + "; ".join(problems))
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    own[name].copy_(tensor)
+            self._kv.clear()
+            self._version = version
+        _LOG.info("loaded policy version %d (%d tensors)", version, len(state))
+
+    # ---------------------------------------------------------------- batching
+
+    def _check_request(self, i: int, req: GenerateRequest) -> None:
+        where = f"request {i}"
+        if len(req.prompt_ids) == 0:
+            raise EngineError(f"{where}: prompt_ids is empty; it must hold the full context (>= 1 token)")
+        if req.max_new_tokens < 1:
+            raise EngineError(f"{where}: max_new_tokens={req.max_new_tokens}, must be >= 1")
+        if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+            raise EngineError(
+                f"{where}: temperature={req.temperature} (>= 0), top_p={req.top_p} (in (0, 1]), "
+                f"top_k={req.top_k} (>= 0): a value is out of range"
+            )
+        lo, hi = min(req.prompt_ids), max(req.prompt_ids)
+        if lo < 0 or hi >= self._vocab:
+            raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {self._vocab})")
+
+    def _plan(self, reqs: list[GenerateRequest]) -> list[list[int]]:
+        """Batches of request indices: similar prompt lengths together (less padding), within capacity."""
+        cap = self._capacity
+        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_ids))
+        batches: list[list[int]] = []
+        current: list[int] = []
+        widest = 0
+        for i in order:
+            need = len(reqs[i].prompt_ids) + reqs[i].max_new_tokens
+            fits = len(current) < cap.max_concurrent_sequences
+            fits = fits and (len(current) + 1) * max(widest, need) <= cap.kv_budget_tokens
+            if current and not fits:
+                batches.append(current)
+                current, widest = [], 0
+            current.append(i)
+            widest = max(widest, need)
+        if current:
+            batches.append(current)
+        return batches
+
+    def _run_batch(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+        rows = self._make_rows(reqs)
+        widest = max(len(r.prompt) + r.req.max_new_tokens for r in rows)
+        self._kv.evict_to(max(0, self._capacity.kv_budget_tokens - len(rows) * widest))
+        try:
+            logits, cache, mask = self._prefill(rows)
+            self._decode(rows, logits, cache, mask)
+        except RuntimeError as exc:
+            raise EngineError(
+                f"generation failed for a batch of {len(rows)} sequences (up to {widest} tokens each): {exc}. "
+                "If memory ran out, lower max_concurrent_sequences or kv_budget_tokens."
+            ) from exc
+        self._counts["batches"] += 1
+        return [GenerateResult(r.tokens, r.logprobs, r.reason or FinishReason.LENGTH) for r in rows]
+
+    def _make_rows(self, reqs: list[GenerateRequest]) -> list[_Row]:
+        rows = []
+        seen: set[str] = set()
+        for req in reqs:
+            prompt = list(req.prompt_ids)
+            key = req.cache_key if self._can_keep and req.cache_key not in seen else None
+            if key is not None:
+                seen.add(key)
+            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+            kept = self._kv.take(key, prompt) if key is not None else None
+            rows.append(_Row(req, prompt, gen, key, kept))
+        return rows
+
+    # ---------------------------------------------------------------- forward passes
+
+    def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """One forward over the new prompt tokens of every row.
+
+        Returns next-token logits [B, V] float32, the batch cache, and the mask [B, C + N] int64.
+        """
+        cached = [len(r.kept.tokens) if r.kept is not None else 0 for r in rows]
+        width_c = max(cached)
+        width_n = max(len(r.prompt) - c for r, c in zip(rows, cached))
+        ids = torch.full((len(rows), width_n), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width_c + width_n), dtype=torch.long)
+        for b, (row, c) in enumerate(zip(rows, cached)):
+            new = row.prompt[c:]
+            ids[b, width_n - len(new) :] = torch.tensor(new, dtype=torch.long)
+            mask[b, width_c - c : width_c] = 1
+            mask[b, width_c + width_n - len(new) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
+        out = self._model(
+            input_ids=ids.to(self._device),
+            attention_mask=mask.to(self._device),
+            position_ids=positions.to(self._device),
+            past_key_values=self._merge_kept(rows, cached, width_c),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._counts["forward_calls"] += 1
+        self._counts["prefill_tokens"] += sum(len(r.prompt) - c for r, c in zip(rows, cached))
+        self._counts["reused_tokens"] += sum(cached)
+        for row in rows:
+            row.kept = None  # its tensors now live in the batch cache
+        return out.logits[:, -1, :].float(), out.past_key_values, mask.to(self._device)
+
+    def _merge_kept(self, rows: list[_Row], cached: list[int], width: int) -> DynamicCache | None:
+        """Right-align every row's kept KV in a [B, kv_heads, width, head_dim] block per layer."""
+        if width == 0:
+            return None
+        sample = next(r.kept for r in rows if r.kept is not None)
+        layers = []
+        for li, (k0, _) in enumerate(sample.kv):
+            shape = (len(rows), k0.shape[1], width, k0.shape[3])
+            keys = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
+            values = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
+            for b, (row, c) in enumerate(zip(rows, cached)):
+                if row.kept is not None:
+                    keys[b, :, width - c :] = row.kept.kv[li][0][0]
+                    values[b, :, width - c :] = row.kept.kv[li][1][0]
+            layers.append((keys, values))
+        return DynamicCache(ddp_cache_data=layers)
+
+    def _decode(self, rows: list[_Row], logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Sample, append, drop finished rows, feed the rest one token; until every row finished."""
+        live = list(range(len(rows)))
+        params = SamplingParams.of([r.req for r in rows])
+        positions = mask.sum(-1)  # [B] position of the next fed token
+        while True:
+            tokens, logprobs = self._sample(logits, [rows[i] for i in live], params)
+            finished = []
+            for j, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+                row = rows[live[j]]
+                row.tokens.append(tok)
+                row.logprobs.append(lp)
+                if tok in row.req.stop_token_ids:
+                    row.reason = FinishReason.STOP
+                elif len(row.tokens) >= row.req.max_new_tokens:
+                    row.reason = FinishReason.LENGTH
+                if row.reason is not None:
+                    finished.append(j)
+                    self._keep(row, cache, mask, j)
+            self._counts["generated"] += len(live)
+            if len(finished) == len(live):
+                return
+            if finished:
+                stay = [j for j in range(len(live)) if j not in set(finished)]
+                idx = torch.tensor(stay, dtype=torch.long, device=mask.device)
+                for layer in cache.layers:
+                    layer.batch_select_indices(idx)
+                mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
+                params = params.select(idx)
+                live = [live[j] for j in stay]
+            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+            out = self._model(
+                input_ids=tokens[:, None].to(self._device),
+                attention_mask=mask,
+                position_ids=positions[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            self._counts["forward_calls"] += 1
+            positions = positions + 1
+            logits = out.logits[:, -1, :].float()
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[_Row], params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one uniform per sampled row (its own generator if seeded, else the engine's), then sample."""
+        uniforms = torch.zeros(len(rows))
+        shared = [j for j, r in enumerate(rows) if r.generator is None and r.req.temperature > 0]
+        if shared:
+            uniforms[shared] = torch.rand(len(shared), generator=self._rng)
+        for j, row in enumerate(rows):
+            if row.generator is not None and row.req.temperature > 0:
+                uniforms[j] = torch.rand((), generator=row.generator)
+        return sample_tokens(logits, params, uniforms.to(logits.device))
+
+    def _keep(self, row: _Row, cache: DynamicCache, mask: torch.Tensor, j: int) -> None:
+        """Store the KV of a finished row (prompt + all generated tokens but the last, never fed)."""
+        if row.keep_key is None:
+            return
+        sel = mask[j].nonzero().squeeze(1)
+        tokens = row.prompt + row.tokens[:-1]
+        assert sel.numel() == len(tokens), (sel.numel(), len(tokens))
+        kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel)) for layer in cache.layers]
+        self._kv.put(row.keep_key, _Kept(tokens, kv))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling knobs of a batch: temperature [B] float32 (0 = greedy), top_k [B] int64 (0 = off),
+    top_p [B] float32 (1 = off)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @staticmethod
+    def of(requests: Sequence[GenerateRequest]) -> SamplingParams:
+        return SamplingParams(
+            torch.tensor([r.temperature for r in requests], dtype=torch.float32),
+            torch.tensor([r.top_k for r in requests], dtype=torch.long),
+            torch.tensor([r.top_p for r in requests], dtype=torch.float32),
+        )
+
+    def select(self, idx: torch.Tensor) -> SamplingParams:
+        return SamplingParams(self.temperature[idx], self.top_k[idx], self.top_p[idx])
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF with the given uniforms [B] in [0, 1).
+
+    logits [B, V] float32. Returns tokens [B] int64 and their log-probs [B] float32 under the
+    distribution sampled from: log_softmax(logits / T) after top-k then top-p, renormalised;
+    greedy rows (T == 0) take the argmax and report log_softmax(logits) of it.
+    """
+    greedy = params.temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
+    if bool((params.top_k > 0).any()) or bool((params.top_p < 1).any()):
+        scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
+    logp = torch.log_softmax(scaled, dim=-1)
+    cdf = logp.exp().cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1])[:, None]
+    sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    # Rounding can land the inverse CDF on a filtered-out token; fall back to the mode then.
+    sampled_lp = logp.gather(1, sampled[:, None]).squeeze(1)
+    sampled = torch.where(torch.isinf(sampled_lp), scaled.argmax(dim=-1), sampled)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    if bool(greedy.any()):
+        plain = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        chosen = torch.where(greedy, plain, chosen)
+    return tokens, chosen
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k (exactly k by rank), then outside its top-p nucleus, to -inf."""
+    vocab = scaled.shape[-1]
+    values, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    drop = ranks >= k[:, None]
+    values = values.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    # Keep a token while the mass before it is below p: the top token always stays.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    values = values.masked_fill(drop, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
+
+
+def _check_capacity(capacity: EngineCapacity) -> None:
+    if capacity.max_concurrent_sequences < 1 or capacity.kv_budget_tokens < 1:
+        raise EngineError(f"invalid engine capacity {capacity}: both values must be >= 1")
+
+
+def _state_problems(state: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> list[str]:
+    """Every reason `state` cannot be loaded into a model whose state dict is `own` (empty if none)."""
+    problems = []
+    unknown = sorted(n for n in state if n not in own)
+    provided = {own[n].data_ptr() for n in state if n in own}
+    missing = sorted(n for n in own if n not in state and own[n].data_ptr() not in provided)
+    if unknown:
+        problems.append(f"unknown names {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
+    if missing:
+        problems.append(f"missing names {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    for name, tensor in state.items():
+        if name not in own:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name} is a {type(tensor).__name__}, not a tensor")
+        elif tuple(tensor.shape) != tuple(own[name].shape):
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, the model has {tuple(own[name].shape)}")
+    return problems

@@ -1,0 +1,176 @@
+"""The rollout worker: an inference engine, an asyncio agent loop over many concurrent episodes,
+and a shard node that keeps the finished samples until the trainer pulls them.
+
+Loop: ask the supervisor for prompt groups, play each group's episodes (batched across episodes by
+the engine's batcher), put the records into the local store and send their metadata rows; a
+heartbeat task follows the policy version and pulls new weights from the trainer's shard node,
+loading them between engine batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from earl_stream import metrics as M
+from earl_stream import protocol as P
+from earl_stream.chat import ChatFormat
+from earl_stream.config import RunConfig
+from earl_stream.env import env_options, make_env
+from earl_stream.errors import EarlError, StoreError
+from earl_stream.modeling import load_model
+from earl_stream.records import SampleRecord
+from earl_stream.store.client import ShardClient
+from earl_stream.store.experience import ExperienceWriter
+from earl_stream.store.node import ShardNode
+from earl_stream.store.weights import pull_weights
+from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
+from earl_stream.workers.common import StopFlag, model_path, register
+from earl_stream.workers.engines.batcher import AsyncBatcher
+from earl_stream.workers.engines.torch_engine import TorchEngine
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    def __init__(self, supervisor: str, *, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.stop = StopFlag()
+        self.client = P.ControlClient(supervisor, timeout_s=30)
+        self.node = ShardNode(host)
+        self.metrics_address = M.start_metrics_server(host)
+        reg, self.cfg = register(self.client, P.Role.ROLLOUT, host=host, shard_address=self.node.address,
+                                 metrics_address=self.metrics_address)
+        self.worker_id = reg.worker_id
+        self.target_version, self.weights_address = reg.policy_version, reg.weights_address
+        self.writer = ExperienceWriter(self.node, self.worker_id)
+        self.store_client = ShardClient()
+        torch.set_num_threads(self.cfg.rollout.threads)
+        model, self.tokenizer = load_model(model_path(self.cfg))
+        model.eval()
+        self.engine = TorchEngine(model, max_batch_size=self.cfg.rollout.max_batch_size, seed=self.cfg.seed)
+        self.chat = ChatFormat(self.tokenizer)
+        self.envs = {e.display_name: e for e in self.cfg.envs}
+        self.episodes_done = 0
+        self.tokens_generated = 0
+        self.inflight = 0
+        log.info("%s ready: shards at %s, metrics at %s", self.worker_id, self.node.address, self.metrics_address)
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.node.close()
+            self.store_client.close()
+            self.client.close()
+            log.info("%s stopped after %d episodes", self.worker_id, self.episodes_done)
+
+    async def _main(self) -> None:
+        self.batcher = AsyncBatcher(self.engine, max_batch_size=self.cfg.rollout.max_batch_size)
+        self.version_changed = asyncio.Condition()
+        slots = [asyncio.create_task(self._group_slot(i)) for i in range(self.cfg.rollout.groups_in_flight)]
+        try:
+            await self._heartbeat_loop()
+        finally:
+            for task in slots:
+                task.cancel()
+            await asyncio.gather(*slots, return_exceptions=True)
+            self.batcher.close()
+
+    async def _heartbeat_loop(self) -> None:
+        period = self.cfg.supervisor.heartbeat_s
+        while not self.stop:
+            stats = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
+                     "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held}
+            try:
+                reply = await asyncio.to_thread(self.client.call, P.Heartbeat(worker_id=self.worker_id, stats=stats))
+            except EarlError as exc:
+                log.warning("heartbeat failed: %s", exc)
+                await asyncio.sleep(period)
+                continue
+            if not reply.known:
+                reg, _ = await asyncio.to_thread(register, self.client, P.Role.ROLLOUT, host=self.host,
+                                                 shard_address=self.node.address,
+                                                 metrics_address=self.metrics_address, worker_id=self.worker_id)
+                self.worker_id = reg.worker_id
+                continue
+            if reply.free_sample_ids:
+                self.writer.free(reply.free_sample_ids)
+            if reply.stop:
+                self.stop.set()
+                break
+            if reply.policy_version > self.engine.policy_version and reply.weights_address:
+                await self._load_weights(reply.policy_version, reply.weights_address)
+            M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
+            await asyncio.sleep(period)
+
+    async def _load_weights(self, version: int, address: str) -> None:
+        start = time.monotonic()
+        try:
+            state = await asyncio.to_thread(pull_weights, self.store_client, address, version)
+        except StoreError as exc:
+            log.warning("could not pull policy version %d from %s: %s", version, address, exc)
+            return
+        await self.batcher.run_exclusive(lambda: self.engine.load_state_dict(state, version))
+        M.ROLLOUT_WEIGHT_SYNC.labels(self.worker_id).observe(time.monotonic() - start)
+        log.info("loaded policy version %d in %.2fs", version, time.monotonic() - start)
+        M.ROLLOUT_POLICY_VERSION.labels(self.worker_id).set(version)
+        async with self.version_changed:
+            self.version_changed.notify_all()
+
+    async def _group_slot(self, slot: int) -> None:
+        while not self.stop:
+            reply = await asyncio.to_thread(self.client.call, P.RequestPrompts(worker_id=self.worker_id, max_groups=1))
+            if not reply.prompts:
+                await asyncio.sleep(0.05)
+                continue
+            prompt = reply.prompts[0]
+            async with self.version_changed:
+                await self.version_changed.wait_for(
+                    lambda: self.engine.policy_version >= prompt.min_policy_version or bool(self.stop))
+            records = await self._play_group(prompt)
+            if records is None:
+                await asyncio.to_thread(self.client.call, P.PutMeta(worker_id=self.worker_id,
+                                                                    failed_groups=[prompt.group_id]))
+                continue
+            rows = await asyncio.to_thread(self.writer.put, records)
+            await asyncio.to_thread(self.client.call, P.PutMeta(worker_id=self.worker_id, rows=rows))
+
+    async def _play_group(self, prompt: P.Prompt) -> list[SampleRecord] | None:
+        spec = self.envs.get(prompt.env)
+        if spec is None:
+            log.warning("prompt %s names unknown environment %r", prompt.group_id, prompt.env)
+            return None
+        sampling = Sampling(self.cfg.rollout.temperature, self.cfg.rollout.top_p, self.cfg.rollout.top_k)
+        envs = [make_env(spec.spec, spec.params) for _ in range(prompt.group_size)]
+        self.inflight += len(envs)
+        M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)
+        try:
+            results = await asyncio.gather(*[
+                play_episode(env, env_options(env), self.chat, self.batcher, env_name=prompt.env, seed=prompt.seed,
+                             prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
+                             policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode)
+                for env in envs], return_exceptions=True)
+        finally:
+            self.inflight -= len(envs)
+            M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)
+        records = []
+        for r in results:
+            if isinstance(r, EpisodeFailed):
+                log.warning("episode of %s failed: %s", prompt.group_id, r)
+                return None
+            if isinstance(r, BaseException):
+                raise r
+            records.append(r)
+            self.episodes_done += 1
+            self.tokens_generated += r.response_tokens
+            M.ROLLOUT_TOKENS.labels(self.worker_id).inc(r.response_tokens)
+            M.ROLLOUT_EPISODES.labels(self.worker_id, r.env, str(r.info.get("outcome", ""))).inc()
+        return records
+
+
+def run_rollout_worker(supervisor: str, host: str = "127.0.0.1") -> None:
+    RolloutWorker(supervisor, host=host).run()

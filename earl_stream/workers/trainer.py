@@ -1,0 +1,166 @@
+"""A trainer rank: claims each step's batch by metadata, pulls exactly its own rows from the
+producers, runs the GRPO loss, all-reduces gradients across ranks, steps the optimizer and (rank 0)
+publishes the new policy version as weight shards in its own shard node.
+
+The loop reads top to bottom in `TrainerRank.run`; the math lives in `earl_stream.algo.grpo` and
+`earl_stream.workers.train_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from earl_stream import metrics as M
+from earl_stream import protocol as P
+from earl_stream.errors import ControlPlaneTimeout, EarlError
+from earl_stream.modeling import load_model
+from earl_stream.store.client import ShardClient
+from earl_stream.store.layout import Layout
+from earl_stream.store.node import ShardNode
+from earl_stream.store.schema import table_from_ipc, table_to_metas
+from earl_stream.store.weights import drop_weights, publish_weights
+from earl_stream.workers.common import StopFlag, model_path, register
+from earl_stream.workers.train_step import StepResult, train_step
+
+log = logging.getLogger(__name__)
+
+
+class TrainerRank:
+    def __init__(self, supervisor: str, *, rank: int, world_size: int, host: str = "127.0.0.1") -> None:
+        self.rank, self.world_size, self.host = rank, world_size, host
+        self.stop = StopFlag()
+        self.client = P.ControlClient(supervisor, timeout_s=30)
+        self.node = ShardNode(host)
+        self.metrics_address = M.start_metrics_server(host)
+        reg, self.cfg = register(self.client, P.Role.TRAINER, host=host, rank=rank, shard_address=self.node.address,
+                                 metrics_address=self.metrics_address)
+        self.worker_id = reg.worker_id
+        torch.set_num_threads(self.cfg.trainer.threads)
+        torch.manual_seed(self.cfg.seed)
+        self.model, self.tokenizer = load_model(model_path(self.cfg))
+        self.model.train()
+        t = self.cfg.trainer
+        self.ref_model = None
+        if t.kl_coef > 0:
+            self.ref_model, _ = load_model(model_path(self.cfg))
+            self.ref_model.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.layout = Layout(dp_size=world_size, dp_rank=rank)
+        self.store_client = ShardClient()
+        self.version = reg.policy_version
+        self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
+        self._hb.start()
+
+    def run(self) -> int:
+        cfg, t = self.cfg, self.cfg.trainer
+        step = self.version
+        end = cfg.steps or float("inf")
+        if self.rank == 0:
+            self._publish(self.version, {})  # rollout pulls its first weights from the trainer
+        while step < end and not self.stop:
+            metas = self._claim(step)
+            if metas is None:
+                break
+            result = train_step(self.model, self.optimizer, metas, self.layout, self.store_client, t,
+                                ref_model=self.ref_model, rank=self.rank)
+            step += 1
+            self.version = step
+            self._report(result)
+            if self.world_size > 1:
+                dist.barrier()  # every rank has pulled: the producers may free the step's shards
+            if self.rank == 0:
+                self._publish(step, result.metrics())
+                self.client.call(P.Release(worker_id=self.worker_id, step=step - 1,
+                                           lost_sample_ids=result.lost_sample_ids))
+        if self.rank == 0:
+            self.save_checkpoint(step)
+            if cfg.steps and step >= cfg.steps:
+                self.client.call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
+        self.close()
+        return 0
+
+    def _claim(self, step: int) -> list | None:
+        t = self.cfg.trainer
+        deadline = time.monotonic() + t.claim_timeout_s
+        msg = P.Claim(worker_id=self.worker_id, step=step, num_groups=t.groups_per_step,
+                      min_policy_version=max(0, step - t.max_staleness))
+        while not self.stop:
+            reply = self.client.call_retry(msg, deadline_s=t.claim_timeout_s, what=f"claim of step {step}")
+            if reply.ready:
+                return table_to_metas(table_from_ipc(reply.table_ipc))
+            if time.monotonic() > deadline:
+                raise ControlPlaneTimeout(f"step {step}: fewer than {t.groups_per_step} complete prompt groups "
+                                          f"arrived within trainer.claim_timeout_s={t.claim_timeout_s:.0f}s; "
+                                          "are rollout workers running?")
+            self.stop.wait(0.02)
+        return None
+
+    def _publish(self, version: int, metrics: dict[str, float]) -> None:
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        publish_weights(self.node, version, state)
+        if version >= 2:
+            drop_weights(self.node, version - 2)
+        self.client.call(P.PublishVersion(worker_id=self.worker_id, version=version,
+                                          weights_address=self.node.address, metrics=metrics))
+
+    def _report(self, r: StepResult) -> None:
+        rank = str(self.rank)
+        M.TRAINER_STEP_SECONDS.labels(rank).observe(r.step_seconds)
+        M.TRAINER_LOSS.labels(rank).set(r.loss)
+        M.TRAINER_GRAD_NORM.labels(rank).set(r.grad_norm)
+        M.TRAINER_MISMATCH.labels(rank).set(r.mismatch)
+        M.TRAINER_STEPS.labels(rank).inc()
+        M.STORE_PULL_SECONDS.labels(rank).observe(r.pull_seconds)
+        M.STORE_PULL_BYTES.labels(rank).inc(r.pull_bytes)
+        log.info("step %d: loss %.4f grad-norm %.3f reward %.3f (%d samples, %d tokens) in %.2fs (pull %.3fs)",
+                 self.version, r.loss, r.grad_norm, r.mean_reward, r.samples, r.tokens, r.step_seconds, r.pull_seconds)
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stop.wait(self.cfg.supervisor.heartbeat_s):
+            try:
+                reply = self.client.call(P.Heartbeat(worker_id=self.worker_id, stats={"policy_version": self.version}))
+            except EarlError as exc:
+                log.warning("heartbeat failed: %s", exc)
+                continue
+            if reply.stop:
+                self.stop.set()
+
+    def save_checkpoint(self, step: int) -> Path:
+        out = Path(self.cfg.run_dir) / "checkpoints" / f"step_{step:06d}"
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": step, "policy_version": self.version,
+                    "rng": torch.get_rng_state()}, out / "trainer_state.pt")
+        latest = Path(self.cfg.run_dir) / "checkpoints" / "latest"
+        tmp = latest.with_suffix(".tmp")
+        tmp.write_text(out.name)
+        os.replace(tmp, latest)
+        log.info("checkpoint written to %s", out)
+        return out
+
+    def close(self) -> None:
+        self.stop.set()
+        self.node.close()
+        self.store_client.close()
+        self.client.close()
+
+
+def run_trainer_rank(supervisor: str, host: str = "127.0.0.1") -> int:
+    """One rank; under torchrun (or `worker --nproc`) RANK/WORLD_SIZE/MASTER_* come from the environment."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        return TrainerRank(supervisor, rank=rank, world_size=world_size, host=host).run()
+    finally:
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

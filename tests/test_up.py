@@ -1,0 +1,55 @@
+"""End to end: `earl-stream up` as real processes on loopback; samples flow rollout -> store ->
+trainer, and the policy version reaches the rollout workers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _up(tmp_path: Path, model_dir: Path, steps: int, *extra: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:
+    summary = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", str(steps), "--summary", str(summary),
+           f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}", "trainer.groups_per_step=2",
+           "trainer.group_size=4", "rollout.groups_in_flight=2", "supervisor.heartbeat_s=0.2", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(summary.read_text())
+
+
+def test_up_trains_through_the_store(tmp_path: Path, tiny_model_dir: Path) -> None:
+    _, summary = _up(tmp_path, tiny_model_dir, 4)
+    for key in ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",
+                "win_rate_last", "draw_rate_last", "tokens_per_second", "wall_seconds"):
+        assert key in summary
+    assert summary["policy_version"] >= 4
+    assert summary["samples_trained"] >= 4 * 2 * 4
+    assert summary["samples_produced"] >= summary["samples_trained"]
+    logs = tmp_path / "run" / "logs"
+    trainer_log = (logs / "trainer.log").read_text()
+    pulled = [int(x) for x in re.findall(r"\((\d+) samples", trainer_log)]
+    assert len(pulled) >= 4 and all(n == 8 for n in pulled)
+    rollout_logs = [p.read_text() for p in logs.glob("rollout-*.log")]
+    versions = [int(v) for text in rollout_logs for v in re.findall(r"loaded policy version (\d+)", text)]
+    assert versions and max(versions) >= 2, "rollout workers never loaded a new policy version"
+    assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+def test_up_with_two_trainer_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
+    _, summary = _up(tmp_path, tiny_model_dir, 2, "trainer.nproc=2", "rollout.workers=1")
+    assert summary["policy_version"] >= 2
+    assert summary["samples_trained"] >= 2 * 2 * 4
+
+
+def test_up_reports_bad_model_dir(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "earl_stream", "up", "--steps", "1", f"model.path={tmp_path}/nope",
+                           f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr.splitlines()[-1]
