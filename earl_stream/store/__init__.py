@@ -7,6 +7,8 @@ their share with `partition` and pull it with `pull_samples` / `pull_weights` th
 
 from __future__ import annotations
 
+from typing import Any
+
 from earl_stream.store.client import PeerUnreachable, RemoteError, ShardClient
 from earl_stream.store.experience import ExperienceWriter, SamplesUnavailable, pull_samples, record_checksum
 from earl_stream.store.layout import Layout, Partition, partition
@@ -21,8 +23,19 @@ from earl_stream.store.schema import (
     table_to_ipc,
     table_to_metas,
 )
-from earl_stream.store.weights import WeightEntry, WeightsManifest, drop_weights, publish_weights, pull_weights
 from earl_stream.store.wire import ErrorCode, ManifestEntry
+
+# weights.py needs torch; load it on first use so that torch-free processes (the supervisor) stay light.
+_LAZY_WEIGHTS = frozenset({"WeightEntry", "WeightsManifest", "drop_weights", "publish_weights", "pull_weights"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_WEIGHTS:
+        from earl_stream.store import weights
+
+        return getattr(weights, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "METADATA_SCHEMA",

@@ -236,7 +236,6 @@ class ShardClient:
             raise PeerUnreachable(address, f"cannot connect to shard node {address}: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             self._handshake(sock, address, deadline)
         except socket.timeout:
             sock.close()

@@ -135,47 +135,79 @@ def pull_samples(
 
     `token_ranges` maps a position in `metas` to the [start, end) ranges needed (concatenated in the
     result); None pulls whole rows ([total_tokens] each) and then checks each row against
-    `meta.checksum` when all TOKEN_FIELDS were pulled. Raises `SamplesUnavailable` naming the samples
-    whose producer is unreachable or no longer holds them.
+    `meta.checksum` when all TOKEN_FIELDS were pulled. One request per producer, producers in
+    parallel. Raises `SamplesUnavailable` naming the samples whose producer is unreachable or no
+    longer holds them (the others are in its `partial`).
     """
     unknown = [f for f in fields if f not in TOKEN_FIELDS]
     if unknown or not fields:
         raise StoreError(f"fields {list(fields)} must be a non-empty subset of {list(TOKEN_FIELDS)}")
-    by_address: dict[str, list[tuple[str, int, int]]] = {}
-    slots: list[list[tuple[str, str, int]]] = []  # per meta: (field, address, index into address pieces)
+    wanted = [_pieces_for(pos, meta, fields, token_ranges) for pos, meta in enumerate(metas)]
+    positions: dict[str, list[int]] = {}
     for pos, meta in enumerate(metas):
-        ranges = _ranges_for(pos, meta, token_ranges)
-        pieces = by_address.setdefault(meta.producer_address, [])
-        meta_slots = []
-        for name in fields:
-            key = sample_key(meta.sample_id, name)
-            for start, end in ranges:
-                meta_slots.append((name, meta.producer_address, len(pieces)))
-                pieces.append((key, start, end))
-        slots.append(meta_slots)
-    results = client.pull_many(by_address, return_exceptions=True)
-    causes = {}
+        positions.setdefault(meta.producer_address, []).append(pos)
+    requests = {addr: [p for pos in poss for p in wanted[pos]] for addr, poss in positions.items()}
+    results = client.pull_many(requests, return_exceptions=True)
+    out: list[dict[str, np.ndarray] | None] = [None] * len(metas)
+    causes: dict[str, str] = {}
     for address, res in results.items():
-        if isinstance(res, (PeerUnreachable, RemoteError)) and _means_lost(res):
+        if isinstance(res, RemoteError) and res.code == ErrorCode.UNKNOWN_KEY:
+            # The producer freed (or, restarted, forgot) some of them: find out which, one by one.
+            res = _pull_one_by_one(client, address, [wanted[pos] for pos in positions[address]], causes)
+        elif isinstance(res, PeerUnreachable):
             causes[address] = str(res)
+            continue
         elif isinstance(res, BaseException):
             raise res
-    out: list[dict[str, np.ndarray] | None] = []
-    for meta, meta_slots in zip(metas, slots):
-        if meta.producer_address in causes:
-            out.append(None)
-            continue
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in fields}
-        for name, address, index in meta_slots:
-            parts[name].append(results[address][index])
-        row = {name: p[0] if len(p) == 1 else np.concatenate(p) for name, p in parts.items()}
-        if token_ranges is None:
-            _verify_row(meta, row)
-        out.append(row)
-    if causes:
-        lost = [m.sample_id for m, r in zip(metas, out) if r is None]
+        it = iter(res)
+        for pos in positions[address]:
+            arrays = [next(it) for _ in wanted[pos]]
+            if all(a is not None for a in arrays):
+                out[pos] = _assemble(metas[pos], fields, arrays, whole=token_ranges is None)
+    lost = [m.sample_id for m, row in zip(metas, out) if row is None]
+    if lost:
         raise SamplesUnavailable(lost, out, causes)
     return out  # type: ignore[return-value]  # no None left when nothing was lost
+
+
+def _pull_one_by_one(
+    client: ShardClient, address: str, per_sample: list[list[tuple[str, int, int]]], causes: dict[str, str]
+) -> list[np.ndarray | None]:
+    """Pull each sample's pieces separately; pieces of samples the peer no longer holds come back None."""
+    flat: list[np.ndarray | None] = []
+    for pieces in per_sample:
+        try:
+            flat.extend(client.pull(address, pieces))
+        except RemoteError as exc:
+            if exc.code != ErrorCode.UNKNOWN_KEY:
+                raise
+            causes.setdefault(address, f"peer {address} no longer holds some samples ({exc})")
+            flat.extend([None] * len(pieces))
+        except PeerUnreachable as exc:
+            causes[address] = str(exc)
+            flat.extend([None] * len(pieces))
+    return flat
+
+
+def _pieces_for(
+    pos: int, meta: SampleMeta, fields: Sequence[str], token_ranges: Mapping[int, list[tuple[int, int]]] | None
+) -> list[tuple[str, int, int]]:
+    ranges = _ranges_for(pos, meta, token_ranges)
+    return [(sample_key(meta.sample_id, name), s, e) for name in fields for s, e in ranges]
+
+
+def _assemble(meta: SampleMeta, fields: Sequence[str], arrays: list[np.ndarray], *, whole: bool) -> dict[str, np.ndarray]:
+    per_field = len(arrays) // len(fields)
+    row = {}
+    for i, name in enumerate(fields):
+        parts = arrays[i * per_field : (i + 1) * per_field]
+        if not parts:  # no ranges needed from this row (e.g. a very short row on a cp rank)
+            row[name] = np.empty(0, TOKEN_FIELDS[name])
+        else:
+            row[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if whole:
+        _verify_row(meta, row)
+    return row
 
 
 def _ranges_for(pos: int, meta: SampleMeta, token_ranges: Mapping[int, list[tuple[int, int]]] | None) -> list[tuple[int, int]]:
@@ -188,11 +220,6 @@ def _ranges_for(pos: int, meta: SampleMeta, token_ranges: Mapping[int, list[tupl
         if not 0 <= s <= e <= meta.total_tokens:
             raise StoreError(f"range [{s}, {e}) outside sample {meta.sample_id} of {meta.total_tokens} tokens")
     return ranges
-
-
-def _means_lost(exc: StoreError) -> bool:
-    # A restarted producer at the same address no longer knows the key: the sample is just as lost.
-    return isinstance(exc, PeerUnreachable) or (isinstance(exc, RemoteError) and exc.code == ErrorCode.UNKNOWN_KEY)
 
 
 def _verify_row(meta: SampleMeta, row: Mapping[str, np.ndarray]) -> None:

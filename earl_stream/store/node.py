@@ -178,10 +178,12 @@ class ShardNode:
         self._secret = secret
         self._max_payload = max_payload
         self._frame_timeout_s = frame_timeout_s
-        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
         self._listener.setblocking(False)
         bound_port = self._listener.getsockname()[1]
-        self.address = f"{advertise_host or host}:{bound_port}"
+        shown = advertise_host or host
+        self.address = f"[{shown}]:{bound_port}" if ":" in shown else f"{shown}:{bound_port}"
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -259,6 +261,7 @@ class ShardNode:
                         continue
                     except OSError as exc:
                         log.warning("shard node %s: accept failed: %s", self.address, exc)
+                        time.sleep(0.1)  # e.g. out of file descriptors: do not spin on a readable listener
                         continue
                     thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True, name="shard-conn")
                     with self._conns_lock:
@@ -270,7 +273,6 @@ class ShardNode:
         try:
             sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             sock.settimeout(self._frame_timeout_s)
             nonce = os.urandom(wire.NONCE_BYTES)
             sock.sendall(wire.encode_frame(wire.Challenge(nonce, self._secret is not None)))
@@ -279,7 +281,8 @@ class ShardNode:
             log.warning("%s: %s; closing the connection", where, exc)
             self._try_send_error(sock, exc.code, str(exc))
         except wire.PeerClosed as exc:
-            log.warning("%s: disconnected mid-frame (%s)", where, exc)
+            if not self._stopping.is_set():
+                log.warning("%s: disconnected mid-frame (%s)", where, exc)
         except socket.timeout:
             log.warning("%s: frame or reply stalled for over %.0fs; closing the connection", where, self._frame_timeout_s)
         except OSError as exc:

@@ -84,7 +84,8 @@ async def play_episode(
                                   stop_token_ids=chat.stop_token_ids, temperature=sampling.temperature,
                                   top_p=sampling.top_p, top_k=sampling.top_k, cache_key=episode_id)
         result = await batcher.generate(request)
-        trace.add_model(list(result.token_ids), list(result.logprobs), policy_version())
+        version = result.policy_version if result.policy_version is not None else policy_version()
+        trace.add_model(list(result.token_ids), list(result.logprobs), version)
         if result.finish_reason == FinishReason.LENGTH:
             trace.add_context([chat.end_token_id])  # close the turn so the next one renders right
         turns += 1
@@ -98,9 +99,7 @@ async def play_episode(
             info = {"outcome": "truncated"}
             break
         trace.add_context(chat.next_turn(step.observation))
-    batcher_release = getattr(batcher, "release", None)
-    if batcher_release is not None:
-        batcher_release(episode_id)
+    batcher.release(episode_id)
     return SampleRecord(
         sample_id=f"{group_id}-{episode_id}", prompt_ordinal=prompt_ordinal, episode_id=episode_id,
         group_id=group_id, env=env_name, turns=turns, prompt_tokens=prompt_tokens,

@@ -20,7 +20,7 @@ from earl_stream import protocol as P
 from earl_stream.chat import ChatFormat
 from earl_stream.config import RunConfig
 from earl_stream.env import env_options, make_env
-from earl_stream.errors import EarlError, StoreError
+from earl_stream.errors import EarlError, EngineError, StoreError
 from earl_stream.modeling import load_model
 from earl_stream.records import SampleRecord
 from earl_stream.store.client import ShardClient
@@ -72,6 +72,7 @@ class RolloutWorker:
         self.batcher = AsyncBatcher(self.engine, max_batch_size=self.cfg.rollout.max_batch_size)
         self.version_changed = asyncio.Condition()
         slots = [asyncio.create_task(self._group_slot(i)) for i in range(self.cfg.rollout.groups_in_flight)]
+        self._slots = slots
         try:
             await self._heartbeat_loop()
         finally:
@@ -83,6 +84,9 @@ class RolloutWorker:
     async def _heartbeat_loop(self) -> None:
         period = self.cfg.supervisor.heartbeat_s
         while not self.stop:
+            for task in self._slots:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
             stats = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
                      "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held}
             try:
@@ -159,7 +163,7 @@ class RolloutWorker:
             M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)
         records = []
         for r in results:
-            if isinstance(r, EpisodeFailed):
+            if isinstance(r, (EpisodeFailed, EngineError)):
                 log.warning("episode of %s failed: %s", prompt.group_id, r)
                 return None
             if isinstance(r, BaseException):

@@ -49,11 +49,17 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """The generated continuation: `token_ids` and `logprobs` have the same length (stop token included)."""
+    """The generated continuation: `token_ids` and `logprobs` have the same length (stop token included).
+
+    `policy_version` is the version of the weights that produced these tokens (None if the backend
+    does not say). Read it here rather than from the engine afterwards: a weight load may run between
+    the end of the batch and the moment the waiting coroutine resumes.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,11 @@ class Engine(Protocol):
         ...
 
     def release(self, cache_key: str) -> None:
-        """Forget the KV cache kept under `cache_key` (unknown keys are ignored)."""
+        """Forget the KV cache kept under `cache_key` (unknown keys are ignored).
+
+        Called from the event loop while a batch may be running in another thread: it must be
+        thread-safe and must not wait for that batch.
+        """
         ...
 
     @property

@@ -47,7 +47,9 @@ class AsyncBatcher:
 
     def __init__(self, engine: Engine, *, max_batch_size: int = 64, max_wait_s: float = 0.002) -> None:
         if max_batch_size < 1 or max_wait_s < 0:
-            raise EngineError(f"AsyncBatcher needs max_batch_size >= 1 and max_wait_s >= 0, got {max_batch_size}, {max_wait_s}")
+            raise EngineError(
+                f"AsyncBatcher needs max_batch_size >= 1 and max_wait_s >= 0, got {max_batch_size}, {max_wait_s}"
+            )
         self._engine = engine
         self._max_batch = max_batch_size
         self._max_wait = max_wait_s
@@ -96,6 +98,13 @@ class AsyncBatcher:
         self._exclusive.append(_Exclusive(fn, future))
         self._wake()
         return cast(T, await future)
+
+    def release(self, cache_key: str) -> None:
+        """Forget the KV cache the engine keeps for an episode (call it when the episode ends).
+
+        Passed straight to the engine: `Engine.release` must not wait for a running batch.
+        """
+        self._engine.release(cache_key)
 
     def close(self) -> None:
         """Stop at once: waiting, running and exclusive calls fail with EngineError. Idempotent.

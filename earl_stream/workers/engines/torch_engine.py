@@ -163,7 +163,8 @@ class TorchEngine:
         self._version = 0
         self._device = next(model.parameters()).device
         config = model.config.get_text_config(decoder=True)
-        self._vocab = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self._vocab = int(head.weight.shape[0]) if head is not None else int(config.vocab_size)
         pad = getattr(config, "pad_token_id", None)
         self._pad_id = pad if isinstance(pad, int) and 0 <= pad < self._vocab else 0
         layer_types = getattr(config, "layer_types", None) or ["full_attention"]
@@ -221,7 +222,8 @@ class TorchEngine:
             own = self._model.state_dict()
             problems = _state_problems(state, own)
             if problems:
-                raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded: " + "; ".join(problems))
+                detail = "; ".join(problems)
+                raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded: {detail}")
             with torch.no_grad():
                 for name, tensor in state.items():
                     own[name].copy_(tensor)
@@ -279,7 +281,8 @@ class TorchEngine:
                 "If memory ran out, lower max_concurrent_sequences or kv_budget_tokens."
             ) from exc
         self._counts["batches"] += 1
-        return [GenerateResult(r.tokens, r.logprobs, r.reason or FinishReason.LENGTH) for r in rows]
+        reasons = [r.reason or FinishReason.LENGTH for r in rows]
+        return [GenerateResult(r.tokens, r.logprobs, why, self._version) for r, why in zip(rows, reasons)]
 
     def _make_rows(self, reqs: list[GenerateRequest]) -> list[_Row]:
         rows = []
@@ -367,7 +370,8 @@ class TorchEngine:
             if len(finished) == len(live):
                 return
             if finished:
-                stay = [j for j in range(len(live)) if j not in set(finished)]
+                done = set(finished)
+                stay = [j for j in range(len(live)) if j not in done]
                 idx = torch.tensor(stay, dtype=torch.long, device=mask.device)
                 for layer in cache.layers:
                     layer.batch_select_indices(idx)
@@ -406,7 +410,8 @@ class TorchEngine:
         sel = mask[j].nonzero().squeeze(1)
         tokens = row.prompt + row.tokens[:-1]
         assert sel.numel() == len(tokens), (sel.numel(), len(tokens))
-        kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel)) for layer in cache.layers]
+        kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel))
+              for layer in cache.layers]
         self._kv.put(row.keep_key, _Kept(tokens, kv))
 
 

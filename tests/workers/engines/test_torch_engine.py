@@ -51,7 +51,9 @@ def hf_greedy(model: Qwen2ForCausalLM, prompt: list[int], new: int) -> list[int]
     return out[0, len(prompt) :].tolist()
 
 
-def full_logprobs(model: Qwen2ForCausalLM, prompt: list[int], generated: list[int], temperature: float = 1.0) -> torch.Tensor:
+def full_logprobs(
+    model: Qwen2ForCausalLM, prompt: list[int], generated: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     """log_softmax(logits / T) [len(generated), V] at the positions that predicted `generated`."""
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + generated])).logits[0]
@@ -132,6 +134,7 @@ def test_load_state_dict_changes_outputs_and_is_strict() -> None:
     engine.load_state_dict(donor.state_dict(), version=3)
     after = engine.generate(reqs)
     assert engine.policy_version == 3
+    assert {r.policy_version for r in before} == {0} and {r.policy_version for r in after} == {3}
     assert [r.token_ids for r in after] != [r.token_ids for r in before]
     assert [r.token_ids for r in after] == [hf_greedy(donor, p, 8) for p in ps]
 
