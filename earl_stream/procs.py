@@ -61,19 +61,25 @@ class ProcessGroup:
         return None
 
     def stop(self, timeout_s: float = 15.0, *, only: Sequence[Child] | None = None) -> None:
-        """SIGTERM every live child, wait, then SIGKILL what is left."""
+        """SIGTERM every live child, wait, then SIGKILL what is left.
+
+        Children stop in reverse start order (workers before the supervisor they talk to), in two
+        waves: everything but the first child, then the first child.
+        """
         children = list(only if only is not None else self.children)
-        for c in children:
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for c in children:
-            try:
-                c.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.proc.pid, timeout_s)
-                c.proc.kill()
-                c.proc.wait()
+        waves = [children[1:][::-1], children[:1]] if only is None else [children]
+        for wave in waves:
+            for c in wave:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for c in wave:
+                try:
+                    c.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.proc.pid, timeout_s)
+                    c.proc.kill()
+                    c.proc.wait()
 
 
 def describe_exit(child: Child) -> str:

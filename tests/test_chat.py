@@ -53,13 +53,14 @@ def check_multi_turn(tok: PreTrainedTokenizerBase, system: str | None) -> None:
         ids += list(tok.encode(reply, add_special_tokens=False)) + [fmt.end_token_id]
         messages.append({"role": "assistant", "content": reply})
         full = encode_render(tok, messages, gen=False)
-        # The rendering of a conversation that ends with the reply: our tokens, then only what the
-        # template puts after an end marker (part of the next turn's tokens for us).
+        # The rendering of a conversation that ends with the reply is our tokens, then only what
+        # the template puts after an end marker, which for us opens the next turn.
         assert full[: len(ids)] == ids
-        ids += fmt.next_turn(board)
+        nxt = fmt.next_turn(board)
+        assert nxt[: len(full) - len(ids)] == full[len(ids):]
+        ids += nxt
         messages.append({"role": "user", "content": board})
         assert ids == encode_render(tok, messages, gen=True)
-        assert full[len(ids) - len(fmt.next_turn(board)):] == fmt.next_turn(board)[: len(full) - len(ids) + len(fmt.next_turn(board))]
 
 
 def test_our_template_token_for_token(tokenizer: PreTrainedTokenizerBase) -> None:

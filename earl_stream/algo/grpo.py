@@ -85,19 +85,20 @@ def clipped_pg_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
-    stats = {
-        "pg_loss": float((per_token * m).sum()),
-        "clip_frac": float((((ratio - 1.0).abs() > clip_eps).float() * m).sum()),
-        "mismatch_abs": float((log_ratio.abs() * m).sum()),
-    }
+    with torch.no_grad():
+        stats = {
+            "pg_loss": float((per_token * m).sum()),
+            "clip_frac": float((((ratio - 1.0).abs() > clip_eps).float() * m).sum()),
+            "mismatch_abs": float((log_ratio.abs() * m).sum()),
+        }
     if ref_logprobs is not None and kl_coef > 0:
         d = (ref_logprobs - logprobs) * m
         kl = torch.exp(d) - d - 1.0
         per_token = per_token + kl_coef * kl
-        stats["kl"] = float((kl * m).sum())
+        stats["kl"] = float((kl.detach() * m).sum())
     if entropy is not None and entropy_coef > 0:
         per_token = per_token - entropy_coef * entropy
     if entropy is not None:
-        stats["entropy"] = float((entropy * m).sum())
+        stats["entropy"] = float((entropy.detach() * m).sum())
     loss = (per_token * m).sum() / normalizer
     return LossTerms(loss=loss, stats=stats)

@@ -13,6 +13,8 @@ import dataclasses
 import enum
 import json
 import random
+
+import msgspec
 from collections import deque
 from typing import Iterable
 
@@ -104,7 +106,7 @@ class Ledger:
             self.queue.popleft()
             group = self.groups[ordinal]
             attempt = self._attempts.get(ordinal, 0)
-            prompt = dataclasses.replace(group.prompt, group_id=f"g{ordinal}.{attempt}",
+            prompt = msgspec.structs.replace(group.prompt, group_id=f"g{ordinal}.{attempt}",
                                          min_policy_version=max(0, step - self.max_staleness))
             group.prompt, group.state, group.worker_id, group.rows = prompt, PromptState.INFLIGHT, worker_id, []
             out.append(prompt)

@@ -45,6 +45,8 @@ class StopFlag:
             signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._event.is_set():  # a second signal: the user does not want to wait
+            os._exit(128 + signum)
         log.info("received %s: stopping at the next safe point", signal.Signals(signum).name)
         self._event.set()
 
