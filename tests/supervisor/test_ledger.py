@@ -1,0 +1,105 @@
+"""The supervisor's ledger: prompts, claims, staleness, loss and the sample accounting."""
+
+from __future__ import annotations
+
+import time
+
+from earl_stream.config import EnvSpec
+from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, table_from_ipc, table_to_metas
+from earl_stream.supervisor.ledger import Ledger
+
+
+def _ledger(**kw: int) -> Ledger:
+    args = {"seed": 0, "group_size": 2, "groups_per_step": 2, "max_staleness": 1, **kw}
+    return Ledger([EnvSpec()], **args)
+
+
+def _rows(prompt, version: int = 0, producer: str = "127.0.0.1:1") -> list[SampleMeta]:
+    return [SampleMeta(schema_version=SCHEMA_VERSION, sample_id=f"{prompt.group_id}-{i}", prompt_ordinal=prompt.prompt_ordinal,
+                       episode_id=str(i), group_id=prompt.group_id, env=prompt.env, turns=1, prompt_tokens=3,
+                       response_tokens=2, total_tokens=5, reward=float(i), advantage=None, policy_version_min=version,
+                       policy_version_max=version, producer_id="w", producer_address=producer, checksum=0,
+                       created_at=time.time(), info_json="{}")
+            for i in range(prompt.group_size)]
+
+
+def _check_accounting(led: Ledger) -> None:
+    c = led.counters
+    assert c.samples_produced == c.samples_consumed + c.samples_lost + c.samples_stale + led.samples_waiting()
+
+
+def test_issue_is_bounded_by_staleness() -> None:
+    led = _ledger()
+    prompts = led.issue("w", 10)
+    assert len(prompts) == 4  # groups_per_step * (max_staleness + 1)
+    assert [p.prompt_ordinal for p in prompts] == [0, 1, 2, 3]
+    assert [p.min_policy_version for p in prompts] == [0, 0, 0, 0]  # steps 0 and 1 both accept version 0
+    assert len({p.seed for p in prompts}) == 4
+
+
+def test_synchronous_mode_waits_for_the_next_version() -> None:
+    led = _ledger(max_staleness=0)
+    prompts = led.issue("w", 10)
+    assert len(prompts) == 2 and all(p.min_policy_version == 0 for p in prompts)
+    for p in prompts:
+        led.add_rows("w", _rows(p))
+    assert led.claim(0, 2, 0)[0] is not None
+    nxt = led.issue("w", 10)
+    assert len(nxt) == 2 and all(p.min_policy_version == 1 for p in nxt)
+
+
+def test_claim_is_the_same_for_every_rank_and_release_frees() -> None:
+    led = _ledger()
+    prompts = led.issue("w", 4)
+    for p in prompts[:2]:
+        led.add_rows("w", _rows(p))
+    ipc, _ = led.claim(0, 2, 0)
+    again, _ = led.claim(0, 2, 0)
+    assert ipc is not None and ipc == again
+    metas = table_to_metas(table_from_ipc(ipc))
+    assert len(metas) == 4 and {m.prompt_ordinal for m in metas} == {0, 1}
+    assert led.claim(1, 2, 0)[0] is None  # nothing else ready yet
+    frees = led.release(0)
+    assert sorted(frees["127.0.0.1:1"]) == sorted(m.sample_id for m in metas)
+    assert led.counters.samples_consumed == 4
+    _check_accounting(led)
+
+
+def test_stale_groups_are_refused_and_replayed() -> None:
+    led = _ledger()
+    prompts = led.issue("w", 2)
+    for p in prompts:
+        led.add_rows("w", _rows(p, version=0))
+    ipc, frees = led.claim(5, 2, min_policy_version=4)
+    assert ipc is None and led.counters.samples_stale == 4 and len(frees["127.0.0.1:1"]) == 4
+    again = led.issue("w", 2)
+    assert sorted(p.prompt_ordinal for p in again) == [0, 1]  # same ordinals: nothing skipped
+    assert all(p.group_id.endswith(".1") for p in again)
+    _check_accounting(led)
+
+
+def test_dead_worker_loses_samples_and_prompts_are_reissued() -> None:
+    led = _ledger()
+    a, b, c = led.issue("w1", 3)
+    led.add_rows("w1", _rows(a, producer="h:1"))
+    result = led.worker_lost("w1", "h:1")
+    assert result == {"samples_lost": 2, "prompts_reissued": 3}
+    replay = led.issue("w2", 3)
+    assert sorted(p.prompt_ordinal for p in replay) == [0, 1, 2]
+    # a late row from the dead worker is a duplicate, not a second sample of the prompt
+    led.add_rows("w1", _rows(b, producer="h:1"))
+    assert led.counters.duplicates_detected == 2
+    _check_accounting(led)
+
+
+def test_lost_at_pull_time_replays_the_group() -> None:
+    led = _ledger()
+    prompts = led.issue("w", 2)
+    for p in prompts:
+        led.add_rows("w", _rows(p))
+    ipc, _ = led.claim(0, 2, 0)
+    metas = table_to_metas(table_from_ipc(ipc))
+    led.release(0, lost_sample_ids=[metas[0].sample_id])
+    assert led.counters.samples_lost == 2 and led.counters.samples_consumed == 2
+    assert [p.prompt_ordinal for p in led.issue("w", 1)] == [metas[0].prompt_ordinal]
+    _check_accounting(led)

@@ -1,0 +1,68 @@
+"""The supervisor as a real process: registration, status, and garbage on its port."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import zmq
+
+from earl_stream import protocol as P
+from earl_stream.errors import ProtocolError
+
+
+@pytest.fixture()
+def supervisor(tmp_path: Path) -> Iterator[str]:
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "earl_stream", "supervisor", "--bind", "127.0.0.1:0",
+                             "--ready-file", str(ready), f"run_dir={tmp_path}", "model.path=/nonexistent"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield json.loads(ready.read_text())["address"]
+    proc.terminate()
+    assert proc.wait(20) == 0
+
+
+def test_register_heartbeat_status(supervisor: str) -> None:
+    client = P.ControlClient(supervisor, timeout_s=10)
+    reg = client.call(P.Register(role=P.Role.ROLLOUT, host="h", pid=1, shard_address="127.0.0.1:9"))
+    assert reg.worker_id.startswith("rollout") and json.loads(reg.config_json)["envs"][0]["spec"] == "tictactoe"
+    hb = client.call(P.Heartbeat(worker_id=reg.worker_id))
+    assert hb.known and hb.policy_version == 0 and not hb.stop
+    assert not client.call(P.Heartbeat(worker_id="nobody")).known
+    prompts = client.call(P.RequestPrompts(worker_id=reg.worker_id, max_groups=2)).prompts
+    assert len(prompts) == 2
+    status = json.loads(client.call(P.StatusRequest()).status_json)
+    for key in ("samples_produced", "samples_consumed", "samples_lost", "prompts_reissued", "duplicates_detected"):
+        assert status[key] == 0
+    assert status["workers"][0]["id"] == reg.worker_id
+
+
+def test_garbage_does_not_stop_the_supervisor(supervisor: str) -> None:
+    host, port = supervisor.removeprefix("tcp://").rsplit(":", 1)
+    for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 10_000):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(payload)
+            time.sleep(0.05)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(supervisor)
+    sock.send_multipart([b"", b"not msgpack at all"])
+    assert sock.poll(5000)
+    reply = P.decode(sock.recv_multipart()[-1])
+    assert isinstance(reply, P.ErrorReply) and "not an earl_stream control message" in reply.message
+    sock.close(0)
+    with pytest.raises(ProtocolError, match="version"):
+        P.decode(P.encode(P.StatusRequest(v=99)))
+    client = P.ControlClient(supervisor, timeout_s=10)
+    assert "policy_version" in json.loads(client.call(P.StatusRequest()).status_json)
