@@ -20,6 +20,7 @@ from pathlib import Path
 
 from earl_stream import protocol as P
 from earl_stream.errors import EarlError
+from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
 
 
 def main() -> int:
@@ -37,7 +38,8 @@ def main() -> int:
            "--summary", str(out.with_suffix(".summary.json")), *args.overrides]
     ready = run_dir / "supervisor.json"
     ready.unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    secret_file = create_secret_file(run_dir / "secret")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, SECRET_ENV: str(secret_file)})
     curve: list[dict] = []
     start = None
     try:
@@ -45,7 +47,8 @@ def main() -> int:
             if proc.poll() is not None:
                 raise SystemExit(f"earl-stream up exited early with code {proc.returncode}")
             time.sleep(0.5)
-        client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=10)
+        client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=10,
+                                  secret=load_secret(str(secret_file)))
         start = time.monotonic()
         while time.monotonic() - start < args.minutes * 60 and proc.poll() is None:
             time.sleep(args.every)

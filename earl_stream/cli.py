@@ -17,6 +17,11 @@ log = logging.getLogger("earl_stream")
 OVERRIDES_HELP = "dotted config overrides, e.g. trainer.lr=3e-4 rollout.workers=3 (see `config show --fields`)"
 
 
+def _add_secret_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-file", metavar="PATH", help="cluster secret guarding the control and data planes "
+                   "(default: $EARL_STREAM_SECRET_FILE; `up` creates one in its run directory)")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="PATH", help="YAML config file (default: the embedded Tic-Tac-Toe run)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
@@ -36,12 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1:0", metavar="HOST:PORT", help="supervisor address (port 0 = any free)")
     p.add_argument("--steps", type=int, help="training steps (overrides steps=)")
     p.add_argument("--summary", metavar="PATH", help="write the JSON summary here (default RUN_DIR/summary.json)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in run_dir: the supervisor's ledger and the trainer's latest checkpoint")
+    _add_secret_arg(p)
 
     p = sub.add_parser("supervisor", help="run the supervisor (control plane) of a run")
     _add_config_args(p)
     p.add_argument("--bind", default="127.0.0.1:5555", metavar="HOST:PORT", help="address to listen on")
     p.add_argument("--state-dir", metavar="DIR", help="where the supervisor keeps its state (default RUN_DIR)")
     p.add_argument("--ready-file", metavar="PATH", help="write {address, metrics_address} here once listening")
+    _add_secret_arg(p)
 
     p = sub.add_parser("worker", help="run a rollout worker or a trainer pool against a supervisor")
     p.add_argument("--role", required=True, choices=("rollout", "trainer"))
@@ -49,10 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="127.0.0.1", metavar="HOST",
                    help="address other processes use to reach this worker's shard node")
     p.add_argument("--nproc", type=int, default=1, help="trainer ranks to start on this host (gloo)")
+    _add_secret_arg(p)
 
     p = sub.add_parser("status", help="show the state of a running system")
     p.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
     p.add_argument("--json", action="store_true", help="print the raw JSON status")
+    _add_secret_arg(p)
 
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True)
@@ -74,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname).1s %(processName)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "secret_file", None):
+        from earl_stream.security import SECRET_ENV
+
+        os.environ[SECRET_ENV] = os.path.abspath(args.secret_file)  # children inherit it
     try:
         return _dispatch(args)
     except EarlError as exc:
@@ -90,12 +105,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.launcher import up
 
         overrides = list(args.overrides) + ([f"steps={args.steps}"] if args.steps is not None else [])
-        return up(load_config(args.config, overrides), bind=args.bind, summary_path=args.summary)
+        return up(load_config(args.config, overrides), bind=args.bind, summary_path=args.summary, resume=args.resume)
     if args.command == "supervisor":
         from earl_stream.supervisor.server import serve
 
+        from earl_stream.security import load_secret
+
         cfg = load_config(args.config, args.overrides)
-        serve(cfg, args.bind, ready_file=args.ready_file)
+        serve(cfg, args.bind, ready_file=args.ready_file, secret=load_secret(), state_dir=args.state_dir)
         return 0
     if args.command == "worker":
         return _worker(args)
@@ -171,7 +188,9 @@ def _status(args: argparse.Namespace) -> int:
     from earl_stream import protocol as P
     from earl_stream.live import status_line
 
-    client = P.ControlClient(args.supervisor, timeout_s=5)
+    from earl_stream.security import load_secret
+
+    client = P.ControlClient(args.supervisor, timeout_s=5, secret=load_secret())
     status = json.loads(client.call(P.StatusRequest(), what="status").status_json)
     if args.json:
         print(json.dumps(status, indent=2))

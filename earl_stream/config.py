@@ -71,6 +71,7 @@ class TrainerConfig:
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", minimum=0)
     micro_batch_tokens: int = _f(8192, "token budget of one micro-batch", minimum=1)
     threads: int = _f(1, "torch threads per trainer rank", minimum=1)
+    checkpoint_every: int = _f(100, "write a checkpoint every this many steps (and at the end)", minimum=1)
     claim_timeout_s: float = _f(600.0, "give up waiting for a step's samples after this long", minimum=1)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_yaml, replace
 from earl_stream.errors import ChildProcessFailed, EarlError
 from earl_stream.live import LiveView
+from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
 from earl_stream.procs import Child, ProcessGroup, describe_exit
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,15 @@ def _tail(path: str | None, lines: int = 12) -> str:
     return "\n  last lines of its log:\n    " + "\n    ".join(text)
 
 
-def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = None) -> int:
+def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = None, resume: bool = False) -> int:
     cfg, config_file = prepare(cfg)
     run_dir = Path(cfg.run_dir)
+    if not resume:  # a fresh run: forget the ledger of an earlier run in the same directory
+        (run_dir / "supervisor.state").unlink(missing_ok=True)
+    secret = load_secret()
+    if secret is None:
+        os.environ[SECRET_ENV] = str(create_secret_file(run_dir / "secret").resolve())
+        secret = load_secret()
     logs = run_dir / "logs"
     ready = run_dir / "supervisor.json"
     ready.unlink(missing_ok=True)
@@ -78,7 +86,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
                         log_path=str(logs / f"rollout-{i}.log"))
         trainer = group.start("trainer", ["worker", "--role", "trainer", "--supervisor", address, "--nproc",
                                           str(cfg.trainer.nproc)], log_path=str(logs / "trainer.log"))
-        client = P.ControlClient(address, timeout_s=10)
+        client = P.ControlClient(address, timeout_s=10, secret=secret)
         with view:
             while not stopping and trainer.proc.poll() is None:
                 failed = group.failed()

@@ -202,6 +202,13 @@ def init_model(
 
 # ------------------------------------------------------------------------------------- loading
 
+def _one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, so a ModelError stays one line however chatty the cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
 def _check_model_dir(path: str | os.PathLike[str]) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
@@ -219,7 +226,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except Exception as exc:
-        raise ModelError(f"cannot load the tokenizer in {p}: {type(exc).__name__}: {exc}") from None
+        raise ModelError(f"cannot load the tokenizer in {p}: {_one_line(exc)}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -239,7 +246,7 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(p, local_files_only=True)
     except Exception as exc:
-        raise ModelError(f"cannot read {p / 'config.json'}: {type(exc).__name__}: {exc}") from None
+        raise ModelError(f"cannot read {p / 'config.json'}: {_one_line(exc)}") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelError(
             f"model in {p} has model_type {config.model_type!r}, which is not a causal language model"
@@ -248,7 +255,7 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype)
     except Exception as exc:
-        raise ModelError(f"cannot load the model weights in {p}: {type(exc).__name__}: {exc}") from None
+        raise ModelError(f"cannot load the model weights in {p}: {_one_line(exc)}") from None
     model.eval()
     return model, tokenizer
 

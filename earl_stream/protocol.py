@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from earl_stream.errors import ControlPlaneTimeout, ProtocolError
+from earl_stream.security import sign, verify
 from earl_stream.store.schema import SampleMeta
 
 PROTOCOL_VERSION = 1
@@ -173,8 +174,9 @@ class ControlClient:
     the next request.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 30.0, secret: bytes | None = None) -> None:
         self.address = normalize_address(address)
+        self.secret = secret
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
@@ -192,7 +194,7 @@ class ControlClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             sock = self._socket()
-            sock.send_multipart([b"", encode(msg)])
+            sock.send_multipart([b"", sign(self.secret, encode(msg))])
             if not sock.poll(int(timeout * 1000)):
                 sock.close(0)
                 self._sock = None
@@ -201,7 +203,17 @@ class ControlClient:
                     f"(waiting for the reply to {what or type(msg).__name__})"
                 )
             frames = sock.recv_multipart()
-        reply = decode(frames[-1])
+        payload = verify(self.secret, frames[-1])
+        if payload is None:
+            try:
+                refused = decode(frames[-1])
+            except ProtocolError:
+                refused = None
+            if isinstance(refused, ErrorReply):
+                raise ProtocolError(f"the supervisor at {self.address} refused us: {refused.message} "
+                                    "(is the cluster secret the same?)")
+            raise ProtocolError(f"the reply from {self.address} is not signed with our cluster secret")
+        reply = decode(payload)
         if isinstance(reply, ErrorReply):
             raise ProtocolError(f"supervisor refused {type(msg).__name__}: {reply.message}")
         return reply

@@ -44,7 +44,7 @@ class WarmStartReport:
     """Outcome of `warm_start`.
 
     steps: optimizer steps taken; first_loss / final_loss: mean cross-entropy (nats per trained
-    token) over the first / last up-to-10 steps; games_trained: synthetic games seen;
+    token) over the first / last min(10, steps // 4) steps (at least one); games_trained: synthetic games seen;
     train_seconds / eval_seconds: wall time of each phase; tokens_per_game: mean episode length in
     tokens; legal_rate: legal model moves / moves attempted; win_rate, draw_rate: fractions of the
     `eval_games` evaluation games (an illegal move is a loss).
@@ -118,13 +118,17 @@ def _batch(
     return input_ids, loss_mask
 
 
-def _masked_loss(model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over positions whose *target* is a model token."""
+def _losses(
+    model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy: (mean over model-token targets, mean over other real targets)."""
     # Right padding needs no attention mask: causal attention never looks ahead at the pads.
     logits = model(input_ids=input_ids).logits[:, :-1].float()
     targets = input_ids[:, 1:]
-    keep = loss_mask[:, 1:]
-    return F.cross_entropy(logits[keep], targets[keep])
+    own = loss_mask[:, 1:]
+    other = (targets != pad_id) & ~own
+    per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    return per_token[own].mean(), per_token[other].mean()
 
 
 def _lr_factor(step: int, progress: float) -> float:
@@ -143,6 +147,7 @@ def warm_start(
     batch_size: int = 32,
     max_steps: int | None = None,
     eval_games: int = 100,
+    observation_weight: float = 0.0,
 ) -> WarmStartReport:
     """Train the model in `model_dir` on synthetic legal play for `seconds` of wall time, save it back.
 
@@ -169,9 +174,9 @@ def warm_start(
         for group in optimizer.param_groups:
             group["lr"] = lr * _lr_factor(len(losses), progress)
         input_ids, loss_mask = _batch(fmt, tokenizer, rng, batch_size, pad_id)
-        loss = _masked_loss(model, input_ids, loss_mask)
+        loss, observation_loss = _losses(model, input_ids, loss_mask, pad_id)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + observation_weight * observation_loss if observation_weight else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
@@ -184,10 +189,11 @@ def warm_start(
     model.save_pretrained(model_dir)
     start = time.monotonic()
     legal, win, draw = evaluate_tictactoe(model, tokenizer, games=eval_games, seed=seed)
+    window = max(1, min(10, len(losses) // 4))
     report = WarmStartReport(
         steps=len(losses),
-        first_loss=_mean(losses[:10]),
-        final_loss=_mean(losses[-10:]),
+        first_loss=_mean(losses[:window]),
+        final_loss=_mean(losses[-window:]),
         games_trained=games,
         train_seconds=round(train_seconds, 2),
         tokens_per_game=tokens / games if games else float("nan"),

@@ -1,9 +1,12 @@
-"""The pulling side of the shard data plane (TCP transport).
+"""The pulling side of the shard data plane: connections, requests, and the choice of transport.
 
 Owns `ShardClient`: one persistent, authenticated connection per peer address, requests for element
-ranges of stored arrays, receipt straight into one preallocated buffer per reply, crc32 checks, and
-concurrent pulls from several peers. It knows nothing about what keys mean (see `experience.py`,
-`weights.py`). Shared-memory and UCX transports will implement the same `pull` / `manifest` API.
+ranges of stored arrays, concurrent pulls from several peers, and, per peer, the transport: after
+authentication it asks the node for a shared-memory offer and, if this process can read the node's
+probe file (same host, same /dev/shm), pulls with PULL_SHM (the reply says where the bytes lie and
+the client copies them out of the mapped segment); otherwise, or with `shm=False`, plain PULL over
+TCP. Turning replies into arrays is `receive.py`'s. It knows nothing about what keys mean (see
+`experience.py`, `weights.py`).
 """
 
 from __future__ import annotations
@@ -12,22 +15,23 @@ import logging
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+import msgspec
 import numpy as np
 
 from earl_stream.errors import ProtocolError, StoreError
 from earl_stream.store import wire
+from earl_stream.store.receive import ALIGN, Piece, SegmentGone, pieces_of_tcp_reply, receive_pieces
+from earl_stream.store.shm import SegmentCache, read_probe
 from earl_stream.store.wire import ErrorCode, Kind, ManifestEntry
 
 log = logging.getLogger(__name__)
 
-Piece = tuple[str, int, int]  # (key, start, end): elements [start, end) of the array under key
-ALIGN = 64  # every received piece starts at a multiple of this in the receive buffer
+__all__ = ["ALIGN", "Piece", "PeerUnreachable", "RemoteError", "ShardClient", "split_address"]
 _T = TypeVar("_T")
 # After these errors the server closes the connection (the stream cannot be resynchronised).
 _FATAL_CODES = frozenset({ErrorCode.BAD_MAGIC, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.FRAME_TOO_LARGE, ErrorCode.AUTH_FAILED})
@@ -55,6 +59,7 @@ class _Conn:
     address: str
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
+    shm: bool = False  # this connection pulls through the peer's shared memory
 
     def close(self) -> None:
         if self.sock is not None:
@@ -62,6 +67,7 @@ class _Conn:
                 self.sock.close()
             finally:
                 self.sock = None
+                self.shm = False
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -76,7 +82,8 @@ class ShardClient:
     """Pulls element ranges of arrays from shard nodes. Thread-safe; one connection per peer.
 
     `secret`: cluster secret for nodes that require one; `timeout_s`: default bound on one whole
-    request (connect, send, and the complete reply); `max_payload`: largest reply accepted, in bytes.
+    request (connect, send, and the complete reply); `max_payload`: largest reply accepted, in bytes;
+    `shm`: use shared memory with peers on this host (TCP stays the fallback for every other peer).
     """
 
     def __init__(
@@ -86,8 +93,10 @@ class ShardClient:
         timeout_s: float = 30.0,
         max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
         max_parallel_peers: int = 8,
+        shm: bool = True,
     ) -> None:
         self._secret = secret
+        self._maps = SegmentCache() if shm else None
         self._timeout_s = timeout_s
         self._max_payload = max_payload
         self._max_parallel = max_parallel_peers
@@ -98,12 +107,15 @@ class ShardClient:
 
     # --- public API ----------------------------------------------------------------------------------
 
-    def pull(self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None) -> list[np.ndarray]:
+    def pull(
+        self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None, crcs_out: list[int] | None = None
+    ) -> list[np.ndarray]:
         """Fetch pieces from one peer in one request; one 1-D array per piece, in order.
 
         The arrays are views into one receive buffer (each piece aligned to 64 bytes), with the dtype
         the peer stored. Raises `RemoteError` (unknown key, bad range), `PeerUnreachable`, or
-        `StoreError` on a checksum mismatch.
+        `StoreError` on a checksum mismatch. `crcs_out`, if given, is extended with each piece's
+        verified crc32 (-1 where the transport had none to check: a sub-range read from shared memory).
         """
         pieces = [(str(k), int(s), int(e)) for k, s, e in pieces]
         if not pieces:
@@ -111,17 +123,25 @@ class ShardClient:
         for key, start, end in pieces:
             if not 0 <= start <= end:
                 raise StoreError(f"piece {key!r} [{start}, {end}) is not a valid element range")
-        request = wire.encode_frame(wire.PullRequest(pieces))
         what = f"a reply to PULL of {len(pieces)} piece(s)"
-        return self._call(address, what, timeout_s, lambda s, d: self._pull_on(s, d, address, request, pieces))
+        return self._call(address, what, timeout_s, lambda conn, d: self._pull_on(conn, d, address, pieces, crcs_out))
+
+    def transport(self, address: str) -> str | None:
+        """'shm' or 'tcp' for a peer this client is connected to, else None."""
+        with self._lock:
+            conn = self._conns.get(address)
+        if conn is None or conn.sock is None:
+            return None
+        return "shm" if conn.shm else "tcp"
 
     def manifest(self, address: str, prefix: str = "", *, timeout_s: float | None = None) -> list[ManifestEntry]:
         """Keys (sorted), dtypes and shapes of the arrays a peer holds under `prefix`."""
         request = wire.encode_frame(wire.ManifestRequest(prefix))
 
-        def op(sock: socket.socket, deadline: float) -> list[ManifestEntry]:
-            sock.sendall(request)
-            head, header = self._read_reply(sock, deadline, address, Kind.MANIFEST_REPLY)
+        def op(conn: _Conn, deadline: float) -> list[ManifestEntry]:
+            assert conn.sock is not None
+            conn.sock.sendall(request)
+            head, header = self._read_reply(conn.sock, deadline, address, Kind.MANIFEST_REPLY)
             return list(header.entries)
 
         return self._call(address, f"a MANIFEST reply for prefix {prefix!r}", timeout_s, op)
@@ -163,6 +183,8 @@ class ShardClient:
                 conn.close()
         if pool is not None:
             pool.shutdown(wait=True)
+        if self._maps is not None:
+            self._maps.close()
 
     def __enter__(self) -> ShardClient:
         return self
@@ -198,7 +220,21 @@ class ShardClient:
                 conn = self._conns[address] = _Conn(address)
             return conn
 
-    def _call(self, address: str, what: str, timeout_s: float | None, op: Callable[[socket.socket, float], _T]) -> _T:
+    def call(self, address: str, request: msgspec.Struct, expect: Kind, *, timeout_s: float | None = None) -> Any:
+        """Send one request without payload and return the decoded reply header of kind `expect`.
+
+        For request kinds beyond pulls (e.g. the central dispatcher's GATHER); errors as `pull`.
+        """
+        frame = wire.encode_frame(request)
+
+        def op(conn: _Conn, deadline: float) -> Any:
+            assert conn.sock is not None
+            conn.sock.sendall(frame)
+            return self._read_reply(conn.sock, deadline, address, expect)[1]
+
+        return self._call(address, f"a {expect.name} reply", timeout_s, op)
+
+    def _call(self, address: str, what: str, timeout_s: float | None, op: Callable[[_Conn, float], _T]) -> _T:
         """Run `op` on the peer's connection under its lock; reconnect once if a reused one went stale."""
         timeout = self._timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -207,10 +243,9 @@ class ShardClient:
             for attempt in range(2):
                 fresh = conn.sock is None
                 if fresh:
-                    conn.sock = self._connect(address, deadline, timeout)
-                assert conn.sock is not None
+                    conn.sock, conn.shm = self._connect(address, deadline, timeout)
                 try:
-                    return op(conn.sock, deadline)
+                    return op(conn, deadline)
                 except socket.timeout:
                     conn.close()
                     raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for {what} from peer {address}") from None
@@ -223,12 +258,16 @@ class ShardClient:
                     if fresh or attempt:
                         raise PeerUnreachable(address, f"lost connection to peer {address} while waiting for {what}: {exc}") from exc
                     log.info("connection to %s went stale (%s); reconnecting once", address, exc)
+                except SegmentGone as exc:
+                    conn.close()
+                    raise PeerUnreachable(address, f"peer {address} went away while we read its shared memory: {exc}") from exc
                 except ProtocolError as exc:
                     conn.close()
                     raise StoreError(f"peer {address} broke the protocol while sending {what}: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def _connect(self, address: str, deadline: float, timeout: float) -> socket.socket:
+    def _connect(self, address: str, deadline: float, timeout: float) -> tuple[socket.socket, bool]:
+        """A connected, authenticated socket, and whether pulls from this peer go through shared memory."""
         host, port = split_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
@@ -237,6 +276,7 @@ class ShardClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._handshake(sock, address, deadline)
+            shm = self._maps is not None and self._negotiate_shm(sock, address, deadline)
         except socket.timeout:
             sock.close()
             raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for the handshake of peer {address}") from None
@@ -246,7 +286,19 @@ class ShardClient:
         except (OSError, ProtocolError) as exc:
             sock.close()
             raise PeerUnreachable(address, f"handshake with shard node {address} failed: {exc}") from exc
-        return sock
+        log.debug("connected to shard node %s over %s", address, "shared memory" if shm else "TCP")
+        return sock, shm
+
+    def _negotiate_shm(self, sock: socket.socket, address: str, deadline: float) -> bool:
+        """Ask for the node's shared-memory offer; accept it only if we can read its probe here."""
+        sock.sendall(wire.encode_frame(wire.ShmOfferRequest()))
+        try:
+            _, offer = self._read_reply(sock, deadline, address, Kind.SHM_OFFER_REPLY)
+        except RemoteError as exc:
+            if exc.code == ErrorCode.UNKNOWN_KIND:
+                return False  # a node without the shared-memory transport
+            raise
+        return bool(offer.available) and read_probe(offer.probe, offer.token)
 
     def _handshake(self, sock: socket.socket, address: str, deadline: float) -> None:
         _, challenge = self._read_reply(sock, deadline, address, Kind.CHALLENGE)
@@ -271,43 +323,27 @@ class ShardClient:
             raise RemoteError(address, header.code, header.message)
         if head.kind != expect:
             raise ProtocolError(f"expected {expect.name}, got {Kind(head.kind).name}")
-        if expect != Kind.PULL_REPLY and head.payload_len:
+        if expect not in (Kind.PULL_REPLY, Kind.PULL_SHM_REPLY) and head.payload_len:
             raise ProtocolError(f"{expect.name} frame with an unexpected {head.payload_len}-byte payload")
         return head, header
 
     def _pull_on(
-        self, sock: socket.socket, deadline: float, address: str, request: bytes, pieces: list[Piece]
+        self, conn: _Conn, deadline: float, address: str, pieces: list[Piece], crcs_out: list[int] | None
     ) -> list[np.ndarray]:
-        sock.sendall(request)
-        head, reply = self._read_reply(sock, deadline, address, Kind.PULL_REPLY)
-        if len(reply.pieces) != len(pieces):
-            raise ProtocolError(f"asked for {len(pieces)} pieces, reply describes {len(reply.pieces)}")
-        dtypes = [wire.storable_dtype(p.dtype) for p in reply.pieces]
-        sizes = [p.count * dt.itemsize for p, dt in zip(reply.pieces, dtypes)]
-        for (key, start, end), info in zip(pieces, reply.pieces):
-            if info.count != end - start:
-                raise ProtocolError(f"piece {key!r}: asked {end - start} elements, reply has {info.count}")
-        if sum(sizes) != head.payload_len:
-            raise ProtocolError(f"reply payload is {head.payload_len} bytes, its pieces add up to {sum(sizes)}")
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total = -(-(total + size) // ALIGN) * ALIGN
-        buf = np.empty(max(total, 1), dtype=np.uint8)
-        view = memoryview(buf)
-        run_start = 0  # receive runs of pieces that are already adjacent with one recv loop
-        for i in range(len(sizes) + 1):
-            if i == len(sizes) or (i > run_start and offsets[i] != offsets[i - 1] + sizes[i - 1]):
-                end = offsets[i - 1] + sizes[i - 1]
-                wire.recv_exact_into(sock, view[offsets[run_start] : end], deadline)
-                run_start = i
-        out = []
-        for (key, start, end), info, dt, off, size in zip(pieces, reply.pieces, dtypes, offsets, sizes):
-            raw = buf[off : off + size]
-            if zlib.crc32(raw) != info.crc32:
-                raise StoreError(
-                    f"checksum mismatch for {key!r} [{start}, {end}) from peer {address}: the bytes were corrupted "
-                    "in storage or in transit; treat this shard as lost"
-                )
-            out.append(raw.view(dt))
-        return out
+        sock = conn.sock
+        assert sock is not None
+        if not conn.shm:
+            sock.sendall(wire.encode_frame(wire.PullRequest(pieces)))
+            head, reply = self._read_reply(sock, deadline, address, Kind.PULL_REPLY)
+            infos, segments = pieces_of_tcp_reply(reply), []
+        else:
+            sock.sendall(wire.encode_frame(wire.PullShmRequest(pieces)))
+            head, reply = self._read_reply(sock, deadline, address, Kind.PULL_SHM_REPLY)
+            infos, segments = reply.pieces, reply.segments
+        arrays, used_shm = receive_pieces(sock, deadline, address, pieces, infos, segments, head.payload_len, self._maps, self._max_payload)
+        if used_shm:
+            # Lets the node reuse the regions now rather than at our next request; nothing to wait for.
+            sock.sendall(wire.encode_frame(wire.ShmDone()))
+        if crcs_out is not None:
+            crcs_out.extend(info.crc32 for info in infos)
+        return arrays

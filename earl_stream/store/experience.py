@@ -14,12 +14,13 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from earl_stream.errors import StoreError
 from earl_stream.records import TOKEN_FIELDS, SampleRecord
-from earl_stream.store.client import PeerUnreachable, RemoteError, ShardClient
+from earl_stream.store.client import PeerUnreachable, RemoteError
 from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, sample_key, sample_prefix
 from earl_stream.store.wire import ErrorCode
@@ -125,23 +126,38 @@ class ExperienceWriter:
             return sorted(self._held)
 
 
+class Puller(Protocol):
+    """What `pull_samples` needs from a client: `ShardClient`, or `CentralClient` in central mode."""
+
+    def pull(self, address: str, pieces: Sequence[tuple[str, int, int]], *, timeout_s: float | None = None) -> list[np.ndarray]: ...
+
+    def pull_many(
+        self, requests: Mapping[str, Sequence[tuple[str, int, int]]], *, timeout_s: float | None = None, return_exceptions: bool = False
+    ) -> dict[str, Any]: ...
+
+
 def pull_samples(
-    client: ShardClient,
+    client: Puller,
     metas: Sequence[SampleMeta],
     fields: Sequence[str],
     token_ranges: Mapping[int, list[tuple[int, int]]] | None = None,
+    *,
+    dtypes: Mapping[str, np.dtype] | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Fetch `fields` of every meta straight from its producer; one dict field -> 1-D array per meta.
 
     `token_ranges` maps a position in `metas` to the [start, end) ranges needed (concatenated in the
     result); None pulls whole rows ([total_tokens] each) and then checks each row against
     `meta.checksum` when all TOKEN_FIELDS were pulled. One request per producer, producers in
-    parallel. Raises `SamplesUnavailable` naming the samples whose producer is unreachable or no
-    longer holds them (the others are in its `partial`).
+    parallel. `dtypes` declares per-token fields a producer stored beyond TOKEN_FIELDS (e.g.
+    {"advantages": float32}, put under `sample_key(sample_id, "advantages")`). Raises
+    `SamplesUnavailable` naming the samples whose producer is unreachable or no longer holds them
+    (the others are in its `partial`).
     """
-    unknown = [f for f in fields if f not in TOKEN_FIELDS]
+    known = {**TOKEN_FIELDS, **{k: np.dtype(v) for k, v in (dtypes or {}).items()}}
+    unknown = [f for f in fields if f not in known]
     if unknown or not fields:
-        raise StoreError(f"fields {list(fields)} must be a non-empty subset of {list(TOKEN_FIELDS)}")
+        raise StoreError(f"fields {list(fields)} must be a non-empty subset of {list(known)}")
     wanted = [_pieces_for(pos, meta, fields, token_ranges) for pos, meta in enumerate(metas)]
     positions: dict[str, list[int]] = {}
     for pos, meta in enumerate(metas):
@@ -163,7 +179,7 @@ def pull_samples(
         for pos in positions[address]:
             arrays = [next(it) for _ in wanted[pos]]
             if all(a is not None for a in arrays):
-                out[pos] = _assemble(metas[pos], fields, arrays, whole=token_ranges is None)
+                out[pos] = _assemble(metas[pos], fields, arrays, known, whole=token_ranges is None)
     lost = [m.sample_id for m, row in zip(metas, out) if row is None]
     if lost:
         raise SamplesUnavailable(lost, out, causes)
@@ -171,7 +187,7 @@ def pull_samples(
 
 
 def _pull_one_by_one(
-    client: ShardClient, address: str, per_sample: list[list[tuple[str, int, int]]], causes: dict[str, str]
+    client: Puller, address: str, per_sample: list[list[tuple[str, int, int]]], causes: dict[str, str]
 ) -> list[np.ndarray | None]:
     """Pull each sample's pieces separately; pieces of samples the peer no longer holds come back None."""
     flat: list[np.ndarray | None] = []
@@ -196,17 +212,19 @@ def _pieces_for(
     return [(sample_key(meta.sample_id, name), s, e) for name in fields for s, e in ranges]
 
 
-def _assemble(meta: SampleMeta, fields: Sequence[str], arrays: list[np.ndarray], *, whole: bool) -> dict[str, np.ndarray]:
+def _assemble(
+    meta: SampleMeta, fields: Sequence[str], arrays: list[np.ndarray], known: Mapping[str, np.dtype], *, whole: bool
+) -> dict[str, np.ndarray]:
     per_field = len(arrays) // len(fields)
     row = {}
     for i, name in enumerate(fields):
         parts = arrays[i * per_field : (i + 1) * per_field]
         if not parts:  # no ranges needed from this row (e.g. a very short row on a cp rank)
-            row[name] = np.empty(0, TOKEN_FIELDS[name])
+            row[name] = np.empty(0, known[name])
         else:
             row[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
     if whole:
-        _verify_row(meta, row)
+        _verify_row(meta, row, known)
     return row
 
 
@@ -222,14 +240,14 @@ def _ranges_for(pos: int, meta: SampleMeta, token_ranges: Mapping[int, list[tupl
     return ranges
 
 
-def _verify_row(meta: SampleMeta, row: Mapping[str, np.ndarray]) -> None:
+def _verify_row(meta: SampleMeta, row: Mapping[str, np.ndarray], known: Mapping[str, np.dtype]) -> None:
     for name, arr in row.items():
-        if arr.shape != (meta.total_tokens,) or arr.dtype != TOKEN_FIELDS[name]:
+        if arr.shape != (meta.total_tokens,) or arr.dtype != known[name]:
             raise StoreError(
                 f"sample {meta.sample_id}: {name} arrived as {arr.dtype}{list(arr.shape)}, "
-                f"expected {TOKEN_FIELDS[name]}[{meta.total_tokens}]"
+                f"expected {known[name]}[{meta.total_tokens}]"
             )
-    if set(row) == set(TOKEN_FIELDS) and record_checksum(row) != meta.checksum:
+    if set(TOKEN_FIELDS) <= set(row) and record_checksum(row) != meta.checksum:
         raise StoreError(
             f"sample {meta.sample_id} from {meta.producer_address}: checksum of the pulled row does not match its "
             "metadata; the producer's copy is corrupt: report the sample lost"

@@ -1,10 +1,12 @@
-"""The shard node: holds a process's tensor shards and serves pulls of them over TCP.
+"""The shard node: serves a process's tensor shards to pulling peers over TCP and shared memory.
 
-Owns the in-process shard storage (`_ShardStore`: immutable 1-D arrays by key, byte accounting and
-back-pressure) and the TCP server that answers PULL / MANIFEST requests (`ShardNode`, one thread per
-connection). Framing is `wire.py`'s; what a key means (samples, weights) is `experience.py`'s and
-`weights.py`'s. Ownership: `put` takes the caller's array without copying; from then on the node
-owns it and the caller must not write to it. Bytes are freed when the key is dropped.
+Owns `ShardNode`: the listening socket, one thread per connection, authentication, the answers to
+PULL / PULL_SHM / MANIFEST (and to extra request kinds a caller registers, e.g. the central
+dispatcher's GATHER), and the per-connection leases on shared-memory regions. Storage, accounting and
+leases are `shards.py`'s, segments `shm.py`'s, framing `wire.py`'s; what a key means (samples,
+weights) is `experience.py`'s and `weights.py`'s. Ownership: after `put` the caller must not write
+to the array (without shared memory the node keeps it as is; with it the node copies it into a
+pooled segment). Bytes are freed when the key is dropped and no peer is still reading them.
 """
 
 from __future__ import annotations
@@ -16,148 +18,35 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+import msgspec
 import numpy as np
 
-from earl_stream.errors import StoreError
+from earl_stream.errors import ProtocolError, StoreError
 from earl_stream.store import wire
+from earl_stream.store.shards import Lease, Piece, RequestError, ShardStore
+from earl_stream.store.shm import ShmPool, shm_supported
 from earl_stream.store.wire import ErrorCode, FrameError, Kind
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Shard:
-    array: np.ndarray  # 1-D, C-contiguous, read-only
-    crc32: int  # of the whole array's bytes, computed once at put
-
-
-class _RequestError(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _ShardStore:
-    """Thread-safe key -> immutable array map with byte accounting and optional capacity."""
-
-    def __init__(self, max_bytes: int | None, put_timeout_s: float) -> None:
-        self._shards: dict[str, _Shard] = {}
-        self._held = 0
-        self._max_bytes = max_bytes
-        self._put_timeout_s = put_timeout_s
-        self._closed = False
-        self._cond = threading.Condition()
-
-    @property
-    def bytes_held(self) -> int:
-        return self._held
-
-    def put_many(self, items: Mapping[str, np.ndarray]) -> None:
-        shards = {key: _prepare(key, arr) for key, arr in items.items()}
-        need = sum(s.array.nbytes for s in shards.values())
-        with self._cond:
-            self._refuse_existing(shards)
-            if self._max_bytes is not None and need > 0:
-                if need > self._max_bytes:
-                    raise StoreError(f"{need} bytes can never fit in a node capped at max_bytes={self._max_bytes}")
-                fits = self._cond.wait_for(
-                    lambda: self._closed or self._held + need <= self._max_bytes, timeout=self._put_timeout_s
-                )
-                if not fits:
-                    raise StoreError(
-                        f"back-pressure: node holds {self._held} of max_bytes={self._max_bytes}; {need} more bytes "
-                        f"did not fit within {self._put_timeout_s}s. Consumers must release (drop) pulled shards."
-                    )
-                self._refuse_existing(shards)  # someone may have put the same key while we waited
-            if self._closed:
-                raise StoreError("shard node is closed")
-            self._shards.update(shards)
-            self._held += need
-
-    def _refuse_existing(self, shards: Mapping[str, _Shard]) -> None:
-        dup = [k for k in shards if k in self._shards]
-        if dup:
-            raise StoreError(f"keys are immutable once put; already held: {dup[:5]}{' ...' if len(dup) > 5 else ''}")
-
-    def drop(self, keys: Iterable[str]) -> int:
-        with self._cond:
-            freed = 0
-            for key in keys:
-                shard = self._shards.pop(key, None)
-                if shard is not None:
-                    freed += shard.array.nbytes
-            self._held -= freed
-            self._cond.notify_all()
-        return freed
-
-    def drop_prefix(self, prefix: str) -> int:
-        with self._cond:
-            keys = [k for k in self._shards if k.startswith(prefix)]
-        return self.drop(keys)
-
-    def keys(self) -> list[str]:
-        with self._cond:
-            return list(self._shards)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def resolve(self, pieces: Sequence[tuple[str, int, int]]) -> list[tuple[np.ndarray, int]]:
-        """Validate pieces and return (uint8 view of the slice, crc32) per piece."""
-        with self._cond:
-            shards = [self._shards.get(key) for key, _, _ in pieces]
-        out = []
-        for (key, start, end), shard in zip(pieces, shards):
-            if shard is None:
-                raise _RequestError(ErrorCode.UNKNOWN_KEY, f"no shard under key {key!r}")
-            n = shard.array.shape[0]
-            if not 0 <= start <= end <= n:
-                raise _RequestError(ErrorCode.BAD_RANGE, f"range [{start}, {end}) outside [0, {n}] of key {key!r}")
-            view = shard.array[start:end].view(np.uint8)
-            # Whole-array pulls reuse the crc taken at put: it then also catches corruption at rest.
-            crc = shard.crc32 if (start, end) == (0, n) else zlib.crc32(view)
-            out.append((shard.array[start:end], crc))
-        return out
-
-    def manifest(self, prefix: str) -> list[wire.ManifestEntry]:
-        with self._cond:
-            items = [(k, s) for k, s in self._shards.items() if k.startswith(prefix)]
-        return [wire.ManifestEntry(k, s.array.dtype.str, [int(s.array.shape[0])]) for k, s in sorted(items)]
-
-    def corrupt_for_test(self, key: str, byte_index: int) -> None:
-        with self._cond:
-            shard = self._shards[key]
-            raw = shard.array.view(np.uint8).copy()
-            raw[byte_index] ^= 0xFF
-            broken = raw.view(shard.array.dtype)
-            broken.flags.writeable = False
-            self._shards[key] = _Shard(broken, shard.crc32)  # keep the old crc: models bit rot at rest
-
-
-def _prepare(key: str, arr: np.ndarray) -> _Shard:
-    if not isinstance(key, str) or not key:
-        raise StoreError(f"shard keys are non-empty strings, got {key!r}")
-    if not isinstance(arr, np.ndarray) or arr.ndim != 1:
-        raise StoreError(f"shard {key!r} must be a 1-D numpy array, got {type(arr).__name__} {getattr(arr, 'shape', '')}")
-    if arr.dtype.kind not in wire.STORABLE_KINDS or arr.dtype.hasobject:
-        raise StoreError(f"shard {key!r} has dtype {arr.dtype}; only fixed-size numeric dtypes can be stored")
-    view = np.ascontiguousarray(arr).view()
-    view.flags.writeable = False
-    return _Shard(view, zlib.crc32(view.view(np.uint8)))
+# An extra request handler: gets the decoded header, returns the reply header (no payload).
+Handler = Callable[[Any], msgspec.Struct]
 
 
 class ShardNode:
     """Holds tensor shards of this process and serves them to pulling peers.
 
     `host`/`port`: where to listen (port 0 picks a free one); `secret`: if set, peers must prove it
-    (HMAC) before any request; `max_bytes`: capacity, `put` blocks up to `put_timeout_s` for room;
-    `max_payload`: largest reply in bytes; `frame_timeout_s`: how long a started frame may take to
-    arrive (or a reply to drain); `advertise_host`: host part of `.address` when listening on 0.0.0.0.
+    (HMAC) before any request, shared-memory offers included; `max_bytes`: capacity, `put` blocks up
+    to `put_timeout_s` for room; `max_payload`: largest reply in bytes; `frame_timeout_s`: how long a
+    started frame may take to arrive (or a reply to drain); `advertise_host`: host part of `.address`
+    when listening on 0.0.0.0. `shm`: keep shards in pooled /dev/shm segments that same-host peers
+    copy out of directly (None: wherever /dev/shm is usable); `shm_max_bytes`: cap of the pool
+    (default: `max_bytes`, else 1 GiB; arrays that do not fit stay private and travel inline);
+    `shm_segment_bytes`: largest segment (and largest array placed in shared memory);
+    `handlers`: extra request kinds, header type -> function returning the reply header.
     """
 
     def __init__(
@@ -171,15 +60,30 @@ class ShardNode:
         max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
         frame_timeout_s: float = 30.0,
         advertise_host: str | None = None,
+        shm: bool | None = None,
+        shm_max_bytes: int | None = None,
+        shm_segment_bytes: int = 64 << 20,
+        handlers: Mapping[type[msgspec.Struct], Handler] | None = None,
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise StoreError(f"max_bytes must be positive or None, got {max_bytes}")
-        self._store = _ShardStore(max_bytes, put_timeout_s)
+        use_shm = shm_supported() if shm is None else shm
+        pool = None
+        if use_shm:
+            cap = shm_max_bytes if shm_max_bytes is not None else (max_bytes if max_bytes is not None else 1 << 30)
+            pool = ShmPool(max_bytes=cap, segment_bytes=shm_segment_bytes)
+        self._store = ShardStore(max_bytes, put_timeout_s, pool)
+        self._handlers = dict(handlers or {})
         self._secret = secret
         self._max_payload = max_payload
         self._frame_timeout_s = frame_timeout_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=128)
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
         self._listener.setblocking(False)
         bound_port = self._listener.getsockname()[1]
         shown = advertise_host or host
@@ -197,9 +101,13 @@ class ShardNode:
         """Store a complete 1-D array under `key` (visible to pulls only once this returns)."""
         self._store.put_many({key: array})
 
-    def put_many(self, items: Mapping[str, np.ndarray]) -> None:
-        """Store several arrays atomically: all become visible together, or none (StoreError)."""
-        self._store.put_many(items)
+    def put_many(self, items: Mapping[str, np.ndarray], *, crc32s: Mapping[str, int] | None = None) -> None:
+        """Store several arrays atomically: all become visible together, or none (StoreError).
+
+        `crc32s` may give the crc32 of an array's bytes when the caller already verified it (e.g. it
+        just pulled it whole), to spare a pass over the data.
+        """
+        self._store.put_many(items, crc32s)
 
     def drop(self, keys: Iterable[str]) -> int:
         """Forget keys (unknown ones are ignored); returns bytes freed."""
@@ -212,6 +120,15 @@ class ShardNode:
     def bytes_held(self) -> int:
         return self._store.bytes_held
 
+    @property
+    def shm_enabled(self) -> bool:
+        return self._store.pool is not None
+
+    def shm_segment_names(self) -> list[str]:
+        """Files under /dev/shm this node owns (its probe and its segments); empty without shm."""
+        pool = self._store.pool
+        return [] if pool is None else pool.segment_names()
+
     def keys(self) -> list[str]:
         return self._store.keys()
 
@@ -222,7 +139,7 @@ class ShardNode:
     # --- server --------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop serving, close every connection and join the server threads."""
+        """Stop serving, close every connection, join the server threads and unlink shared memory."""
         if self._stopping.is_set():
             return
         self._stopping.set()
@@ -240,6 +157,8 @@ class ShardNode:
             thread.join(timeout=5.0)
         for s in (self._listener, self._wake_r, self._wake_w):
             s.close()
+        if self._store.pool is not None:
+            self._store.pool.close()
 
     def __enter__(self) -> ShardNode:
         return self
@@ -270,13 +189,14 @@ class ShardNode:
 
     def _serve(self, sock: socket.socket, peer: tuple) -> None:
         where = f"shard node {self.address}, peer {peer[0]}:{peer[1]}"
+        leases: list[Lease] = []  # at most one: the regions of this connection's last PULL_SHM reply
         try:
             sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self._frame_timeout_s)
             nonce = os.urandom(wire.NONCE_BYTES)
             sock.sendall(wire.encode_frame(wire.Challenge(nonce, self._secret is not None)))
-            self._conversation(sock, nonce, where)
+            self._conversation(sock, nonce, where, leases)
         except FrameError as exc:
             log.warning("%s: %s; closing the connection", where, exc)
             self._try_send_error(sock, exc.code, str(exc))
@@ -291,14 +211,19 @@ class ShardNode:
         except Exception:  # a bug must cost one connection, never the node
             log.exception("%s: internal error; closing the connection", where)
         finally:
+            for lease in leases:
+                lease.release()
             with self._conns_lock:
                 self._conns.pop(sock, None)
             sock.close()
 
-    def _conversation(self, sock: socket.socket, nonce: bytes, where: str) -> None:
+    def _conversation(self, sock: socket.socket, nonce: bytes, where: str, leases: list[Lease]) -> None:
         authed = self._secret is None
         while True:
             frame = self._read_request(sock)
+            # Any frame from the client means it has finished reading the previous reply's regions.
+            while leases:
+                leases.pop().release()
             if frame is None:
                 return
             kind, raw_header = frame
@@ -312,8 +237,10 @@ class ShardNode:
                 sock.sendall(wire.encode_frame(wire.HelloOk()))
                 continue
             try:
-                self._answer(sock, kind, wire.decode_header(kind, raw_header))
-            except (FrameError, _RequestError) as exc:
+                lease = self._answer(sock, kind, wire.decode_header(kind, raw_header))
+                if lease is not None:
+                    leases.append(lease)
+            except (FrameError, RequestError) as exc:
                 log.warning("%s: refused request: %s", where, exc)
                 sock.sendall(wire.encode_frame(wire.ErrorReply(exc.code, str(exc))))
 
@@ -342,26 +269,72 @@ class ShardNode:
         sock.settimeout(self._frame_timeout_s)
         return head.kind, bytes(raw_header)
 
-    def _answer(self, sock: socket.socket, kind: int, header: object) -> None:
+    def _answer(self, sock: socket.socket, kind: int, header: object) -> Lease | None:
+        """Answer one request; returns the lease the client holds until its next frame, if any."""
         if isinstance(header, wire.PullRequest):
             self._answer_pull(sock, header)
+        elif isinstance(header, wire.PullShmRequest):
+            return self._answer_pull_shm(sock, header)
         elif isinstance(header, wire.ManifestRequest):
             sock.sendall(wire.encode_frame(wire.ManifestReply(self._store.manifest(header.prefix))))
+        elif isinstance(header, wire.ShmOfferRequest):
+            pool = self._store.pool
+            offer = wire.ShmOffer(pool is not None, "" if pool is None else pool.probe_name, b"" if pool is None else pool.token)
+            sock.sendall(wire.encode_frame(offer))
+        elif isinstance(header, wire.ShmDone):
+            pass  # one-way: the lease was released when this frame arrived
         elif isinstance(header, wire.Hello):
             sock.sendall(wire.encode_frame(wire.HelloOk()))  # harmless: already authenticated or no secret
+        elif type(header) in self._handlers:
+            sock.sendall(_encode_reply(self._handlers[type(header)](header)))
         else:
-            raise _RequestError(ErrorCode.UNKNOWN_KIND, f"{Kind(kind).name} is not a request")
+            raise RequestError(ErrorCode.UNKNOWN_KIND, f"{Kind(kind).name} is not a request this node serves")
+        return None
 
     def _answer_pull(self, sock: socket.socket, request: wire.PullRequest) -> None:
-        resolved = self._store.resolve(request.pieces)
-        total = sum(arr.nbytes for arr, _ in resolved)
+        pieces, lease = self._store.resolve(request.pieces)
+        try:
+            total = sum(p.array.nbytes for p in pieces)
+            self._check_payload(total)
+            # A sub-range's crc is taken now: on the wire it still catches corruption in transit.
+            infos = [wire.PieceInfo(p.array.dtype.str, int(p.array.shape[0]), _crc(p)) for p in pieces]
+            prefix = wire.encode_frame(wire.PullReply(infos), payload_len=total)
+            wire.send_buffers(sock, [prefix, *(memoryview(p.array.view(np.uint8)) for p in pieces)])
+        finally:
+            lease.release()
+
+    def _answer_pull_shm(self, sock: socket.socket, request: wire.PullShmRequest) -> Lease:
+        pieces, lease = self._store.resolve(request.pieces)
+        try:
+            inline = [p for p in pieces if p.segment < 0]
+            total = sum(p.array.nbytes for p in inline)
+            self._check_payload(sum(p.array.nbytes for p in pieces))  # the same bound on every transport
+            pool = self._store.pool
+            index: dict[int, int] = {}
+            segments: list[wire.ShmSegment] = []
+            infos = []
+            for p in pieces:
+                if p.segment < 0:
+                    infos.append(wire.ShmPiece(p.array.dtype.str, int(p.array.shape[0]), _crc(p), -1, 0))
+                    continue
+                if p.segment not in index:
+                    assert pool is not None
+                    index[p.segment] = len(segments)
+                    segments.append(wire.ShmSegment(*pool.segment(p.segment)))
+                crc = -1 if p.crc32 is None else p.crc32
+                infos.append(wire.ShmPiece(p.array.dtype.str, int(p.array.shape[0]), crc, index[p.segment], p.offset))
+            prefix = _encode_reply(wire.PullShmReply(segments, infos), payload_len=total)
+            wire.send_buffers(sock, [prefix, *(memoryview(p.array.view(np.uint8)) for p in inline)])
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _check_payload(self, total: int) -> None:
         if total > self._max_payload:
-            raise _RequestError(
+            raise RequestError(
                 ErrorCode.REPLY_TOO_LARGE, f"reply of {total} bytes exceeds max_payload={self._max_payload}; split the pull"
             )
-        infos = [wire.PieceInfo(arr.dtype.str, int(arr.shape[0]), crc) for arr, crc in resolved]
-        prefix = wire.encode_frame(wire.PullReply(infos), payload_len=total)
-        wire.send_buffers(sock, [prefix, *(memoryview(arr.view(np.uint8)) for arr, _ in resolved)])
 
     def _try_send_error(self, sock: socket.socket, code: ErrorCode, message: str) -> None:
         try:
@@ -369,3 +342,14 @@ class ShardNode:
             sock.sendall(wire.encode_frame(wire.ErrorReply(code, message)))
         except OSError:
             pass
+
+
+def _crc(piece: Piece) -> int:
+    return piece.crc32 if piece.crc32 is not None else zlib.crc32(piece.array.view(np.uint8))
+
+
+def _encode_reply(header: msgspec.Struct, payload_len: int = 0) -> bytes:
+    try:
+        return wire.encode_frame(header, payload_len)
+    except ProtocolError as exc:
+        raise RequestError(ErrorCode.REPLY_TOO_LARGE, f"{exc}; ask for fewer pieces per request") from exc

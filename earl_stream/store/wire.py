@@ -10,6 +10,15 @@ Conversation: on connect the server sends CHALLENGE (nonce, auth_required). If a
 client's first frame must be HELLO with HMAC-SHA256(secret, context || nonce); the server answers
 HELLO_OK, or ERROR and closes. Then any number of PULL / MANIFEST requests, each answered by one reply
 (PULL_REPLY / MANIFEST_REPLY) or by ERROR.
+
+Same-host peers (only after authentication): SHM_OFFER is answered by SHM_OFFER_REPLY naming a probe
+file under /dev/shm and a random token; a client that can read the token there sees this node's
+segments and sends PULL_SHM instead of PULL. Its reply says, per piece, where the bytes lie (segment,
+byte offset: chosen by the server, never by the client) or carries them inline in the payload. The
+regions of a PULL_SHM reply stay leased to the connection until the client sends SHM_DONE (one-way,
+never answered), sends its next request, or disconnects; only then may the node reuse them.
+GATHER / DROP are served only by a central dispatcher node (`central.py`); other nodes answer
+UNKNOWN_KIND.
 """
 
 from __future__ import annotations
@@ -52,6 +61,15 @@ class Kind(enum.IntEnum):
     MANIFEST = 12
     MANIFEST_REPLY = 13
     ERROR = 15
+    SHM_OFFER = 20
+    SHM_OFFER_REPLY = 21
+    PULL_SHM = 22
+    PULL_SHM_REPLY = 23
+    SHM_DONE = 24  # one-way: never answered
+    GATHER = 30
+    GATHER_REPLY = 31
+    DROP = 32
+    DROP_REPLY = 33
 
 
 class ErrorCode(enum.IntEnum):
@@ -123,6 +141,73 @@ class ErrorReply(msgspec.Struct, frozen=True):
     message: str
 
 
+class ShmOfferRequest(msgspec.Struct, frozen=True):
+    pass
+
+
+class ShmOffer(msgspec.Struct, frozen=True):
+    """`available`: the node keeps shards in shared memory; `probe`: file under /dev/shm holding `token`."""
+
+    available: bool
+    probe: str
+    token: bytes
+
+
+class PullShmRequest(msgspec.Struct, frozen=True):
+    """Same pieces as `PullRequest`; the reply may point into shared memory instead of carrying bytes."""
+
+    pieces: list[tuple[str, int, int]]
+
+
+class ShmSegment(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    size: int
+
+
+class ShmPiece(msgspec.Struct, frozen=True, array_like=True):
+    """dtype string, element count, crc32 of its bytes (-1: not checked, a sub-range of a shm array),
+    segment index into the reply's `segments` (-1: inline in the payload), byte offset in it."""
+
+    dtype: str
+    count: int
+    crc32: int
+    segment: int
+    offset: int
+
+
+class PullShmReply(msgspec.Struct, frozen=True):
+    """Payload = the inline pieces' bytes back to back, in request order."""
+
+    segments: list[ShmSegment]
+    pieces: list[ShmPiece]
+
+
+class ShmDone(msgspec.Struct, frozen=True):
+    pass
+
+
+class GatherRequest(msgspec.Struct, frozen=True):
+    """Central mode: fetch these pieces (whole arrays) of step `step` from their producers and keep them."""
+
+    step: int
+    sources: list[tuple[str, list[tuple[str, int, int]]]]
+
+
+class GatherReply(msgspec.Struct, frozen=True):
+    """`stored`: arrays now held for the step; `missing`: requested keys that could not be fetched."""
+
+    stored: int
+    missing: list[str]
+
+
+class DropRequest(msgspec.Struct, frozen=True):
+    prefix: str
+
+
+class DropReply(msgspec.Struct, frozen=True):
+    freed: int
+
+
 HEADER_TYPES: dict[Kind, type[msgspec.Struct]] = {
     Kind.CHALLENGE: Challenge,
     Kind.HELLO: Hello,
@@ -132,6 +217,15 @@ HEADER_TYPES: dict[Kind, type[msgspec.Struct]] = {
     Kind.MANIFEST: ManifestRequest,
     Kind.MANIFEST_REPLY: ManifestReply,
     Kind.ERROR: ErrorReply,
+    Kind.SHM_OFFER: ShmOfferRequest,
+    Kind.SHM_OFFER_REPLY: ShmOffer,
+    Kind.PULL_SHM: PullShmRequest,
+    Kind.PULL_SHM_REPLY: PullShmReply,
+    Kind.SHM_DONE: ShmDone,
+    Kind.GATHER: GatherRequest,
+    Kind.GATHER_REPLY: GatherReply,
+    Kind.DROP: DropRequest,
+    Kind.DROP_REPLY: DropReply,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {kind: msgspec.msgpack.Decoder(typ) for kind, typ in HEADER_TYPES.items()}

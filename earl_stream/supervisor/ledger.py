@@ -55,6 +55,17 @@ class Counters:
     tokens_produced: int = 0
 
 
+class LedgerState(msgspec.Struct):
+    next_ordinal: int
+    next_claim_step: int
+    counters: dict[str, int]
+    groups: list[Group]
+    queue: list[int]
+    ready: list[int]
+    claims: dict[int, tuple[bytes, list[int]]]
+    attempts: dict[int, int]
+
+
 class Ledger:
     def __init__(self, envs: Iterable[EnvSpec], *, seed: int, group_size: int, groups_per_step: int,
                  max_staleness: int) -> None:
@@ -70,7 +81,6 @@ class Ledger:
         self.claims: dict[int, tuple[bytes, list[int]]] = {}  # step -> (table ipc, ordinals)
         self.next_ordinal = 0
         self.next_claim_step = 0
-        self._env_rng = random.Random(seed)
         self._attempts: dict[int, int] = {}
 
     # -- prompts ------------------------------------------------------------------------------
@@ -78,7 +88,8 @@ class Ledger:
     def _new_prompt(self) -> int:
         ordinal = self.next_ordinal
         self.next_ordinal += 1
-        env = self._env_rng.choices(self.envs, weights=[e.weight for e in self.envs])[0]
+        # a per-ordinal RNG: the choice is reproducible after a restart without persisting RNG state
+        env = random.Random(self.seed * 7_777_777 + ordinal).choices(self.envs, weights=[e.weight for e in self.envs])[0]
         seed = (self.seed * 1_000_003 + ordinal * 7919) & 0x7FFFFFFF
         prompt = Prompt(group_id=f"g{ordinal}", prompt_ordinal=ordinal, env=env.display_name, seed=seed,
                         group_size=self.group_size)
@@ -212,6 +223,26 @@ class Ledger:
                 group.state = PromptState.DONE
                 del self.groups[o]
         return to_free
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """Everything needed to continue after a supervisor restart (msgpack, no pickle)."""
+        state = LedgerState(
+            next_ordinal=self.next_ordinal, next_claim_step=self.next_claim_step,
+            counters=dataclasses.asdict(self.counters), groups=list(self.groups.values()), queue=list(self.queue),
+            ready=self.ready, claims={k: list(v) for k, v in self.claims.items()}, attempts=self._attempts)
+        return msgspec.msgpack.encode(state)
+
+    def restore(self, data: bytes) -> None:
+        state = msgspec.msgpack.decode(data, type=LedgerState)
+        self.next_ordinal, self.next_claim_step = state.next_ordinal, state.next_claim_step
+        self.counters = Counters(**state.counters)
+        self.groups = {g.prompt.prompt_ordinal: g for g in state.groups}
+        self.queue = deque(state.queue)
+        self.ready = list(state.ready)
+        self.claims = {k: (bytes(v[0]), list(v[1])) for k, v in state.claims.items()}
+        self._attempts = dict(state.attempts)
 
     def samples_waiting(self) -> int:
         return sum(len(self.groups[o].rows) for o in self.ready)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -22,6 +24,7 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
 from earl_stream.errors import ProtocolError
+from earl_stream.security import sign, verify
 from earl_stream.supervisor.ledger import Ledger, outcome_of
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,16 @@ class Worker:
     last_seen: float
     alive: bool = True
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class SupervisorState(msgspec.Struct):
+    ledger: bytes
+    policy_version: int
+    weights_address: str
+    finished: bool
+    workers: list[Worker]
+    next_id: int
+    trainer_metrics: dict[str, float]
 
 
 class Supervisor:
@@ -114,7 +127,7 @@ class Supervisor:
         return P.Ack()
 
     def _on_publishversion(self, msg: P.PublishVersion, now: float) -> P.Msg:
-        self.policy_version = max(self.policy_version, msg.version)
+        self.policy_version = msg.version  # the trainer is authoritative (a resume may roll back)
         self.weights_address = msg.weights_address
         self.trainer_metrics = dict(msg.metrics)
         M.SUP_POLICY_VERSION.set(self.policy_version)
@@ -131,6 +144,25 @@ class Supervisor:
     def _queue_free(self, frees: dict[str, list[str]]) -> None:
         for address, ids in frees.items():
             self.pending_free.setdefault(address, []).extend(ids)
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        state = SupervisorState(ledger=self.ledger.snapshot(), policy_version=self.policy_version,
+                                weights_address=self.weights_address, finished=self.finished,
+                                workers=list(self.workers.values()), next_id=self._ids,
+                                trainer_metrics=self.trainer_metrics)
+        return msgspec.msgpack.encode(state)
+
+    def restore(self, data: bytes, now: float) -> None:
+        """Continue from a snapshot; known workers get a fresh lease to reconnect in."""
+        state = msgspec.msgpack.decode(data, type=SupervisorState)
+        self.ledger.restore(state.ledger)
+        self.policy_version, self.weights_address = state.policy_version, state.weights_address
+        self.finished, self._ids, self.trainer_metrics = state.finished, state.next_id, state.trainer_metrics
+        for w in state.workers:
+            w.last_seen = now
+            self.workers[w.worker_id] = w
 
     # -- liveness -----------------------------------------------------------------------------
 
@@ -200,7 +232,8 @@ class Supervisor:
             M.SUP_CONTEXT.labels("max").set(max(lengths))
 
 
-def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None) -> None:
+def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
+          state_dir: str | None = None) -> None:
     """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
@@ -216,6 +249,12 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None) -> None:
         raise ProtocolError(f"cannot bind the supervisor to {bind}: {exc.strerror}") from None
     address = f"tcp://{host or '127.0.0.1'}:{bound}"
     sup = Supervisor(cfg, address=address)
+    state_path = Path(state_dir or cfg.run_dir) / "supervisor.state"
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    if state_path.exists():
+        sup.restore(state_path.read_bytes(), time.monotonic())
+        log.info("restored state from %s: policy version %d, %d prompts issued, %d samples waiting", state_path,
+                 sup.policy_version, sup.ledger.next_ordinal, sup.ledger.samples_waiting())
     metrics_address = M.start_metrics_server(host or "127.0.0.1")
     log.info("supervisor listening on %s (metrics on http://%s/metrics)", address, metrics_address)
     if ready_file:
@@ -224,20 +263,38 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     last_tick = 0.0
+    saved = b""
     while not stopping:
         if sock.poll(100):
             frames = sock.recv_multipart()
             now = time.monotonic()
+            payload = verify(secret, frames[-1])
+            if payload is None:
+                log.warning("refused a control message without the cluster secret (peer %s)", frames[0].hex()[:16])
+                sock.send_multipart([frames[0], b"", P.encode(P.ErrorReply(message="authentication failed"))])
+                continue
             try:
-                reply = sup.handle(P.decode(frames[-1]), now)
+                reply = sup.handle(P.decode(payload), now)
             except ProtocolError as exc:
-                log.warning("bad control message from peer %r: %s", frames[0][:16], exc)
+                log.warning("bad control message from peer %s: %s", frames[0].hex()[:16], exc)
                 reply = P.ErrorReply(message=str(exc))
-            sock.send_multipart([frames[0], b"", P.encode(reply)])
+            sock.send_multipart([frames[0], b"", sign(secret, P.encode(reply))])
         now = time.monotonic()
         if now - last_tick > 0.25:
             sup.check_leases(now)
             sup.export_metrics(now)
+            saved = _persist(sup, state_path, saved)
             last_tick = now
+    _persist(sup, state_path, saved)
     sock.close(0)
     log.info("supervisor stopped")
+
+
+def _persist(sup: Supervisor, path: Path, previous: bytes) -> bytes:
+    """Write the state atomically when it changed; returns what is on disk now."""
+    data = sup.snapshot()
+    if data != previous:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return data

@@ -23,6 +23,7 @@ from earl_stream.env import env_options, make_env
 from earl_stream.errors import EarlError, EngineError, StoreError
 from earl_stream.modeling import load_model
 from earl_stream.records import SampleRecord
+from earl_stream.security import load_secret
 from earl_stream.store.client import ShardClient
 from earl_stream.store.experience import ExperienceWriter
 from earl_stream.store.node import ShardNode
@@ -39,15 +40,16 @@ class RolloutWorker:
     def __init__(self, supervisor: str, *, host: str = "127.0.0.1") -> None:
         self.host = host
         self.stop = StopFlag()
-        self.client = P.ControlClient(supervisor, timeout_s=30)
-        self.node = ShardNode(host)
+        secret = load_secret()
+        self.client = P.ControlClient(supervisor, timeout_s=30, secret=secret)
+        self.node = ShardNode(host, secret=secret)
         self.metrics_address = M.start_metrics_server(host)
         reg, self.cfg = register(self.client, P.Role.ROLLOUT, host=host, shard_address=self.node.address,
                                  metrics_address=self.metrics_address)
         self.worker_id = reg.worker_id
         self.target_version, self.weights_address = reg.policy_version, reg.weights_address
         self.writer = ExperienceWriter(self.node, self.worker_id)
-        self.store_client = ShardClient()
+        self.store_client = ShardClient(secret=secret)
         torch.set_num_threads(self.cfg.rollout.threads)
         model, self.tokenizer = load_model(model_path(self.cfg))
         model.eval()
@@ -106,7 +108,7 @@ class RolloutWorker:
             if reply.stop:
                 self.stop.set()
                 break
-            if reply.policy_version > self.engine.policy_version and reply.weights_address:
+            if reply.policy_version != self.engine.policy_version and reply.weights_address:
                 await self._load_weights(reply.policy_version, reply.weights_address)
             M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
             await asyncio.sleep(period)

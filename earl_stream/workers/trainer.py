@@ -21,6 +21,7 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.errors import ControlPlaneTimeout, EarlError
 from earl_stream.modeling import load_model
+from earl_stream.security import load_secret
 from earl_stream.store.client import ShardClient
 from earl_stream.store.layout import Layout
 from earl_stream.store.node import ShardNode
@@ -36,8 +37,9 @@ class TrainerRank:
     def __init__(self, supervisor: str, *, rank: int, world_size: int, host: str = "127.0.0.1") -> None:
         self.rank, self.world_size, self.host = rank, world_size, host
         self.stop = StopFlag()
-        self.client = P.ControlClient(supervisor, timeout_s=30)
-        self.node = ShardNode(host)
+        secret = load_secret()
+        self.client = P.ControlClient(supervisor, timeout_s=30, secret=secret)
+        self.node = ShardNode(host, secret=secret)
         self.metrics_address = M.start_metrics_server(host)
         reg, self.cfg = register(self.client, P.Role.TRAINER, host=host, rank=rank, shard_address=self.node.address,
                                  metrics_address=self.metrics_address)
@@ -53,8 +55,8 @@ class TrainerRank:
             self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.layout = Layout(dp_size=world_size, dp_rank=rank)
-        self.store_client = ShardClient()
-        self.version = reg.policy_version
+        self.store_client = ShardClient(secret=secret)
+        self.version = self._resume(reg.policy_version)
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
         self._hb.start()
 
@@ -73,6 +75,8 @@ class TrainerRank:
             step += 1
             self.version = step
             self._report(result)
+            if self.rank == 0 and step % t.checkpoint_every == 0:
+                self.save_checkpoint(step)
             if self.world_size > 1:
                 dist.barrier()  # every rank has pulled: the producers may free the step's shards
             if self.rank == 0:
@@ -131,6 +135,20 @@ class TrainerRank:
                 continue
             if reply.stop:
                 self.stop.set()
+
+    def _resume(self, supervisor_version: int) -> int:
+        """Continue from the latest checkpoint when the run is already under way (version > 0)."""
+        latest = Path(self.cfg.run_dir) / "checkpoints" / "latest"
+        if supervisor_version == 0 or not latest.exists():
+            return 0
+        ckpt = latest.parent / latest.read_text().strip()
+        model, _ = load_model(ckpt)
+        self.model.load_state_dict(model.state_dict())
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d (the supervisor was at version %d)", ckpt, state["step"], supervisor_version)
+        return int(state["step"])
 
     def save_checkpoint(self, step: int) -> Path:
         out = Path(self.cfg.run_dir) / "checkpoints" / f"step_{step:06d}"

@@ -236,7 +236,9 @@ def test_timeout_while_awaiting_a_reply_names_the_request() -> None:
     thread = threading.Thread(target=mute_server)
     thread.start()
     address = f"127.0.0.1:{listener.getsockname()[1]}"
-    with listener, ShardClient(timeout_s=0.3) as client:
+    # shm=False: with shared memory the offer exchange is part of the handshake, and the mute peer
+    # would time out there instead (test_shm covers that).
+    with listener, ShardClient(timeout_s=0.3, shm=False) as client:
         with pytest.raises(PeerUnreachable, match=f"0.3s waiting for a reply to PULL of 2 piece.* from peer {address}"):
             client.pull(address, [("k", 0, 1), ("j", 0, 1)])
     thread.join()

