@@ -51,7 +51,13 @@ ENTRY_POINT_GROUP = "earl_stream.envs"
 
 # Names that must resolve even when the project is run from a source tree without being installed
 # (then the entry points of pyproject.toml are not visible to importlib.metadata).
-_BUILTIN_ENVS: dict[str, str] = {"tictactoe": "envs.tictactoe:TicTacToe"}
+_BUILTIN_ENVS: dict[str, str] = {
+    "tictactoe": "envs.tictactoe:TicTacToe",
+    "connect_four": "envs.connect_four:ConnectFour",
+    "calculator": "envs.calculator:Calculator",
+    "reasoning_gym": "envs.reasoning_gym_env:ReasoningGymEnv",
+    "textarena": "envs.textarena_env:TextArenaEnv",
+}
 
 DEFAULT_MAX_TURN_TOKENS = 32
 

@@ -174,7 +174,7 @@ class ControlClient:
     the next request.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0, secret: bytes | None = None) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 5.0, secret: bytes | None = None) -> None:
         self.address = normalize_address(address)
         self.secret = secret
         self.timeout_s = timeout_s

@@ -136,11 +136,9 @@ class CentralDispatcher:
                 state.missing.add(piece[0])
 
     def _store(self, step: int, pieces: list[Piece], address: str, state: _Step) -> None:
-        crcs: list[int] = []
-        arrays = self._client.pull(address, pieces, crcs_out=crcs)
-        items = {central_key(step, key): arr for (key, _, _), arr in zip(pieces, arrays)}
-        known = {central_key(step, key): crc for (key, _, _), crc in zip(pieces, crcs) if crc >= 0}
-        self.node.put_many(items, crc32s=known)  # checked on arrival: no second checksum pass
+        # Read in place from the producer (same host) and copied once, into this node's own segments.
+        arrays = self._client.pull(address, pieces, zero_copy=True)
+        self.node.put_many({central_key(step, key): arr for (key, _, _), arr in zip(pieces, arrays)})
         state.done.update(key for key, _, _ in pieces)
 
     def _drop(self, request: wire.DropRequest) -> wire.DropReply:
@@ -190,15 +188,22 @@ class CentralClient:
         self._gathered.update(new)
         return missing
 
-    def pull(self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None) -> list[np.ndarray]:
-        return self.pull_many({address: pieces}, timeout_s=timeout_s)[address]
+    def pull(
+        self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None, zero_copy: bool = False
+    ) -> list[np.ndarray]:
+        return self.pull_many({address: pieces}, timeout_s=timeout_s, zero_copy=zero_copy)[address]
 
     def pull_many(
-        self, requests: Mapping[str, Sequence[Piece]], *, timeout_s: float | None = None, return_exceptions: bool = False
+        self,
+        requests: Mapping[str, Sequence[Piece]],
+        *,
+        timeout_s: float | None = None,
+        return_exceptions: bool = False,
+        zero_copy: bool = False,
     ) -> dict[str, Any]:
         """As `ShardClient.pull_many`; sample pieces come from the dispatcher, one request for all."""
         if not any(key.startswith("s/") for pieces in requests.values() for key, _, _ in pieces):
-            return self._client.pull_many(requests, timeout_s=timeout_s, return_exceptions=return_exceptions)
+            return self._client.pull_many(requests, timeout_s=timeout_s, return_exceptions=return_exceptions, zero_copy=zero_copy)
         fields = {key.rsplit("/", 1)[1] for pieces in requests.values() for key, _, _ in pieces}
         self.gather(sorted(fields), timeout_s=timeout_s)
         assert self._step is not None
@@ -206,12 +211,12 @@ class CentralClient:
         routed = {a: [(central_key(step, k), s, e) for k, s, e in pieces] for a, pieces in requests.items()}
         flat = [p for pieces in routed.values() for p in pieces]
         try:
-            arrays = self._client.pull(self.dispatcher, flat, timeout_s=timeout_s)
+            arrays = self._client.pull(self.dispatcher, flat, timeout_s=timeout_s, zero_copy=zero_copy)
         except RemoteError as exc:
             if exc.code != ErrorCode.UNKNOWN_KEY:
                 raise
             # Some rows were lost: answer per producer, so the caller can tell whose.
-            out = {a: self._guarded(a, pieces, timeout_s) for a, pieces in routed.items()}
+            out = {a: self._guarded(a, pieces, timeout_s, zero_copy) for a, pieces in routed.items()}
             errors = [r for r in out.values() if isinstance(r, StoreError)]
             if errors and not return_exceptions:
                 raise errors[0] from None
@@ -222,9 +227,9 @@ class CentralClient:
             i += len(pieces)
         return out
 
-    def _guarded(self, address: str, pieces: list[Piece], timeout_s: float | None) -> Any:
+    def _guarded(self, address: str, pieces: list[Piece], timeout_s: float | None, zero_copy: bool) -> Any:
         try:
-            return self._client.pull(self.dispatcher, pieces, timeout_s=timeout_s)
+            return self._client.pull(self.dispatcher, pieces, timeout_s=timeout_s, zero_copy=zero_copy)
         except RemoteError as exc:
             return RemoteError(address, exc.code, f"via dispatcher {self.dispatcher}: {exc}")
         except StoreError as exc:
@@ -238,6 +243,12 @@ class CentralClient:
     def close(self) -> None:
         self._client.close()
 
+    def __enter__(self) -> CentralClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def pull_samples_central(
     central: CentralClient,
@@ -248,10 +259,11 @@ def pull_samples_central(
     token_ranges: Mapping[int, list[tuple[int, int]]] | None = None,
     *,
     dtypes: Mapping[str, np.dtype] | None = None,
+    zero_copy: bool = False,
 ) -> list[dict[str, np.ndarray]]:
     """`pull_samples` of `metas` (this rank's rows of `claim`), routed through the dispatcher."""
     central.set_step(step, claim)
-    return pull_samples(central, metas, fields, token_ranges, dtypes=dtypes)
+    return pull_samples(central, metas, fields, token_ranges, dtypes=dtypes, zero_copy=zero_copy)
 
 
 class DispatcherProcess:

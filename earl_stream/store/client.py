@@ -15,6 +15,8 @@ import logging
 import socket
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ import numpy as np
 
 from earl_stream.errors import ProtocolError, StoreError
 from earl_stream.store import wire
-from earl_stream.store.receive import ALIGN, Piece, SegmentGone, pieces_of_tcp_reply, receive_pieces
+from earl_stream.store.receive import ALIGN, BufferPool, Piece, SegmentGone, pieces_of_tcp_reply, receive_pieces
 from earl_stream.store.shm import SegmentCache, read_probe
 from earl_stream.store.wire import ErrorCode, Kind, ManifestEntry
 
@@ -60,6 +62,8 @@ class _Conn:
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
     shm: bool = False  # this connection pulls through the peer's shared memory
+    generation: int = 0  # bumped on close: held leases of an older connection died with it
+    released: deque[int] = field(default_factory=deque)  # held leases whose arrays are gone, to tell the peer
 
     def close(self) -> None:
         if self.sock is not None:
@@ -68,6 +72,31 @@ class _Conn:
             finally:
                 self.sock = None
                 self.shm = False
+                self.generation += 1
+                self.released.clear()
+
+    def flush_released(self) -> None:
+        """Tell the peer which held leases ended (caller holds `lock`); one-way, nothing to wait for."""
+        ids = []
+        while self.released:  # deque pops are atomic: a finalizer may append meanwhile, from any thread
+            ids.append(self.released.popleft())
+        if ids and self.sock is not None:
+            self.sock.sendall(wire.encode_frame(wire.ShmDone(ids)))
+
+    def release_later(self, generation: int, lease_id: int) -> None:
+        """Finalizer of zero-copy arrays: end their lease now if the connection is free, else after its
+        current request. Never blocks (it may run inside this connection's own request)."""
+        if generation != self.generation:
+            return
+        self.released.append(lease_id)
+        if self.lock.acquire(blocking=False):
+            try:
+                if generation == self.generation:
+                    self.flush_released()
+            except OSError:
+                self.close()
+            finally:
+                self.lock.release()
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -83,7 +112,9 @@ class ShardClient:
 
     `secret`: cluster secret for nodes that require one; `timeout_s`: default bound on one whole
     request (connect, send, and the complete reply); `max_payload`: largest reply accepted, in bytes;
-    `shm`: use shared memory with peers on this host (TCP stays the fallback for every other peer).
+    `shm`: use shared memory with peers on this host (TCP stays the fallback for every other peer);
+    `recv_pool_bytes`: idle receive buffers kept for reuse (each is reused once the arrays viewing it
+    are gone).
     """
 
     def __init__(
@@ -94,9 +125,11 @@ class ShardClient:
         max_payload: int = wire.DEFAULT_MAX_PAYLOAD_BYTES,
         max_parallel_peers: int = 8,
         shm: bool = True,
+        recv_pool_bytes: int = 512 << 20,
     ) -> None:
         self._secret = secret
         self._maps = SegmentCache() if shm else None
+        self._buffers = BufferPool(recv_pool_bytes)
         self._timeout_s = timeout_s
         self._max_payload = max_payload
         self._max_parallel = max_parallel_peers
@@ -108,14 +141,16 @@ class ShardClient:
     # --- public API ----------------------------------------------------------------------------------
 
     def pull(
-        self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None, crcs_out: list[int] | None = None
+        self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None, zero_copy: bool = False
     ) -> list[np.ndarray]:
         """Fetch pieces from one peer in one request; one 1-D array per piece, in order.
 
         The arrays are views into one receive buffer (each piece aligned to 64 bytes), with the dtype
-        the peer stored. Raises `RemoteError` (unknown key, bad range), `PeerUnreachable`, or
-        `StoreError` on a checksum mismatch. `crcs_out`, if given, is extended with each piece's
-        verified crc32 (-1 where the transport had none to check: a sub-range read from shared memory).
+        the peer stored. With `zero_copy`, pieces a same-host peer holds in shared memory come back
+        as read-only views straight into its segment instead (no copy): the peer keeps those bytes
+        for as long as any view of them (or of the arrays derived from them) is alive, so hold them
+        only as long as needed, and copy before writing. Raises `RemoteError` (unknown key, bad
+        range), `PeerUnreachable`, or `StoreError` on a checksum mismatch.
         """
         pieces = [(str(k), int(s), int(e)) for k, s, e in pieces]
         if not pieces:
@@ -124,7 +159,7 @@ class ShardClient:
             if not 0 <= start <= end:
                 raise StoreError(f"piece {key!r} [{start}, {end}) is not a valid element range")
         what = f"a reply to PULL of {len(pieces)} piece(s)"
-        return self._call(address, what, timeout_s, lambda conn, d: self._pull_on(conn, d, address, pieces, crcs_out))
+        return self._call(address, what, timeout_s, lambda conn, d: self._pull_on(conn, d, address, pieces, zero_copy))
 
     def transport(self, address: str) -> str | None:
         """'shm' or 'tcp' for a peer this client is connected to, else None."""
@@ -152,19 +187,21 @@ class ShardClient:
         *,
         timeout_s: float | None = None,
         return_exceptions: bool = False,
+        zero_copy: bool = False,
     ) -> dict[str, Any]:
         """Pull from several peers concurrently: address -> list of arrays (as `pull`).
 
         With `return_exceptions`, a failed peer maps to its StoreError instead of raising the first one.
         """
         results: dict[str, Any] = {}
+        kwargs = {"timeout_s": timeout_s, "zero_copy": zero_copy}
         if len(requests) <= 1:
             for address, pieces in requests.items():
-                results[address] = self._guarded(return_exceptions, self.pull, address, pieces, timeout_s=timeout_s)
+                results[address] = self._guarded(return_exceptions, self.pull, address, pieces, **kwargs)
             return results
         pool = self._get_pool()
         futures = {
-            address: pool.submit(self._guarded, return_exceptions, self.pull, address, pieces, timeout_s=timeout_s)
+            address: pool.submit(self._guarded, return_exceptions, self.pull, address, pieces, **kwargs)
             for address, pieces in requests.items()
         }
         for address, fut in futures.items():
@@ -185,6 +222,7 @@ class ShardClient:
             pool.shutdown(wait=True)
         if self._maps is not None:
             self._maps.close()
+        self._buffers.clear()
 
     def __enter__(self) -> ShardClient:
         return self
@@ -245,6 +283,7 @@ class ShardClient:
                 if fresh:
                     conn.sock, conn.shm = self._connect(address, deadline, timeout)
                 try:
+                    conn.flush_released()
                     return op(conn, deadline)
                 except socket.timeout:
                     conn.close()
@@ -327,23 +366,44 @@ class ShardClient:
             raise ProtocolError(f"{expect.name} frame with an unexpected {head.payload_len}-byte payload")
         return head, header
 
-    def _pull_on(
-        self, conn: _Conn, deadline: float, address: str, pieces: list[Piece], crcs_out: list[int] | None
-    ) -> list[np.ndarray]:
+    def _pull_on(self, conn: _Conn, deadline: float, address: str, pieces: list[Piece], zero_copy: bool) -> list[np.ndarray]:
         sock = conn.sock
         assert sock is not None
         if not conn.shm:
             sock.sendall(wire.encode_frame(wire.PullRequest(pieces)))
             head, reply = self._read_reply(sock, deadline, address, Kind.PULL_REPLY)
-            infos, segments = pieces_of_tcp_reply(reply), []
+            infos, segments, lease = pieces_of_tcp_reply(reply), [], 0
         else:
-            sock.sendall(wire.encode_frame(wire.PullShmRequest(pieces)))
+            sock.sendall(wire.encode_frame(wire.PullShmRequest(pieces, hold=zero_copy)))
             head, reply = self._read_reply(sock, deadline, address, Kind.PULL_SHM_REPLY)
-            infos, segments = reply.pieces, reply.segments
-        arrays, used_shm = receive_pieces(sock, deadline, address, pieces, infos, segments, head.payload_len, self._maps, self._max_payload)
-        if used_shm:
+            infos, segments, lease = reply.pieces, reply.segments, reply.lease
+            if zero_copy and segments and not lease:
+                raise ProtocolError("zero-copy reply without a held lease")
+        got = receive_pieces(
+            sock, deadline, address, pieces, infos, segments, head.payload_len, self._maps, self._max_payload, zero_copy,
+            self._buffers,
+        )
+        if got.bases:
+            # The node keeps the regions until the last view of this reply is gone.
+            token = _LeaseToken(conn, conn.generation, lease, len(got.bases))
+            for base in got.bases:
+                weakref.finalize(base, token.drop).atexit = False
+        elif got.used_shm:
             # Lets the node reuse the regions now rather than at our next request; nothing to wait for.
             sock.sendall(wire.encode_frame(wire.ShmDone()))
-        if crcs_out is not None:
-            crcs_out.extend(info.crc32 for info in infos)
-        return arrays
+        return got.arrays
+
+
+class _LeaseToken:
+    """Counts the live base arrays of one zero-copy reply; the last one to go ends the lease."""
+
+    def __init__(self, conn: _Conn, generation: int, lease_id: int, bases: int) -> None:
+        self._conn, self._generation, self._id, self._left = conn, generation, lease_id, bases
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._left -= 1
+            done = self._left == 0
+        if done:
+            self._conn.release_later(self._generation, self._id)

@@ -129,10 +129,17 @@ class ExperienceWriter:
 class Puller(Protocol):
     """What `pull_samples` needs from a client: `ShardClient`, or `CentralClient` in central mode."""
 
-    def pull(self, address: str, pieces: Sequence[tuple[str, int, int]], *, timeout_s: float | None = None) -> list[np.ndarray]: ...
+    def pull(
+        self, address: str, pieces: Sequence[tuple[str, int, int]], *, timeout_s: float | None = None, zero_copy: bool = False
+    ) -> list[np.ndarray]: ...
 
     def pull_many(
-        self, requests: Mapping[str, Sequence[tuple[str, int, int]]], *, timeout_s: float | None = None, return_exceptions: bool = False
+        self,
+        requests: Mapping[str, Sequence[tuple[str, int, int]]],
+        *,
+        timeout_s: float | None = None,
+        return_exceptions: bool = False,
+        zero_copy: bool = False,
     ) -> dict[str, Any]: ...
 
 
@@ -143,6 +150,7 @@ def pull_samples(
     token_ranges: Mapping[int, list[tuple[int, int]]] | None = None,
     *,
     dtypes: Mapping[str, np.dtype] | None = None,
+    zero_copy: bool = False,
 ) -> list[dict[str, np.ndarray]]:
     """Fetch `fields` of every meta straight from its producer; one dict field -> 1-D array per meta.
 
@@ -150,7 +158,10 @@ def pull_samples(
     result); None pulls whole rows ([total_tokens] each) and then checks each row against
     `meta.checksum` when all TOKEN_FIELDS were pulled. One request per producer, producers in
     parallel. `dtypes` declares per-token fields a producer stored beyond TOKEN_FIELDS (e.g.
-    {"advantages": float32}, put under `sample_key(sample_id, "advantages")`). Raises
+    {"advantages": float32}, put under `sample_key(sample_id, "advantages")`). `zero_copy`: rows
+    from same-host producers are read-only views into their shared memory, which the producer keeps
+    while any of them is alive (see `ShardClient.pull`); rows of several ranges are still joined by a
+    copy. Raises
     `SamplesUnavailable` naming the samples whose producer is unreachable or no longer holds them
     (the others are in its `partial`).
     """
@@ -163,13 +174,13 @@ def pull_samples(
     for pos, meta in enumerate(metas):
         positions.setdefault(meta.producer_address, []).append(pos)
     requests = {addr: [p for pos in poss for p in wanted[pos]] for addr, poss in positions.items()}
-    results = client.pull_many(requests, return_exceptions=True)
+    results = client.pull_many(requests, return_exceptions=True, zero_copy=zero_copy)
     out: list[dict[str, np.ndarray] | None] = [None] * len(metas)
     causes: dict[str, str] = {}
     for address, res in results.items():
         if isinstance(res, RemoteError) and res.code == ErrorCode.UNKNOWN_KEY:
             # The producer freed (or, restarted, forgot) some of them: find out which, one by one.
-            res = _pull_one_by_one(client, address, [wanted[pos] for pos in positions[address]], causes)
+            res = _pull_one_by_one(client, address, [wanted[pos] for pos in positions[address]], causes, zero_copy)
         elif isinstance(res, PeerUnreachable):
             causes[address] = str(res)
             continue
@@ -187,13 +198,13 @@ def pull_samples(
 
 
 def _pull_one_by_one(
-    client: Puller, address: str, per_sample: list[list[tuple[str, int, int]]], causes: dict[str, str]
+    client: Puller, address: str, per_sample: list[list[tuple[str, int, int]]], causes: dict[str, str], zero_copy: bool
 ) -> list[np.ndarray | None]:
     """Pull each sample's pieces separately; pieces of samples the peer no longer holds come back None."""
     flat: list[np.ndarray | None] = []
     for pieces in per_sample:
         try:
-            flat.extend(client.pull(address, pieces))
+            flat.extend(client.pull(address, pieces, zero_copy=zero_copy))
         except RemoteError as exc:
             if exc.code != ErrorCode.UNKNOWN_KEY:
                 raise
@@ -222,10 +233,25 @@ def _assemble(
         if not parts:  # no ranges needed from this row (e.g. a very short row on a cp rank)
             row[name] = np.empty(0, known[name])
         else:
-            row[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            row[name] = parts[0] if len(parts) == 1 else _join(parts)
     if whole:
         _verify_row(meta, row, known)
     return row
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    """One array of the parts in order: a view when they lie back to back in one receive buffer (as
+    the client lays out consecutive ranges of one array), else a copy."""
+    first, base = parts[0], parts[0].base
+    if not isinstance(base, np.ndarray) or base.dtype != np.uint8 or base.ndim != 1:
+        return np.concatenate(parts)
+    start = at = first.__array_interface__["data"][0]
+    for part in parts:
+        if part.base is not base or part.dtype != first.dtype or part.__array_interface__["data"][0] != at:
+            return np.concatenate(parts)
+        at += part.nbytes
+    offset = start - base.__array_interface__["data"][0]
+    return base[offset : offset + at - start].view(first.dtype)
 
 
 def _ranges_for(pos: int, meta: SampleMeta, token_ranges: Mapping[int, list[tuple[int, int]]] | None) -> list[tuple[int, int]]:

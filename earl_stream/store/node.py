@@ -17,7 +17,6 @@ import selectors
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from earl_stream.errors import ProtocolError, StoreError
 from earl_stream.store import wire
-from earl_stream.store.shards import Lease, Piece, RequestError, ShardStore
+from earl_stream.store.shards import Lease, RequestError, ShardStore
 from earl_stream.store.shm import ShmPool, shm_supported
 from earl_stream.store.wire import ErrorCode, FrameError, Kind
 
@@ -101,13 +100,9 @@ class ShardNode:
         """Store a complete 1-D array under `key` (visible to pulls only once this returns)."""
         self._store.put_many({key: array})
 
-    def put_many(self, items: Mapping[str, np.ndarray], *, crc32s: Mapping[str, int] | None = None) -> None:
-        """Store several arrays atomically: all become visible together, or none (StoreError).
-
-        `crc32s` may give the crc32 of an array's bytes when the caller already verified it (e.g. it
-        just pulled it whole), to spare a pass over the data.
-        """
-        self._store.put_many(items, crc32s)
+    def put_many(self, items: Mapping[str, np.ndarray]) -> None:
+        """Store several arrays atomically: all become visible together, or none (StoreError)."""
+        self._store.put_many(items)
 
     def drop(self, keys: Iterable[str]) -> int:
         """Forget keys (unknown ones are ignored); returns bytes freed."""
@@ -189,7 +184,7 @@ class ShardNode:
 
     def _serve(self, sock: socket.socket, peer: tuple) -> None:
         where = f"shard node {self.address}, peer {peer[0]}:{peer[1]}"
-        leases: list[Lease] = []  # at most one: the regions of this connection's last PULL_SHM reply
+        leases = _ConnLeases()
         try:
             sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -211,19 +206,17 @@ class ShardNode:
         except Exception:  # a bug must cost one connection, never the node
             log.exception("%s: internal error; closing the connection", where)
         finally:
-            for lease in leases:
-                lease.release()
+            leases.release_all()
             with self._conns_lock:
                 self._conns.pop(sock, None)
             sock.close()
 
-    def _conversation(self, sock: socket.socket, nonce: bytes, where: str, leases: list[Lease]) -> None:
+    def _conversation(self, sock: socket.socket, nonce: bytes, where: str, leases: _ConnLeases) -> None:
         authed = self._secret is None
         while True:
             frame = self._read_request(sock)
             # Any frame from the client means it has finished reading the previous reply's regions.
-            while leases:
-                leases.pop().release()
+            leases.end_implicit()
             if frame is None:
                 return
             kind, raw_header = frame
@@ -237,9 +230,7 @@ class ShardNode:
                 sock.sendall(wire.encode_frame(wire.HelloOk()))
                 continue
             try:
-                lease = self._answer(sock, kind, wire.decode_header(kind, raw_header))
-                if lease is not None:
-                    leases.append(lease)
+                self._answer(sock, kind, wire.decode_header(kind, raw_header), leases)
             except (FrameError, RequestError) as exc:
                 log.warning("%s: refused request: %s", where, exc)
                 sock.sendall(wire.encode_frame(wire.ErrorReply(exc.code, str(exc))))
@@ -269,12 +260,12 @@ class ShardNode:
         sock.settimeout(self._frame_timeout_s)
         return head.kind, bytes(raw_header)
 
-    def _answer(self, sock: socket.socket, kind: int, header: object) -> Lease | None:
-        """Answer one request; returns the lease the client holds until its next frame, if any."""
+    def _answer(self, sock: socket.socket, kind: int, header: object, leases: _ConnLeases) -> None:
+        """Answer one request (SHM_DONE is one-way: no answer)."""
         if isinstance(header, wire.PullRequest):
             self._answer_pull(sock, header)
         elif isinstance(header, wire.PullShmRequest):
-            return self._answer_pull_shm(sock, header)
+            self._answer_pull_shm(sock, header, leases)
         elif isinstance(header, wire.ManifestRequest):
             sock.sendall(wire.encode_frame(wire.ManifestReply(self._store.manifest(header.prefix))))
         elif isinstance(header, wire.ShmOfferRequest):
@@ -282,28 +273,30 @@ class ShardNode:
             offer = wire.ShmOffer(pool is not None, "" if pool is None else pool.probe_name, b"" if pool is None else pool.token)
             sock.sendall(wire.encode_frame(offer))
         elif isinstance(header, wire.ShmDone):
-            pass  # one-way: the lease was released when this frame arrived
+            leases.end_held(header.leases)
         elif isinstance(header, wire.Hello):
             sock.sendall(wire.encode_frame(wire.HelloOk()))  # harmless: already authenticated or no secret
         elif type(header) in self._handlers:
             sock.sendall(_encode_reply(self._handlers[type(header)](header)))
         else:
             raise RequestError(ErrorCode.UNKNOWN_KIND, f"{Kind(kind).name} is not a request this node serves")
-        return None
 
     def _answer_pull(self, sock: socket.socket, request: wire.PullRequest) -> None:
         pieces, lease = self._store.resolve(request.pieces)
         try:
             total = sum(p.array.nbytes for p in pieces)
             self._check_payload(total)
-            # A sub-range's crc is taken now: on the wire it still catches corruption in transit.
-            infos = [wire.PieceInfo(p.array.dtype.str, int(p.array.shape[0]), _crc(p)) for p in pieces]
+            infos = [wire.PieceInfo(p.array.dtype.str, int(p.array.shape[0]), self._store.wire_crc(p)) for p in pieces]
             prefix = wire.encode_frame(wire.PullReply(infos), payload_len=total)
             wire.send_buffers(sock, [prefix, *(memoryview(p.array.view(np.uint8)) for p in pieces)])
         finally:
             lease.release()
 
-    def _answer_pull_shm(self, sock: socket.socket, request: wire.PullShmRequest) -> Lease:
+    def _answer_pull_shm(self, sock: socket.socket, request: wire.PullShmRequest, leases: _ConnLeases) -> None:
+        if request.hold and len(leases.held) >= _MAX_HELD_LEASES:
+            raise RequestError(
+                ErrorCode.REPLY_TOO_LARGE, f"{_MAX_HELD_LEASES} zero-copy leases already held; drop pulled arrays first"
+            )
         pieces, lease = self._store.resolve(request.pieces)
         try:
             inline = [p for p in pieces if p.segment < 0]
@@ -315,20 +308,21 @@ class ShardNode:
             infos = []
             for p in pieces:
                 if p.segment < 0:
-                    infos.append(wire.ShmPiece(p.array.dtype.str, int(p.array.shape[0]), _crc(p), -1, 0))
+                    infos.append(wire.ShmPiece(p.array.dtype.str, int(p.array.shape[0]), self._store.wire_crc(p), -1, 0))
                     continue
                 if p.segment not in index:
                     assert pool is not None
                     index[p.segment] = len(segments)
                     segments.append(wire.ShmSegment(*pool.segment(p.segment)))
-                crc = -1 if p.crc32 is None else p.crc32
-                infos.append(wire.ShmPiece(p.array.dtype.str, int(p.array.shape[0]), crc, index[p.segment], p.offset))
-            prefix = _encode_reply(wire.PullShmReply(segments, infos), payload_len=total)
+                check = -1 if p.sum64 is None else p.sum64  # the reader verifies whole arrays after its copy
+                infos.append(wire.ShmPiece(p.array.dtype.str, int(p.array.shape[0]), check, index[p.segment], p.offset))
+            lease_id = leases.next_id() if request.hold and segments else 0
+            prefix = _encode_reply(wire.PullShmReply(segments, infos, lease_id), payload_len=total)
             wire.send_buffers(sock, [prefix, *(memoryview(p.array.view(np.uint8)) for p in inline)])
         except BaseException:
             lease.release()
             raise
-        return lease
+        leases.add(lease, lease_id)
 
     def _check_payload(self, total: int) -> None:
         if total > self._max_payload:
@@ -344,8 +338,41 @@ class ShardNode:
             pass
 
 
-def _crc(piece: Piece) -> int:
-    return piece.crc32 if piece.crc32 is not None else zlib.crc32(piece.array.view(np.uint8))
+_MAX_HELD_LEASES = 1 << 16
+
+
+class _ConnLeases:
+    """Shared-memory leases of one connection: the implicit one of the last reply, and held ones."""
+
+    def __init__(self) -> None:
+        self.implicit: Lease | None = None
+        self.held: dict[int, Lease] = {}
+        self._last_id = 0
+
+    def next_id(self) -> int:
+        self._last_id += 1
+        return self._last_id
+
+    def add(self, lease: Lease, lease_id: int) -> None:
+        if lease_id:
+            self.held[lease_id] = lease
+        else:
+            self.implicit = lease
+
+    def end_implicit(self) -> None:
+        if self.implicit is not None:
+            self.implicit.release()
+            self.implicit = None
+
+    def end_held(self, ids: list[int]) -> None:
+        for lease_id in ids:  # unknown ids are ignored: releasing twice must be harmless
+            lease = self.held.pop(lease_id, None)
+            if lease is not None:
+                lease.release()
+
+    def release_all(self) -> None:
+        self.end_implicit()
+        self.end_held(list(self.held))
 
 
 def _encode_reply(header: msgspec.Struct, payload_len: int = 0) -> bytes:

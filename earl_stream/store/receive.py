@@ -1,16 +1,21 @@
 """Turning a PULL / PULL_SHM reply into arrays on the pulling side.
 
 Owns the checks of a reply's piece table against the request, the layout of the receive buffer (one
-allocation per reply, each piece aligned to 64 bytes), receiving inline bytes from the socket, copying
-shared-memory pieces out of the peer's segments (`SegmentCache`), and the crc32 checks. Connections,
+per reply, from a `BufferPool` of recycled buffers; each piece aligned to 64 bytes, except that
+consecutive ranges of one array land back to back so that the caller can join them without a copy), receiving inline bytes from the
+socket, copying shared-memory pieces out of the peer's segments (`SegmentCache`), and the integrity
+checks (crc32 of what crossed the wire, `sum64` of whole arrays read from shared memory). Connections,
 retries and timeouts are `client.py`'s.
 """
 
 from __future__ import annotations
 
 import socket
+import weakref
 import zlib
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,12 +27,63 @@ ALIGN = 64  # every received piece starts at a multiple of this in the receive b
 Piece = tuple[str, int, int]  # (key, start, end): elements [start, end) of the array under key
 
 
+class BufferPool:
+    """Receive buffers, recycled once every array viewing one is gone. Thread-safe.
+
+    A recycled buffer is already faulted in: a fresh allocation costs as much again as the copy into
+    it. Each reply gets its own base array over a pooled buffer (via a memoryview, so that numpy does
+    not collapse views onto the pooled buffer itself); a finalizer on that base returns the buffer.
+    At most `max_bytes` of idle buffers are kept.
+    """
+
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
+        self._idle: deque[np.ndarray] = deque()  # appends and pops are atomic: finalizers run anywhere
+        self._max = max_bytes
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of exactly `nbytes` over a recycled (or new) buffer."""
+        chosen, keep = None, []
+        while True:
+            try:
+                backing = self._idle.popleft()
+            except IndexError:
+                break
+            if chosen is None and nbytes <= backing.nbytes <= 2 * nbytes + (1 << 20):
+                chosen = backing
+            else:
+                keep.append(backing)
+        self._idle.extend(keep)
+        if chosen is None:
+            chosen = np.empty(max(-(-nbytes // (1 << 20)) << 20, 1 << 20), dtype=np.uint8)
+        base = np.frombuffer(memoryview(chosen), dtype=np.uint8, count=nbytes)
+        weakref.finalize(base, self._give_back, chosen).atexit = False
+        return base
+
+    def _give_back(self, backing: np.ndarray) -> None:
+        if sum(b.nbytes for b in list(self._idle)) + backing.nbytes <= self._max:
+            self._idle.append(backing)
+
+    def clear(self) -> None:
+        self._idle.clear()
+
+
 class SegmentGone(StoreError):
     """A segment the peer named cannot be opened (the peer exited and removed it)."""
 
 
 def pieces_of_tcp_reply(reply: wire.PullReply) -> list[wire.ShmPiece]:
-    return [wire.ShmPiece(p.dtype, p.count, p.crc32, -1, 0) for p in reply.pieces]
+    return [wire.ShmPiece(p.dtype, p.count, p.crc32, -1, 0) for p in reply.pieces]  # all inline: crc32
+
+
+@dataclass
+class Received:
+    """A reply's arrays, whether shared memory was used, and, for zero-copy reads, the per-reply base
+    arrays over the peer's segments: every returned view keeps its base alive, so a finalizer on the
+    bases tells when the caller has dropped the last view (then the node's lease may end)."""
+
+    arrays: list[np.ndarray]
+    used_shm: bool
+    bases: list[np.ndarray] = field(default_factory=list)
 
 
 def receive_pieces(
@@ -40,16 +96,19 @@ def receive_pieces(
     payload_len: int,
     maps: SegmentCache | None,
     max_bytes: int,
-) -> tuple[list[np.ndarray], bool]:
-    """Arrays of the reply's pieces (views into one fresh buffer), and whether any came from shm.
+    zero_copy: bool = False,
+    buffers: BufferPool | None = None,
+) -> Received:
+    """The reply's pieces as arrays: views into one fresh buffer, or (`zero_copy`) read-only views
+    straight into the peer's segments for the pieces that lie there.
 
     Inline pieces are read from `sock` (their bytes follow the header, in order); shm pieces are
-    copied out of the peer's segments. Every piece with a crc is checked after it landed.
+    copied out of (or viewed in) the peer's segments. Every piece with a check is verified.
     """
     if len(infos) != len(pieces):
         raise ProtocolError(f"asked for {len(pieces)} pieces, reply describes {len(infos)}")
     dtypes: dict[str, np.dtype] = {}
-    sizes, offsets, total, inline_bytes = [], [], 0, 0
+    sizes, offsets, total, inline_bytes, prev_key = [], [], 0, 0, None
     for (key, start, end), info in zip(pieces, infos):
         dt = dtypes.get(info.dtype)
         if dt is None:
@@ -62,25 +121,39 @@ def receive_pieces(
         elif info.segment >= len(segments) or info.offset < 0 or info.offset + size > segments[info.segment].size:
             raise ProtocolError(f"piece {key!r}: shared-memory location {info.segment}:{info.offset}+{size} is invalid")
         sizes.append(size)
+        if zero_copy and info.segment >= 0:
+            offsets.append(-1)  # not in the buffer
+            prev_key = None
+            continue
+        if prev_key == key:
+            total = offsets[-1] + sizes[-2]  # ranges of one array land back to back: the caller may join them
         offsets.append(total)
         total = -(-(total + size) // ALIGN) * ALIGN
+        prev_key = key
     if total > max_bytes + ALIGN * len(pieces):
         raise ProtocolError(f"reply of {total} bytes is over this client's max_payload={max_bytes}")
     if inline_bytes != payload_len:
         raise ProtocolError(f"reply payload is {payload_len} bytes, its inline pieces add up to {inline_bytes}")
-    buf = np.empty(max(total, 1), dtype=np.uint8)
+    buf = np.empty(max(total, 1), dtype=np.uint8) if buffers is None or total == 0 else buffers.take(total)
     _receive_inline(sock, deadline, buf, infos, offsets, sizes)
-    used_shm = _copy_shm(address, buf, infos, segments, offsets, sizes, maps)
+    segs = _map_segments(address, segments, maps, fresh=zero_copy)
     out = []
     for (key, start, end), info, off, size in zip(pieces, infos, offsets, sizes):
-        raw = buf[off : off + size]
-        if info.crc32 >= 0 and zlib.crc32(raw) != info.crc32:
-            raise StoreError(
-                f"checksum mismatch for {key!r} [{start}, {end}) from peer {address}: the bytes were corrupted "
-                "in storage or in transit; treat this shard as lost"
-            )
+        if off >= 0:
+            raw = buf[off : off + size]
+            if info.segment >= 0:
+                raw[:] = segs[info.segment][info.offset : info.offset + size]
+        else:
+            raw = segs[info.segment][info.offset : info.offset + size]
+        if info.check >= 0:
+            got = zlib.crc32(raw) if info.segment < 0 else wire.sum64(raw)
+            if got != info.check:
+                raise StoreError(
+                    f"checksum mismatch for {key!r} [{start}, {end}) from peer {address}: the bytes were corrupted "
+                    "in storage or in transit; treat this shard as lost"
+                )
         out.append(raw.view(dtypes[info.dtype]))
-    return out, used_shm
+    return Received(out, bool(segments), segs if zero_copy else [])
 
 
 def _receive_inline(
@@ -102,24 +175,13 @@ def _receive_inline(
         wire.recv_exact_into(sock, view[run[0] : run[1]], deadline)
 
 
-def _copy_shm(
-    address: str,
-    buf: np.ndarray,
-    infos: Sequence[wire.ShmPiece],
-    segments: Sequence[wire.ShmSegment],
-    offsets: list[int],
-    sizes: list[int],
-    maps: SegmentCache | None,
-) -> bool:
+def _map_segments(address: str, segments: Sequence[wire.ShmSegment], maps: SegmentCache | None, *, fresh: bool) -> list[np.ndarray]:
+    """uint8 arrays over the reply's segments (`fresh`: new base arrays of this reply's own)."""
     if not segments:
-        return False
+        return []
     if maps is None:
         raise ProtocolError("peer answered with shared-memory locations to a client that did not ask for them")
     try:
-        arrays = [maps.get(s.name, s.size) for s in segments]
+        return [maps.get(s.name, s.size, fresh=fresh) for s in segments]
     except StoreError as exc:  # a bad name or size is a ProtocolError and propagates as such
         raise SegmentGone(f"peer {address}: {exc}") from exc
-    for info, off, size in zip(infos, offsets, sizes):
-        if info.segment >= 0:
-            buf[off : off + size] = arrays[info.segment][info.offset : info.offset + size]
-    return True

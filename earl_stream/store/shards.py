@@ -13,6 +13,7 @@ import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,17 +34,18 @@ class RequestError(Exception):
 @dataclass(frozen=True)
 class _Shard:
     array: np.ndarray  # 1-D, C-contiguous, read-only (a view into `region` when it lives in the pool)
-    crc32: int  # of the whole array's bytes, computed once at put
+    sum64: int  # `wire.sum64` of the whole array's bytes, taken at put: the reference against bit rot
     region: Region | None
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A resolved request piece: the elements' view, the crc of the whole array when the piece is all
-    of it (else None), and where it lives in shared memory (segment index, byte offset) if it does."""
+class Piece(NamedTuple):
+    """A resolved request piece: its key, the elements' view, the put-time `sum64` when the piece is
+    the whole array (else None), and where it lives in shared memory (segment, byte offset; -1, 0 if not).
+    A tuple: thousands are built per request."""
 
+    key: str
     array: np.ndarray
-    crc32: int | None
+    sum64: int | None
     segment: int
     offset: int
 
@@ -66,6 +68,7 @@ class ShardStore:
 
     def __init__(self, max_bytes: int | None, put_timeout_s: float, pool: ShmPool | None) -> None:
         self._shards: dict[str, _Shard] = {}
+        self._crcs: dict[str, int] = {}  # crc32 of whole arrays, taken when first sent over a wire
         self._held = 0
         self._max_bytes = max_bytes
         self._put_timeout_s = put_timeout_s
@@ -81,8 +84,8 @@ class ShardStore:
     def pool(self) -> ShmPool | None:
         return self._pool
 
-    def put_many(self, items: Mapping[str, np.ndarray], crc32s: Mapping[str, int] | None = None) -> None:
-        shards = {key: _prepare(key, arr, None if crc32s is None else crc32s.get(key)) for key, arr in items.items()}
+    def put_many(self, items: Mapping[str, np.ndarray]) -> None:
+        shards = {key: _prepare(key, arr) for key, arr in items.items()}
         need = sum(s.array.nbytes for s in shards.values())
         with self._cond:
             self._refuse_existing(shards)
@@ -135,7 +138,7 @@ class ShardStore:
         np.copyto(dst, shard.array.view(np.uint8))
         view = dst.view(shard.array.dtype)
         view.flags.writeable = False
-        return _Shard(view, shard.crc32, region)
+        return _Shard(view, shard.sum64, region)
 
     def _refuse_existing(self, shards: Mapping[str, _Shard]) -> None:
         dup = [k for k in shards if k in self._shards]
@@ -148,6 +151,7 @@ class ShardStore:
             freed = 0
             for key in keys:
                 shard = self._shards.pop(key, None)
+                self._crcs.pop(key, None)
                 if shard is not None:
                     freed += shard.array.nbytes
                     if shard.region is not None:
@@ -186,12 +190,12 @@ class ShardStore:
                 whole = (start, end) == (0, n)
                 region = shard.region
                 if region is None:
-                    out.append(Piece(shard.array[start:end], shard.crc32 if whole else None, -1, 0))
+                    out.append(Piece(key, shard.array[start:end], shard.sum64 if whole else None, -1, 0))
                     continue
                 if not regions or regions[-1] is not region:
                     regions.append(region)
                 off = region.offset + start * shard.array.itemsize
-                out.append(Piece(shard.array[start:end], shard.crc32 if whole else None, region.segment, off))
+                out.append(Piece(key, shard.array[start:end], shard.sum64 if whole else None, region.segment, off))
             lease = Lease(self._pool, regions)
             for region in regions:
                 self._pool.acquire(region)  # type: ignore[union-attr]  # regions imply a pool
@@ -203,7 +207,7 @@ class ShardStore:
         return [wire.ManifestEntry(k, s.array.dtype.str, [int(s.array.shape[0])]) for k, s in sorted(items)]
 
     def corrupt_for_test(self, key: str, byte_index: int) -> None:
-        """Flip one stored byte, keeping the old crc: models bit rot at rest (in place when in shm)."""
+        """Flip one stored byte, keeping the old checks: models bit rot at rest (in place when in shm)."""
         with self._cond:
             shard = self._shards[key]
             if shard.region is not None:
@@ -214,10 +218,30 @@ class ShardStore:
             raw[byte_index] ^= 0xFF
             broken = raw.view(shard.array.dtype)
             broken.flags.writeable = False
-            self._shards[key] = _Shard(broken, shard.crc32, None)
+            self._shards[key] = _Shard(broken, shard.sum64, None)
+
+    def wire_crc(self, piece: Piece) -> int:
+        """crc32 of a piece about to cross a wire. A whole array is first checked against its put-time
+        `sum64` (RequestError CORRUPT if bit rot hit it) and its crc is kept for the next sender."""
+        if piece.sum64 is None:
+            return zlib.crc32(piece.array.view(np.uint8))
+        with self._cond:
+            crc = self._crcs.get(piece.key)
+        if crc is not None:
+            return crc
+        raw = piece.array.view(np.uint8)
+        if wire.sum64(raw) != piece.sum64:
+            raise RequestError(
+                ErrorCode.CORRUPT, f"checksum mismatch for {piece.key!r}: this node's copy is corrupt; treat the shard as lost"
+            )
+        crc = zlib.crc32(raw)
+        with self._cond:
+            if piece.key in self._shards:
+                self._crcs[piece.key] = crc
+        return crc
 
 
-def _prepare(key: str, arr: np.ndarray, crc32: int | None) -> _Shard:
+def _prepare(key: str, arr: np.ndarray) -> _Shard:
     if not isinstance(key, str) or not key:
         raise StoreError(f"shard keys are non-empty strings, got {key!r}")
     if not isinstance(arr, np.ndarray) or arr.ndim != 1:
@@ -226,4 +250,4 @@ def _prepare(key: str, arr: np.ndarray, crc32: int | None) -> _Shard:
         raise StoreError(f"shard {key!r} has dtype {arr.dtype}; only fixed-size numeric dtypes can be stored")
     view = np.ascontiguousarray(arr).view()
     view.flags.writeable = False
-    return _Shard(view, zlib.crc32(view.view(np.uint8)) if crc32 is None else crc32, None)
+    return _Shard(view, wire.sum64(view.view(np.uint8)), None)

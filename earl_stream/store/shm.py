@@ -92,7 +92,9 @@ def _create(name: str, size: int, populate: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def _unlink(names: list[str]) -> None:
+def _unlink(names: list[str], owner_pid: int) -> None:
+    if os.getpid() != owner_pid:
+        return  # a forked child exiting must not remove its parent's segments
     for name in names:
         try:
             os.unlink(os.path.join(SHM_DIR, name))
@@ -147,7 +149,7 @@ class ShmPool:
         probe[: len(self.token)] = self.token
         probe.close()
         self._names = [self.probe_name]  # shared with the finalizer: unlinked at exit even without close()
-        self._finalizer = weakref.finalize(self, _unlink, self._names)
+        self._finalizer = weakref.finalize(self, _unlink, self._names, pid)
 
     @property
     def reserved_bytes(self) -> int:
@@ -285,13 +287,15 @@ class SegmentCache:
         self._max = max_segments
         self._lock = threading.Lock()
 
-    def get(self, name: str, size: int) -> np.ndarray:
-        """uint8 array over segment `name`, which the peer says is `size` bytes; ProtocolError if not."""
+    def get(self, name: str, size: int, *, fresh: bool = False) -> np.ndarray:
+        """Read-only uint8 array over segment `name`, which the peer says is `size` bytes (else
+        ProtocolError). `fresh`: a new array object (same mapping), for a caller that must know when
+        every view of it is gone."""
         with self._lock:
             hit = self._maps.get(name)
             if hit is not None:
                 self._maps.move_to_end(name)
-                return hit[1]
+                return np.frombuffer(hit[0], dtype=np.uint8) if fresh else hit[1]
         if not NAME_RE.match(name) or name.endswith("-probe"):
             raise ProtocolError(f"peer named shared-memory segment {name!r}, which is not one of ours")
         try:
@@ -310,7 +314,7 @@ class SegmentCache:
             self._maps[name] = (buf, array)
             while len(self._maps) > self._max:
                 self._maps.popitem(last=False)  # the mapping goes once no copy-out still views it
-        return array
+        return np.frombuffer(buf, dtype=np.uint8) if fresh else array
 
     def close(self) -> None:
         with self._lock:

@@ -16,7 +16,9 @@ file under /dev/shm and a random token; a client that can read the token there s
 segments and sends PULL_SHM instead of PULL. Its reply says, per piece, where the bytes lie (segment,
 byte offset: chosen by the server, never by the client) or carries them inline in the payload. The
 regions of a PULL_SHM reply stay leased to the connection until the client sends SHM_DONE (one-way,
-never answered), sends its next request, or disconnects; only then may the node reuse them.
+never answered), sends its next request, or disconnects; only then may the node reuse them. A
+PULL_SHM with `hold` gets a numbered lease instead, which lasts until an SHM_DONE lists its number
+or the connection closes (zero-copy reads whose lifetime the client decides).
 GATHER / DROP are served only by a central dispatcher node (`central.py`); other nodes answer
 UNKNOWN_KIND.
 """
@@ -85,6 +87,7 @@ class ErrorCode(enum.IntEnum):
     BAD_RANGE = 8
     REPLY_TOO_LARGE = 9
     INTERNAL = 10
+    CORRUPT = 11  # the node's own copy failed its check: treat the shard as lost
 
 
 class Challenge(msgspec.Struct, frozen=True):
@@ -154,9 +157,13 @@ class ShmOffer(msgspec.Struct, frozen=True):
 
 
 class PullShmRequest(msgspec.Struct, frozen=True):
-    """Same pieces as `PullRequest`; the reply may point into shared memory instead of carrying bytes."""
+    """Same pieces as `PullRequest`; the reply may point into shared memory instead of carrying bytes.
+
+    `hold`: the client reads the regions in place for as long as it likes; the reply names a lease
+    that the client ends with SHM_DONE(leases=[id]) (or by disconnecting)."""
 
     pieces: list[tuple[str, int, int]]
+    hold: bool = False
 
 
 class ShmSegment(msgspec.Struct, frozen=True, array_like=True):
@@ -165,12 +172,14 @@ class ShmSegment(msgspec.Struct, frozen=True, array_like=True):
 
 
 class ShmPiece(msgspec.Struct, frozen=True, array_like=True):
-    """dtype string, element count, crc32 of its bytes (-1: not checked, a sub-range of a shm array),
-    segment index into the reply's `segments` (-1: inline in the payload), byte offset in it."""
+    """dtype string, element count, integrity check, segment index into the reply's `segments` (-1:
+    inline in the payload), byte offset in it. `check` is the crc32 of an inline piece's bytes, or the
+    `sum64` taken at put of a whole array in shared memory, or -1 (a sub-range in shared memory: the
+    node's only reference is for the whole array, and no wire lies between it and the reader)."""
 
     dtype: str
     count: int
-    crc32: int
+    check: int
     segment: int
     offset: int
 
@@ -180,10 +189,13 @@ class PullShmReply(msgspec.Struct, frozen=True):
 
     segments: list[ShmSegment]
     pieces: list[ShmPiece]
+    lease: int = 0  # id of a held lease (0: none; the regions are leased until the next frame)
 
 
 class ShmDone(msgspec.Struct, frozen=True):
-    pass
+    """Ends the implicit lease of the last reply, and the held leases listed."""
+
+    leases: list[int] = []
 
 
 class GatherRequest(msgspec.Struct, frozen=True):
@@ -298,6 +310,21 @@ def auth_mac(secret: bytes, nonce: bytes) -> bytes:
 
 def check_mac(secret: bytes, nonce: bytes, mac: bytes) -> bool:
     return hmac.compare_digest(auth_mac(secret, nonce), mac)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sum64(raw: np.ndarray) -> int:
+    """Fast 64-bit check of a uint8 array: its little-endian u64 words (tail zero-padded) summed mod
+    2**64, plus its length. Any single corrupted word changes it. Used where there is no wire to
+    protect (shared memory); crc32 guards the wire."""
+    n = raw.shape[0]
+    whole = n - n % 8
+    total = int(np.add.reduce(raw[:whole].view("<u8"), dtype=np.uint64)) if whole else 0
+    if whole != n:
+        total += int.from_bytes(raw[whole:].tobytes(), "little")
+    return (total + n) & _MASK64
 
 
 def storable_dtype(text: str) -> np.dtype:

@@ -101,6 +101,12 @@ class Supervisor:
         if worker is None or not worker.alive:
             return P.HeartbeatReply(known=False, policy_version=self.policy_version)
         worker.stats = dict(msg.stats)
+        published = int(msg.stats.get("published_version", -1))
+        if worker.role == P.Role.TRAINER and published >= 0 and published != self.policy_version:
+            # the trainer is authoritative: after a supervisor restart from a slightly older snapshot,
+            # its heartbeat brings the policy version back in line
+            log.info("policy version %d (from %s's heartbeat; was %d)", published, worker.worker_id, self.policy_version)
+            self.policy_version, self.weights_address = published, worker.shard_address
         free = self.pending_free.pop(worker.shard_address, [])
         return P.HeartbeatReply(policy_version=self.policy_version, weights_address=self.weights_address,
                                 stop=self.finished, free_sample_ids=free)
@@ -232,6 +238,9 @@ class Supervisor:
             M.SUP_CONTEXT.labels("max").set(max(lengths))
 
 
+MUTATING = (P.Register, P.RequestPrompts, P.PutMeta, P.Claim, P.Release, P.PublishVersion, P.Finished)
+
+
 def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
           state_dir: str | None = None) -> None:
     """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
@@ -274,7 +283,10 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
                 sock.send_multipart([frames[0], b"", P.encode(P.ErrorReply(message="authentication failed"))])
                 continue
             try:
-                reply = sup.handle(P.decode(payload), now)
+                msg = P.decode(payload)
+                reply = sup.handle(msg, now)
+                if isinstance(msg, MUTATING):  # write-ahead: persisted before the peer hears back
+                    saved = _persist(sup, state_path, saved)
             except ProtocolError as exc:
                 log.warning("bad control message from peer %s: %s", frames[0].hex()[:16], exc)
                 reply = P.ErrorReply(message=str(exc))

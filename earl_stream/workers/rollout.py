@@ -41,7 +41,8 @@ class RolloutWorker:
         self.host = host
         self.stop = StopFlag()
         secret = load_secret()
-        self.client = P.ControlClient(supervisor, timeout_s=30, secret=secret)
+        self.client = P.ControlClient(supervisor, secret=secret)
+        self.hb_client = P.ControlClient(supervisor, secret=secret)  # heartbeats never wait behind other calls
         self.node = ShardNode(host, secret=secret)
         self.metrics_address = M.start_metrics_server(host)
         reg, self.cfg = register(self.client, P.Role.ROLLOUT, host=host, shard_address=self.node.address,
@@ -68,6 +69,7 @@ class RolloutWorker:
             self.node.close()
             self.store_client.close()
             self.client.close()
+            self.hb_client.close()
             log.info("%s stopped after %d episodes", self.worker_id, self.episodes_done)
 
     async def _main(self) -> None:
@@ -92,13 +94,13 @@ class RolloutWorker:
             stats = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
                      "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held}
             try:
-                reply = await asyncio.to_thread(self.client.call, P.Heartbeat(worker_id=self.worker_id, stats=stats))
+                reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(worker_id=self.worker_id, stats=stats))
             except EarlError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 await asyncio.sleep(period)
                 continue
             if not reply.known:
-                reg, _ = await asyncio.to_thread(register, self.client, P.Role.ROLLOUT, host=self.host,
+                reg, _ = await asyncio.to_thread(register, self.hb_client, P.Role.ROLLOUT, host=self.host,
                                                  shard_address=self.node.address,
                                                  metrics_address=self.metrics_address, worker_id=self.worker_id)
                 self.worker_id = reg.worker_id
@@ -129,7 +131,7 @@ class RolloutWorker:
 
     async def _group_slot(self, slot: int) -> None:
         while not self.stop:
-            reply = await asyncio.to_thread(self.client.call, P.RequestPrompts(worker_id=self.worker_id, max_groups=1))
+            reply = await self._call(P.RequestPrompts(worker_id=self.worker_id, max_groups=1))
             if not reply.prompts:
                 await asyncio.sleep(0.05)
                 continue
@@ -139,11 +141,14 @@ class RolloutWorker:
                     lambda: self.engine.policy_version >= prompt.min_policy_version or bool(self.stop))
             records = await self._play_group(prompt)
             if records is None:
-                await asyncio.to_thread(self.client.call, P.PutMeta(worker_id=self.worker_id,
-                                                                    failed_groups=[prompt.group_id]))
+                await self._call(P.PutMeta(worker_id=self.worker_id, failed_groups=[prompt.group_id]))
                 continue
             rows = await asyncio.to_thread(self.writer.put, records)
-            await asyncio.to_thread(self.client.call, P.PutMeta(worker_id=self.worker_id, rows=rows))
+            await self._call(P.PutMeta(worker_id=self.worker_id, rows=rows))
+
+    async def _call(self, msg: P.Msg):  # type: ignore[no-untyped-def]
+        """A control call that waits out a supervisor restart (up to the lease of a few minutes)."""
+        return await asyncio.to_thread(self.client.call_retry, msg, deadline_s=300, what=type(msg).__name__)
 
     async def _play_group(self, prompt: P.Prompt) -> list[SampleRecord] | None:
         spec = self.envs.get(prompt.env)

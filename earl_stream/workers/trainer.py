@@ -38,7 +38,8 @@ class TrainerRank:
         self.rank, self.world_size, self.host = rank, world_size, host
         self.stop = StopFlag()
         secret = load_secret()
-        self.client = P.ControlClient(supervisor, timeout_s=30, secret=secret)
+        self.client = P.ControlClient(supervisor, secret=secret)
+        self.hb_client = P.ControlClient(supervisor, secret=secret)  # heartbeats never wait behind a long call
         self.node = ShardNode(host, secret=secret)
         self.metrics_address = M.start_metrics_server(host)
         reg, self.cfg = register(self.client, P.Role.TRAINER, host=host, rank=rank, shard_address=self.node.address,
@@ -57,6 +58,7 @@ class TrainerRank:
         self.layout = Layout(dp_size=world_size, dp_rank=rank)
         self.store_client = ShardClient(secret=secret)
         self.version = self._resume(reg.policy_version)
+        self.published_version = -1
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
         self._hb.start()
 
@@ -81,12 +83,11 @@ class TrainerRank:
                 dist.barrier()  # every rank has pulled: the producers may free the step's shards
             if self.rank == 0:
                 self._publish(step, result.metrics())
-                self.client.call(P.Release(worker_id=self.worker_id, step=step - 1,
-                                           lost_sample_ids=result.lost_sample_ids))
+                self._call(P.Release(worker_id=self.worker_id, step=step - 1, lost_sample_ids=result.lost_sample_ids))
         if self.rank == 0:
             self.save_checkpoint(step)
             if cfg.steps and step >= cfg.steps:
-                self.client.call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
+                self._call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
         self.close()
         return 0
 
@@ -109,10 +110,15 @@ class TrainerRank:
     def _publish(self, version: int, metrics: dict[str, float]) -> None:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         publish_weights(self.node, version, state)
+        self.published_version = version
         if version >= 2:
             drop_weights(self.node, version - 2)
-        self.client.call(P.PublishVersion(worker_id=self.worker_id, version=version,
-                                          weights_address=self.node.address, metrics=metrics))
+        self._call(P.PublishVersion(worker_id=self.worker_id, version=version, weights_address=self.node.address,
+                                    metrics=metrics))
+
+    def _call(self, msg: P.Msg) -> object:
+        """A call that survives a supervisor restart (the messages it is used for are idempotent)."""
+        return self.client.call_retry(msg, deadline_s=self.cfg.trainer.claim_timeout_s, what=type(msg).__name__)
 
     def _report(self, r: StepResult) -> None:
         rank = str(self.rank)
@@ -129,7 +135,12 @@ class TrainerRank:
     def _heartbeat_loop(self) -> None:
         while not self.stop.wait(self.cfg.supervisor.heartbeat_s):
             try:
-                reply = self.client.call(P.Heartbeat(worker_id=self.worker_id, stats={"policy_version": self.version}))
+                reply = self.hb_client.call(P.Heartbeat(worker_id=self.worker_id, stats={"published_version": self.published_version}))
+                if not reply.known:  # the supervisor restarted without us, or declared us dead
+                    register(self.hb_client, P.Role.TRAINER, host=self.host, rank=self.rank,
+                             shard_address=self.node.address, metrics_address=self.metrics_address,
+                             worker_id=self.worker_id)
+                    continue
             except EarlError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 continue
@@ -169,6 +180,7 @@ class TrainerRank:
         self.node.close()
         self.store_client.close()
         self.client.close()
+        self.hb_client.close()
 
 
 def run_trainer_rank(supervisor: str, host: str = "127.0.0.1") -> int:

@@ -121,7 +121,9 @@ class SglangEngine:
         try:
             import sglang
         except ImportError as exc:
-            raise EngineError(f"rollout.engine=sglang but sglang cannot be imported ({exc}); {SGLANG_INSTALL_HINT}") from None
+            raise EngineError(
+                f"rollout.engine=sglang but sglang cannot be imported ({exc}); {SGLANG_INSTALL_HINT}"
+            ) from None
         self._model_dir = Path(model_dir)
         self._shape = read_model_shape(self._model_dir)
         self._max_len = min(self._shape.max_positions, kv_budget_tokens)

@@ -162,6 +162,9 @@ class _NoTokenizerWarmupWarning(logging.Filter):
         return "Chat template warmup failed" not in record.getMessage()
 
 
+_WARMUP_FILTER = _NoTokenizerWarmupWarning()
+
+
 def _shm_root() -> Path:
     """A fresh private directory in RAM (/dev/shm) if there is one, else in the temp directory."""
     shm = Path("/dev/shm")
@@ -205,29 +208,12 @@ class VllmEngine:
         start_dir = self._untied_copy() if self._shape.tied_embeddings else self._model_dir
         # The directory vLLM reads weights from now; deleted when the next load succeeds (never the user's).
         self._weights_dir: Path | None = start_dir if start_dir != self._model_dir else None
-        kv_tokens = (-(-max(kv_budget_tokens, self._max_len) // _KV_ROUND_TOKENS) + 1) * _KV_ROUND_TOKENS
         if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             _LOG.warning("VLLM_CPU_KVCACHE_SPACE is set: it overrides the KV size derived from kv_budget_tokens")
         # Usage statistics would try to reach the network; these machines are offline.
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-        logging.getLogger("vllm.renderers.base").addFilter(_NoTokenizerWarmupWarning())
-        from vllm.platforms import current_platform
-
-        kwargs: dict[str, Any] = dict(
-            model=str(start_dir),
-            dtype=dtype,
-            seed=seed,
-            max_num_seqs=max_batch_size,
-            max_model_len=self._max_len,
-            kv_cache_memory_bytes=kv_tokens * self._shape.kv_bytes_per_token(dtype),
-            gpu_memory_utilization=0.2,  # on CPU it is a share of RAM; unused once the KV size is explicit
-            enable_prefix_caching=enable_prefix_caching,
-            # Eager on CPU: torch.compile would add minutes to start-up for no gain on small batches.
-            enforce_eager=current_platform.is_cpu(),
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # stop only where our requests say, never at the model's defaults
-            skip_tokenizer_init=True,  # token ids in, token ids out
-        )
+        logging.getLogger("vllm.renderers.base").addFilter(_WARMUP_FILTER)
+        kwargs = self._llm_args(start_dir, max_batch_size, kv_budget_tokens, seed, dtype, enable_prefix_caching)
         kwargs.update(llm_kwargs or {})
         try:
             self._llm = vllm.LLM(**kwargs)
@@ -239,7 +225,7 @@ class VllmEngine:
         self._lock = threading.Lock()
         self._version = 0
         _LOG.info("vLLM %s engine ready on %s (%d sequences, %d KV tokens)", vllm.__version__, self._model_dir,
-                  max_batch_size, kv_tokens)
+                  max_batch_size, kwargs["kv_cache_memory_bytes"] // self._shape.kv_bytes_per_token(dtype))
 
     # ---------------------------------------------------------------- Engine protocol
 
@@ -298,15 +284,16 @@ class VllmEngine:
             self._loads += 1
             target = self._root / f"v{version}-{self._loads}"
             write_checkpoint(self._full_state(state), target, self._untied_config())
+            llm = self._live()
             try:
-                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
             except Exception as exc:
                 shutil.rmtree(target, ignore_errors=True)
                 raise EngineError(
                     f"vLLM could not reload weights (version {version}) from {target}: {type(exc).__name__}: {exc}. "
                     "The engine's weights may be partly replaced: load a complete state again or restart it."
                 ) from exc
-            if not self._llm.reset_prefix_cache():
+            if not llm.reset_prefix_cache():
                 _LOG.warning("vLLM did not reset its prefix cache after loading version %d", version)
             previous, self._weights_dir = self._weights_dir, target
             if previous is not None:
@@ -335,6 +322,32 @@ class VllmEngine:
 
     # ---------------------------------------------------------------- helpers
 
+    def _live(self) -> Any:
+        if self._llm is None:
+            raise EngineError("this VllmEngine was closed")
+        return self._llm
+
+    def _llm_args(self, start_dir: Path, max_batch_size: int, kv_budget_tokens: int, seed: int, dtype: str,
+                  enable_prefix_caching: bool) -> dict[str, Any]:
+        from vllm.platforms import current_platform
+
+        kv_tokens = (-(-max(kv_budget_tokens, self._max_len) // _KV_ROUND_TOKENS) + 1) * _KV_ROUND_TOKENS
+        return dict(
+            model=str(start_dir),
+            dtype=dtype,
+            seed=seed,
+            max_num_seqs=max_batch_size,
+            max_model_len=self._max_len,
+            kv_cache_memory_bytes=kv_tokens * self._shape.kv_bytes_per_token(dtype),
+            gpu_memory_utilization=0.2,  # on CPU a share of RAM; unused once the KV size is explicit
+            enable_prefix_caching=enable_prefix_caching,
+            # Eager on CPU: torch.compile would add minutes to start-up for no gain on small batches.
+            enforce_eager=current_platform.is_cpu(),
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # stop only where our requests say, never at the model's defaults
+            skip_tokenizer_init=True,  # token ids in, token ids out
+        )
+
     def _run(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
         from vllm import SamplingParams
 
@@ -353,10 +366,9 @@ class VllmEngine:
             for r in reqs
         ]
         prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in reqs]
-        if self._llm is None:
-            raise EngineError("this VllmEngine was closed")
+        llm = self._live()
         try:
-            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         except Exception as exc:
             raise EngineError(f"vLLM failed on a batch of {len(reqs)} requests: {type(exc).__name__}: {exc}") from exc
         return [self._result(r, out) for r, out in zip(reqs, outputs)]

@@ -32,17 +32,30 @@ BACKENDS = [
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_model_dir: Path) -> PreTrainedModel:
-    model, _ = load_model(tiny_model_dir)
+def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with an 8x output head: peaked distributions like a trained model's, so greedy
+    decoding rarely meets a numerical near-tie that different kernels may break differently."""
+    model, tokenizer = load_model(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    out = tmp_path_factory.mktemp("contract-model")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> PreTrainedModel:
+    model, _ = load_model(model_dir)
     return model
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def engine(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Engine]:
+def engine(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Engine]:
     reason = unavailable_reason(request.param)
     if reason is not None:
         pytest.skip(reason)
-    eng = make_engine(request.param, tiny_model_dir, None, max_batch_size=CAPACITY.max_concurrent_sequences,
+    eng = make_engine(request.param, model_dir, None, max_batch_size=CAPACITY.max_concurrent_sequences,
                       kv_budget_tokens=CAPACITY.kv_budget_tokens, seed=0)
     yield eng
     close = getattr(eng, "close", None)
@@ -85,6 +98,13 @@ def assert_greedy(model: PreTrainedModel, prompt: list[int], tokens: list[int]) 
         assert gap < 1e-4, f"token {i} ({tok}) is {gap:.2e} below the argmax {int(logits[i].argmax())}"
 
 
+def assert_same_greedy(model: PreTrainedModel, prompt: list[int], a: list[int], b: list[int]) -> None:
+    """Two greedy decodings of one prompt agree, or differ only after a numerical near-tie."""
+    if a != b:
+        assert_greedy(model, prompt, a)
+        assert_greedy(model, prompt, b)
+
+
 def test_engine_is_an_engine_and_reports_its_knobs(engine: Engine) -> None:
     assert isinstance(engine, Engine)
     assert engine.policy_version == 0
@@ -104,7 +124,7 @@ def test_greedy_matches_the_model_with_logprobs_in_order(engine: Engine, hf: Pre
         expected = ref.gather(1, torch.tensor(res.token_ids)[:, None]).squeeze(1)
         assert res.logprobs == pytest.approx(expected.tolist(), abs=2e-4)
     alone = engine.generate([GenerateRequest(ps[3], 8, temperature=0.0)])[0]
-    assert alone.token_ids == results[3].token_ids
+    assert_same_greedy(hf, ps[3], alone.token_ids, results[3].token_ids)
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.3, 0, 0.8)])
@@ -167,7 +187,7 @@ def test_loaded_weights_take_effect_in_place(engine: Engine, hf: PreTrainedModel
         assert_greedy(hf, p, res.token_ids)
 
 
-def test_capacity_can_be_lowered_and_is_validated(engine: Engine) -> None:
+def test_capacity_can_be_lowered_and_is_validated(engine: Engine, hf: PreTrainedModel) -> None:
     ps = prompts([3, 8, 5, 13, 2], seed=8)
     reqs = [GenerateRequest(p, 5, temperature=0.0) for p in ps]
     full = engine.generate(reqs)
@@ -175,7 +195,8 @@ def test_capacity_can_be_lowered_and_is_validated(engine: Engine) -> None:
     engine.set_capacity(smaller)
     try:
         assert engine.capacity == smaller
-        assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in full]
+        for p, a, b in zip(ps, engine.generate(reqs), full):
+            assert_same_greedy(hf, p, a.token_ids, b.token_ids)
         with pytest.raises(EngineError):
             engine.set_capacity(EngineCapacity(0, 4096))
     finally:
@@ -183,7 +204,7 @@ def test_capacity_can_be_lowered_and_is_validated(engine: Engine) -> None:
     assert engine.capacity == CAPACITY
 
 
-def test_the_batcher_drives_the_engine_from_its_worker_thread(engine: Engine) -> None:
+def test_the_batcher_drives_the_engine_from_its_worker_thread(engine: Engine, hf: PreTrainedModel) -> None:
     ps = prompts([2, 9, 4, 15, 6, 11], seed=9)
     reqs = [GenerateRequest(p, 6, temperature=0.0) for p in ps]
     direct = engine.generate(reqs)
@@ -196,7 +217,8 @@ def test_the_batcher_drives_the_engine_from_its_worker_thread(engine: Engine) ->
             await batcher.aclose()
         return [r.token_ids for r in results]
 
-    assert asyncio.run(main()) == [r.token_ids for r in direct]
+    for p, a, b in zip(ps, asyncio.run(main()), direct):
+        assert_same_greedy(hf, p, a, b.token_ids)
 
 
 def test_bad_requests_are_rejected_with_engine_errors(engine: Engine) -> None:
@@ -212,15 +234,15 @@ def test_bad_requests_are_rejected_with_engine_errors(engine: Engine) -> None:
 # ------------------------------------------------------------------ backend-independent pieces
 
 
-def test_make_engine_names_the_known_backends(tiny_model_dir: Path) -> None:
+def test_make_engine_names_the_known_backends(model_dir: Path) -> None:
     assert engine_names() == ["sglang", "torch", "vllm"]
     with pytest.raises(EngineError, match="known engines: sglang, torch, vllm"):
-        make_engine("tensorrt", tiny_model_dir)
+        make_engine("tensorrt", model_dir)
     for name in ("vllm", "sglang"):
         reason = unavailable_reason(name)
         if reason is not None:
             with pytest.raises(EngineError, match="install|GPU"):
-                make_engine(name, tiny_model_dir)
+                make_engine(name, model_dir)
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 5, 1.0), (0.7, 20, 0.9), (1.0, 0, 0.5),

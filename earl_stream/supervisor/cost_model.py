@@ -1,0 +1,137 @@
+"""Cost model of one training step: compute + communication per plan, calibrated from measured times.
+
+Owns: the features of a plan (`plan_features`: FLOPs per device, bytes moved per device, s x s
+score elements of eager attention), the linear time model over them (`StepCostModel`), its
+least-squares calibration from measured step times (`StepCostModel.calibrate`, as EARL profiles
+tokens/GPU/s per setting and length range), and ranking of the plans that fit (`rank_plans`).
+Which plans fit is `memory_model`'s answer; when to reselect is the selector's.
+
+Per micro-batch on one device (n = b s / sp tokens outside attention, N = matrix parameters):
+* compute: 6 N n / tp for the matrices (+ 2 N n / tp once more under full recomputation) and
+  6 L b s^2 a d / (tp sp) for the attention matmuls (causal half of 12; + a third again when the
+  attention core is recomputed, i.e. selective or full);
+* tensor parallel: 4 all-reduces (or all-gather + reduce-scatter with sequence parallelism) of
+  n h e bytes per layer, ring cost 2 (tp-1)/tp each; Ulysses sp: 8 all-to-alls of n h e bytes per
+  layer, (sp-1)/sp each; FSDP: weights gathered twice and grads reduce-scattered once per step,
+  3 P (dp sp - 1)/(dp sp) bytes; DDP: one all-reduce of the grads, 2 P (dp - 1)/dp bytes;
+* eager attention also pays memory-bound passes over the a s^2 b scores (softmax, mask, grads).
+Time = seconds_per_flop * flops + seconds_per_byte * bytes + seconds_per_score * scores + fixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from earl_stream.errors import ConfigError
+from earl_stream.supervisor.memory_model import (
+    Attention,
+    FitCheck,
+    ModelShape,
+    Recompute,
+    TrainPlan,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFeatures:
+    """Per device, per micro-batch step; communication bytes include a step's share of states sync."""
+
+    flops: float
+    comm_bytes: float
+    score_elements: float
+    tokens: float  # tokens of the whole pool in one micro-batch step: dp * micro_batch * seq_len
+
+
+def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> PlanFeatures:
+    """Features of one micro-batch step; states sync (FSDP/DDP) is spread over `accumulation_steps`."""
+    b, s, t, p = plan.micro_batch, plan.seq_len, plan.tp, plan.sp
+    L, h, a, d = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
+    n = b * s / p
+    matrices = L * shape.layer_matrix_params() + shape.vocab_size * h  # the lm_head matmul too
+    forward_factor = 4 if plan.recompute is Recompute.FULL else 3  # forward + backward (x2) (+ recomputed forward)
+    attn_factor = 4 if plan.recompute is not Recompute.NONE else 3
+    flops = 2 * matrices * n / t * forward_factor + 2 * L * b * s * s * a * d / (t * p) * attn_factor
+    w_bytes, g_bytes, _, e = plan.precision.element_bytes
+    comm = 0.0
+    if t > 1:
+        comm += L * 4 * n * h * e * 2 * (t - 1) / t
+    if p > 1:
+        comm += L * 8 * n * h * e * (p - 1) / p
+    params = shape.num_params() / t
+    if plan.fsdp and plan.dp * p > 1:
+        world = plan.dp * p
+        comm += params * (2 * w_bytes + g_bytes) * (world - 1) / world / accumulation_steps
+    elif plan.dp > 1:
+        comm += params * g_bytes * 2 * (plan.dp - 1) / plan.dp / accumulation_steps
+    scores = b * a * s * s / (t * p) if plan.attention is Attention.EAGER else 0.0
+    return PlanFeatures(flops=flops, comm_bytes=comm, score_elements=scores, tokens=plan.dp * b * s)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCostModel:
+    """Seconds of one micro-batch step from `PlanFeatures`. Defaults: a rough modern GPU node."""
+
+    seconds_per_flop: float = 1 / 300e12
+    seconds_per_byte: float = 1 / 100e9
+    seconds_per_score: float = 1 / 200e9
+    fixed_seconds: float = 0.0
+
+    def step_seconds(self, shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> float:
+        f = plan_features(shape, plan, accumulation_steps=accumulation_steps)
+        return (self.seconds_per_flop * f.flops + self.seconds_per_byte * f.comm_bytes
+                + self.seconds_per_score * f.score_elements + self.fixed_seconds)
+
+    def tokens_per_second(self, shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> float:
+        """Training tokens per second of the whole pool under `plan`."""
+        f = plan_features(shape, plan, accumulation_steps=accumulation_steps)
+        return f.tokens / self.step_seconds(shape, plan, accumulation_steps=accumulation_steps)
+
+    @classmethod
+    def calibrate(cls, samples: Sequence[tuple[ModelShape, TrainPlan, float]]) -> StepCostModel:
+        """Non-negative least squares of measured micro-batch step seconds on the four features.
+
+        Features that no sample exercises (e.g. no communication on one process) keep the default
+        coefficient. Needs at least two samples.
+        """
+        if len(samples) < 2:
+            raise ConfigError(f"cost model calibration needs >= 2 measured steps, got {len(samples)}")
+        feats = [plan_features(shape, plan) for shape, plan, _ in samples]
+        x = np.array([[f.flops, f.comm_bytes, f.score_elements, 1.0] for f in feats], dtype=np.float64)
+        y = np.array([sec for _, _, sec in samples], dtype=np.float64)
+        defaults = np.array([cls.seconds_per_flop, cls.seconds_per_byte, cls.seconds_per_score, 0.0])
+        active = [j for j in range(4) if np.any(x[:, j] > 0)]
+        coef = defaults.copy()
+        while active:
+            scale = x[:, active].max(axis=0)  # columns differ by ~1e12: scale for a stable solve
+            sol, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
+            sol = sol / scale
+            if (sol >= 0).all():
+                coef[active] = sol
+                break
+            active = [j for j, c in zip(active, sol) if c > 0]  # drop negative terms, refit
+        model = cls(*coef)
+        logger.info("calibrated step cost model from %d samples: %s", len(samples), model)
+        return model
+
+
+@dataclasses.dataclass(frozen=True)
+class RankedPlan:
+    check: FitCheck
+    step_seconds: float
+    tokens_per_second: float
+
+
+def rank_plans(shape: ModelShape, fits: Sequence[FitCheck], model: StepCostModel, *,
+               accumulation_steps: int = 1) -> list[RankedPlan]:
+    """The plans that fit, fastest (pool tokens per second) first; ties prefer more headroom."""
+    ranked = [RankedPlan(fc, model.step_seconds(shape, fc.plan, accumulation_steps=accumulation_steps),
+                         model.tokens_per_second(shape, fc.plan, accumulation_steps=accumulation_steps))
+              for fc in fits if fc.fits]
+    ranked.sort(key=lambda r: (-r.tokens_per_second, -r.check.headroom_bytes))
+    return ranked
