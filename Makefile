@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 TRANSFORMERS := transformers==5.19.*
 
-.PHONY: run test install bench clean-venv
+.PHONY: run test install bench clean-venv test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,3 +28,7 @@ bench: $(VENV)/.installed
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Optional tier: the vLLM backend for real on CPU, in its own environment (.venv-vllm, ~3.7 GB).
+test-vllm:
+	bash scripts/test-vllm.sh $(PYTEST_ARGS)

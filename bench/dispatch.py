@@ -275,39 +275,48 @@ def _spawn(ctx: Any, target: Any, *args: Any) -> tuple[Any, Any]:
     return proc, parent
 
 
-def measure_ceilings(ctx: Any, nbytes: int, reps: int) -> dict[str, float]:
-    """memcpy in one process; copy into shm by one process, out of it by another (both pre-faulted)."""
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.ones_like(src)
-    memcpy = []
-    for _ in range(reps):
+class Ceilings:
+    """Same-host ceilings, sampled between the timed steps so that they see the same machine load:
+    memcpy in this process, and a copy through pre-faulted shared memory between two processes
+    (one copies its private bytes in, the other copies them out into its own pre-faulted buffer)."""
+
+    def __init__(self, ctx: Any, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        self.dst = np.ones_like(self.src)
+        self.writer, self.wconn = _spawn(ctx, ceiling_copy_in, nbytes)
+        name = self.wconn.recv()
+        self.reader, self.rconn = _spawn(ctx, ceiling_copy_out, name, nbytes)
+        self.rconn.recv()  # mapped and pre-faulted
+        self.samples: dict[str, list[float]] = {"memcpy": [], "copy_in": [], "copy_out": []}
+
+    def sample(self) -> None:
         t0 = time.perf_counter()
-        np.copyto(dst, src)
-        memcpy.append(time.perf_counter() - t0)
-    del src, dst
-    writer, wconn = _spawn(ctx, ceiling_copy_in, nbytes)
-    name = wconn.recv()
-    reader, rconn = _spawn(ctx, ceiling_copy_out, name, nbytes)
-    rconn.recv()  # mapped and pre-faulted
-    ins, outs = [], []
-    for _ in range(reps):
-        wconn.send("go")
-        ins.append(wconn.recv())
-        rconn.send("go")
-        outs.append(rconn.recv())
-    for conn, proc in ((rconn, reader), (wconn, writer)):
-        conn.send("stop")
-        proc.join()
-    med_in, med_out = statistics.median(ins), statistics.median(outs)
-    return {
-        "memcpy_seconds": statistics.median(memcpy),
-        "memcpy_gibps": nbytes / GIB / statistics.median(memcpy),
-        "shm_copy_in_seconds": med_in,
-        "shm_copy_out_seconds": med_out,
-        "shm_seconds": med_in + med_out,
-        "shm_gibps": nbytes / GIB / (med_in + med_out),
-        "shm_copy_out_gibps": nbytes / GIB / med_out,
-    }
+        np.copyto(self.dst, self.src)
+        self.samples["memcpy"].append(time.perf_counter() - t0)
+        self.wconn.send("go")
+        self.samples["copy_in"].append(self.wconn.recv())
+        self.rconn.send("go")
+        self.samples["copy_out"].append(self.rconn.recv())
+
+    def close(self) -> None:
+        for conn, proc in ((self.rconn, self.reader), (self.wconn, self.writer)):
+            conn.send("stop")
+            proc.join()
+
+    def summary(self) -> dict[str, float]:
+        med = {k: statistics.median(v) for k, v in self.samples.items()}
+        both = med["copy_in"] + med["copy_out"]
+        return {
+            "memcpy_seconds": med["memcpy"],
+            "memcpy_gibps": self.nbytes / GIB / med["memcpy"],
+            "shm_copy_in_seconds": med["copy_in"],
+            "shm_copy_out_seconds": med["copy_out"],
+            "shm_seconds": both,
+            "shm_gibps": self.nbytes / GIB / both,
+            "shm_copy_out_gibps": self.nbytes / GIB / med["copy_out"],
+            "samples": len(self.samples["memcpy"]),
+        }
 
 
 class Cluster:
@@ -362,37 +371,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     nbytes = args.mib << 20
     reps = args.reps
-    log.info("measuring ceilings on %d MiB", args.mib)
-    ceilings = measure_ceilings(ctx, nbytes, max(reps, 3))
     cluster = Cluster(ctx, args.producers, args.consumers, nbytes, seed=0)
     bytes_per_step = sum(cluster.lengths) * BYTES_PER_TOKEN
+    ceilings = Ceilings(ctx, bytes_per_step)
     ray_runner = None
     if not args.no_ray:
         ray_runner = ray_pattern(args.producers, args.consumers, cluster.lengths)
         if ray_runner is None:
             log.warning("ray is not importable: ray_seconds stays null")
     modes = ["pull", "pull_zc", "tcp", "central"] + (["ray"] if ray_runner else [])
-    layouts: dict[str, Any] = {}
+    samples: dict[str, dict[str, list[float]]] = {name: {m: [] for m in modes} for name in LAYOUTS}
+    delivered: dict[str, dict[str, int]] = {name: {} for name in LAYOUTS}
     try:
-        for name, layout in LAYOUTS.items():
-            samples: dict[str, list[float]] = {m: [] for m in modes}
-            delivered: dict[str, int] = {}
-            for rep in range(reps + 1):  # rep 0 warms up (connections, mappings, pools) and verifies
+        for rep in range(reps + 1):  # rep 0 warms up (connections, mappings, pools) and verifies
+            for name, layout in LAYOUTS.items():
                 for mode in modes:
                     if mode == "ray":
                         assert ray_runner is not None
                         secs, got = ray_runner(layout, verify=rep == 0)
                     else:
                         secs, got = cluster.run(mode, layout, verify=rep == 0)
-                    delivered[mode] = got
+                    delivered[name][mode] = got
                     if rep:
-                        samples[mode].append(secs)
-                log.info("%s rep %d: %s", name, rep, {m: round(s[-1], 4) for m, s in samples.items() if s})
-            layouts[name] = summarize(layout, samples, delivered, ceilings)
+                        samples[name][mode].append(secs)
+                if rep:
+                    ceilings.sample()
+                    log.info("rep %d %s: %s", rep, name, {m: round(v[-1], 4) for m, v in samples[name].items()})
     finally:
         cluster.close()
+        ceilings.close()
         if ray_runner is not None:
             ray_runner.shutdown()
+    ceil = ceilings.summary()
+    layouts = {name: summarize(LAYOUTS[name], samples[name], delivered[name], ceil) for name in LAYOUTS}
     head = layouts["dp4"]
     return {
         "bytes_per_step": bytes_per_step,
@@ -406,18 +417,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fraction_of_shm_ceiling": head["fraction_of_shm_ceiling"],
         "fraction_of_shm_copy_out_ceiling": head["fraction_of_shm_copy_out_ceiling"],
         "layouts": layouts,
-        "ceilings": ceilings,
+        "ceilings": ceil,
         "config": {
             "producers": args.producers,
             "consumers": args.consumers,
             "rows": len(cluster.lengths),
             "mean_tokens_per_row": float(np.mean(cluster.lengths)),
+            "row_tokens_range": list(ROW_TOKENS),
             "fields": {k: np.dtype(v).name for k, v in FIELD_DTYPES.items()},
             "repetitions": reps,
             "quick": args.quick,
             "producer_put_seconds": cluster.put_seconds,
             "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(),
+            "load_average_at_end": os.getloadavg(),
         },
     }
 

@@ -53,7 +53,8 @@ MODELS = {
               "intermediate_size": 1408, "vocab_size": 16384, "tie_word_embeddings": True,
               "max_position_embeddings": 4096},
     "wide": {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 16, "num_key_value_heads": 4,
-             "intermediate_size": 2816, "vocab_size": 1024, "tie_word_embeddings": True, "max_position_embeddings": 4096},
+             "intermediate_size": 2816, "vocab_size": 1024, "tie_word_embeddings": True,
+             "max_position_embeddings": 4096},
 }
 FULL_GRID = [  # (model, attention, loss, seq_len, micro_batch, gradient checkpointing)
     ("vocab", "eager", "ce", 256, 4, False), ("vocab", "eager", "ce", 1024, 1, False),
@@ -82,9 +83,10 @@ def part_a() -> dict:
         out[name] = rows
     out["paper_gb"] = [97, 354]
     out["paper_equivalent_16_layers_gib"] = [16 * x for x in out["korthikanti"]["eager"]["per_layer_gib"]]
-    out["paper_assumptions"] = ("Korthikanti Table 2 without parallelism or recomputation, b=1, 2-byte activations, "
-                                "1-byte dropout masks: sbh*(34 + 5*a*s/h) bytes per layer; the paper's figures equal 16 "
-                                "layers of it in GiB (e.g. one stage of a 5-stage pipeline over 80 layers)")
+    out["paper_assumptions"] = ("Korthikanti Table 2 without parallelism or recomputation, b=1, 2-byte "
+                                "activations, 1-byte dropout masks: sbh*(34 + 5*a*s/h) bytes per layer; the paper's "
+                                "figures equal 16 layers of it in GiB (e.g. one stage of a 5-stage pipeline over 80 "
+                                "layers)")
     out["hf_total_per_device_gib_8192_fsdp8_flash_mixed_bf16"] = {
         p.value: predict_train_memory(shape, TrainPlan(1, 8192, dp=8, fsdp=True, recompute=p, attention=Attention.FLASH,
                                                        precision=Precision.MIXED_BF16)).total_bytes / GIB
@@ -180,7 +182,8 @@ def part_b(grid: list, *, default_malloc_check: bool) -> dict:
         print(f"  {name:5s} {attn:5s} {loss:4s} {s:5d} {b:2d} {int(ckpt):4d} {pred / 2**20:6.1f} MiB "
               f"{got['measured_bytes'] / 2**20:6.1f} MiB {rel:+7.3f}  {phase} ({got['step_seconds']:.1f} s step)",
               flush=True)
-    out = {"models": {k: {**v, "params": ModelShape.from_hf(v).num_params()} for k, v in MODELS.items()},
+    params = {k: ModelShape.from_hf({**v, "model_type": "qwen2"}).num_params() for k, v in MODELS.items()}
+    out = {"models": {k: {**v, "params": params[k]} for k, v in MODELS.items()},
            "dtype": "float32", "threads": 1, "malloc_env": MALLOC_ENV, "configs": rows,
            "max_relative_error": max(abs(r["relative_error"]) for r in rows)}
     if default_malloc_check:
@@ -218,8 +221,8 @@ def main() -> int:
     print(f"  max_relative_error = {b['max_relative_error']:.3f} (target <= 0.10)")
     if "default_malloc_check" in b:
         c = b["default_malloc_check"]
-        print(f"  default glibc malloc, vocab eager s=512 b=2: measured {c['measured_bytes'] / 2**20:.1f} MiB vs predicted "
-              f"{c['predicted_bytes'] / 2**20:.1f} MiB")
+        print(f"  default glibc malloc, vocab eager s=512 b=2: measured {c['measured_bytes'] / 2**20:.1f} MiB "
+              f"vs predicted {c['predicted_bytes'] / 2**20:.1f} MiB")
     result = {"llama70b": a, "measured": b, "max_relative_error": b["max_relative_error"], "quick": args.quick,
               "seconds": round(time.monotonic() - start, 1)}
     out = Path(args.json)

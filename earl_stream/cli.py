@@ -65,6 +65,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw JSON status")
     _add_secret_arg(p)
 
+    p = sub.add_parser("env", help="attach, detach or list environments of a running system")
+    esub = p.add_subparsers(dest="env_command", required=True)
+    ea = esub.add_parser("attach", help="add an environment to a live run (no restart)",
+                         description="Every rollout worker imports SPEC and starts sampling it within one episode "
+                                     "cycle. SPEC is an entry-point name, module:Class or path/to/file.py:Class.")
+    ea.add_argument("spec", metavar="SPEC")
+    ea.add_argument("--name", default="", help="name in metrics and status (default: from SPEC)")
+    ea.add_argument("--weight", type=float, default=1.0, help="relative share of new prompts")
+    ea.add_argument("--param", action="append", default=[], metavar="K=V", help="constructor argument (repeatable)")
+    ea.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the workers to load it (0 = don't)")
+    ed = esub.add_parser("detach", help="stop new prompts for an environment; episodes in flight finish")
+    ed.add_argument("name")
+    esub.add_parser("list", help="list the environments of the run")
+    for e in (ea, ed, esub.choices["list"]):
+        e.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
+        _add_secret_arg(e)
+
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True)
     cs = csub.add_parser("show", help="print the effective configuration as YAML")
@@ -118,6 +135,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _worker(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "env":
+        from earl_stream.env_cli import run_env_command
+
+        return run_env_command(args)
     if args.command == "config":
         from earl_stream.config import config_to_yaml, field_help
 

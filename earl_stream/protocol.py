@@ -56,6 +56,8 @@ class Registered(Msg, tag="registered"):
 class Heartbeat(Msg, tag="heartbeat"):
     worker_id: str = ""
     stats: dict[str, float] = {}
+    envs_version: int = -1  # the environment set this worker has loaded
+    env_errors: dict[str, str] = {}  # environment name -> why this worker cannot load it
 
 
 class HeartbeatReply(Msg, tag="heartbeat_reply"):
@@ -64,6 +66,27 @@ class HeartbeatReply(Msg, tag="heartbeat_reply"):
     stop: bool = False
     free_sample_ids: list[str] = []
     known: bool = True  # False: the supervisor does not know this worker; register again
+    envs_version: int = 0
+    envs_json: str = ""  # the environment set, sent only when the worker's is older
+
+
+class EnvAttach(Msg, tag="env_attach"):
+    spec: str = ""
+    name: str = ""
+    weight: float = 1.0
+    params: dict[str, Any] = {}
+
+
+class EnvDetach(Msg, tag="env_detach"):
+    name: str = ""
+
+
+class EnvList(Msg, tag="env_list"):
+    pass
+
+
+class EnvListReply(Msg, tag="env_list_reply"):
+    envs_json: str = "[]"  # [{name, spec, weight, params, active, errors: {worker: message}, episodes}]
 
 
 class Prompt(msgspec.Struct, frozen=True):
@@ -141,7 +164,8 @@ class ErrorReply(Msg, tag="error"):
 
 AnyMsg = Union[
     Register, Registered, Heartbeat, HeartbeatReply, RequestPrompts, Prompts, PutMeta, Claim, Claimed,
-    Release, PublishVersion, Finished, StatusRequest, StatusReply, Ack, ErrorReply,
+    Release, PublishVersion, Finished, StatusRequest, StatusReply, Ack, ErrorReply, EnvAttach, EnvDetach, EnvList,
+    EnvListReply,
 ]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)

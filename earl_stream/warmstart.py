@@ -12,7 +12,6 @@ Building the model is `earl_stream.modeling`'s job; the agent loop and engines l
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -36,6 +35,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _WARMUP_STEPS = 20
 _MIN_LR_FRACTION = 0.1
+_DECAY_FRACTION = 0.3
 _EVAL_SEED_BASE = 1_000_000_007  # far from the training seeds, so evaluation games are fresh
 
 
@@ -132,10 +132,15 @@ def _losses(
 
 
 def _lr_factor(step: int, progress: float) -> float:
-    """Linear warmup, then cosine decay to _MIN_LR_FRACTION over `progress` in [0, 1]."""
+    """Linear warmup, constant, then linear decay to _MIN_LR_FRACTION over the last _DECAY_FRACTION.
+
+    `progress` in [0, 1] is the fraction of the budget (time or steps) used so far. A long constant
+    phase matters here: the model sits on a plateau (uniform over digits) until it learns to read
+    the board, and an early decay stretches that plateau.
+    """
     warm = min(1.0, (step + 1) / _WARMUP_STEPS)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return warm * (_MIN_LR_FRACTION + (1.0 - _MIN_LR_FRACTION) * cosine)
+    decay = min(1.0, max(0.0, (progress - (1.0 - _DECAY_FRACTION)) / _DECAY_FRACTION))
+    return warm * (1.0 - (1.0 - _MIN_LR_FRACTION) * decay)
 
 
 def warm_start(

@@ -189,9 +189,15 @@ class CentralClient:
         return missing
 
     def pull(
-        self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None, zero_copy: bool = False
+        self,
+        address: str,
+        pieces: Sequence[Piece],
+        *,
+        timeout_s: float | None = None,
+        zero_copy: bool = False,
+        merge_runs: bool = False,
     ) -> list[np.ndarray]:
-        return self.pull_many({address: pieces}, timeout_s=timeout_s, zero_copy=zero_copy)[address]
+        return self.pull_many({address: pieces}, timeout_s=timeout_s, zero_copy=zero_copy, merge_runs=merge_runs)[address]
 
     def pull_many(
         self,
@@ -200,10 +206,12 @@ class CentralClient:
         timeout_s: float | None = None,
         return_exceptions: bool = False,
         zero_copy: bool = False,
+        merge_runs: bool = False,
     ) -> dict[str, Any]:
         """As `ShardClient.pull_many`; sample pieces come from the dispatcher, one request for all."""
+        opts = {"timeout_s": timeout_s, "zero_copy": zero_copy, "merge_runs": merge_runs}
         if not any(key.startswith("s/") for pieces in requests.values() for key, _, _ in pieces):
-            return self._client.pull_many(requests, timeout_s=timeout_s, return_exceptions=return_exceptions, zero_copy=zero_copy)
+            return self._client.pull_many(requests, return_exceptions=return_exceptions, **opts)
         fields = {key.rsplit("/", 1)[1] for pieces in requests.values() for key, _, _ in pieces}
         self.gather(sorted(fields), timeout_s=timeout_s)
         assert self._step is not None
@@ -211,25 +219,26 @@ class CentralClient:
         routed = {a: [(central_key(step, k), s, e) for k, s, e in pieces] for a, pieces in requests.items()}
         flat = [p for pieces in routed.values() for p in pieces]
         try:
-            arrays = self._client.pull(self.dispatcher, flat, timeout_s=timeout_s, zero_copy=zero_copy)
+            arrays = self._client.pull(self.dispatcher, flat, **opts)
         except RemoteError as exc:
             if exc.code != ErrorCode.UNKNOWN_KEY:
                 raise
             # Some rows were lost: answer per producer, so the caller can tell whose.
-            out = {a: self._guarded(a, pieces, timeout_s, zero_copy) for a, pieces in routed.items()}
+            out = {a: self._guarded(a, pieces, opts) for a, pieces in routed.items()}
             errors = [r for r in out.values() if isinstance(r, StoreError)]
             if errors and not return_exceptions:
                 raise errors[0] from None
             return out
         out, i = {}, 0
         for address, pieces in routed.items():
-            out[address] = arrays[i : i + len(pieces)]
-            i += len(pieces)
+            n = _count_runs(pieces) if merge_runs else len(pieces)
+            out[address] = arrays[i : i + n]
+            i += n
         return out
 
-    def _guarded(self, address: str, pieces: list[Piece], timeout_s: float | None, zero_copy: bool) -> Any:
+    def _guarded(self, address: str, pieces: list[Piece], opts: dict[str, Any]) -> Any:
         try:
-            return self._client.pull(self.dispatcher, pieces, timeout_s=timeout_s, zero_copy=zero_copy)
+            return self._client.pull(self.dispatcher, pieces, **opts)
         except RemoteError as exc:
             return RemoteError(address, exc.code, f"via dispatcher {self.dispatcher}: {exc}")
         except StoreError as exc:
@@ -248,6 +257,10 @@ class CentralClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _count_runs(pieces: Sequence[Piece]) -> int:
+    return sum(1 for i, p in enumerate(pieces) if i == 0 or pieces[i - 1][0] != p[0])
 
 
 def pull_samples_central(

@@ -16,10 +16,8 @@ import socket
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 import msgspec
@@ -27,6 +25,7 @@ import numpy as np
 
 from earl_stream.errors import ProtocolError, StoreError
 from earl_stream.store import wire
+from earl_stream.store.conn import LeaseToken, PeerConn
 from earl_stream.store.receive import ALIGN, BufferPool, Piece, SegmentGone, pieces_of_tcp_reply, receive_pieces
 from earl_stream.store.shm import SegmentCache, read_probe
 from earl_stream.store.wire import ErrorCode, Kind, ManifestEntry
@@ -54,49 +53,6 @@ class RemoteError(StoreError):
         super().__init__(f"peer {address} refused: {code.name}: {message}")
         self.address = address
         self.code = code
-
-
-@dataclass
-class _Conn:
-    address: str
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    sock: socket.socket | None = None
-    shm: bool = False  # this connection pulls through the peer's shared memory
-    generation: int = 0  # bumped on close: held leases of an older connection died with it
-    released: deque[int] = field(default_factory=deque)  # held leases whose arrays are gone, to tell the peer
-
-    def close(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            finally:
-                self.sock = None
-                self.shm = False
-                self.generation += 1
-                self.released.clear()
-
-    def flush_released(self) -> None:
-        """Tell the peer which held leases ended (caller holds `lock`); one-way, nothing to wait for."""
-        ids = []
-        while self.released:  # deque pops are atomic: a finalizer may append meanwhile, from any thread
-            ids.append(self.released.popleft())
-        if ids and self.sock is not None:
-            self.sock.sendall(wire.encode_frame(wire.ShmDone(ids)))
-
-    def release_later(self, generation: int, lease_id: int) -> None:
-        """Finalizer of zero-copy arrays: end their lease now if the connection is free, else after its
-        current request. Never blocks (it may run inside this connection's own request)."""
-        if generation != self.generation:
-            return
-        self.released.append(lease_id)
-        if self.lock.acquire(blocking=False):
-            try:
-                if generation == self.generation:
-                    self.flush_released()
-            except OSError:
-                self.close()
-            finally:
-                self.lock.release()
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -133,7 +89,7 @@ class ShardClient:
         self._timeout_s = timeout_s
         self._max_payload = max_payload
         self._max_parallel = max_parallel_peers
-        self._conns: dict[str, _Conn] = {}
+        self._conns: dict[str, PeerConn] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -141,7 +97,13 @@ class ShardClient:
     # --- public API ----------------------------------------------------------------------------------
 
     def pull(
-        self, address: str, pieces: Sequence[Piece], *, timeout_s: float | None = None, zero_copy: bool = False
+        self,
+        address: str,
+        pieces: Sequence[Piece],
+        *,
+        timeout_s: float | None = None,
+        zero_copy: bool = False,
+        merge_runs: bool = False,
     ) -> list[np.ndarray]:
         """Fetch pieces from one peer in one request; one 1-D array per piece, in order.
 
@@ -149,8 +111,10 @@ class ShardClient:
         the peer stored. With `zero_copy`, pieces a same-host peer holds in shared memory come back
         as read-only views straight into its segment instead (no copy): the peer keeps those bytes
         for as long as any view of them (or of the arrays derived from them) is alive, so hold them
-        only as long as needed, and copy before writing. Raises `RemoteError` (unknown key, bad
-        range), `PeerUnreachable`, or `StoreError` on a checksum mismatch.
+        only as long as needed, and copy before writing. With `merge_runs`, each run of consecutive
+        pieces with the same key comes back as one array (the ranges back to back, one copy; never a
+        zero-copy view). Raises `RemoteError` (unknown key, bad range), `PeerUnreachable`, or
+        `StoreError` on a checksum mismatch.
         """
         pieces = [(str(k), int(s), int(e)) for k, s, e in pieces]
         if not pieces:
@@ -159,7 +123,7 @@ class ShardClient:
             if not 0 <= start <= end:
                 raise StoreError(f"piece {key!r} [{start}, {end}) is not a valid element range")
         what = f"a reply to PULL of {len(pieces)} piece(s)"
-        return self._call(address, what, timeout_s, lambda conn, d: self._pull_on(conn, d, address, pieces, zero_copy))
+        return self._call(address, what, timeout_s, lambda conn, d: self._pull_on(conn, d, address, pieces, zero_copy, merge_runs))
 
     def transport(self, address: str) -> str | None:
         """'shm' or 'tcp' for a peer this client is connected to, else None."""
@@ -173,7 +137,7 @@ class ShardClient:
         """Keys (sorted), dtypes and shapes of the arrays a peer holds under `prefix`."""
         request = wire.encode_frame(wire.ManifestRequest(prefix))
 
-        def op(conn: _Conn, deadline: float) -> list[ManifestEntry]:
+        def op(conn: PeerConn, deadline: float) -> list[ManifestEntry]:
             assert conn.sock is not None
             conn.sock.sendall(request)
             head, header = self._read_reply(conn.sock, deadline, address, Kind.MANIFEST_REPLY)
@@ -188,13 +152,14 @@ class ShardClient:
         timeout_s: float | None = None,
         return_exceptions: bool = False,
         zero_copy: bool = False,
+        merge_runs: bool = False,
     ) -> dict[str, Any]:
         """Pull from several peers concurrently: address -> list of arrays (as `pull`).
 
         With `return_exceptions`, a failed peer maps to its StoreError instead of raising the first one.
         """
         results: dict[str, Any] = {}
-        kwargs = {"timeout_s": timeout_s, "zero_copy": zero_copy}
+        kwargs = {"timeout_s": timeout_s, "zero_copy": zero_copy, "merge_runs": merge_runs}
         if len(requests) <= 1:
             for address, pieces in requests.items():
                 results[address] = self._guarded(return_exceptions, self.pull, address, pieces, **kwargs)
@@ -249,13 +214,13 @@ class ShardClient:
                 self._pool = ThreadPoolExecutor(self._max_parallel, thread_name_prefix="shard-pull")
             return self._pool
 
-    def _conn_for(self, address: str) -> _Conn:
+    def _conn_for(self, address: str) -> PeerConn:
         with self._lock:
             if self._closed:
                 raise StoreError("ShardClient is closed")
             conn = self._conns.get(address)
             if conn is None:
-                conn = self._conns[address] = _Conn(address)
+                conn = self._conns[address] = PeerConn(address)
             return conn
 
     def call(self, address: str, request: msgspec.Struct, expect: Kind, *, timeout_s: float | None = None) -> Any:
@@ -265,14 +230,14 @@ class ShardClient:
         """
         frame = wire.encode_frame(request)
 
-        def op(conn: _Conn, deadline: float) -> Any:
+        def op(conn: PeerConn, deadline: float) -> Any:
             assert conn.sock is not None
             conn.sock.sendall(frame)
             return self._read_reply(conn.sock, deadline, address, expect)[1]
 
         return self._call(address, f"a {expect.name} reply", timeout_s, op)
 
-    def _call(self, address: str, what: str, timeout_s: float | None, op: Callable[[_Conn, float], _T]) -> _T:
+    def _call(self, address: str, what: str, timeout_s: float | None, op: Callable[[PeerConn, float], _T]) -> _T:
         """Run `op` on the peer's connection under its lock; reconnect once if a reused one went stale."""
         timeout = self._timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -284,7 +249,9 @@ class ShardClient:
                     conn.sock, conn.shm = self._connect(address, deadline, timeout)
                 try:
                     conn.flush_released()
-                    return op(conn, deadline)
+                    result = op(conn, deadline)
+                    conn.flush_released()  # leases whose arrays died while we held the connection
+                    return result
                 except socket.timeout:
                     conn.close()
                     raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for {what} from peer {address}") from None
@@ -366,7 +333,9 @@ class ShardClient:
             raise ProtocolError(f"{expect.name} frame with an unexpected {head.payload_len}-byte payload")
         return head, header
 
-    def _pull_on(self, conn: _Conn, deadline: float, address: str, pieces: list[Piece], zero_copy: bool) -> list[np.ndarray]:
+    def _pull_on(
+        self, conn: PeerConn, deadline: float, address: str, pieces: list[Piece], zero_copy: bool, merge_runs: bool
+    ) -> list[np.ndarray]:
         sock = conn.sock
         assert sock is not None
         if not conn.shm:
@@ -381,29 +350,14 @@ class ShardClient:
                 raise ProtocolError("zero-copy reply without a held lease")
         got = receive_pieces(
             sock, deadline, address, pieces, infos, segments, head.payload_len, self._maps, self._max_payload, zero_copy,
-            self._buffers,
+            self._buffers, merge_runs,
         )
         if got.bases:
             # The node keeps the regions until the last view of this reply is gone.
-            token = _LeaseToken(conn, conn.generation, lease, len(got.bases))
+            token = LeaseToken(conn, conn.generation, lease, len(got.bases))
             for base in got.bases:
                 weakref.finalize(base, token.drop).atexit = False
         elif got.used_shm:
             # Lets the node reuse the regions now rather than at our next request; nothing to wait for.
             sock.sendall(wire.encode_frame(wire.ShmDone()))
         return got.arrays
-
-
-class _LeaseToken:
-    """Counts the live base arrays of one zero-copy reply; the last one to go ends the lease."""
-
-    def __init__(self, conn: _Conn, generation: int, lease_id: int, bases: int) -> None:
-        self._conn, self._generation, self._id, self._left = conn, generation, lease_id, bases
-        self._lock = threading.Lock()
-
-    def drop(self) -> None:
-        with self._lock:
-            self._left -= 1
-            done = self._left == 0
-        if done:
-            self._conn.release_later(self._generation, self._id)

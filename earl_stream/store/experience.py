@@ -130,7 +130,13 @@ class Puller(Protocol):
     """What `pull_samples` needs from a client: `ShardClient`, or `CentralClient` in central mode."""
 
     def pull(
-        self, address: str, pieces: Sequence[tuple[str, int, int]], *, timeout_s: float | None = None, zero_copy: bool = False
+        self,
+        address: str,
+        pieces: Sequence[tuple[str, int, int]],
+        *,
+        timeout_s: float | None = None,
+        zero_copy: bool = False,
+        merge_runs: bool = False,
     ) -> list[np.ndarray]: ...
 
     def pull_many(
@@ -140,6 +146,7 @@ class Puller(Protocol):
         timeout_s: float | None = None,
         return_exceptions: bool = False,
         zero_copy: bool = False,
+        merge_runs: bool = False,
     ) -> dict[str, Any]: ...
 
 
@@ -160,8 +167,7 @@ def pull_samples(
     parallel. `dtypes` declares per-token fields a producer stored beyond TOKEN_FIELDS (e.g.
     {"advantages": float32}, put under `sample_key(sample_id, "advantages")`). `zero_copy`: rows
     from same-host producers are read-only views into their shared memory, which the producer keeps
-    while any of them is alive (see `ShardClient.pull`); rows of several ranges are still joined by a
-    copy. Raises
+    while any of them is alive (see `ShardClient.pull`); a row of several ranges is one copy. Raises
     `SamplesUnavailable` naming the samples whose producer is unreachable or no longer holds them
     (the others are in its `partial`).
     """
@@ -174,7 +180,8 @@ def pull_samples(
     for pos, meta in enumerate(metas):
         positions.setdefault(meta.producer_address, []).append(pos)
     requests = {addr: [p for pos in poss for p in wanted[pos]] for addr, poss in positions.items()}
-    results = client.pull_many(requests, return_exceptions=True, zero_copy=zero_copy)
+    # One array per row and field: the client lays a row's ranges back to back (`merge_runs`).
+    results = client.pull_many(requests, return_exceptions=True, zero_copy=zero_copy, merge_runs=True)
     out: list[dict[str, np.ndarray] | None] = [None] * len(metas)
     causes: dict[str, str] = {}
     for address, res in results.items():
@@ -188,7 +195,7 @@ def pull_samples(
             raise res
         it = iter(res)
         for pos in positions[address]:
-            arrays = [next(it) for _ in wanted[pos]]
+            arrays = [next(it) for _ in fields]
             if all(a is not None for a in arrays):
                 out[pos] = _assemble(metas[pos], fields, arrays, known, whole=token_ranges is None)
     lost = [m.sample_id for m, row in zip(metas, out) if row is None]
@@ -200,58 +207,39 @@ def pull_samples(
 def _pull_one_by_one(
     client: Puller, address: str, per_sample: list[list[tuple[str, int, int]]], causes: dict[str, str], zero_copy: bool
 ) -> list[np.ndarray | None]:
-    """Pull each sample's pieces separately; pieces of samples the peer no longer holds come back None."""
+    """Pull each sample's pieces separately (one array per field); a sample the peer no longer holds
+    gives Nones."""
     flat: list[np.ndarray | None] = []
     for pieces in per_sample:
+        fields = len({key for key, _, _ in pieces})
         try:
-            flat.extend(client.pull(address, pieces, zero_copy=zero_copy))
+            flat.extend(client.pull(address, pieces, zero_copy=zero_copy, merge_runs=True))
         except RemoteError as exc:
             if exc.code != ErrorCode.UNKNOWN_KEY:
                 raise
             causes.setdefault(address, f"peer {address} no longer holds some samples ({exc})")
-            flat.extend([None] * len(pieces))
+            flat.extend([None] * fields)
         except PeerUnreachable as exc:
             causes[address] = str(exc)
-            flat.extend([None] * len(pieces))
+            flat.extend([None] * fields)
     return flat
 
 
 def _pieces_for(
     pos: int, meta: SampleMeta, fields: Sequence[str], token_ranges: Mapping[int, list[tuple[int, int]]] | None
 ) -> list[tuple[str, int, int]]:
-    ranges = _ranges_for(pos, meta, token_ranges)
+    """The row's ranges of every field, field after field (an empty range if it needs none)."""
+    ranges = _ranges_for(pos, meta, token_ranges) or [(0, 0)]
     return [(sample_key(meta.sample_id, name), s, e) for name in fields for s, e in ranges]
 
 
 def _assemble(
     meta: SampleMeta, fields: Sequence[str], arrays: list[np.ndarray], known: Mapping[str, np.dtype], *, whole: bool
 ) -> dict[str, np.ndarray]:
-    per_field = len(arrays) // len(fields)
-    row = {}
-    for i, name in enumerate(fields):
-        parts = arrays[i * per_field : (i + 1) * per_field]
-        if not parts:  # no ranges needed from this row (e.g. a very short row on a cp rank)
-            row[name] = np.empty(0, known[name])
-        else:
-            row[name] = parts[0] if len(parts) == 1 else _join(parts)
+    row = dict(zip(fields, arrays))  # one array per field: its ranges back to back
     if whole:
         _verify_row(meta, row, known)
     return row
-
-
-def _join(parts: list[np.ndarray]) -> np.ndarray:
-    """One array of the parts in order: a view when they lie back to back in one receive buffer (as
-    the client lays out consecutive ranges of one array), else a copy."""
-    first, base = parts[0], parts[0].base
-    if not isinstance(base, np.ndarray) or base.dtype != np.uint8 or base.ndim != 1:
-        return np.concatenate(parts)
-    start = at = first.__array_interface__["data"][0]
-    for part in parts:
-        if part.base is not base or part.dtype != first.dtype or part.__array_interface__["data"][0] != at:
-            return np.concatenate(parts)
-        at += part.nbytes
-    offset = start - base.__array_interface__["data"][0]
-    return base[offset : offset + at - start].view(first.dtype)
 
 
 def _ranges_for(pos: int, meta: SampleMeta, token_ranges: Mapping[int, list[tuple[int, int]]] | None) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ pooled segment). Bytes are freed when the key is dropped and no peer is still re
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import selectors
@@ -284,11 +285,12 @@ class ShardNode:
     def _answer_pull(self, sock: socket.socket, request: wire.PullRequest) -> None:
         pieces, lease = self._store.resolve(request.pieces)
         try:
-            total = sum(p.array.nbytes for p in pieces)
+            arrays = [p.array for p in pieces if p.array is not None]
+            total = sum(a.nbytes for a in arrays)
             self._check_payload(total)
-            infos = [wire.PieceInfo(p.array.dtype.str, int(p.array.shape[0]), self._store.wire_crc(p)) for p in pieces]
+            infos = [wire.PieceInfo(p.dtype, p.count, self._store.wire_crc(p)) for p in pieces]
             prefix = wire.encode_frame(wire.PullReply(infos), payload_len=total)
-            wire.send_buffers(sock, [prefix, *(memoryview(p.array.view(np.uint8)) for p in pieces)])
+            wire.send_buffers(sock, [prefix, *(memoryview(a.view(np.uint8)) for a in arrays)])
         finally:
             lease.release()
 
@@ -297,28 +299,28 @@ class ShardNode:
             raise RequestError(
                 ErrorCode.REPLY_TOO_LARGE, f"{_MAX_HELD_LEASES} zero-copy leases already held; drop pulled arrays first"
             )
-        pieces, lease = self._store.resolve(request.pieces)
+        pieces, lease = self._store.resolve(request.pieces, arrays=False)
         try:
-            inline = [p for p in pieces if p.segment < 0]
-            total = sum(p.array.nbytes for p in inline)
-            self._check_payload(sum(p.array.nbytes for p in pieces))  # the same bound on every transport
+            inline = [p.array for p in pieces if p.array is not None]
+            total = sum(a.nbytes for a in inline)
+            self._check_payload(total + sum(p.count * _itemsize(p.dtype) for p in pieces if p.array is None))
             pool = self._store.pool
             index: dict[int, int] = {}
             segments: list[wire.ShmSegment] = []
             infos = []
             for p in pieces:
                 if p.segment < 0:
-                    infos.append(wire.ShmPiece(p.array.dtype.str, int(p.array.shape[0]), self._store.wire_crc(p), -1, 0))
+                    infos.append(wire.ShmPiece(p.dtype, p.count, self._store.wire_crc(p), -1, 0))
                     continue
                 if p.segment not in index:
                     assert pool is not None
                     index[p.segment] = len(segments)
                     segments.append(wire.ShmSegment(*pool.segment(p.segment)))
                 check = -1 if p.sum64 is None else p.sum64  # the reader verifies whole arrays after its copy
-                infos.append(wire.ShmPiece(p.array.dtype.str, int(p.array.shape[0]), check, index[p.segment], p.offset))
+                infos.append(wire.ShmPiece(p.dtype, p.count, check, index[p.segment], p.offset))
             lease_id = leases.next_id() if request.hold and segments else 0
             prefix = _encode_reply(wire.PullShmReply(segments, infos, lease_id), payload_len=total)
-            wire.send_buffers(sock, [prefix, *(memoryview(p.array.view(np.uint8)) for p in inline)])
+            wire.send_buffers(sock, [prefix, *(memoryview(a.view(np.uint8)) for a in inline)])
         except BaseException:
             lease.release()
             raise
@@ -339,6 +341,11 @@ class ShardNode:
 
 
 _MAX_HELD_LEASES = 1 << 16
+
+
+@functools.lru_cache(maxsize=64)
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
 
 
 class _ConnLeases:

@@ -1,8 +1,8 @@
 """Turning a PULL / PULL_SHM reply into arrays on the pulling side.
 
 Owns the checks of a reply's piece table against the request, the layout of the receive buffer (one
-per reply, from a `BufferPool` of recycled buffers; each piece aligned to 64 bytes, except that
-consecutive ranges of one array land back to back so that the caller can join them without a copy), receiving inline bytes from the
+per reply, from a `BufferPool` of recycled buffers; each output array aligned to 64 bytes; a run of
+ranges of one key merged into one array lands back to back), receiving inline bytes from the
 socket, copying shared-memory pieces out of the peer's segments (`SegmentCache`), and the integrity
 checks (crc32 of what crossed the wire, `sum64` of whole arrays read from shared memory). Connections,
 retries and timeouts are `client.py`'s.
@@ -98,46 +98,38 @@ def receive_pieces(
     max_bytes: int,
     zero_copy: bool = False,
     buffers: BufferPool | None = None,
+    merge_runs: bool = False,
 ) -> Received:
-    """The reply's pieces as arrays: views into one fresh buffer, or (`zero_copy`) read-only views
-    straight into the peer's segments for the pieces that lie there.
+    """The reply's pieces as arrays: views into one receive buffer, or (`zero_copy`) read-only views
+    straight into the peer's segments for single pieces that lie there. With `merge_runs`, each run
+    of consecutive pieces of one key comes back as one array (its ranges back to back).
 
     Inline pieces are read from `sock` (their bytes follow the header, in order); shm pieces are
     copied out of (or viewed in) the peer's segments. Every piece with a check is verified.
     """
     if len(infos) != len(pieces):
         raise ProtocolError(f"asked for {len(pieces)} pieces, reply describes {len(infos)}")
-    dtypes: dict[str, np.dtype] = {}
-    sizes, offsets, total, inline_bytes, prev_key = [], [], 0, 0, None
-    for (key, start, end), info in zip(pieces, infos):
-        dt = dtypes.get(info.dtype)
-        if dt is None:
-            dt = dtypes[info.dtype] = wire.storable_dtype(info.dtype)
-        if info.count != end - start:
-            raise ProtocolError(f"piece {key!r}: asked {end - start} elements, reply has {info.count}")
-        size = info.count * dt.itemsize
-        if info.segment < 0:
-            inline_bytes += size
-        elif info.segment >= len(segments) or info.offset < 0 or info.offset + size > segments[info.segment].size:
-            raise ProtocolError(f"piece {key!r}: shared-memory location {info.segment}:{info.offset}+{size} is invalid")
-        sizes.append(size)
-        if zero_copy and info.segment >= 0:
-            offsets.append(-1)  # not in the buffer
-            prev_key = None
-            continue
-        if prev_key == key:
-            total = offsets[-1] + sizes[-2]  # ranges of one array land back to back: the caller may join them
-        offsets.append(total)
-        total = -(-(total + size) // ALIGN) * ALIGN
-        prev_key = key
-    if total > max_bytes + ALIGN * len(pieces):
-        raise ProtocolError(f"reply of {total} bytes is over this client's max_payload={max_bytes}")
+    sizes, dts, inline_bytes = _sizes(pieces, infos, segments)
     if inline_bytes != payload_len:
         raise ProtocolError(f"reply payload is {payload_len} bytes, its inline pieces add up to {inline_bytes}")
+    runs = _runs(pieces, merge_runs)
+    offsets = [-1] * len(pieces)  # -1: read in place (zero copy)
+    total = 0
+    for first, stop in runs:
+        if zero_copy and stop - first == 1 and infos[first].segment >= 0:
+            continue
+        total = -(-total // ALIGN) * ALIGN
+        for i in range(first, stop):
+            if dts[i] != dts[first]:
+                raise ProtocolError(f"ranges of {pieces[first][0]!r} came back with different dtypes")
+            offsets[i] = total
+            total += sizes[i]
+    if total > max_bytes + ALIGN * len(runs):
+        raise ProtocolError(f"reply of {total} bytes is over this client's max_payload={max_bytes}")
     buf = np.empty(max(total, 1), dtype=np.uint8) if buffers is None or total == 0 else buffers.take(total)
     _receive_inline(sock, deadline, buf, infos, offsets, sizes)
     segs = _map_segments(address, segments, maps, fresh=zero_copy)
-    out = []
+    raws = []
     for (key, start, end), info, off, size in zip(pieces, infos, offsets, sizes):
         if off >= 0:
             raw = buf[off : off + size]
@@ -152,8 +144,49 @@ def receive_pieces(
                     f"checksum mismatch for {key!r} [{start}, {end}) from peer {address}: the bytes were corrupted "
                     "in storage or in transit; treat this shard as lost"
                 )
-        out.append(raw.view(dtypes[info.dtype]))
+        raws.append(raw)
+    out = []
+    for first, stop in runs:
+        if stop - first == 1:
+            out.append(raws[first].view(dts[first]))
+        else:
+            out.append(buf[offsets[first] : offsets[stop - 1] + sizes[stop - 1]].view(dts[first]))
     return Received(out, bool(segments), segs if zero_copy else [])
+
+
+def _sizes(
+    pieces: Sequence[Piece], infos: Sequence[wire.ShmPiece], segments: Sequence[wire.ShmSegment]
+) -> tuple[list[int], list[np.dtype], int]:
+    """Byte size and dtype of every piece, checked against the request and the segments' bounds."""
+    known: dict[str, np.dtype] = {}
+    sizes, dts, inline_bytes = [], [], 0
+    for (key, start, end), info in zip(pieces, infos):
+        dt = known.get(info.dtype)
+        if dt is None:
+            dt = known[info.dtype] = wire.storable_dtype(info.dtype)
+        if info.count != end - start:
+            raise ProtocolError(f"piece {key!r}: asked {end - start} elements, reply has {info.count}")
+        size = info.count * dt.itemsize
+        if info.segment < 0:
+            inline_bytes += size
+        elif info.segment >= len(segments) or info.offset < 0 or info.offset + size > segments[info.segment].size:
+            raise ProtocolError(f"piece {key!r}: shared-memory location {info.segment}:{info.offset}+{size} is invalid")
+        sizes.append(size)
+        dts.append(dt)
+    return sizes, dts, inline_bytes
+
+
+def _runs(pieces: Sequence[Piece], merge: bool) -> list[tuple[int, int]]:
+    """[first, stop) index ranges of the output arrays: runs of one key when merging, else single pieces."""
+    if not merge:
+        return [(i, i + 1) for i in range(len(pieces))]
+    runs: list[tuple[int, int]] = []
+    for i, piece in enumerate(pieces):
+        if runs and pieces[runs[-1][0]][0] == piece[0]:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _receive_inline(

@@ -9,6 +9,7 @@ out of shared memory) never sees bytes of a later put. Serving connections is `n
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,15 +37,21 @@ class _Shard:
     array: np.ndarray  # 1-D, C-contiguous, read-only (a view into `region` when it lives in the pool)
     sum64: int  # `wire.sum64` of the whole array's bytes, taken at put: the reference against bit rot
     region: Region | None
+    dtype: str  # the array's dtype string, itemsize and length, kept at hand for the thousands of
+    itemsize: int  # pieces a request resolves
+    count: int
 
 
 class Piece(NamedTuple):
-    """A resolved request piece: its key, the elements' view, the put-time `sum64` when the piece is
-    the whole array (else None), and where it lives in shared memory (segment, byte offset; -1, 0 if not).
-    A tuple: thousands are built per request."""
+    """A resolved request piece: its key, the elements' view (None for a shared-memory piece unless
+    asked for), dtype string, element count, the put-time `sum64` when the piece is the whole array
+    (else None), and where it lives in shared memory (segment, byte offset; -1, 0 if not). A tuple:
+    thousands are built per request."""
 
     key: str
-    array: np.ndarray
+    array: np.ndarray | None
+    dtype: str
+    count: int
     sum64: int | None
     segment: int
     offset: int
@@ -138,7 +145,7 @@ class ShardStore:
         np.copyto(dst, shard.array.view(np.uint8))
         view = dst.view(shard.array.dtype)
         view.flags.writeable = False
-        return _Shard(view, shard.sum64, region)
+        return dataclasses.replace(shard, array=view, region=region)
 
     def _refuse_existing(self, shards: Mapping[str, _Shard]) -> None:
         dup = [k for k in shards if k in self._shards]
@@ -175,8 +182,11 @@ class ShardStore:
             self._closed = True
             self._cond.notify_all()
 
-    def resolve(self, pieces: Sequence[tuple[str, int, int]]) -> tuple[list[Piece], Lease]:
-        """Validate pieces, look them up, and lease their regions (release the lease when done reading)."""
+    def resolve(self, pieces: Sequence[tuple[str, int, int]], *, arrays: bool = True) -> tuple[list[Piece], Lease]:
+        """Validate pieces, look them up, and lease their regions (release the lease when done reading).
+
+        `arrays=False` spares the element views of pieces in shared memory (their readers map them).
+        """
         out: list[Piece] = []
         regions: list[Region] = []
         with self._cond:
@@ -184,22 +194,23 @@ class ShardStore:
                 shard = self._shards.get(key)
                 if shard is None:
                     raise RequestError(ErrorCode.UNKNOWN_KEY, f"no shard under key {key!r}")
-                n = shard.array.shape[0]
+                n = shard.count
                 if not 0 <= start <= end <= n:
                     raise RequestError(ErrorCode.BAD_RANGE, f"range [{start}, {end}) outside [0, {n}] of key {key!r}")
-                whole = (start, end) == (0, n)
+                check = shard.sum64 if start == 0 and end == n else None
                 region = shard.region
                 if region is None:
-                    out.append(Piece(key, shard.array[start:end], shard.sum64 if whole else None, -1, 0))
+                    out.append(Piece(key, shard.array[start:end], shard.dtype, end - start, check, -1, 0))
                     continue
                 if not regions or regions[-1] is not region:
                     regions.append(region)
-                off = region.offset + start * shard.array.itemsize
-                out.append(Piece(key, shard.array[start:end], shard.sum64 if whole else None, region.segment, off))
-            lease = Lease(self._pool, regions)
-            for region in regions:
-                self._pool.acquire(region)  # type: ignore[union-attr]  # regions imply a pool
-        return out, lease
+                view = shard.array[start:end] if arrays else None
+                off = region.offset + start * shard.itemsize
+                out.append(Piece(key, view, shard.dtype, end - start, check, region.segment, off))
+            if regions:
+                assert self._pool is not None  # regions imply a pool
+                self._pool.acquire_many(regions)
+        return out, Lease(self._pool, regions)
 
     def manifest(self, prefix: str) -> list[wire.ManifestEntry]:
         with self._cond:
@@ -218,11 +229,12 @@ class ShardStore:
             raw[byte_index] ^= 0xFF
             broken = raw.view(shard.array.dtype)
             broken.flags.writeable = False
-            self._shards[key] = _Shard(broken, shard.sum64, None)
+            self._shards[key] = dataclasses.replace(shard, array=broken, region=None)
 
     def wire_crc(self, piece: Piece) -> int:
         """crc32 of a piece about to cross a wire. A whole array is first checked against its put-time
         `sum64` (RequestError CORRUPT if bit rot hit it) and its crc is kept for the next sender."""
+        assert piece.array is not None, "resolve(arrays=True) for pieces that cross a wire"
         if piece.sum64 is None:
             return zlib.crc32(piece.array.view(np.uint8))
         with self._cond:
@@ -250,4 +262,4 @@ def _prepare(key: str, arr: np.ndarray) -> _Shard:
         raise StoreError(f"shard {key!r} has dtype {arr.dtype}; only fixed-size numeric dtypes can be stored")
     view = np.ascontiguousarray(arr).view()
     view.flags.writeable = False
-    return _Shard(view, wire.sum64(view.view(np.uint8)), None)
+    return _Shard(view, wire.sum64(view.view(np.uint8)), None, view.dtype.str, view.itemsize, view.shape[0])

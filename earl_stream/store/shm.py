@@ -141,6 +141,8 @@ class ShmPool:
         self._next_bytes = min(_round_up(first_segment_bytes, PAGE), self._segment_bytes)
         self._max_bytes = max_bytes
         self._segments: list[_Segment] = []
+        self._growing = 0  # bytes of segments being created outside the lock
+        self._created = 0
         self._lock = threading.Lock()
         self._closed = False
         self.token = os.urandom(32)
@@ -172,29 +174,36 @@ class ShmPool:
         size = max(_round_up(nbytes, ALIGN), ALIGN)
         if size > self._segment_bytes:
             return None
-        with self._lock:
-            if self._closed:
-                return None
-            for index, seg in enumerate(self._segments):
-                region = self._take(index, seg, size, nbytes)
-                if region is not None:
-                    return region
-            seg = self._grow(size)
-            if seg is None:
-                return None
-            return self._take(len(self._segments) - 1, seg, size, nbytes)
-
-    def _grow(self, size: int) -> _Segment | None:
-        new = max(self._next_bytes, _round_up(size, PAGE))
-        if self.reserved_bytes + new > self._max_bytes:
-            return None
-        name = f"{self._tag}-{len(self._segments)}"
-        seg = _Segment(name, new, _create(name, new, populate=True))
-        self._segments.append(seg)
-        self._names.append(name)
-        self._next_bytes = min(self._next_bytes * 2, self._segment_bytes)
-        log.debug("shared-memory pool grew by %d bytes (%s)", new, name)
-        return seg
+        while True:
+            with self._lock:
+                if self._closed:
+                    return None
+                for index, seg in enumerate(self._segments):
+                    region = self._take(index, seg, size, nbytes)
+                    if region is not None:
+                        return region
+                new = max(self._next_bytes, _round_up(size, PAGE))
+                if self.reserved_bytes + self._growing + new > self._max_bytes:
+                    return None
+                self._growing += new
+                name = f"{self._tag}-{self._created}"
+                self._created += 1
+                self._names.append(name)  # from now on close() (or exit) unlinks it
+            # Pre-faulting runs at ~0.5 GiB/s: never under the lock that every pull's lease needs.
+            try:
+                seg = _Segment(name, new, _create(name, new, populate=True))
+            finally:
+                with self._lock:
+                    self._growing -= new
+            with self._lock:
+                if self._closed:  # closed while we created it: its unlink may have come too early
+                    _unlink([name], os.getpid())
+                    seg.array = np.empty(0, np.uint8)
+                    seg.buf.close()
+                    return None
+                self._segments.append(seg)
+                self._next_bytes = min(self._next_bytes * 2, self._segment_bytes)
+            log.debug("shared-memory pool grew by %d bytes (%s)", new, name)
 
     @staticmethod
     def _take(index: int, seg: _Segment, size: int, nbytes: int) -> Region | None:
@@ -214,10 +223,11 @@ class ShmPool:
         """Writable uint8 view of the region (the store writes it once, before publishing the key)."""
         return self._segments[region.segment].array[region.offset : region.offset + region.nbytes]
 
-    def acquire(self, region: Region) -> None:
+    def acquire_many(self, regions: list[Region]) -> None:
         with self._lock:
-            assert region.refs > 0, "lease on a freed region"
-            region.refs += 1
+            for region in regions:
+                assert region.refs > 0, "lease on a freed region"
+                region.refs += 1
 
     def release(self, region: Region) -> None:
         """Drop one reference; the bytes return to the free list when the last one goes."""

@@ -107,7 +107,7 @@ class Ledger:
         while len(out) < max_groups:
             if self.queue:
                 ordinal = self.queue[0]
-            elif self.outstanding_groups() < limit:
+            elif self.envs and self.outstanding_groups() < limit:
                 ordinal = self._new_prompt()
                 self.queue.append(ordinal)
             else:

@@ -19,12 +19,15 @@ the o_proj input: 4 e s b a d; the SwiGLU MLP saves gate, silu(gate), up and the
 4 e s b I (sharded). Scores: the fp32 softmax output, plus its cast copy when e < 4: (4 + e) a s^2 b.
 Flash/SDPA attention saves q, k and v at kv width, its output (which is also the o_proj input) and
 the fp32 log-sum-exp: e sb(2ad + 2kd) + 4 sba, no scores.
-The peak is not the saved total alone: it is the largest of (a) everything saved plus the loss's
-  [b, s, V] fp32 buffers (`TrainPlan.logit_copies`), (b) the lm_head backward (grad of the logits
-  plus the weight-gradient temporary), (c) the backward of the last layer: the other layers' saved
-  tensors plus that layer's own peak (softmax backward holds probs, their grad and the scores'
-  grad, 12 a s^2 b bytes; the SwiGLU backward adds 2 e s b I; a tied embedding's lm_head weight
-  gradient waits in autograd's input buffer meanwhile), (d) the optimizer step's temporaries.
+The peak is not the saved total alone but the largest of: (a) everything saved plus the loss's
+[b, s, V] fp32 buffers (`TrainPlan.logit_copies`); (b) the lm_head backward (the logits' grad and
+the weight-gradient temporary); (c) the last layer's backward: the other layers' saved tensors plus
+that layer's own peak (softmax backward holds the probs, their grad and the scores' grad, 12 a s^2 b
+bytes; the SwiGLU backward adds 2 e s b I; a tied embedding's lm_head weight gradient waits in
+autograd's input buffer meanwhile); (d) the optimizer step's temporaries.
+Not modelled (keep a reserve for them): communication buffers (TP all-reduce, Ulysses all-to-all,
+DDP buckets), the runtime itself, and allocator slack. On CPU, glibc keeps freed blocks unless
+MALLOC_MMAP_THRESHOLD_ is fixed (e.g. 65536); bench/memory_model.py measured +22% RSS without it.
 """
 
 from __future__ import annotations
@@ -211,8 +214,9 @@ class TrainPlan:
         return self.dp * self.tp * self.sp
 
     def describe(self) -> str:
-        return (f"dp={self.dp} tp={self.tp}{' (sequence parallel)' if self.sequence_parallel else ''} sp={self.sp} "
-                f"fsdp={self.fsdp} recompute={self.recompute.value} attention={self.attention.value} "
+        megatron_sp = " (sequence parallel)" if self.sequence_parallel else ""
+        return (f"dp={self.dp} tp={self.tp}{megatron_sp} sp={self.sp} fsdp={self.fsdp} "
+                f"recompute={self.recompute.value} attention={self.attention.value} "
                 f"micro_batch={self.micro_batch} seq_len={self.seq_len}")
 
 
@@ -345,25 +349,24 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
         layer_p = shape.layer_matrix_params() / t + shape.layer_small_params()
         fsdp_buf = layer_p * (2 * w_bytes + grad_bytes)
     extra_logits = n * vocab * e if e < 4 else 0.0  # the lm_head output before the fp32 upcast
-    # HF's eager [b, 1, s, s] fp32 mask is an argument of every checkpointed layer: it lives through the backward.
+    # HF's eager [b, 1, s, s] fp32 mask is an argument of every checkpointed layer: it lives on.
     eager = plan.attention is Attention.EAGER
     ckpt_mask = plan.micro_batch * plan.seq_len ** 2 * 4 / plan.sp if full and eager else 0.0
     lm_w_grad = shape.vocab_size * shape.hidden_size / t * grad_bytes
     # A tied embedding's lm_head gradient waits in the autograd engine's input buffer until the
     # embedding's own contribution arrives at the very end of the backward.
     tied_wait = lm_w_grad if shape.tie_word_embeddings else 0.0
+    biggest = max(shape.vocab_size, shape.intermediate_size) * shape.hidden_size / t
     phases = [
-        (Phase.LOSS, kept + head_norm, plan.logit_copies * logit + extra_logits, ckpt_mask),
-        (Phase.LM_HEAD_BACKWARD, kept + head_norm, logit, lay.residual_grad_bytes + lm_w_grad + ckpt_mask),
+        (Phase.LOSS, kept + head_norm, plan.logit_copies * logit + extra_logits, ckpt_mask + fsdp_buf),
+        (Phase.LM_HEAD_BACKWARD, kept + head_norm, logit,
+         lay.residual_grad_bytes + lm_w_grad + ckpt_mask + fsdp_buf),
         (Phase.LAYER_BACKWARD, (L - 1) * (lay.input_bytes if full else lay.saved_bytes), 0.0,
-         lay.backward_peak_bytes + ckpt_mask + tied_wait),
+         lay.backward_peak_bytes + ckpt_mask + tied_wait + fsdp_buf),
+        # single-tensor AdamW: sqrt and division temporaries of the biggest tensor (fp32 master)
+        (Phase.OPTIMIZER, 0.0, 0.0, params * 4 if plan.foreach_optimizer else 2 * biggest * 4),
     ]
-    biggest = max(shape.vocab_size * shape.hidden_size / t, shape.intermediate_size * shape.hidden_size / t)
-    fp32_temp = params * 4 if plan.foreach_optimizer else 2 * biggest * 4
-    phases.append((Phase.OPTIMIZER, 0.0, 0.0, fp32_temp))
     phase, acts, logits, transient = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3])
-    if phase is not Phase.OPTIMIZER:
-        transient += fsdp_buf
     c = math.ceil
     return MemoryBreakdown(weights_bytes=c(weights), gradients_bytes=c(grads), optimizer_bytes=c(opt),
                            activations_bytes=c(acts), logits_bytes=c(logits), transient_bytes=c(transient),

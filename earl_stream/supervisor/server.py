@@ -23,7 +23,8 @@ import zmq
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
-from earl_stream.errors import ProtocolError
+from earl_stream.errors import ConfigError, ProtocolError
+from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.security import sign, verify
 from earl_stream.supervisor.ledger import Ledger, outcome_of
 
@@ -42,10 +43,14 @@ class Worker:
     last_seen: float
     alive: bool = True
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    envs_version: int = -1
 
 
 class SupervisorState(msgspec.Struct):
     ledger: bytes
+    envs: list[EnvEntry]
+    envs_version: int
+    env_episodes: dict[str, int]
     policy_version: int
     weights_address: str
     finished: bool
@@ -62,7 +67,9 @@ class Supervisor:
         self.address = address
         self.config_json = config_to_json(cfg)
         t = cfg.trainer
-        self.ledger = Ledger(cfg.envs, seed=cfg.seed, group_size=t.group_size, groups_per_step=t.groups_per_step,
+        self.envs = EnvRegistry(cfg.envs)
+        self.env_episodes: dict[str, int] = {}
+        self.ledger = Ledger(self.envs.usable_specs(), seed=cfg.seed, group_size=t.group_size, groups_per_step=t.groups_per_step,
                              max_staleness=t.max_staleness)
         self.workers: dict[str, Worker] = {}
         self.policy_version = 0
@@ -101,6 +108,10 @@ class Supervisor:
         if worker is None or not worker.alive:
             return P.HeartbeatReply(known=False, policy_version=self.policy_version)
         worker.stats = dict(msg.stats)
+        worker.envs_version = msg.envs_version
+        if msg.env_errors and self.envs.report(worker.worker_id, msg.env_errors):
+            log.warning("%s cannot load %s: those environments get no new prompts", worker.worker_id, msg.env_errors)
+            self.ledger.envs = self.envs.usable_specs()
         published = int(msg.stats.get("published_version", -1))
         if worker.role == P.Role.TRAINER and published >= 0 and published != self.policy_version:
             # the trainer is authoritative: after a supervisor restart from a slightly older snapshot,
@@ -108,8 +119,10 @@ class Supervisor:
             log.info("policy version %d (from %s's heartbeat; was %d)", published, worker.worker_id, self.policy_version)
             self.policy_version, self.weights_address = published, worker.shard_address
         free = self.pending_free.pop(worker.shard_address, [])
+        envs_json = self.envs.specs_json() if msg.envs_version < self.envs.version else ""
         return P.HeartbeatReply(policy_version=self.policy_version, weights_address=self.weights_address,
-                                stop=self.finished, free_sample_ids=free)
+                                stop=self.finished, free_sample_ids=free, envs_version=self.envs.version,
+                                envs_json=envs_json)
 
     def _on_requestprompts(self, msg: P.RequestPrompts, now: float) -> P.Msg:
         if self.finished or msg.worker_id not in self.workers:
@@ -120,6 +133,7 @@ class Supervisor:
         self.ledger.add_rows(msg.worker_id, msg.rows)
         self.ledger.fail_groups(msg.failed_groups)
         for row in msg.rows:
+            self.env_episodes[row.env] = self.env_episodes.get(row.env, 0) + 1
             self.recent.append((row.reward, outcome_of(row), row.total_tokens, row.env))
         return P.Ack()
 
@@ -144,6 +158,31 @@ class Supervisor:
         self.finished = True
         return P.Ack()
 
+    def _on_envattach(self, msg: P.EnvAttach, now: float) -> P.Msg:
+        try:
+            entry = self.envs.attach(msg.spec, msg.name, msg.weight, msg.params)
+        except ConfigError as exc:
+            return P.ErrorReply(message=str(exc))
+        self.ledger.envs = self.envs.usable_specs()
+        log.info("attached environment %s (%s, weight %g)", entry.spec.display_name, msg.spec, msg.weight)
+        return self._on_envlist(P.EnvList(), now)
+
+    def _on_envdetach(self, msg: P.EnvDetach, now: float) -> P.Msg:
+        try:
+            self.envs.detach(msg.name)
+        except ConfigError as exc:
+            return P.ErrorReply(message=str(exc))
+        self.ledger.envs = self.envs.usable_specs()
+        log.info("detached environment %s: no new prompts; episodes in flight finish", msg.name)
+        return self._on_envlist(P.EnvList(), now)
+
+    def _on_envlist(self, msg: P.EnvList, now: float) -> P.Msg:
+        return P.EnvListReply(envs_json=json.dumps(self._describe_envs()))
+
+    def _describe_envs(self) -> list[dict[str, Any]]:
+        loaded = {w.worker_id: w.envs_version for w in self.workers.values() if w.alive and w.role == P.Role.ROLLOUT}
+        return self.envs.describe(loaded, self.env_episodes)
+
     def _on_statusrequest(self, msg: P.StatusRequest, now: float) -> P.Msg:
         return P.StatusReply(status_json=json.dumps(self.status(now)))
 
@@ -154,7 +193,8 @@ class Supervisor:
     # -- persistence --------------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
-        state = SupervisorState(ledger=self.ledger.snapshot(), policy_version=self.policy_version,
+        state = SupervisorState(ledger=self.ledger.snapshot(), envs=list(self.envs.entries.values()),
+                                envs_version=self.envs.version, env_episodes=self.env_episodes, policy_version=self.policy_version,
                                 weights_address=self.weights_address, finished=self.finished,
                                 workers=list(self.workers.values()), next_id=self._ids,
                                 trainer_metrics=self.trainer_metrics)
@@ -164,6 +204,9 @@ class Supervisor:
         """Continue from a snapshot; known workers get a fresh lease to reconnect in."""
         state = msgspec.msgpack.decode(data, type=SupervisorState)
         self.ledger.restore(state.ledger)
+        self.envs.entries = {e.spec.display_name: e for e in state.envs}
+        self.envs.version, self.env_episodes = state.envs_version, dict(state.env_episodes)
+        self.ledger.envs = self.envs.usable_specs()
         self.policy_version, self.weights_address = state.policy_version, state.weights_address
         self.finished, self._ids, self.trainer_metrics = state.finished, state.next_id, state.trainer_metrics
         for w in state.workers:
@@ -212,8 +255,11 @@ class Supervisor:
             "draw_rate_last": outcomes.count("draw") / len(outcomes) if outcomes else None,
             "tokens_per_second": c.tokens_produced / wall,
             "context_length": pct,
-            "envs": {k: {"episodes_window": v["episodes"], "mean_reward": v["reward_sum"] / v["episodes"],
-                         "mean_context_tokens": v["tokens_sum"] / v["episodes"]} for k, v in per_env.items()},
+            "envs": {e["name"]: {**e, **({"episodes_window": per_env[e["name"]]["episodes"],
+                                          "mean_reward": per_env[e["name"]]["reward_sum"] / per_env[e["name"]]["episodes"],
+                                          "mean_context_tokens": per_env[e["name"]]["tokens_sum"] / per_env[e["name"]]["episodes"]}
+                                         if e["name"] in per_env else {})}
+                     for e in self._describe_envs()},
             "trainer": self.trainer_metrics,
             "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
                          "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats}
@@ -238,7 +284,8 @@ class Supervisor:
             M.SUP_CONTEXT.labels("max").set(max(lengths))
 
 
-MUTATING = (P.Register, P.RequestPrompts, P.PutMeta, P.Claim, P.Release, P.PublishVersion, P.Finished)
+MUTATING = (P.Register, P.RequestPrompts, P.PutMeta, P.Claim, P.Release, P.PublishVersion, P.Finished, P.EnvAttach,
+            P.EnvDetach)
 
 
 def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
@@ -261,7 +308,11 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     state_path = Path(state_dir or cfg.run_dir) / "supervisor.state"
     state_path.parent.mkdir(parents=True, exist_ok=True)
     if state_path.exists():
-        sup.restore(state_path.read_bytes(), time.monotonic())
+        try:
+            sup.restore(state_path.read_bytes(), time.monotonic())
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ConfigError(f"cannot resume from {state_path} ({exc}); it was written by another version of "
+                              "earl_stream or is damaged: move it away to start a fresh run") from None
         log.info("restored state from %s: policy version %d, %d prompts issued, %d samples waiting", state_path,
                  sup.policy_version, sup.ledger.next_ordinal, sup.ledger.samples_waiting())
     metrics_address = M.start_metrics_server(host or "127.0.0.1")

@@ -10,6 +10,7 @@ loading them between engine batches.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -18,10 +19,11 @@ import torch
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.chat import ChatFormat
-from earl_stream.config import RunConfig
-from earl_stream.env import env_options, make_env
-from earl_stream.errors import EarlError, EngineError, StoreError
-from earl_stream.modeling import load_model
+from earl_stream.config import EnvSpec, RunConfig
+from earl_stream.env import env_options, make_env, resolve_env
+from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
+from earl_stream.modeling import load_model, load_tokenizer
+from earl_stream.tools import with_tools
 from earl_stream.records import SampleRecord
 from earl_stream.security import load_secret
 from earl_stream.store.client import ShardClient
@@ -31,7 +33,8 @@ from earl_stream.store.weights import pull_weights
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
 from earl_stream.workers.common import StopFlag, model_path, register
 from earl_stream.workers.engines.batcher import AsyncBatcher
-from earl_stream.workers.engines.torch_engine import TorchEngine
+from earl_stream.workers.engines.base import Engine
+from earl_stream.workers.engines.registry import make_engine
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +55,27 @@ class RolloutWorker:
         self.writer = ExperienceWriter(self.node, self.worker_id)
         self.store_client = ShardClient(secret=secret)
         torch.set_num_threads(self.cfg.rollout.threads)
-        model, self.tokenizer = load_model(model_path(self.cfg))
-        model.eval()
-        self.engine = TorchEngine(model, max_batch_size=self.cfg.rollout.max_batch_size, seed=self.cfg.seed)
+        self.engine = self._make_engine()
         self.chat = ChatFormat(self.tokenizer)
         self.envs = {e.display_name: e for e in self.cfg.envs}
+        self.envs_version = 0
+        self.env_errors: dict[str, str] = {}
         self.episodes_done = 0
         self.tokens_generated = 0
         self.inflight = 0
         log.info("%s ready: shards at %s, metrics at %s", self.worker_id, self.node.address, self.metrics_address)
+
+    def _make_engine(self) -> Engine:
+        """The configured backend; only the built-in engine needs the model in this process."""
+        model_dir = model_path(self.cfg)
+        model = None
+        if self.cfg.rollout.engine == "torch":
+            model, self.tokenizer = load_model(model_dir)
+            model.eval()
+        else:
+            self.tokenizer = load_tokenizer(model_dir)
+        return make_engine(self.cfg.rollout.engine, model_dir, model, max_batch_size=self.cfg.rollout.max_batch_size,
+                           seed=self.cfg.seed)
 
     def run(self) -> None:
         try:
@@ -70,6 +85,9 @@ class RolloutWorker:
             self.store_client.close()
             self.client.close()
             self.hb_client.close()
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
             log.info("%s stopped after %d episodes", self.worker_id, self.episodes_done)
 
     async def _main(self) -> None:
@@ -94,7 +112,8 @@ class RolloutWorker:
             stats = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
                      "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held}
             try:
-                reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(worker_id=self.worker_id, stats=stats))
+                reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
+                    worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors))
             except EarlError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 await asyncio.sleep(period)
@@ -105,6 +124,8 @@ class RolloutWorker:
                                                  metrics_address=self.metrics_address, worker_id=self.worker_id)
                 self.worker_id = reg.worker_id
                 continue
+            if reply.envs_json:
+                await asyncio.to_thread(self._update_envs, reply.envs_json, reply.envs_version)
             if reply.free_sample_ids:
                 self.writer.free(reply.free_sample_ids)
             if reply.stop:
@@ -114,6 +135,24 @@ class RolloutWorker:
                 await self._load_weights(reply.policy_version, reply.weights_address)
             M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
             await asyncio.sleep(period)
+
+    def _update_envs(self, envs_json: str, version: int) -> None:
+        """Adopt the supervisor's environment set; import new ones now so failures are reported."""
+        for raw in json.loads(envs_json):
+            spec = EnvSpec(**raw)
+            name = spec.display_name
+            if name in self.envs and self.envs[name] == spec:
+                continue
+            try:
+                resolve_env(spec.spec)
+            except EnvError as exc:
+                self.env_errors[name] = str(exc)
+                log.warning("cannot load environment %s (%s): %s", name, spec.spec, exc)
+                continue
+            self.env_errors.pop(name, None)
+            self.envs[name] = spec
+            log.info("environment %s (%s) is ready", name, spec.spec)
+        self.envs_version = version
 
     async def _load_weights(self, version: int, address: str) -> None:
         start = time.monotonic()
@@ -156,7 +195,11 @@ class RolloutWorker:
             log.warning("prompt %s names unknown environment %r", prompt.group_id, prompt.env)
             return None
         sampling = Sampling(self.cfg.rollout.temperature, self.cfg.rollout.top_p, self.cfg.rollout.top_k)
-        envs = [make_env(spec.spec, spec.params) for _ in range(prompt.group_size)]
+        try:
+            envs = [with_tools(make_env(spec.spec, spec.params)) for _ in range(prompt.group_size)]
+        except EnvError as exc:
+            log.warning("cannot create environment %s for %s: %s", spec.spec, prompt.group_id, exc)
+            return None
         self.inflight += len(envs)
         M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)
         try:

@@ -31,7 +31,6 @@ from earl_stream.store import (
     cleanup_stale_segments,
     partition,
     pull_samples,
-    sample_key,
     shm_supported,
 )
 from earl_stream.store import wire
@@ -152,6 +151,25 @@ def test_a_leased_region_is_not_reused_until_the_reader_is_done() -> None:
         node.put("newer", np.full(4096, 11, np.int64))  # the lease ended: the region is reused now
         assert (seg[loc.offset : loc.offset + old.nbytes].view(np.int64) == 11).all()
         del seg
+
+
+def test_a_shard_becomes_visible_only_once_complete() -> None:
+    """Pulls racing a writer see a key either not at all or whole (it is published after its copy)."""
+    with ShardNode() as node, ShardClient(timeout_s=5.0) as client:
+        n, keys = 1 << 18, 24
+        writer = threading.Thread(target=lambda: [node.put(f"k{i}", np.full(n, i, np.int32)) for i in range(keys)])
+        writer.start()
+        seen: set[int] = set()
+        while len(seen) < keys:
+            for i in sorted(set(range(keys)) - seen):
+                try:
+                    (got,) = client.pull(node.address, [(f"k{i}", 0, n)])
+                except RemoteError as exc:
+                    assert exc.code == ErrorCode.UNKNOWN_KEY
+                    continue
+                assert got.shape == (n,) and (got == i).all()
+                seen.add(i)
+        writer.join()
 
 
 def test_node_close_unlinks_its_segments() -> None:
@@ -367,3 +385,19 @@ def test_pull_samples_zero_copy_matches_copies(client: ShardClient) -> None:
             for c, v in zip(copied, viewed):
                 for name in FIELDS:
                     np.testing.assert_array_equal(c[name], v[name])
+
+
+@pytest.mark.parametrize("client_shm, zero_copy", [(True, False), (True, True), (False, False)])
+def test_merge_runs_gives_one_array_per_run_of_a_key(client_shm: bool, zero_copy: bool) -> None:
+    with ShardNode(shm_segment_bytes=2 << 20) as node, ShardClient(timeout_s=5.0, shm=client_shm) as client:
+        big = np.arange(600_000, dtype=np.int32)  # 2.4 MiB: private memory, inline in the reply
+        small = np.arange(1000, dtype=np.float32)  # in shared memory
+        node.put_many({"big": big, "small": small})
+        pieces = [("small", 0, 10), ("small", 900, 1000), ("big", 5, 7), ("big", 0, 0), ("big", 599_990, 600_000), ("small", 3, 4)]
+        got = client.pull(node.address, pieces, zero_copy=zero_copy, merge_runs=True)
+        assert [g.dtype for g in got] == [np.float32, np.int32, np.float32]
+        np.testing.assert_array_equal(got[0], np.concatenate([small[:10], small[900:]]))
+        np.testing.assert_array_equal(got[1], np.concatenate([big[5:7], big[599_990:]]))
+        np.testing.assert_array_equal(got[2], small[3:4])
+        assert got[2].flags.writeable != (zero_copy and client_shm)  # a single shm piece is a view only with zero_copy
+        assert got[0].flags.writeable  # a run of several ranges is always one copy

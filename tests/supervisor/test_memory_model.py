@@ -65,7 +65,8 @@ def test_korthikanti_table2_rows(llama70b: ModelShape) -> None:
         sbh / t * (34 + 5 * a * s / h))
     assert korthikanti_layer_bytes(llama70b, dataclasses.replace(
         base, tp=t, sequence_parallel=True, recompute=Recompute.SELECTIVE)) == pytest.approx(sbh / t * 34)
-    assert korthikanti_layer_bytes(llama70b, dataclasses.replace(base, recompute=Recompute.FULL)) == pytest.approx(2 * sbh)
+    full = dataclasses.replace(base, recompute=Recompute.FULL)
+    assert korthikanti_layer_bytes(llama70b, full) == pytest.approx(2 * sbh)
 
 
 def test_kv_cache_llama70b_bf16_is_320_kib_per_token(llama70b: ModelShape) -> None:
@@ -145,11 +146,12 @@ def test_real_configs_are_accepted_and_ignore_fields_works() -> None:
 def test_advise_says_what_would_be_needed(llama70b: ModelShape) -> None:
     budget = 80 * GIB
     # 8 x 80 GiB cannot hold 70B's AdamW states (16 bytes/param = 131 GiB per device even sharded 8 ways).
-    eight = advise(llama70b, TrainPlan(1, 8192, dp=8, attention=Attention.EAGER, precision=Precision.MIXED_BF16), budget)
+    plan = TrainPlan(1, 8192, dp=8, attention=Attention.EAGER, precision=Precision.MIXED_BF16)
+    eight = advise(llama70b, plan, budget)
     assert not eight.fits and not eight.alternatives and eight.min_devices == 16
     assert "needs >= 16 devices" in eight.message and "budget of >=" in eight.message
     assert eight.min_budget_bytes > budget
-    plan = TrainPlan(1, 8192, dp=16, attention=Attention.EAGER, precision=Precision.MIXED_BF16)
+    plan = dataclasses.replace(plan, dp=16)
     adv = advise(llama70b, plan, budget)
     assert not adv.fits and adv.alternatives and "fits with" in adv.message
     assert all(a.fits and a.plan.devices == 16 for a in adv.alternatives)
@@ -236,7 +238,8 @@ def test_cost_model_calibration_recovers_coefficients_and_ranks(llama70b: ModelS
     base = TrainPlan(1, 8192, tp=2)
     assert (plan_features(llama70b, dataclasses.replace(base, recompute=Recompute.FULL)).flops
             > plan_features(llama70b, base).flops)
-    assert plan_features(llama70b, dataclasses.replace(base, tp=4)).comm_bytes > plan_features(llama70b, base).comm_bytes
+    more_tp = dataclasses.replace(base, tp=4)
+    assert plan_features(llama70b, more_tp).comm_bytes > plan_features(llama70b, base).comm_bytes
     plan = TrainPlan(1, 8192, dp=32, attention=Attention.EAGER, precision=Precision.MIXED_BF16)
     ranked = rank_plans(llama70b, fitting_plans(llama70b, plan, 32, 80 * GIB), truth)
     assert ranked and all(r.check.fits for r in ranked)

@@ -1,0 +1,75 @@
+"""A `ShardClient`'s state per peer: the socket, its transport, and zero-copy leases to end.
+
+Owns `PeerConn` (one persistent connection: its lock, whether it pulls through shared memory, and
+the held leases whose arrays are gone and must be reported to the node) and `LeaseToken` (counts the
+live base arrays of one zero-copy reply). Requests and replies are `client.py`'s and `receive.py`'s.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from earl_stream.store import wire
+
+
+@dataclass
+class PeerConn:
+    """One persistent connection to a peer; `lock` serialises its requests."""
+
+    address: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None
+    shm: bool = False  # this connection pulls through the peer's shared memory
+    generation: int = 0  # bumped on close: held leases of an older connection died with it
+    released: deque[int] = field(default_factory=deque)  # held leases whose arrays are gone, to tell the peer
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+                self.shm = False
+                self.generation += 1
+                self.released.clear()
+
+    def flush_released(self) -> None:
+        """Tell the peer which held leases ended (caller holds `lock`); one-way, nothing to wait for."""
+        ids = []
+        while self.released:  # deque pops are atomic: a finalizer may append meanwhile, from any thread
+            ids.append(self.released.popleft())
+        if ids and self.sock is not None:
+            self.sock.sendall(wire.encode_frame(wire.ShmDone(ids)))
+
+    def release_later(self, generation: int, lease_id: int) -> None:
+        """Finalizer of zero-copy arrays: end their lease now if the connection is free, else after its
+        current request. Never blocks (it may run inside this connection's own request)."""
+        if generation != self.generation:
+            return
+        self.released.append(lease_id)
+        if self.lock.acquire(blocking=False):
+            try:
+                if generation == self.generation:
+                    self.flush_released()
+            except OSError:
+                self.close()
+            finally:
+                self.lock.release()
+
+
+class LeaseToken:
+    """Counts the live base arrays of one zero-copy reply; the last one to go ends the lease."""
+
+    def __init__(self, conn: PeerConn, generation: int, lease_id: int, bases: int) -> None:
+        self._conn, self._generation, self._id, self._left = conn, generation, lease_id, bases
+        self._lock = threading.Lock()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._left -= 1
+            done = self._left == 0
+        if done:
+            self._conn.release_later(self._generation, self._id)

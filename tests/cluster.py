@@ -1,0 +1,74 @@
+"""Test helper: a run started the way a user starts one by hand (`earl-stream supervisor` and
+`earl-stream worker`), each process with its own log file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from earl_stream import protocol as P
+from earl_stream.errors import EarlError
+from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
+
+
+class Cluster:
+    """Processes started the way a user starts them by hand: `earl-stream supervisor` / `worker`."""
+
+    def __init__(self, tmp: Path, model_dir: Path, *overrides: str) -> None:
+        self.tmp = tmp
+        self.secret_file = create_secret_file(tmp / "secret")
+        self.env = {**os.environ, SECRET_ENV: str(self.secret_file)}
+        self.overrides = [f"model.path={model_dir}", f"run_dir={tmp / 'run'}", "trainer.groups_per_step=2",
+                          "trainer.group_size=4", "rollout.groups_in_flight=2", "supervisor.heartbeat_s=0.2",
+                          "supervisor.lease_s=3", *overrides]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.address = ""
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "earl_stream", *args], env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start_supervisor(self, port: int = 0) -> None:
+        ready = self.tmp / "ready.json"
+        ready.unlink(missing_ok=True)
+        self.start("supervisor", "supervisor", "--bind", f"127.0.0.1:{port}", "--ready-file", str(ready),
+                   "--state-dir", str(self.tmp / "state"), *self.overrides)
+        wait_for(lambda: ready.exists(), 60, "the supervisor to listen")
+        self.address = json.loads(ready.read_text())["address"]
+
+    def worker(self, name: str, role: str) -> subprocess.Popen:
+        return self.start(name, "worker", "--role", role, "--supervisor", self.address)
+
+    def status(self) -> dict[str, Any]:
+        client = P.ControlClient(self.address, timeout_s=5, secret=load_secret(str(self.secret_file)))
+        try:
+            return json.loads(client.call(P.StatusRequest()).status_json)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = cond()
+        except EarlError:
+            value = None
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
