@@ -42,8 +42,9 @@ def test_up_trains_through_the_store(tmp_path: Path, tiny_model_dir: Path) -> No
     assert (tmp_path / "run" / "checkpoints" / "latest").exists()
 
 
-def test_up_with_two_trainer_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
-    _, summary = _up(tmp_path, tiny_model_dir, 2, "trainer.nproc=2", "rollout.workers=1")
+@pytest.mark.parametrize("dispatch", ["pull", "central"])
+def test_up_with_two_trainer_ranks(tmp_path: Path, tiny_model_dir: Path, dispatch: str) -> None:
+    _, summary = _up(tmp_path, tiny_model_dir, 2, "trainer.nproc=2", "rollout.workers=1", f"store.dispatch={dispatch}")
     assert summary["policy_version"] >= 2
     assert summary["samples_trained"] >= 2 * 2 * 4
 

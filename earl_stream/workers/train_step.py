@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from earl_stream.algo.grpo import clipped_pg_loss, group_advantages, token_entropy, token_logprobs
 from earl_stream.config import TrainerConfig
-from earl_stream.store.client import ShardClient
+from earl_stream.store.experience import Puller
 from earl_stream.store.experience import SamplesUnavailable, pull_samples
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta
@@ -65,7 +65,7 @@ def batch_tensors(rows: Sequence[dict[str, np.ndarray]], advantages: np.ndarray)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: Sequence[SampleMeta], layout: Layout,
-               client: ShardClient, cfg: TrainerConfig, *, ref_model: torch.nn.Module | None = None,
+               client: Puller, cfg: TrainerConfig, *, ref_model: torch.nn.Module | None = None,
                rank: int = 0) -> StepResult:
     start = time.monotonic()
     world = layout.dp_size
@@ -115,7 +115,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     )
 
 
-def _pull(client: ShardClient, metas: Sequence[SampleMeta], rows: Sequence[int]) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
+def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int]) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
     """Pull this rank's rows; rows whose producer is gone are dropped with their whole group."""
     mine = [metas[i] for i in rows]
     try:

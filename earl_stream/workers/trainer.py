@@ -22,6 +22,7 @@ from earl_stream import protocol as P
 from earl_stream.errors import ControlPlaneTimeout, EarlError
 from earl_stream.modeling import load_model
 from earl_stream.security import load_secret
+from earl_stream.store.central import CentralClient, start_dispatcher_process
 from earl_stream.store.client import ShardClient
 from earl_stream.store.layout import Layout
 from earl_stream.store.node import ShardNode
@@ -56,7 +57,13 @@ class TrainerRank:
             self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.layout = Layout(dp_size=world_size, dp_rank=rank)
-        self.store_client = ShardClient(secret=secret)
+        self.store_client: ShardClient | CentralClient = ShardClient(secret=secret)
+        self.dispatcher = None
+        if self.cfg.store.dispatch == "central":  # the single-controller pattern, kept for measurement
+            if rank == 0:
+                self.dispatcher = start_dispatcher_process(host, secret=secret)
+            address = _broadcast_str(self.dispatcher.address if self.dispatcher else "", world_size)
+            self.store_client = CentralClient(self.store_client, address)
         self.version = self._resume(reg.policy_version)
         self.published_version = -1
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
@@ -72,6 +79,8 @@ class TrainerRank:
             metas = self._claim(step)
             if metas is None:
                 break
+            if isinstance(self.store_client, CentralClient):
+                self.store_client.set_step(step, metas)
             result = train_step(self.model, self.optimizer, metas, self.layout, self.store_client, t,
                                 ref_model=self.ref_model, rank=self.rank)
             step += 1
@@ -179,8 +188,21 @@ class TrainerRank:
         self.stop.set()
         self.node.close()
         self.store_client.close()
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
         self.client.close()
         self.hb_client.close()
+
+
+def _broadcast_str(text: str, world_size: int) -> str:
+    """Rank 0's string to every rank, as bytes in a tensor (no pickling)."""
+    if world_size == 1:
+        return text
+    buf = torch.zeros(256, dtype=torch.uint8)
+    data = text.encode()
+    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return bytes(buf.tolist()).rstrip(b"\0").decode()
 
 
 def run_trainer_rank(supervisor: str, host: str = "127.0.0.1") -> int:
