@@ -94,6 +94,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
                     raise ChildProcessFailed(describe_exit(failed) + _tail(failed.log_path))
                 status = _status(client) or status
                 view.update(status)
+                write_targets(run_dir / "prometheus_targets.json", status)
                 time.sleep(0.5)
         if trainer.proc.returncode not in (None, 0):
             raise ChildProcessFailed(describe_exit(trainer) + _tail(trainer.log_path))
@@ -112,6 +113,21 @@ def _status(client: P.ControlClient) -> dict[str, Any] | None:
         return json.loads(client.call(P.StatusRequest(), timeout_s=5).status_json)
     except EarlError:
         return None
+
+
+def write_targets(path: Path, status: dict[str, Any]) -> None:
+    """A Prometheus file_sd targets file with every live process's metrics endpoint."""
+    if not status:
+        return
+    groups = [{"targets": [status["metrics_address"]], "labels": {"role": "supervisor", "instance_name": "supervisor"}}]
+    for w in status.get("workers", []):
+        if w["alive"] and w.get("metrics_address"):
+            groups.append({"targets": [w["metrics_address"]], "labels": {"role": w["role"], "instance_name": w["id"]}})
+    text = json.dumps(groups, indent=1)
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:

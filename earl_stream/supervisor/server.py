@@ -65,6 +65,7 @@ class Supervisor:
     def __init__(self, cfg: RunConfig, *, address: str = "") -> None:
         self.cfg = cfg
         self.address = address
+        self.metrics_address = ""
         self.config_json = config_to_json(cfg)
         t = cfg.trainer
         self.envs = EnvRegistry(cfg.envs)
@@ -245,6 +246,7 @@ class Supervisor:
             e["tokens_sum"] += n
         return {
             "address": self.address,
+            "metrics_address": self.metrics_address,
             "policy_version": self.policy_version,
             "finished": self.finished,
             "wall_seconds": wall,
@@ -262,7 +264,8 @@ class Supervisor:
                      for e in self._describe_envs()},
             "trainer": self.trainer_metrics,
             "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
-                         "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats}
+                         "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats,
+                         "shard_address": w.shard_address, "metrics_address": w.metrics_address}
                         for w in self.workers.values() if w.role != P.Role.CLIENT],
         }
 
@@ -316,6 +319,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
         log.info("restored state from %s: policy version %d, %d prompts issued, %d samples waiting", state_path,
                  sup.policy_version, sup.ledger.next_ordinal, sup.ledger.samples_waiting())
     metrics_address = M.start_metrics_server(host or "127.0.0.1")
+    sup.metrics_address = metrics_address
     log.info("supervisor listening on %s (metrics on http://%s/metrics)", address, metrics_address)
     if ready_file:
         Path(ready_file).write_text(json.dumps({"address": address, "metrics_address": metrics_address}))
