@@ -34,8 +34,8 @@ def main() -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_dir = out.parent / "learning_run"
-    cmd = [sys.executable, "-m", "earl_stream", "up", f"run_dir={run_dir}", "supervisor.stats_window=256",
-           "--summary", str(out.with_suffix(".summary.json")), *args.overrides]
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--summary", str(out.with_suffix(".summary.json")),
+           f"run_dir={run_dir}", "supervisor.stats_window=256", *args.overrides]
     ready = run_dir / "supervisor.json"
     ready.unlink(missing_ok=True)
     secret_file = create_secret_file(run_dir / "secret")

@@ -82,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
         _add_secret_arg(e)
 
+    p = sub.add_parser("episodes", help="finished episodes: readable transcripts, Parquet export")
+    psub = p.add_subparsers(dest="episodes_command", required=True)
+    pt = psub.add_parser("tail", help="print the latest finished episodes as transcripts")
+    pt.add_argument("--follow", "-f", action="store_true", help="keep printing new episodes")
+    pt.add_argument("--last", type=int, default=5, help="start with this many recent episodes")
+    pt.add_argument("--all", action="store_true", help="start with every episode the supervisor still lists")
+    pe = psub.add_parser("export", help="write recent episodes with their metadata to a file")
+    pe.add_argument("--format", default="parquet", choices=("parquet",))
+    pe.add_argument("path", metavar="PATH")
+    for e in (pt, pe):
+        e.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
+        _add_secret_arg(e)
+
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True)
     cs = csub.add_parser("show", help="print the effective configuration as YAML")
@@ -135,6 +148,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _worker(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "episodes":
+        from earl_stream.episodes import run_episodes_command
+
+        return run_episodes_command(args)
     if args.command == "env":
         from earl_stream.env_cli import run_env_command
 

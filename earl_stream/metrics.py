@@ -15,11 +15,18 @@ ROLLOUT_EPISODES = Counter("earl_rollout_episodes_total", "Episodes finished", [
 ROLLOUT_INFLIGHT = Gauge("earl_rollout_inflight_episodes", "Episodes currently being played", ["worker"])
 ROLLOUT_POLICY_VERSION = Gauge("earl_rollout_policy_version", "Policy version loaded in the engine", ["worker"])
 ROLLOUT_WEIGHT_SYNC = Histogram("earl_rollout_weight_sync_seconds", "Time to pull and load a policy version", ["worker"])
+ROLLOUT_EPISODE_REWARD = Histogram("earl_rollout_episode_reward", "Reward of each finished episode", ["worker", "env"],
+                                   buckets=(-1.0, -0.5, 0.0, 0.5, 1.0))
+# Powers of two: per-environment context percentiles (histogram_quantile) stay meaningful from short
+# games to long agentic traces.
+ROLLOUT_CONTEXT_TOKENS = Histogram("earl_rollout_context_tokens", "Context length (prompt + all turns) of each episode",
+                                   ["worker", "env"], buckets=tuple(float(2 ** k) for k in range(5, 18)))
 
 # Store
 STORE_PULL_SECONDS = Histogram("earl_store_pull_seconds", "Time of one step's pull by a trainer rank", ["rank"])
 STORE_PULL_BYTES = Counter("earl_store_pull_bytes_total", "Bytes pulled from producers", ["rank"])
 STORE_BYTES_HELD = Gauge("earl_store_bytes_held", "Bytes held by this process's shard node", ["worker"])
+STORE_SHARDS_HELD = Gauge("earl_store_shards_held", "Sample shards held by this process's shard node", ["worker"])
 
 # Trainer
 TRAINER_STEP_SECONDS = Histogram("earl_trainer_step_seconds", "Wall time of one training step", ["rank"],
@@ -28,13 +35,23 @@ TRAINER_LOSS = Gauge("earl_trainer_loss", "Policy loss of the last step", ["rank
 TRAINER_GRAD_NORM = Gauge("earl_trainer_grad_norm", "Global gradient norm of the last step", ["rank"])
 TRAINER_MISMATCH = Gauge("earl_trainer_logprob_mismatch", "Mean |trainer - engine| log-prob on loss tokens", ["rank"])
 TRAINER_STEPS = Counter("earl_trainer_steps_total", "Training steps done", ["rank"])
+TRAINER_REWARD = Gauge("earl_trainer_reward_mean", "Mean reward of the last step's batch", ["rank"])
+TRAINER_STALENESS = Histogram("earl_trainer_staleness_versions",
+                              "Policy versions between a trained sample's behaviour policy and the trained policy",
+                              ["rank"], buckets=(0, 1, 2, 3, 4, 6, 8, 16))
 
 # Supervisor
 SUP_POLICY_VERSION = Gauge("earl_policy_version", "Current policy version")
 SUP_SAMPLES = Gauge("earl_samples", "Sample accounting", ["kind"])
-SUP_WORKERS = Gauge("earl_workers", "Workers known to the supervisor", ["role", "health"])
+# `pool`, not `role`: the file_sd targets carry a `role` target label, which would rename a scraped
+# `role` label to `exported_role`.
+SUP_WORKERS = Gauge("earl_workers", "Workers known to the supervisor", ["pool", "health"])
 SUP_REWARD = Gauge("earl_reward_mean", "Mean episode reward over the statistics window")
 SUP_CONTEXT = Gauge("earl_context_length_tokens", "Episode context length percentiles over the window", ["quantile"])
+SUP_PLAN_VERSION = Gauge("earl_plan_version", "Version of the pool's current parallelism plan (changes mark plan changes)",
+                         ["pool"])
+SUP_MEMORY_PREDICTED = Gauge("earl_memory_predicted_bytes", "Peak bytes per device the memory model predicts for the pool's plan",
+                             ["pool"])
 
 
 def start_metrics_server(host: str = "127.0.0.1", port: int = 0) -> str:

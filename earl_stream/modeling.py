@@ -163,6 +163,7 @@ def init_model(
     intermediate_size: int = 512,
     vocab_size: int = 512,
     seed: int = 0,
+    initializer_range: float = 0.02,
 ) -> Path:
     """Write a randomly initialised Qwen2 causal LM and its tokenizer to `out_dir`; return the path.
 
@@ -184,6 +185,7 @@ def init_model(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
+        initializer_range=initializer_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

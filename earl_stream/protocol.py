@@ -70,6 +70,15 @@ class HeartbeatReply(Msg, tag="heartbeat_reply"):
     envs_json: str = ""  # the environment set, sent only when the worker's is older
 
 
+class RecentEpisodes(Msg, tag="recent_episodes"):
+    since: int = 0  # return rows the supervisor received after this cursor
+
+
+class RecentEpisodesReply(Msg, tag="recent_episodes_reply"):
+    cursor: int = 0
+    table_ipc: bytes = b""  # metadata rows (Arrow IPC); transcripts live with the producers
+
+
 class EnvAttach(Msg, tag="env_attach"):
     spec: str = ""
     name: str = ""
@@ -165,7 +174,7 @@ class ErrorReply(Msg, tag="error"):
 AnyMsg = Union[
     Register, Registered, Heartbeat, HeartbeatReply, RequestPrompts, Prompts, PutMeta, Claim, Claimed,
     Release, PublishVersion, Finished, StatusRequest, StatusReply, Ack, ErrorReply, EnvAttach, EnvDetach, EnvList,
-    EnvListReply,
+    EnvListReply, RecentEpisodes, RecentEpisodesReply,
 ]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)

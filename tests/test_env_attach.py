@@ -1,4 +1,5 @@
-"""Attaching and detaching environments on a live run, through the CLI a user types."""
+"""A live run driven through the CLI a user types: attaching and detaching environments, and reading
+finished episodes back as transcripts and as Parquet."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from cluster import Cluster, wait_for
@@ -17,8 +19,8 @@ raise RuntimeError("this environment cannot even be imported")
 '''
 
 
-def _cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "earl_stream", "env", *args, "--supervisor", cluster.address],
+def _cli(cluster: Cluster, *args: str, command: str = "env") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "earl_stream", command, *args, "--supervisor", cluster.address],
                           env=cluster.env, capture_output=True, text=True, timeout=120)
 
 
@@ -50,5 +52,14 @@ def test_attach_and_detach_on_a_live_run(tmp_path: Path, tiny_model_dir: Path) -
         wait_for(lambda: cluster.status()["policy_version"] >= before + 3, 180, "training to go on")
         listing = _cli(cluster, "list")
         assert "detached" in listing.stdout and "FAILED" in listing.stdout
+
+        tail = _cli(cluster, "tail", "--last", "3", command="episodes")
+        assert tail.returncode == 0, tail.stderr
+        assert tail.stdout.count("=== ") == 3 and "<|assistant|>" in tail.stdout
+        out = _cli(cluster, "export", str(tmp_path / "episodes.parquet"), command="episodes")
+        assert out.returncode == 0, out.stderr
+        table = pq.read_table(tmp_path / "episodes.parquet")
+        assert table.num_rows > 10 and {"sample_id", "reward", "env", "transcript"} <= set(table.column_names)
+        assert sum(t is not None for t in table.column("transcript").to_pylist()) > 10
     finally:
         cluster.stop()

@@ -24,6 +24,7 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
 from earl_stream.errors import ConfigError, ProtocolError
+from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.security import sign, verify
 from earl_stream.supervisor.ledger import Ledger, outcome_of
@@ -79,6 +80,8 @@ class Supervisor:
         self.finished = False
         self.started = time.time()
         self.recent: deque[tuple[float, str, int, str]] = deque(maxlen=cfg.supervisor.stats_window)
+        self.recent_rows: deque[tuple[int, SampleMeta]] = deque(maxlen=cfg.supervisor.stats_window)
+        self.rows_seen = 0
         self.pending_free: dict[str, list[str]] = {}  # producer address -> sample ids to drop
         self._ids = 0
 
@@ -134,6 +137,8 @@ class Supervisor:
         self.ledger.add_rows(msg.worker_id, msg.rows)
         self.ledger.fail_groups(msg.failed_groups)
         for row in msg.rows:
+            self.rows_seen += 1
+            self.recent_rows.append((self.rows_seen, row))
             self.env_episodes[row.env] = self.env_episodes.get(row.env, 0) + 1
             self.recent.append((row.reward, outcome_of(row), row.total_tokens, row.env))
         return P.Ack()
@@ -158,6 +163,10 @@ class Supervisor:
         log.info("run finished (%s): telling workers to stop", msg.reason)
         self.finished = True
         return P.Ack()
+
+    def _on_recentepisodes(self, msg: P.RecentEpisodes, now: float) -> P.Msg:
+        rows = [r for seq, r in self.recent_rows if seq > msg.since]
+        return P.RecentEpisodesReply(cursor=self.rows_seen, table_ipc=table_to_ipc(metas_to_table(rows)))
 
     def _on_envattach(self, msg: P.EnvAttach, now: float) -> P.Msg:
         try:

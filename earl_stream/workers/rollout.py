@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 import logging
 import time
 
+import numpy as np
 import torch
 
 from earl_stream import metrics as M
@@ -28,6 +30,7 @@ from earl_stream.records import SampleRecord
 from earl_stream.security import load_secret
 from earl_stream.store.client import ShardClient
 from earl_stream.store.experience import ExperienceWriter
+from earl_stream.episodes import TRANSCRIPTS_KEPT, transcript_key
 from earl_stream.store.node import ShardNode
 from earl_stream.store.weights import pull_weights
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
@@ -59,6 +62,7 @@ class RolloutWorker:
         self.chat = ChatFormat(self.tokenizer)
         self.envs = {e.display_name: e for e in self.cfg.envs}
         self.envs_version = 0
+        self.transcripts: deque[str] = deque()
         self.env_errors: dict[str, str] = {}
         self.episodes_done = 0
         self.tokens_generated = 0
@@ -136,6 +140,16 @@ class RolloutWorker:
             M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
             await asyncio.sleep(period)
 
+    def _keep_transcripts(self, records: list[SampleRecord]) -> None:
+        """Readable transcripts of the last episodes, for `earl-stream episodes` (bounded)."""
+        for r in records:
+            text = self.tokenizer.decode(r.input_ids.tolist(), skip_special_tokens=False)
+            key = transcript_key(r.sample_id)
+            self.node.put(key, np.frombuffer(text.encode(), dtype=np.uint8).copy())
+            self.transcripts.append(key)
+        while len(self.transcripts) > TRANSCRIPTS_KEPT:
+            self.node.drop([self.transcripts.popleft()])
+
     def _update_envs(self, envs_json: str, version: int) -> None:
         """Adopt the supervisor's environment set; import new ones now so failures are reported."""
         for raw in json.loads(envs_json):
@@ -183,6 +197,7 @@ class RolloutWorker:
                 await self._call(P.PutMeta(worker_id=self.worker_id, failed_groups=[prompt.group_id]))
                 continue
             rows = await asyncio.to_thread(self.writer.put, records)
+            await asyncio.to_thread(self._keep_transcripts, records)
             await self._call(P.PutMeta(worker_id=self.worker_id, rows=rows))
 
     async def _call(self, msg: P.Msg):  # type: ignore[no-untyped-def]

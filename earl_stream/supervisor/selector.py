@@ -1,0 +1,455 @@
+"""The parallelism selector: when a pool re-plans, and which plan it adopts.
+
+Owns: a pool's memory budget (`PoolBudget`), the re-plan thresholds with hysteresis (`Thresholds`),
+the versioned decisions (`PlanDecision` for a trainer pool, `RolloutDecision` for a rollout engine,
+`Infeasible` when nothing fits), the micro-batch token budget of a plan (`micro_batch_tokens`) and
+the two selectors. What a plan costs in memory is `memory_model`'s answer, how fast it runs
+`cost_model`'s; the statistics come from `context_stats`; applying a plan is the pools' job.
+
+Hysteresis: a plan is sized for a *design length* D = the next power of two >= headroom x the
+observed percentile x. It is replaced when x > upper_factor x D (contexts outgrew it) or
+x < lower_factor x D (it wastes memory), and not sooner than `min_episodes_between` episodes (and
+`min_steps_between` steps) after the previous decision, unless x is past D itself: then waiting
+would train past what the plan was sized for. Right after a decision D' lies in [h x, 2 h x), so x
+sits inside (D'/(2h), D'/h]: `Thresholds` refuses factors for which that band would re-trigger.
+
+Everything is pure and deterministic: the same snapshots and steps give the same decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+from earl_stream.errors import ConfigError
+from earl_stream.supervisor.context_stats import ContextSnapshot, Percentile
+from earl_stream.supervisor.cost_model import RankedPlan, StepCostModel, rank_plans
+from earl_stream.supervisor.memory_model import (
+    GIB,
+    Attention,
+    ModelShape,
+    Precision,
+    Recompute,
+    TrainPlan,
+    advise,
+    check_fit,
+    predict_kv_cache_bytes,
+    predict_rollout_bytes,
+    predict_train_memory,
+)
+
+logger = logging.getLogger(__name__)
+MIB = 1 << 20
+_TP_GAIN = 1.1  # a larger rollout engine must hold >= 10% more sequences in all to be chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolBudget:
+    """Devices of a pool (trainer) or of one engine (rollout), their memory, and what to keep free
+    for what the memory model does not count (runtime, communication buffers, allocator slack)."""
+
+    devices: int
+    memory_bytes_per_device: int
+    reserve_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={getattr(self, k)}" for k in ("devices", "memory_bytes_per_device") if getattr(self, k) < 1]
+        if self.reserve_bytes < 0:
+            bad.append(f"reserve_bytes={self.reserve_bytes}")
+        if bad:
+            raise ConfigError("invalid pool budget (devices and memory must be >= 1, reserve >= 0): " + ", ".join(bad))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """When a pool re-plans (see the module docstring); lengths are tokens per episode."""
+
+    percentile: Percentile = Percentile.P99
+    upper_factor: float = 0.9
+    lower_factor: float = 0.4
+    headroom: float = 1.25
+    min_episodes: int = 16  # episodes in the window before the statistics drive a plan
+    min_episodes_between: int = 64
+    min_steps_between: int = 0
+    min_design_seq_len: int = 256
+    max_design_seq_len: int = 0  # 0 = unbounded; else e.g. the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        bad = []
+        if not isinstance(self.percentile, Percentile):  # from a config file: "p99", "max", ...
+            try:
+                object.__setattr__(self, "percentile", Percentile(self.percentile))
+            except ValueError:
+                bad.append(f"percentile={self.percentile!r}; choose one of {[p.value for p in Percentile]}")
+        if not 0 < self.lower_factor < self.upper_factor:
+            bad.append(f"need 0 < lower_factor ({self.lower_factor}) < upper_factor ({self.upper_factor})")
+        if self.headroom < 1:
+            bad.append(f"headroom={self.headroom} must be >= 1")
+        if self.upper_factor * self.headroom < 1:
+            bad.append(f"upper_factor x headroom = {self.upper_factor * self.headroom:g} < 1 re-plans up at once")
+        if self.lower_factor * 2 * self.headroom > 1:
+            bad.append(f"lower_factor x 2 x headroom = {2 * self.lower_factor * self.headroom:g} > 1 "
+                       "re-plans down at once")
+        for k in ("min_episodes", "min_design_seq_len"):
+            if getattr(self, k) < 1:
+                bad.append(f"{k}={getattr(self, k)} must be >= 1")
+        for k in ("min_episodes_between", "min_steps_between", "max_design_seq_len"):
+            if getattr(self, k) < 0:
+                bad.append(f"{k}={getattr(self, k)} must be >= 0")
+        if 0 < self.max_design_seq_len < self.min_design_seq_len:
+            bad.append(f"max_design_seq_len={self.max_design_seq_len} < min_design_seq_len={self.min_design_seq_len}")
+        if bad:
+            raise ConfigError("invalid selector thresholds: " + "; ".join(bad))
+
+    def design_seq_len(self, observed: float) -> int:
+        """The length a new plan is sized for: next power of two >= headroom x observed, clamped."""
+        want = max(self.min_design_seq_len, math.ceil(observed * self.headroom))
+        design = 1 << (want - 1).bit_length()
+        return min(design, self.max_design_seq_len) if self.max_design_seq_len else design
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "percentile": self.percentile.value}
+
+
+def plan_to_dict(plan: TrainPlan) -> dict[str, Any]:
+    return {f.name: (v.value if isinstance(v := getattr(plan, f.name), enum.Enum) else v)
+            for f in dataclasses.fields(plan)}
+
+
+def plan_from_dict(d: dict[str, Any]) -> TrainPlan:
+    """The inverse of `plan_to_dict`; ConfigError names unknown fields."""
+    known = {f.name for f in dataclasses.fields(TrainPlan)}
+    if unknown := sorted(set(d) - known):
+        raise ConfigError(f"unknown training-plan fields {unknown}; known: {sorted(known)}")
+    return TrainPlan(**{k: (_PLAN_ENUMS[k](v) if k in _PLAN_ENUMS else v) for k, v in d.items()})
+
+
+_PLAN_ENUMS: dict[str, type[enum.Enum]] = {"recompute": Recompute, "attention": Attention, "precision": Precision}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanDecision:
+    """A trainer pool's plan, version `version`, sized for `design_seq_len`-token episodes.
+
+    `micro_batch_tokens` bounds one micro-batch: summed *full* sequence lengths, padding included
+    (rows x longest row), i.e. the memory model's b x s. `plan` is the representative micro-batch
+    (micro_batch = micro_batch_tokens // design_seq_len rows of design length). `predicted_peak_bytes`
+    is the memory model's per-device peak for a single packed sequence of `micro_batch_tokens`
+    tokens, the worst micro-batch under that bound (reserve not included).
+    """
+
+    version: int
+    pool: str
+    plan: TrainPlan
+    micro_batch_tokens: int
+    design_seq_len: int
+    predicted_peak_bytes: int
+    predicted_tokens_per_s: float
+    reason: str
+    step: int = 0
+
+    @property
+    def rank_micro_batch_tokens(self) -> int:
+        """The budget in `store.layout.partition`'s units, which counts ceil(length / sp) per row."""
+        return self.micro_batch_tokens // self.plan.sp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "plan": plan_to_dict(self.plan),
+                "rank_micro_batch_tokens": self.rank_micro_batch_tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PlanDecision:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in d.items() if k in names}, "plan": plan_from_dict(d["plan"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutDecision:
+    """A rollout engine's capacity, version `version`, sized for `design_seq_len`-token episodes.
+
+    Per engine (of `engine_tp` devices; `replicas` engines fill the budget's devices): at most
+    `max_concurrent_sequences` sequences and `kv_budget_tokens` tokens of KV cache at once.
+    """
+
+    version: int
+    max_concurrent_sequences: int
+    kv_budget_tokens: int
+    design_seq_len: int
+    reason: str
+    engine_tp: int = 1
+    replicas: int = 1
+    predicted_peak_bytes: int = 0  # per device: weights + a full KV budget
+    pool: str = "rollout"
+    step: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RolloutDecision:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class Infeasible:
+    """Nothing fits `design_seq_len` on the pool's budget; `message` says what would be needed.
+    The pool keeps its current plan; the supervisor reports this before contexts get there."""
+
+    message: str
+    pool: str = ""
+    design_seq_len: int = 0
+    reason: str = ""
+    step: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"infeasible": True, **dataclasses.asdict(self)}
+
+
+def micro_batch_tokens(shape: ModelShape, plan: TrainPlan, budget: PoolBudget, *, max_tokens: int = 1 << 16) -> int:
+    """The largest token budget of one micro-batch under `plan`'s layout that fits `budget`.
+
+    Binary search over `predict_train_memory` with micro_batch=1 and seq_len=tokens (one packed
+    sequence: the most memory any micro-batch of that many tokens, padding included, can take).
+    Multiples of plan.sp only (Ulysses splits the sequence); 0 if not even plan.sp tokens fit;
+    capped at `max_tokens`.
+    """
+    q = plan.sp
+
+    def fits(k: int) -> bool:
+        trial = dataclasses.replace(plan, micro_batch=1, seq_len=k * q)
+        return check_fit(shape, trial, budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes).fits
+
+    lo, hi = 0, max_tokens // q  # invariant: lo fits (or is 0), everything above hi is out of range
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * q
+
+
+_D = TypeVar("_D", PlanDecision, RolloutDecision)
+
+
+class _Selector(Generic[_D]):
+    """Hysteresis, versions and the once-per-design-length report of infeasibility, for both pools."""
+
+    pool: str
+
+    def __init__(self, budget: PoolBudget, thresholds: Thresholds | None, pool: str) -> None:
+        self.budget, self.thresholds, self.pool = budget, thresholds or Thresholds(), pool
+        self._current: _D | None = None
+        self._infeasible: Infeasible | None = None
+        self._last: tuple[int, int] | None = None  # (episodes total, step) of the last decision
+
+    @property
+    def current(self) -> _D | None:
+        return self._current
+
+    @property
+    def version(self) -> int:
+        return self._current.version if self._current else 0
+
+    def _plan(self, design: int, reason: str, step: int) -> _D | Infeasible:
+        raise NotImplementedError
+
+    def plan_for(self, design_seq_len: int, *, reason: str = "", step: int = 0) -> _D | Infeasible:
+        """What a decision for `design_seq_len` would be (as the next version); changes no state."""
+        return self._plan(design_seq_len, reason or f"plan for design length {design_seq_len}", step)
+
+    def initial(self, design_seq_len: int, *, step: int = 0) -> _D | Infeasible:
+        """Plan before any episode finished (e.g. for the prompt length the run starts with)."""
+        reason = f"initial plan for design length {design_seq_len} (no episodes yet)"
+        return self._adopt(self._plan(design_seq_len, reason, step), 0, step)
+
+    def decide(self, snapshot: ContextSnapshot, step: int = 0) -> _D | Infeasible | None:
+        """A new decision when the thresholds are crossed, Infeasible once per unreachable design
+        length (until a decision succeeds), otherwise None (keep the current plan)."""
+        hit = self._trigger(snapshot, step)
+        if hit is None:
+            return None
+        design, reason = hit
+        if self._infeasible is not None and self._infeasible.design_seq_len == design:
+            return None
+        return self._adopt(self._plan(design, reason, step), snapshot.total, step)
+
+    def restore(self, decision: _D) -> None:
+        """Continue from a persisted decision (e.g. after a supervisor restart)."""
+        self._current, self._infeasible, self._last = decision, None, None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pool": self.pool, "version": self.version,
+                "current": self._current.to_dict() if self._current else None,
+                "last_infeasible": self._infeasible.to_dict() if self._infeasible else None,
+                "thresholds": self.thresholds.to_dict(), "budget": self.budget.to_dict()}
+
+    def _trigger(self, snapshot: ContextSnapshot, step: int) -> tuple[int, str] | None:
+        th = self.thresholds
+        if snapshot.count < th.min_episodes:
+            return None
+        x, name = snapshot.value(th.percentile), th.percentile.value
+        target, shown = th.design_seq_len(x), f"{x:.1f}".removesuffix(".0")
+        if self._current is None:
+            return target, (f"first plan: {name} context {shown} over {snapshot.count} episodes "
+                            f"-> design length {target}")
+        d = self._current.design_seq_len
+        if x > th.upper_factor * d:
+            reason, urgent = f"{name} context {shown} > {th.upper_factor:g} x {d} design length", x > d
+        elif x < th.lower_factor * d:
+            reason, urgent = f"{name} context {shown} < {th.lower_factor:g} x {d} design length", False
+        else:
+            return None
+        if target == d:  # clamped by min/max_design_seq_len: nothing to change
+            return None
+        if self._last is not None and not urgent:
+            total, last_step = self._last
+            if snapshot.total - total < th.min_episodes_between or step - last_step < th.min_steps_between:
+                return None
+        return target, f"{reason} -> design length {target}"
+
+    def _adopt(self, result: _D | Infeasible, total: int, step: int) -> _D | Infeasible:
+        if isinstance(result, Infeasible):
+            self._infeasible = result
+            logger.warning("%s: no plan fits design length %d (%s): %s", self.pool, result.design_seq_len,
+                           result.reason, result.message)
+            return result
+        self._current, self._infeasible, self._last = result, None, (total, step)
+        logger.info("%s plan v%d at step %d: %s", self.pool, result.version, step, result.reason)
+        return result
+
+
+class TrainerSelector(_Selector[PlanDecision]):
+    """Chooses dp/tp/sp, FSDP, recomputation and the micro-batch token budget of a trainer pool.
+
+    `base` supplies what the selector does not choose (attention kind, precision, logit copies,
+    vocab-parallel logits, Megatron sequence parallelism when tp > 1, the optimizer's foreach mode).
+    `step_sequences` (episodes per training step) spreads the states sync of a plan over the
+    micro-batches of a step, counted as if every episode had the design length.
+    """
+
+    def __init__(self, shape: ModelShape, budget: PoolBudget, *, base: TrainPlan, thresholds: Thresholds | None = None,
+                 cost_model: StepCostModel | None = None, pool: str = "trainer",
+                 recomputes: Sequence[Recompute] = (Recompute.NONE, Recompute.FULL), allow_tp: bool = True,
+                 allow_sp: bool = True, allow_fsdp: bool = True, max_micro_batch_tokens: int = 1 << 16,
+                 step_sequences: int = 1) -> None:
+        super().__init__(budget, thresholds, pool)
+        if Recompute.SELECTIVE in recomputes or not recomputes:
+            raise ConfigError(f"recomputes={[r.value for r in recomputes]}: choose from none/full (selective "
+                              "recomputation of the attention core cannot run on Hugging Face models)")
+        if max_micro_batch_tokens < 1 or step_sequences < 1:
+            raise ConfigError(f"max_micro_batch_tokens={max_micro_batch_tokens} and step_sequences={step_sequences} "
+                              "must be >= 1")
+        self.shape, self.base = shape, base
+        self.cost_model = cost_model or StepCostModel()
+        self.recomputes = tuple(recomputes)
+        self.allow_tp, self.allow_sp, self.allow_fsdp = allow_tp, allow_sp, allow_fsdp
+        self.max_micro_batch_tokens, self.step_sequences = max_micro_batch_tokens, step_sequences
+
+    def layouts(self, design_seq_len: int) -> list[TrainPlan]:
+        """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence."""
+        n, h = self.budget.devices, self.shape.num_heads
+        pow2 = [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
+        out = []
+        for tp in pow2 if self.allow_tp else [1]:
+            for sp in [x for x in pow2 if (n // tp) % x == 0] if self.allow_sp else [1]:
+                if h % (tp * sp) or design_seq_len % sp:
+                    continue
+                dp = n // (tp * sp)
+                for fsdp in (False, True) if self.allow_fsdp and dp * sp > 1 else (False,):
+                    for rc in self.recomputes:
+                        out.append(dataclasses.replace(self.base, micro_batch=1, seq_len=design_seq_len, dp=dp, tp=tp,
+                                                       sp=sp, fsdp=fsdp, recompute=rc,
+                                                       sequence_parallel=self.base.sequence_parallel and tp > 1))
+        return out
+
+    def _plan(self, design: int, reason: str, step: int) -> PlanDecision | Infeasible:
+        cap = max(self.max_micro_batch_tokens, design)
+        ranked: list[tuple[RankedPlan, int]] = []  # with each plan's micro-batch token budget
+        for layout in self.layouts(design):
+            if not check_fit(self.shape, layout, self.budget.memory_bytes_per_device,
+                             reserve_bytes=self.budget.reserve_bytes).fits:
+                continue
+            tokens = micro_batch_tokens(self.shape, layout, self.budget, max_tokens=cap)
+            rep = dataclasses.replace(layout, micro_batch=max(1, tokens // design))
+            fit = check_fit(self.shape, rep, self.budget.memory_bytes_per_device,
+                            reserve_bytes=self.budget.reserve_bytes)
+            # states sync (FSDP gathers, DDP all-reduce) is paid once per step, over its micro-batches
+            acc = max(1, math.ceil(self.step_sequences / (rep.dp * rep.micro_batch)))
+            ranked.append((rank_plans(self.shape, [fit], self.cost_model, accumulation_steps=acc)[0], tokens))
+        if not ranked:
+            return Infeasible(self._infeasible_message(design), self.pool, design, reason, step)
+        # as rank_plans orders: fastest, then most headroom; then the earliest layout (least model parallelism)
+        best, tokens = min(ranked, key=lambda r: (-r[0].tokens_per_second, -r[0].check.headroom_bytes))
+        bound = dataclasses.replace(best.check.plan, micro_batch=1, seq_len=tokens)
+        peak = predict_train_memory(self.shape, bound).total_bytes
+        return PlanDecision(version=self.version + 1, pool=self.pool, plan=best.check.plan, micro_batch_tokens=tokens,
+                            design_seq_len=design, predicted_peak_bytes=peak,
+                            predicted_tokens_per_s=best.tokens_per_second, reason=reason, step=step)
+
+    def _infeasible_message(self, design: int) -> str:
+        plan = dataclasses.replace(self.base, micro_batch=1, seq_len=design, dp=self.budget.devices, tp=1, sp=1,
+                                   fsdp=False, recompute=self.recomputes[-1], sequence_parallel=False)
+        advice = advise(self.shape, plan, self.budget.memory_bytes_per_device, reserve_bytes=self.budget.reserve_bytes,
+                        recomputes=self.recomputes, allow_tp=self.allow_tp, allow_sp=self.allow_sp)
+        return f"{self.pool}: no plan fits one {design}-token sequence: {advice.message}"
+
+
+class RolloutSelector(_Selector[RolloutDecision]):
+    """Chooses an engine's concurrent sequences, KV budget and tensor-parallel size from the KV cache
+    model: per device, what the budget leaves after the weights holds the KV of the sequences."""
+
+    def __init__(self, shape: ModelShape, budget: PoolBudget, *, thresholds: Thresholds | None = None,
+                 pool: str = "rollout", dtype_bytes: int = 2, max_sequences: int = 0, allow_tp: bool = True) -> None:
+        super().__init__(budget, thresholds, pool)
+        if dtype_bytes < 1 or max_sequences < 0:
+            raise ConfigError(f"dtype_bytes={dtype_bytes} must be >= 1 and max_sequences={max_sequences} >= 0")
+        self.shape = shape
+        self.dtype_bytes, self.max_sequences, self.allow_tp = dtype_bytes, max_sequences, allow_tp
+
+    def kv_capacity_tokens(self, tp: int = 1) -> int:
+        """Tokens of KV cache one engine of `tp` devices can hold within the budget (0 if none)."""
+        free = (self.budget.memory_bytes_per_device - self.budget.reserve_bytes
+                - predict_rollout_bytes(self.shape, 0, dtype_bytes=self.dtype_bytes, tp=tp))
+        per_token = predict_kv_cache_bytes(self.shape, 1, dtype_bytes=self.dtype_bytes, tp=tp)
+        return max(0, free // per_token)
+
+    def _plan(self, design: int, reason: str, step: int) -> RolloutDecision | Infeasible:
+        n = self.budget.devices
+        options = []  # (sequences per engine, tp), smallest tp first
+        for tp in [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0] if self.allow_tp else [1]:
+            seqs = self.kv_capacity_tokens(tp) // design if self.shape.num_heads % tp == 0 else 0
+            seqs = min(seqs, self.max_sequences) if self.max_sequences else seqs
+            if seqs >= 1:
+                options.append((seqs, tp))
+        if not options:
+            return Infeasible(self._infeasible_message(design), self.pool, design, reason, step)
+        # A bigger engine pays communication and gives up replicas: take it only for a clear gain
+        # in sequences held across all engines.
+        most = max(seqs * (n // tp) for seqs, tp in options)
+        seqs, tp = next((s, t) for s, t in options if s * (n // t) * _TP_GAIN >= most)
+        kv_tokens = self.kv_capacity_tokens(tp)
+        peak = predict_rollout_bytes(self.shape, kv_tokens, dtype_bytes=self.dtype_bytes, tp=tp)
+        return RolloutDecision(version=self.version + 1, max_concurrent_sequences=seqs, kv_budget_tokens=kv_tokens,
+                               design_seq_len=design, reason=reason, engine_tp=tp, replicas=n // tp,
+                               predicted_peak_bytes=peak, pool=self.pool, step=step)
+
+    def _infeasible_message(self, design: int) -> str:
+        def need(tp: int) -> int:
+            return self.budget.reserve_bytes + predict_rollout_bytes(self.shape, design, dtype_bytes=self.dtype_bytes,
+                                                                     tp=tp)
+
+        fits_tp = [tp for tp in (1 << i for i in range(1, 11))
+                   if self.shape.num_heads % tp == 0 and need(tp) <= self.budget.memory_bytes_per_device]
+        more = f", or an engine tensor-parallel size of >= {fits_tp[0]} devices" if fits_tp else ""
+        return (f"{self.pool}: one {design}-token sequence does not fit an engine of {self.budget.devices} device(s) "
+                f"with {self.budget.memory_bytes_per_device / MIB:.1f} MiB each: weights + its KV cache + reserve "
+                f"need {need(1) / MIB:.1f} MiB ({need(1) / GIB:.3f} GiB) per device on one device{more}")

@@ -1,0 +1,280 @@
+"""The parallelism selector: re-plans as contexts grow, hysteresis, plans that fit, infeasible budgets,
+rollout capacity, serialisation and determinism."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+from collections.abc import Iterable
+
+import pytest
+
+from earl_stream.errors import ConfigError
+from earl_stream.supervisor.context_stats import ContextStats, Percentile
+from earl_stream.supervisor.memory_model import (
+    Attention,
+    ModelShape,
+    Precision,
+    Recompute,
+    TrainPlan,
+    advise,
+    check_fit,
+    predict_train_memory,
+)
+from earl_stream.supervisor.selector import (
+    MIB,
+    Infeasible,
+    PlanDecision,
+    PoolBudget,
+    RolloutDecision,
+    RolloutSelector,
+    Thresholds,
+    TrainerSelector,
+    micro_batch_tokens,
+)
+
+# The embedded default model's shape (Qwen2, h128, 4 layers, vocab 512, tied embeddings).
+TINY = {"model_type": "qwen2", "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": True}
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
+EAGER = TrainPlan(1, 1, attention=Attention.EAGER)
+FAST = Thresholds(min_episodes=8, min_episodes_between=32)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelShape:
+    return ModelShape.from_hf(TINY)
+
+
+def feed(selector: TrainerSelector | RolloutSelector, lengths: Iterable[int], window: int = 64,
+         stats: ContextStats | None = None) -> list[PlanDecision | RolloutDecision | Infeasible]:
+    """One episode per step; every decision the selector makes along the way."""
+    stats = ContextStats(window) if stats is None else stats
+    out = []
+    for n in lengths:
+        stats.add(n)
+        d = selector.decide(stats.snapshot(), step=stats.total)
+        if d is not None:
+            out.append(d)
+    return out
+
+
+def growing(start: int, end: int, episodes: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [int(start * (end / start) ** (i / episodes) * rng.uniform(0.85, 1.0)) for i in range(episodes)]
+
+
+def assert_fits(shape: ModelShape, d: PlanDecision, budget: PoolBudget) -> None:
+    """The representative plan and the worst micro-batch of its token budget both fit; one more
+    Ulysses quantum of tokens would not (the budget is the largest that fits, or the cap)."""
+    kw = dict(reserve_bytes=budget.reserve_bytes)
+    assert check_fit(shape, d.plan, budget.memory_bytes_per_device, **kw).fits
+    bound = dataclasses.replace(d.plan, micro_batch=1, seq_len=d.micro_batch_tokens)
+    assert check_fit(shape, bound, budget.memory_bytes_per_device, **kw).fits
+    assert predict_train_memory(shape, bound).total_bytes == d.predicted_peak_bytes
+    assert d.plan.devices == budget.devices and d.plan.recompute is not Recompute.SELECTIVE
+    assert d.design_seq_len <= d.micro_batch_tokens and d.plan.seq_len == d.design_seq_len
+    assert d.plan.micro_batch == d.micro_batch_tokens // d.design_seq_len
+
+
+def test_growing_context_replans_up_with_reasons(tiny: ModelShape) -> None:
+    budget = PoolBudget(devices=2, memory_bytes_per_device=2000 * MIB, reserve_bytes=50 * MIB)
+    sel = TrainerSelector(tiny, budget, base=EAGER, thresholds=FAST)
+    decisions = feed(sel, growing(512, 4096, 600))
+    assert all(isinstance(d, PlanDecision) for d in decisions)
+    plans = [d for d in decisions if isinstance(d, PlanDecision)]
+    assert [d.version for d in plans] == list(range(1, len(plans) + 1))
+    designs = [d.design_seq_len for d in plans]
+    assert designs == sorted(designs) and designs[0] == 1024 and designs[-1] == 8192 and len(set(designs)) == 4
+    assert plans[0].reason.startswith("first plan: p99 context")
+    for prev, d in zip(plans, plans[1:]):
+        assert f"> 0.9 x {prev.design_seq_len} design length -> design length {d.design_seq_len}" in d.reason
+        assert d.reason.startswith("p99 context ")
+    for d in plans:
+        assert_fits(tiny, d, budget)
+    # Memory pressure moves the plan: recomputation or model parallelism appears at the long end.
+    last = plans[-1].plan
+    assert last.recompute is Recompute.FULL or last.sp > 1 or last.tp > 1
+    assert plans[0].plan.recompute is Recompute.NONE
+    assert sel.current is plans[-1] and sel.version == len(plans)
+
+
+def test_noise_around_a_threshold_does_not_flap(tiny: ModelShape) -> None:
+    budget = PoolBudget(1, 4096 * MIB)
+    sel = TrainerSelector(tiny, budget, base=EAGER, thresholds=Thresholds(min_episodes=8, min_episodes_between=0))
+    first = sel.initial(2048)
+    assert isinstance(first, PlanDecision) and first.version == 1
+    rng = random.Random(3)
+    # p99 straddles 0.9 x 2048 = 1843: one re-plan up, then it sits inside the new band for good.
+    decisions = feed(sel, [int(1843 * rng.uniform(0.9, 1.08)) for _ in range(2000)])
+    assert len(decisions) == 1 and decisions[0].design_seq_len == 4096
+    # Noise straddling 0.4 x 4096 = 1638 with p99 above it (the window's top keeps p99 high): stays.
+    decisions = feed(sel, [int(1638 * rng.uniform(0.8, 1.12)) for _ in range(2000)])
+    assert decisions == []
+    assert sel.version == 2
+
+
+def test_shrinking_context_replans_down_only_below_the_lower_factor(tiny: ModelShape) -> None:
+    budget = PoolBudget(2, 2048 * MIB)
+    th = Thresholds(min_episodes=8, min_episodes_between=200)
+    sel = TrainerSelector(tiny, budget, base=EAGER, thresholds=th)
+    assert isinstance(sel.initial(4096), PlanDecision)
+    stats = ContextStats(32)
+    assert feed(sel, [1700] * 500, stats=stats) == []  # 1700 > 0.4 x 4096 = 1638: keep the big plan
+    down = feed(sel, [1000] * 300, stats=stats)
+    assert len(down) == 1
+    d = down[0]
+    assert isinstance(d, PlanDecision) and d.design_seq_len == 2048 and d.version == 2
+    assert re.fullmatch(r"p99 context 1\d\d\d(\.\d)? < 0.4 x 4096 design length -> design length 2048", d.reason)
+    # The drop is seen once p99 of the turning window falls below 1638; the cool-down had passed.
+    assert 500 < d.step <= 500 + 32
+
+
+def test_cool_down_delays_replans_unless_the_design_length_is_exceeded(tiny: ModelShape) -> None:
+    budget = PoolBudget(1, 4096 * MIB)
+    sel = TrainerSelector(tiny, budget, base=EAGER, thresholds=Thresholds(min_episodes=8, min_episodes_between=100))
+    assert isinstance(sel.initial(1024), PlanDecision)  # at step 0, episode total 0
+    stats = ContextStats(16)
+    up = feed(sel, [950] * 120, stats=stats)  # 950 > 0.9 x 1024 but < 1024: waits for the cool-down
+    assert len(up) == 1 and up[0].step == 100 and up[0].design_seq_len == 2048
+    # Past the 2048 design length: at once (p99 of 16 crosses 2048 with the second long episode).
+    urgent = feed(sel, [2100] * 20, stats=stats)
+    assert len(urgent) == 1 and urgent[0].step == 122 and urgent[0].design_seq_len == 4096
+    assert "p99 context 2100 > 0.9 x 2048" in urgent[0].reason
+
+
+def test_max_percentile_and_clamped_design(tiny: ModelShape) -> None:
+    th = Thresholds(percentile=Percentile.MAX, min_episodes=1, min_episodes_between=0, max_design_seq_len=2048)
+    sel = TrainerSelector(tiny, PoolBudget(1, 4096 * MIB), base=EAGER, thresholds=th)
+    d = feed(sel, [100] * 10 + [1500])
+    assert [x.design_seq_len for x in d] == [256, 2048]
+    assert d[1].reason.startswith("max context 1500 > 0.9 x 256")
+    assert feed(sel, [3000] * 5) == []  # already at the clamp: nothing to change
+
+
+def test_infeasible_budget_reports_what_would_be_needed(tiny: ModelShape) -> None:
+    budget = PoolBudget(1, 200 * MIB, reserve_bytes=16 * MIB)
+    sel = TrainerSelector(tiny, budget, base=EAGER, thresholds=FAST)
+    bad = sel.initial(2048)
+    assert isinstance(bad, Infeasible) and sel.current is None
+    expect = advise(tiny, dataclasses.replace(EAGER, seq_len=2048, recompute=Recompute.FULL),
+                    budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes,
+                    recomputes=(Recompute.NONE, Recompute.FULL))
+    assert expect.message in bad.message and "nothing fits on 1 device(s)" in bad.message
+    assert "needs >= 2 devices (e.g. dp=1 tp=1 sp=2" in bad.message and "or a budget of >= 0.24 GiB" in bad.message
+    assert bad.to_dict()["infeasible"] is True and bad.design_seq_len == 2048
+    # During a run: reported once per unreachable design length, the current plan stays.
+    assert isinstance(sel.initial(1024), PlanDecision)
+    out = feed(sel, [1500] * 50)
+    assert len(out) == 1 and isinstance(out[0], Infeasible) and out[0].design_seq_len == 2048
+    assert "p99 context 1500 > 0.9 x 1024" in out[0].reason
+    assert sel.version == 1 and sel.to_dict()["last_infeasible"]["design_seq_len"] == 2048
+
+
+def test_micro_batch_tokens_is_the_largest_budget_that_fits(tiny: ModelShape) -> None:
+    budget = PoolBudget(1, 700 * MIB, reserve_bytes=20 * MIB)
+    for plan in (EAGER, dataclasses.replace(EAGER, recompute=Recompute.FULL), dataclasses.replace(EAGER, sp=4)):
+        tokens = micro_batch_tokens(tiny, plan, budget)
+        assert tokens > 0 and tokens % plan.sp == 0
+
+        def fits(n: int, plan: TrainPlan = plan) -> bool:
+            p = dataclasses.replace(plan, micro_batch=1, seq_len=n)
+            return check_fit(tiny, p, budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes).fits
+
+        assert fits(tokens) and not fits(tokens + plan.sp)
+    assert micro_batch_tokens(tiny, EAGER, PoolBudget(1, 4096 * MIB), max_tokens=1000) == 1000
+    assert micro_batch_tokens(tiny, EAGER, PoolBudget(1, 1 * MIB)) == 0
+
+
+def test_llama8b_on_eight_gpus_from_4k_to_32k() -> None:
+    shape = ModelShape.from_hf(LLAMA_8B)
+    budget = PoolBudget(8, 80 << 30, reserve_bytes=6 << 30)
+    base = TrainPlan(1, 1, precision=Precision.MIXED_BF16, attention=Attention.FLASH)
+    sel = TrainerSelector(shape, budget, base=base, thresholds=FAST, step_sequences=64)
+    plans = [d for d in feed(sel, growing(3000, 26000, 400, seed=5)) if isinstance(d, PlanDecision)]
+    assert [d.design_seq_len for d in plans] == [4096, 8192, 16384, 32768]
+    for d in plans:
+        assert_fits(shape, d, budget)
+    # Fully sharded data parallel first; sequence parallelism takes over as contexts grow (EARL's story).
+    assert plans[0].plan.dp == 8 and plans[0].plan.fsdp
+    sps = [d.plan.sp for d in plans]
+    assert sps == sorted(sps) and sps[-1] > 1
+    speeds = [d.predicted_tokens_per_s for d in plans]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_rollout_selector_lowers_concurrency_as_contexts_grow(tiny: ModelShape) -> None:
+    budget = PoolBudget(1, 64 * MIB, reserve_bytes=8 * MIB)
+    sel = RolloutSelector(tiny, budget, thresholds=FAST, dtype_bytes=4)
+    decisions = [d for d in feed(sel, growing(512, 4096, 600)) if isinstance(d, RolloutDecision)]
+    assert [d.design_seq_len for d in decisions] == [1024, 2048, 4096, 8192]
+    conc = [d.max_concurrent_sequences for d in decisions]
+    assert conc == sorted(conc, reverse=True) and conc[0] > conc[-1] >= 1
+    per_token = 2 * tiny.num_layers * tiny.num_kv_heads * tiny.head_dim * 4
+    for d in decisions:
+        assert d.max_concurrent_sequences * d.design_seq_len <= d.kv_budget_tokens
+        assert d.kv_budget_tokens == sel.kv_capacity_tokens()
+        assert d.predicted_peak_bytes + budget.reserve_bytes <= budget.memory_bytes_per_device
+        assert d.max_concurrent_sequences == d.kv_budget_tokens // d.design_seq_len
+        assert (d.kv_budget_tokens + 1) * per_token > budget.memory_bytes_per_device - budget.reserve_bytes - (
+            tiny.num_params() * 4)
+    capped = RolloutSelector(tiny, budget, dtype_bytes=4, max_sequences=3).plan_for(1024)
+    assert isinstance(capped, RolloutDecision) and capped.max_concurrent_sequences == 3
+
+
+def test_rollout_infeasible_and_engine_tensor_parallelism() -> None:
+    shape = ModelShape.from_hf(LLAMA_8B)
+    one = RolloutSelector(shape, PoolBudget(1, 18 << 30), dtype_bytes=2).initial(32768)
+    assert isinstance(one, Infeasible)
+    assert "one 32768-token sequence does not fit" in one.message and "tensor-parallel size of >= 2" in one.message
+    # With 4 devices the KV of long sequences fits once heads are split; the engine size chosen
+    # holds (within 10%, else the smaller engine) the most sequences over all engines: weights
+    # replicated per engine cost KV room.
+    sel = RolloutSelector(shape, PoolBudget(4, 18 << 30), dtype_bytes=2)
+    four = sel.initial(32768)
+    assert isinstance(four, RolloutDecision) and four.engine_tp >= 2 and four.replicas == 4 // four.engine_tp
+    totals = {tp: (4 // tp) * (sel.kv_capacity_tokens(tp) // 32768) for tp in (1, 2, 4)}
+    assert four.replicas * four.max_concurrent_sequences * 1.1 >= max(totals.values())
+    assert all(totals[tp] * 1.1 < max(totals.values()) for tp in totals if tp < four.engine_tp)
+    # A small model's weights cost little: one engine per device holds more sequences in all.
+    tiny = RolloutSelector(ModelShape.from_hf(TINY), PoolBudget(4, 64 * MIB), dtype_bytes=4).initial(1024)
+    assert isinstance(tiny, RolloutDecision) and tiny.engine_tp == 1 and tiny.replicas == 4
+    one_dev = RolloutSelector(ModelShape.from_hf(TINY), PoolBudget(4, 64 * MIB), dtype_bytes=4, allow_tp=False)
+    assert one_dev.plan_for(1024, reason=tiny.reason) == tiny
+
+
+def test_decisions_serialise_and_are_deterministic(tiny: ModelShape) -> None:
+    budget = PoolBudget(4, 900 * MIB, reserve_bytes=30 * MIB)
+    runs = []
+    for _ in range(2):
+        sel = TrainerSelector(tiny, budget, base=EAGER, thresholds=FAST)
+        runs.append([d.to_dict() for d in feed(sel, growing(400, 3000, 300, seed=9))])
+    assert runs[0] == runs[1] and len(runs[0]) >= 3
+    for d in runs[0]:
+        again = PlanDecision.from_dict(json.loads(json.dumps(d)))
+        assert again.to_dict() == d
+    json.dumps(sel.to_dict())
+    restored = TrainerSelector(tiny, budget, base=EAGER, thresholds=FAST)
+    restored.restore(PlanDecision.from_dict(runs[0][-1]))
+    assert restored.version == len(runs[0])
+    rd = RolloutSelector(tiny, PoolBudget(1, 64 * MIB)).plan_for(1024)
+    assert isinstance(rd, RolloutDecision) and RolloutDecision.from_dict(json.loads(json.dumps(rd.to_dict()))) == rd
+
+
+def test_bad_thresholds_and_budgets_are_refused(tiny: ModelShape) -> None:
+    with pytest.raises(ConfigError, match="re-plans down at once"):
+        Thresholds(lower_factor=0.45)
+    with pytest.raises(ConfigError, match="re-plans up at once"):
+        Thresholds(upper_factor=0.7)
+    with pytest.raises(ConfigError, match="lower_factor"):
+        Thresholds(lower_factor=0.95)
+    assert Thresholds(percentile="max").percentile is Percentile.MAX  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="choose one of"):
+        Thresholds(percentile="p95")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="devices"):
+        PoolBudget(0, 1 << 30)
+    with pytest.raises(ConfigError, match="selective"):
+        TrainerSelector(tiny, PoolBudget(1, 1 << 30), base=EAGER, recomputes=(Recompute.SELECTIVE,))
