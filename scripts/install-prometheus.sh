@@ -29,8 +29,9 @@ else
 fi
 
 echo "install-prometheus: installing Debian's prometheus package (~330 MB)"
-export DEBIAN_FRONTEND=noninteractive
-if "${SUDO[@]}" sh -c 'apt-get update && apt-get install -y --no-install-recommends prometheus'; then
+# DEBIAN_FRONTEND inside the command: sudo does not pass the caller's environment on.
+if ${SUDO[@]+"${SUDO[@]}"} sh -c 'apt-get update &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus'; then
     echo "install-prometheus: installed $(command -v prometheus || echo /usr/bin/prometheus)"
 else
     echo "install-prometheus: apt-get failed (exit $?); the Prometheus test will skip"

@@ -119,7 +119,9 @@ def test_prometheus_scrapes_every_role(prometheus_binary: str, tmp_path: Path, t
         targets = up.wait_for_roles(ROLES, timeout_s=60)
         config = _config(up.targets_file, tmp_path / "prometheus.yml")
         with Prometheus(prometheus_binary, config, tmp_path) as prom:
-            logs = lambda: prom.log_tail() + "\n--- up ---\n" + up.log_tail()  # noqa: E731
+            def logs() -> str:
+                return f"--- prometheus ---\n{prom.log_tail()}\n--- up ---\n{up.log_tail()}"
+
             _poll("prometheus to be ready", prom.ready, 30, logs)
 
             def all_up() -> dict[str, str]:
@@ -138,8 +140,8 @@ def test_prometheus_scrapes_every_role(prometheus_binary: str, tmp_path: Path, t
                     assert all(r["metric"]["job"] == "earl_stream" and r["metric"]["instance_name"] for r in result)
 
             # Values make sense, not only names: two live rollout workers, tokens flowing, training advancing.
-            alive = _query(prom.base, 'earl_workers{role="supervisor", pool="rollout", health="alive"}')
-            assert [float(r["value"][1]) for r in alive] == [2.0]
+            _poll("the supervisor to count 2 live rollout workers", lambda: _query(
+                prom.base, 'earl_workers{role="supervisor", pool="rollout", health="alive"} == 2'), 20, logs)
             _poll("a positive rollout token rate", lambda: _query(
                 prom.base, 'sum(rate(earl_rollout_tokens_total[5s])) > 0'), 20, logs)
             _poll("trainer steps > 1", lambda: _query(prom.base, 'sum(earl_trainer_steps_total) > 1'), 20, logs)
