@@ -89,6 +89,22 @@ class SupervisorConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SelectorConfig:
+    enabled: bool = _f(True, "reselect pool plans from observed context-length percentiles")
+    context_window: int = _f(512, "episodes in the sliding window of context-length percentiles", minimum=16)
+    percentile: str = _f("p99", "statistic that drives re-plans", choices=("p50", "p90", "p99", "max"))
+    upper_factor: float = _f(0.9, "re-plan up when the percentile exceeds this x the plan's design length", minimum=0)
+    lower_factor: float = _f(0.4, "re-plan down when the percentile falls below this x the design length", minimum=0)
+    headroom: float = _f(1.25, "a new plan's design length is the next power of two >= headroom x percentile", minimum=1)
+    min_episodes_between: int = _f(64, "episodes between re-plans (a percentile past the design length skips it)",
+                                   minimum=0)
+    initial_seq_len: int = _f(256, "design length of the plan adopted before any episode finishes", minimum=16)
+    trainer_memory_bytes: int = _f(0, "per-rank memory budget; 0 = this machine's RAM / 4", minimum=0)
+    reserve_bytes: int = _f(1 << 30, "memory kept free for what the model does not count (runtime, allocator)",
+                            minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     steps: int = _f(0, "training steps; 0 = run until stopped", minimum=0)
     seed: int = _f(0, "seed of prompts, sampling and initialisation")
@@ -99,6 +115,7 @@ class RunConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
+    selector: SelectorConfig = dataclasses.field(default_factory=SelectorConfig)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,7 +274,7 @@ def _convert(hint: Any, value: Any, name: str, meta: Any, errors: list[str]) -> 
             value = hint(value)
         except ValueError:
             pass
-    ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if hint is str and value is None:

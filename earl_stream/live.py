@@ -29,7 +29,14 @@ def status_line(s: dict[str, Any], steps: int) -> str:
             f"| win {_fmt(s.get('win_rate_last'), '.2f')} draw {_fmt(s.get('draw_rate_last'), '.2f')} "
             f"| {s.get('tokens_per_second', 0):.0f} tok/s | store {s.get('samples_in_store', 0)} samples "
             f"| ctx p50 {_fmt(ctx.get('p50'), '.0f')} p99 {_fmt(ctx.get('p99'), '.0f')} "
-            f"| rollout workers {alive} | trained {s.get('samples_consumed', 0)} lost {s.get('samples_lost', 0)}")
+            f"| plan v{(s.get('plans') or {}).get('trainer', {}) and s['plans']['trainer']['version'] or '-'}"
+            f" ({_design(s)}) | rollout workers {alive} | trained {s.get('samples_consumed', 0)} "
+            f"lost {s.get('samples_lost', 0)}")
+
+
+def _design(s: dict[str, Any]) -> str:
+    plan = (s.get("plans") or {}).get("trainer")
+    return f"{plan['design_seq_len']} tok, mb {plan['micro_batch_tokens']}" if plan else "selector off"
 
 
 class LiveView:

@@ -50,6 +50,8 @@ SUP_REWARD = Gauge("earl_reward_mean", "Mean episode reward over the statistics 
 SUP_CONTEXT = Gauge("earl_context_length_tokens", "Episode context length percentiles over the window", ["quantile"])
 SUP_PLAN_VERSION = Gauge("earl_plan_version", "Version of the pool's current parallelism plan (changes mark plan changes)",
                          ["pool"])
+SUP_PLAN_DESIGN_LENGTH = Gauge("earl_plan_design_length_tokens", "Context length the pool's current plan is sized for",
+                               ["pool"])
 SUP_MEMORY_PREDICTED = Gauge("earl_memory_predicted_bytes", "Peak bytes per device the memory model predicts for the pool's plan",
                              ["pool"])
 

@@ -68,6 +68,7 @@ class HeartbeatReply(Msg, tag="heartbeat_reply"):
     known: bool = True  # False: the supervisor does not know this worker; register again
     envs_version: int = 0
     envs_json: str = ""  # the environment set, sent only when the worker's is older
+    plan_json: str = ""  # the rollout pool's current plan (RolloutDecision.to_dict)
 
 
 class RecentEpisodes(Msg, tag="recent_episodes"):
@@ -135,6 +136,7 @@ class Claimed(Msg, tag="claimed"):
     step: int = 0
     ready: bool = False
     table_ipc: bytes = b""
+    plan_json: str = ""  # the trainer pool's plan for this step (PlanDecision.to_dict), "" = keep yours
 
 
 class Release(Msg, tag="release"):

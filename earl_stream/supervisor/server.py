@@ -25,6 +25,7 @@ from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
 from earl_stream.errors import ConfigError, ProtocolError
 from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
+from earl_stream.supervisor.planning import Planner
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.security import sign, verify
 from earl_stream.supervisor.ledger import Ledger, outcome_of
@@ -70,6 +71,7 @@ class Supervisor:
         self.config_json = config_to_json(cfg)
         t = cfg.trainer
         self.envs = EnvRegistry(cfg.envs)
+        self.planner = Planner(cfg)
         self.env_episodes: dict[str, int] = {}
         self.ledger = Ledger(self.envs.usable_specs(), seed=cfg.seed, group_size=t.group_size, groups_per_step=t.groups_per_step,
                              max_staleness=t.max_staleness)
@@ -126,7 +128,7 @@ class Supervisor:
         envs_json = self.envs.specs_json() if msg.envs_version < self.envs.version else ""
         return P.HeartbeatReply(policy_version=self.policy_version, weights_address=self.weights_address,
                                 stop=self.finished, free_sample_ids=free, envs_version=self.envs.version,
-                                envs_json=envs_json)
+                                envs_json=envs_json, plan_json=self.planner.rollout_plan_json())
 
     def _on_requestprompts(self, msg: P.RequestPrompts, now: float) -> P.Msg:
         if self.finished or msg.worker_id not in self.workers:
@@ -136,6 +138,7 @@ class Supervisor:
     def _on_putmeta(self, msg: P.PutMeta, now: float) -> P.Msg:
         self.ledger.add_rows(msg.worker_id, msg.rows)
         self.ledger.fail_groups(msg.failed_groups)
+        self.planner.add(msg.rows)
         for row in msg.rows:
             self.rows_seen += 1
             self.recent_rows.append((self.rows_seen, row))
@@ -144,9 +147,13 @@ class Supervisor:
         return P.Ack()
 
     def _on_claim(self, msg: P.Claim, now: float) -> P.Msg:
+        first = msg.step not in self.ledger.claims
         ipc, stale = self.ledger.claim(msg.step, msg.num_groups, msg.min_policy_version)
         self._queue_free(stale)
-        return P.Claimed(step=msg.step, ready=ipc is not None, table_ipc=ipc or b"")
+        if ipc is not None and first:
+            self.planner.on_step(msg.step)  # a step boundary: the pools may adopt a new plan here
+        return P.Claimed(step=msg.step, ready=ipc is not None, table_ipc=ipc or b"",
+                         plan_json=self.planner.trainer_plan_json() if ipc is not None else "")
 
     def _on_release(self, msg: P.Release, now: float) -> P.Msg:
         self._queue_free(self.ledger.release(msg.step, msg.lost_sample_ids))
@@ -266,6 +273,7 @@ class Supervisor:
             "draw_rate_last": outcomes.count("draw") / len(outcomes) if outcomes else None,
             "tokens_per_second": c.tokens_produced / wall,
             "context_length": pct,
+            "plans": self.planner.status(),
             "envs": {e["name"]: {**e, **({"episodes_window": per_env[e["name"]]["episodes"],
                                           "mean_reward": per_env[e["name"]]["reward_sum"] / per_env[e["name"]]["episodes"],
                                           "mean_context_tokens": per_env[e["name"]]["tokens_sum"] / per_env[e["name"]]["episodes"]}

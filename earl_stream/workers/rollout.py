@@ -36,7 +36,7 @@ from earl_stream.store.weights import pull_weights
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
 from earl_stream.workers.common import StopFlag, model_path, register
 from earl_stream.workers.engines.batcher import AsyncBatcher
-from earl_stream.workers.engines.base import Engine
+from earl_stream.workers.engines.base import Engine, EngineCapacity
 from earl_stream.workers.engines.registry import make_engine
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class RolloutWorker:
         self.chat = ChatFormat(self.tokenizer)
         self.envs = {e.display_name: e for e in self.cfg.envs}
         self.envs_version = 0
+        self.plan_version = 0
         self.transcripts: deque[str] = deque()
         self.env_errors: dict[str, str] = {}
         self.episodes_done = 0
@@ -128,6 +129,8 @@ class RolloutWorker:
                                                  metrics_address=self.metrics_address, worker_id=self.worker_id)
                 self.worker_id = reg.worker_id
                 continue
+            if reply.plan_json:
+                await self._apply_plan(reply.plan_json)
             if reply.envs_json:
                 await asyncio.to_thread(self._update_envs, reply.envs_json, reply.envs_version)
             if reply.free_sample_ids:
@@ -139,6 +142,16 @@ class RolloutWorker:
                 await self._load_weights(reply.policy_version, reply.weights_address)
             M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
             await asyncio.sleep(period)
+
+    async def _apply_plan(self, plan_json: str) -> None:
+        plan = json.loads(plan_json)
+        if plan["version"] == self.plan_version:
+            return
+        self.plan_version = plan["version"]
+        capacity = EngineCapacity(int(plan["max_concurrent_sequences"]), int(plan["kv_budget_tokens"]))
+        await self.batcher.run_exclusive(lambda: self.engine.set_capacity(capacity))
+        log.info("adopted rollout plan v%d: %d concurrent sequences, KV budget %d tokens (%s)", self.plan_version,
+                 capacity.max_concurrent_sequences, capacity.kv_budget_tokens, plan["reason"])
 
     def _keep_transcripts(self, records: list[SampleRecord]) -> None:
         """Readable transcripts of the last episodes, for `earl-stream episodes` (bounded)."""

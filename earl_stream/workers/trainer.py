@@ -8,6 +8,8 @@ The loop reads top to bottom in `TrainerRank.run`; the math lives in `earl_strea
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import threading
@@ -64,6 +66,8 @@ class TrainerRank:
                 self.dispatcher = start_dispatcher_process(host, secret=secret)
             address = _broadcast_str(self.dispatcher.address if self.dispatcher else "", world_size)
             self.store_client = CentralClient(self.store_client, address)
+        self.step_cfg = self.cfg.trainer  # the trainer knobs a plan may change at a step boundary
+        self.plan_version = 0
         self.version = self._resume(reg.policy_version)
         self.published_version = -1
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
@@ -81,7 +85,7 @@ class TrainerRank:
                 break
             if isinstance(self.store_client, CentralClient):
                 self.store_client.set_step(step, metas)
-            result = train_step(self.model, self.optimizer, metas, self.layout, self.store_client, t,
+            result = train_step(self.model, self.optimizer, metas, self.layout, self.store_client, self.step_cfg,
                                 ref_model=self.ref_model, rank=self.rank)
             step += 1
             self.version = step
@@ -108,6 +112,7 @@ class TrainerRank:
         while not self.stop:
             reply = self.client.call_retry(msg, deadline_s=t.claim_timeout_s, what=f"claim of step {step}")
             if reply.ready:
+                self._apply_plan(reply.plan_json, step)
                 return table_to_metas(table_from_ipc(reply.table_ipc))
             if time.monotonic() > deadline:
                 raise ControlPlaneTimeout(f"step {step}: fewer than {t.groups_per_step} complete prompt groups "
@@ -115,6 +120,26 @@ class TrainerRank:
                                           "are rollout workers running?")
             self.stop.wait(0.02)
         return None
+
+    def _apply_plan(self, plan_json: str, step: int) -> None:
+        """Adopt the selector's plan at this step boundary: micro-batch token budget and recomputation.
+
+        The math does not change (the loss is normalised by the claim's token count), only how the
+        step is cut into micro-batches and what is kept for the backward pass.
+        """
+        if not plan_json:
+            return
+        plan = json.loads(plan_json)
+        if plan["version"] == self.plan_version:
+            return
+        self.plan_version = plan["version"]
+        self.step_cfg = dataclasses.replace(self.step_cfg, micro_batch_tokens=int(plan["rank_micro_batch_tokens"]))
+        if plan["plan"]["recompute"] == "full":
+            self.model.gradient_checkpointing_enable()
+        else:
+            self.model.gradient_checkpointing_disable()
+        log.info("step %d: adopted trainer plan v%d: micro-batch %d tokens, recompute %s (%s)", step,
+                 self.plan_version, self.step_cfg.micro_batch_tokens, plan["plan"]["recompute"], plan["reason"])
 
     def _publish(self, version: int, metrics: dict[str, float]) -> None:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
