@@ -24,6 +24,8 @@ test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
+	$(PY) bench/dispatch.py --json bench/results/dispatch.json
+	$(PY) bench/memory_model.py --json bench/results/memory_model.json
 	$(PY) bench/learning.py --json bench/results/learning.json
 
 clean-venv:

@@ -30,7 +30,8 @@ def _f(default: Any, help: str, *, choices: tuple[Any, ...] = (), minimum: float
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     path: str = _f("", "directory of a Hugging Face causal LM + tokenizer; empty = the embedded tiny model")
-    warm_start_seconds: float = _f(90.0, "supervised warm start of the embedded model (built once)", minimum=0)
+    warm_start_steps: int = _f(450, "supervised warm-start steps of the embedded model (built once)", minimum=0)
+    warm_start_seconds: float = _f(900.0, "upper bound on the warm start's wall time", minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)

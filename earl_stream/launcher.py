@@ -33,7 +33,9 @@ def prepare(cfg: RunConfig) -> tuple[RunConfig, Path]:
         from earl_stream.modeling import ensure_default_model
 
         log.info("preparing the embedded tiny model (built once, then cached)")
-        cfg = replace(cfg, f"model.path={ensure_default_model(warm_start_seconds=cfg.model.warm_start_seconds)}")
+        model_dir = ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
+                                         warm_start_seconds=cfg.model.warm_start_seconds)
+        cfg = replace(cfg, f"model.path={model_dir}")
     path = run_dir / "config.yaml"
     path.write_text(config_to_yaml(cfg))
     return cfg, path

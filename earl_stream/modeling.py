@@ -67,7 +67,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )
 
-DEFAULT_MODEL_NAME = "tictactoe-warm-v1"
+DEFAULT_MODEL_NAME = "tictactoe-warm-v2"
 _TICTACTOE_PROMPT = "Play Tic-Tac-Toe as X. Reply with the number of an empty cell."
 # Copied from transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX (5.19).
 _QWEN2_PRETOKENIZE_REGEX = (
@@ -163,13 +163,18 @@ def init_model(
     intermediate_size: int = 512,
     vocab_size: int = 512,
     seed: int = 0,
-    initializer_range: float = 0.02,
+    initializer_range: float = 0.1,
 ) -> Path:
     """Write a randomly initialised Qwen2 causal LM and its tokenizer to `out_dir`; return the path.
 
     The tokenizer is a byte-level BPE (`vocab_size` entries incl. 6 special tokens) in which every
     digit is its own token. Weights are float32, untied embeddings; the same `seed` gives the same
     bytes on disk. The defaults give ~1.1M parameters.
+
+    `initializer_range` is the std of the normal init of every linear and embedding weight. The
+    default 0.1 (~1/sqrt(hidden_size) at 128) instead of Qwen2's 0.02: at 0.02 the tiny model sits
+    on a long plateau before it learns to read the board in the warm start (legal moves ~0.78 after
+    200 steps vs ~0.95 after 300 steps at 0.1).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -265,7 +270,7 @@ def load_model(
 # ------------------------------------------------------------------------------- default model
 
 def default_model_dir() -> Path:
-    """`$EARL_STREAM_CACHE/models/tictactoe-warm-v1` (cache default `~/.cache/earl_stream`)."""
+    """`$EARL_STREAM_CACHE/models/tictactoe-warm-v2` (cache default `~/.cache/earl_stream`)."""
     root = os.environ.get("EARL_STREAM_CACHE") or Path.home() / ".cache" / "earl_stream"
     return Path(root).expanduser() / "models" / DEFAULT_MODEL_NAME
 
@@ -280,7 +285,7 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def ensure_default_model(*, warm_start_seconds: float = 90) -> Path:
+def ensure_default_model(*, warm_start_steps: int = 450, warm_start_seconds: float = 900) -> Path:
     """Return `default_model_dir()`, building it first (init + warm start) if it does not exist.
 
     Built in a temporary sibling directory and renamed into place under an fcntl lock, so
@@ -299,7 +304,8 @@ def ensure_default_model(*, warm_start_seconds: float = 90) -> Path:
         try:
             started = time.monotonic()
             init_model(tmp)
-            report = warm_start(tmp, seconds=warm_start_seconds)
+            # a fixed number of steps (not a time budget): the same model on a busy or an idle machine
+            report = warm_start(tmp, seconds=warm_start_seconds, max_steps=warm_start_steps, batch_size=16)
             meta: dict[str, Any] = {"name": DEFAULT_MODEL_NAME, "warm_start": report.as_dict(),
                                     "build_seconds": round(time.monotonic() - started, 1)}
             (tmp / "earl_stream_model.json").write_text(json.dumps(meta, indent=2) + "\n")

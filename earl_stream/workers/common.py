@@ -32,7 +32,8 @@ def model_path(cfg: RunConfig) -> Path:
         return Path(cfg.model.path)
     from earl_stream.modeling import ensure_default_model
 
-    return ensure_default_model(warm_start_seconds=cfg.model.warm_start_seconds)
+    return ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
+                                                   warm_start_seconds=cfg.model.warm_start_seconds)
 
 
 class StopFlag:
