@@ -67,7 +67,8 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )
 
-DEFAULT_MODEL_NAME = "tictactoe-warm-v2"
+# Bump the version whenever the build recipe changes: a cached older build is never reused.
+DEFAULT_MODEL_NAME = "tictactoe-warm-v3"
 _TICTACTOE_PROMPT = "Play Tic-Tac-Toe as X. Reply with the number of an empty cell."
 # Copied from transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX (5.19).
 _QWEN2_PRETOKENIZE_REGEX = (
@@ -270,7 +271,7 @@ def load_model(
 # ------------------------------------------------------------------------------- default model
 
 def default_model_dir() -> Path:
-    """`$EARL_STREAM_CACHE/models/tictactoe-warm-v2` (cache default `~/.cache/earl_stream`)."""
+    """`$EARL_STREAM_CACHE/models/tictactoe-warm-v3` (cache default `~/.cache/earl_stream`)."""
     root = os.environ.get("EARL_STREAM_CACHE") or Path.home() / ".cache" / "earl_stream"
     return Path(root).expanduser() / "models" / DEFAULT_MODEL_NAME
 
@@ -309,6 +310,7 @@ def ensure_default_model(*, warm_start_steps: int = 450, warm_start_seconds: flo
             meta: dict[str, Any] = {"name": DEFAULT_MODEL_NAME, "warm_start": report.as_dict(),
                                     "build_seconds": round(time.monotonic() - started, 1)}
             (tmp / "earl_stream_model.json").write_text(json.dumps(meta, indent=2) + "\n")
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cached model is meant to be shared
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

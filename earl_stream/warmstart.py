@@ -149,16 +149,21 @@ def warm_start(
     seconds: float = 90,
     seed: int = 0,
     lr: float = 3e-3,
-    batch_size: int = 32,
+    batch_size: int = 16,
     max_steps: int | None = None,
     eval_games: int = 100,
-    observation_weight: float = 0.0,
+    observation_weight: float = 0.3,
 ) -> WarmStartReport:
     """Train the model in `model_dir` on synthetic legal play for `seconds` of wall time, save it back.
 
     Stops at `seconds` or `max_steps`, whichever comes first (`max_steps` makes a run reproducible
-    for a seed). Then plays `eval_games` games at temperature 1.0 (0 skips the evaluation; rates are
-    then NaN). Thread count is the caller's (`torch.set_num_threads`).
+    for a seed). The loss is the cross-entropy on the model's own tokens (move + end token) plus
+    `observation_weight` times the cross-entropy on the prompt/observation tokens: predicting the
+    boards teaches the tiny model to read them, without which it stays on the "any digit" plateau
+    (legal moves ~0.83 after 1,300 steps with weight 0 vs ~0.95 after ~300 steps with 0.3). The
+    reported losses are on the model's own tokens only. Then plays `eval_games` games at
+    temperature 1.0 (0 skips the evaluation; rates are then NaN). Thread count is the caller's
+    (`torch.set_num_threads`).
     """
     model, tokenizer = load_model(model_dir)
     fmt = ChatFormat(tokenizer)

@@ -104,9 +104,9 @@ def test_clear_errors(tmp_path: Path, model_dir: Path) -> None:
 
 def test_default_model_dir_honours_cache_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EARL_STREAM_CACHE", str(tmp_path))
-    assert default_model_dir() == tmp_path / "models" / "tictactoe-warm-v2"
+    assert default_model_dir() == tmp_path / "models" / "tictactoe-warm-v3"
     monkeypatch.delenv("EARL_STREAM_CACHE")
-    assert default_model_dir() == Path.home() / ".cache" / "earl_stream" / "models" / "tictactoe-warm-v2"
+    assert default_model_dir() == Path.home() / ".cache" / "earl_stream" / "models" / "tictactoe-warm-v3"
 
 
 def test_ensure_default_model_builds_once_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,9 +129,10 @@ def test_ensure_default_model_builds_once_atomically(tmp_path: Path, monkeypatch
     final = default_model_dir()
     assert results == [final, final]
     meta = json.loads((final / "earl_stream_model.json").read_text())
-    assert meta["name"] == "tictactoe-warm-v2" and meta["warm_start"]["steps"] >= 1
+    assert meta["name"] == "tictactoe-warm-v3" and meta["warm_start"]["steps"] >= 1
     # Only the finished model and the lock remain: no half-written build directories.
-    assert sorted(p.name for p in final.parent.iterdir()) == [".tictactoe-warm-v2.lock", "tictactoe-warm-v2"]
+    assert sorted(p.name for p in final.parent.iterdir()) == [".tictactoe-warm-v3.lock", "tictactoe-warm-v3"]
+    assert final.stat().st_mode & 0o777 == 0o755
     load_model(final)
     stamp = (final / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model() == final
