@@ -39,6 +39,7 @@ import torch
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
 from earl_stream.workers.engines.vllm_engine import (
+    clamp_capacity,
     _shm_root,
     check_request,
     read_model_shape,
@@ -166,16 +167,7 @@ class SglangEngine:
 
     def set_capacity(self, capacity: EngineCapacity) -> None:
         """Lower (or restore) the knobs; values above the start-up ones are clamped with a warning."""
-        if capacity.max_concurrent_sequences < 1 or capacity.kv_budget_tokens < 1:
-            raise EngineError(f"invalid engine capacity {capacity}: both values must be >= 1")
-        clamped = EngineCapacity(
-            min(capacity.max_concurrent_sequences, self._started.max_concurrent_sequences),
-            min(capacity.kv_budget_tokens, self._started.kv_budget_tokens),
-        )
-        if clamped != capacity:
-            _LOG.warning("SGLang sizes its scheduler and KV pool at start (%s); %s clamped to %s",
-                         self._started, capacity, clamped)
-        self._capacity = clamped
+        self._capacity = clamp_capacity(capacity, self._started, "SGLang")
 
     def release(self, cache_key: str) -> None:
         """Nothing to do: SGLang's radix cache finds an episode's earlier turns by content."""

@@ -172,6 +172,18 @@ def _shm_root() -> Path:
     return Path(tempfile.mkdtemp(prefix="earl-vllm-", dir=base))
 
 
+
+def clamp_capacity(requested: EngineCapacity, started: EngineCapacity, engine: str) -> EngineCapacity:
+    """The capacity an engine sized at start-up can take: lower values as asked, higher ones clamped."""
+    if requested.max_concurrent_sequences < 1 or requested.kv_budget_tokens < 1:
+        raise EngineError(f"invalid engine capacity {requested}: both values must be >= 1")
+    clamped = EngineCapacity(min(requested.max_concurrent_sequences, started.max_concurrent_sequences),
+                             min(requested.kv_budget_tokens, started.kv_budget_tokens))
+    if clamped != requested:
+        _LOG.warning("%s sizes its scheduler and KV cache at start (%s); %s clamped to %s", engine, started,
+                     requested, clamped)
+    return clamped
+
 class VllmEngine:
     """Generates with a `vllm.LLM` started on the Hugging Face directory `model_dir`.
 
@@ -239,16 +251,7 @@ class VllmEngine:
 
     def set_capacity(self, capacity: EngineCapacity) -> None:
         """Lower (or restore) the knobs; values above the start-up ones are clamped with a warning."""
-        if capacity.max_concurrent_sequences < 1 or capacity.kv_budget_tokens < 1:
-            raise EngineError(f"invalid engine capacity {capacity}: both values must be >= 1")
-        clamped = EngineCapacity(
-            min(capacity.max_concurrent_sequences, self._started.max_concurrent_sequences),
-            min(capacity.kv_budget_tokens, self._started.kv_budget_tokens),
-        )
-        if clamped != capacity:
-            _LOG.warning("vLLM sizes its scheduler and KV cache at start (%s); %s clamped to %s",
-                         self._started, capacity, clamped)
-        self._capacity = clamped
+        self._capacity = clamp_capacity(capacity, self._started, "vLLM")
 
     def release(self, cache_key: str) -> None:
         """Nothing to do: vLLM's prefix cache finds an episode's earlier turns by content."""
