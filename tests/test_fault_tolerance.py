@@ -33,8 +33,21 @@ def test_rollout_worker_killed_and_supervisor_restarted(cluster: Cluster) -> Non
     trainer = cluster.worker("trainer", "trainer")
     wait_for(lambda: cluster.status()["policy_version"] >= 3, 180, "three training steps")
     # a rollout worker dies without warning: its samples are lost, its prompts re-issued
-    wait_for(lambda: any(w["pid"] == victim.pid and w["stats"].get("inflight", 0) > 0
-                         for w in cluster.status()["workers"]), 60, "the victim to have episodes in flight")
+    # the supervisor's own ledger says when the victim holds prompts (heartbeat stats are sampled once a
+    # second and miss short episodes): freeze it, confirm it still holds them, then kill it
+    def victim_holds() -> bool:
+        return any(w["pid"] == victim.pid and w["groups_held"] > 0 for w in cluster.status()["workers"])
+
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, "the victim never held prompts"
+        if victim_holds():
+            victim.send_signal(signal.SIGSTOP)
+            time.sleep(0.3)  # messages it sent before freezing reach the supervisor first
+            if victim_holds():
+                break
+            victim.send_signal(signal.SIGCONT)
+        time.sleep(0.02)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     s = wait_for(lambda: (st := cluster.status()) and any(not w["alive"] for w in st["workers"]) and st, 30,

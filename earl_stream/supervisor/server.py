@@ -28,7 +28,7 @@ from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
 from earl_stream.supervisor.planning import Planner
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.security import sign, verify
-from earl_stream.supervisor.ledger import Ledger, outcome_of
+from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,10 @@ class Supervisor:
             e["episodes"] += 1
             e["reward_sum"] += r
             e["tokens_sum"] += n
+        held: dict[str, int] = {}
+        for g in self.ledger.groups.values():
+            if g.state == PromptState.INFLIGHT:
+                held[g.worker_id] = held.get(g.worker_id, 0) + 1
         return {
             "address": self.address,
             "metrics_address": self.metrics_address,
@@ -282,6 +286,7 @@ class Supervisor:
             "trainer": self.trainer_metrics,
             "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
                          "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats,
+                         "groups_held": held.get(w.worker_id, 0),
                          "shard_address": w.shard_address, "metrics_address": w.metrics_address}
                         for w in self.workers.values() if w.role != P.Role.CLIENT],
         }
