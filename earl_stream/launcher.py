@@ -106,6 +106,8 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     summary = make_summary(status, wall=time.time() - started)
     view.finish(summary, stopping[0] if stopping else "")
     out = Path(summary_path) if summary_path else run_dir / "summary.json"
+    curve = view.write_learning_curve(out.parent / "learning_curve.png")
+    summary["learning_curve_png"] = str(curve) if curve else None
     out.write_text(json.dumps(summary, indent=2))
     return 130 if stopping else 0
 

@@ -40,6 +40,8 @@ def test_up_trains_through_the_store(tmp_path: Path, tiny_model_dir: Path) -> No
     versions = [int(v) for text in rollout_logs for v in re.findall(r"loaded policy version (\d+)", text)]
     assert versions and max(versions) >= 2, "rollout workers never loaded a new policy version"
     assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+    png = Path(summary["learning_curve_png"])
+    assert png == tmp_path / "learning_curve.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("dispatch", ["pull", "central"])

@@ -112,6 +112,12 @@ class ExperienceWriter:
             self._held.add(record.sample_id)
         return meta
 
+    @property
+    def samples_held(self) -> int:
+        """Samples whose shards this writer still holds (stored and not yet freed)."""
+        with self._lock:
+            return len(self._held)
+
     def free(self, sample_ids: Iterable[str]) -> int:
         """Drop the shards of these samples (unknown ids are ignored); returns bytes freed."""
         freed = 0

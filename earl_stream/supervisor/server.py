@@ -307,6 +307,11 @@ class Supervisor:
             for q in (50, 90, 99):
                 M.SUP_CONTEXT.labels(f"p{q}").set(float(np.percentile(lengths, q)))
             M.SUP_CONTEXT.labels("max").set(max(lengths))
+            by_env: dict[str, list[float]] = {}
+            for r, _, _, env in self.recent:
+                by_env.setdefault(env, []).append(r)
+            for env, rs in by_env.items():
+                M.SUP_ENV_REWARD.labels(env).set(float(np.mean(rs)))
 
 
 MUTATING = (P.Register, P.RequestPrompts, P.PutMeta, P.Claim, P.Release, P.PublishVersion, P.Finished, P.EnvAttach,
@@ -340,6 +345,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
                               "earl_stream or is damaged: move it away to start a fresh run") from None
         log.info("restored state from %s: policy version %d, %d prompts issued, %d samples waiting", state_path,
                  sup.policy_version, sup.ledger.next_ordinal, sup.ledger.samples_waiting())
+    M.register_supervisor_metrics()
     metrics_address = M.start_metrics_server(host or "127.0.0.1")
     sup.metrics_address = metrics_address
     log.info("supervisor listening on %s (metrics on http://%s/metrics)", address, metrics_address)

@@ -140,6 +140,7 @@ class RolloutWorker:
                 break
             if reply.policy_version != self.engine.policy_version and reply.weights_address:
                 await self._load_weights(reply.policy_version, reply.weights_address)
+            M.STORE_SHARDS_HELD.labels(self.worker_id).set(self.writer.samples_held)
             M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
             await asyncio.sleep(period)
 
@@ -251,6 +252,8 @@ class RolloutWorker:
             self.tokens_generated += r.response_tokens
             M.ROLLOUT_TOKENS.labels(self.worker_id).inc(r.response_tokens)
             M.ROLLOUT_EPISODES.labels(self.worker_id, r.env, str(r.info.get("outcome", ""))).inc()
+            M.ROLLOUT_EPISODE_REWARD.labels(self.worker_id, r.env).observe(r.reward)
+            M.ROLLOUT_CONTEXT_TOKENS.labels(self.worker_id, r.env).observe(r.num_tokens)
         return records
 
 

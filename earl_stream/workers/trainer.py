@@ -90,6 +90,7 @@ class TrainerRank:
             step += 1
             self.version = step
             self._report(result)
+            self._observe_staleness(step, metas)
             if self.rank == 0 and step % t.checkpoint_every == 0:
                 self.save_checkpoint(step)
             if self.world_size > 1:
@@ -154,8 +155,17 @@ class TrainerRank:
         """A call that survives a supervisor restart (the messages it is used for are idempotent)."""
         return self.client.call_retry(msg, deadline_s=self.cfg.trainer.claim_timeout_s, what=type(msg).__name__)
 
+    def _observe_staleness(self, step: int, metas: list) -> None:
+        """Versions between the oldest token of each trained sample and the policy it trained (step - 1)."""
+        if self.rank != 0:
+            return  # every rank sees the same claim: count each sample once
+        for m in metas:
+            if m.policy_version_min >= 0:
+                M.TRAINER_STALENESS.labels(str(self.rank)).observe(max(0, step - 1 - m.policy_version_min))
+
     def _report(self, r: StepResult) -> None:
         rank = str(self.rank)
+        M.TRAINER_REWARD.labels(rank).set(r.mean_reward)
         M.TRAINER_STEP_SECONDS.labels(rank).observe(r.step_seconds)
         M.TRAINER_LOSS.labels(rank).set(r.loss)
         M.TRAINER_GRAD_NORM.labels(rank).set(r.grad_norm)
