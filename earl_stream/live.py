@@ -86,7 +86,7 @@ def dashboard(s: dict[str, Any], steps: int) -> Group:
     for w in s.get("workers", []):
         stats = w.get("stats") or {}
         if w["role"] == "rollout":
-            detail = (f"{stats.get('episodes', 0)} episodes, {stats.get('inflight', 0)} in flight, "
+            detail = (f"{int(stats.get('episodes', 0))} episodes, {int(stats.get('inflight', 0))} in flight, "
                       f"{w.get('groups_held', 0)} groups held")
         else:
             detail = f"rank {w.get('rank', 0)}"

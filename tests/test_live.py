@@ -17,7 +17,7 @@ STATUS = {
     "trainer": {"loss": -0.012, "step_seconds": 1.5},
     "workers": [
         {"id": "rollout-1", "role": "rollout", "alive": True, "last_seen_s": 0.3, "groups_held": 2,
-         "stats": {"episodes": 40, "inflight": 8}},
+         "stats": {"episodes": 40.0, "inflight": 8.0}},
         {"id": "rollout-2", "role": "rollout", "alive": False, "last_seen_s": 12.0, "groups_held": 0, "stats": {}},
         {"id": "trainer-0", "role": "trainer", "alive": True, "last_seen_s": 0.1, "rank": 0, "stats": {}},
     ],
