@@ -9,6 +9,8 @@ consumer its part under a layout (DP=4, DP=2 x TP=2, DP=2 x CP=2 with zig-zag to
 - pull_zc: the same with `zero_copy=True`: read-only views into the producers' segments, held for
            as long as the consumer keeps them (as Ray's consumers read its object store in place)
 - tcp:     the same with `ShardClient(shm=False)` (the cross-host path, on loopback)
+- ucx:     when `ucxx` imports: the same with `ShardClient(transport="ucx")` (worker addresses exchanged
+           on the shard node's connection; UCX picks its own transport, shared memory here)
 - central: every byte through one `CentralDispatcher` process (gather the whole step, then scatter)
 - ray:     when `ray` imports: Ray's object store in the single-controller pattern (the driver gets
            every producer's batch, concatenates, splits per consumer, sends)
@@ -49,6 +51,7 @@ from earl_stream.store import (  # noqa: E402
     sample_key,
     start_dispatcher_process,
 )
+from earl_stream.store.ucx import ucx_available, ucx_import_error  # noqa: E402
 
 log = logging.getLogger("bench.dispatch")
 GIB = float(1 << 30)
@@ -110,7 +113,7 @@ def meta_for(row: int, n: int, address: str) -> SampleMeta:
 
 
 def producer_main(conn: Any, index: int, rows: list[int], lengths: list[int]) -> None:
-    node = ShardNode(shm_max_bytes=4 << 30)
+    node = ShardNode(shm_max_bytes=4 << 30, ucx=True)  # no secret here: UCX offered explicitly
     put = 0.0
     metas = []
     for row, n in zip(rows, lengths):
@@ -126,6 +129,8 @@ def producer_main(conn: Any, index: int, rows: list[int], lengths: list[int]) ->
 
 def consumer_main(conn: Any, index: int, claim: list[SampleMeta], dispatcher: str) -> None:
     clients = {"pull": ShardClient(timeout_s=300), "tcp": ShardClient(timeout_s=300, shm=False)}
+    if ucx_available():
+        clients["ucx"] = ShardClient(timeout_s=300, transport="ucx")
     central = CentralClient(ShardClient(timeout_s=300), dispatcher)
     lengths = [m.total_tokens for m in claim]
     conn.send("ready")
@@ -379,7 +384,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ray_runner = ray_pattern(args.producers, args.consumers, cluster.lengths)
         if ray_runner is None:
             log.warning("ray is not importable: ray_seconds stays null")
-    modes = ["pull", "pull_zc", "tcp", "central"] + (["ray"] if ray_runner else [])
+    if not ucx_available():
+        log.warning("ucxx is not importable: ucx_seconds stays null")
+    modes = ["pull", "pull_zc", "tcp", "central"] + (["ucx"] if ucx_available() else []) + (["ray"] if ray_runner else [])
     samples: dict[str, dict[str, list[float]]] = {name: {m: [] for m in modes} for name in LAYOUTS}
     delivered: dict[str, dict[str, int]] = {name: {} for name in LAYOUTS}
     try:
@@ -413,6 +420,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_vs_central": head["speedup_vs_central"],
         "speedup_vs_ray": head["speedup_vs_ray"],
         "pull_zero_copy_seconds": head["pull_zero_copy_seconds"],
+        "pull_ucx_seconds": head["pull_ucx_seconds"],
         "speedup_vs_ray_zero_copy": head["speedup_vs_ray_zero_copy"],
         "fraction_of_shm_ceiling": head["fraction_of_shm_ceiling"],
         "fraction_of_shm_copy_out_ceiling": head["fraction_of_shm_copy_out_ceiling"],
@@ -428,6 +436,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "repetitions": reps,
             "quick": args.quick,
             "producer_put_seconds": cluster.put_seconds,
+            "ucx": ucx_available(),
+            "ucx_import_error": ucx_import_error(),
+            "ucx_tls": os.environ.get("UCX_TLS"),
             "cpus": os.cpu_count(),
             "load_average_at_end": os.getloadavg(),
         },
@@ -445,11 +456,13 @@ def summarize(layout: dict[str, int], samples: dict[str, list[float]], delivered
         "pull_seconds": pull,
         "pull_zero_copy_seconds": med["pull_zc"],
         "pull_tcp_seconds": med["tcp"],
+        "pull_ucx_seconds": med.get("ucx"),
         "central_seconds": med["central"],
         "ray_seconds": ray,
         "pull_gibps": moved / GIB / pull,
         "speedup_vs_central": med["central"] / pull,
         "speedup_vs_tcp": med["tcp"] / pull,
+        "speedup_vs_ucx": None if "ucx" not in med else med["ucx"] / pull,
         "speedup_vs_ray": None if ray is None else ray / pull,
         "speedup_vs_ray_zero_copy": None if ray is None else ray / med["pull_zc"],
         # The ceilings move the same number of bytes as this layout delivers.
@@ -466,15 +479,16 @@ def print_table(result: dict[str, Any]) -> None:
           f"{mib:.0f} MiB per step, {result['config']['rows']} rows, median of {result['config']['repetitions']}")
     print(f"ceilings: memcpy {c['memcpy_gibps']:.2f} GiB/s; shm between two processes {c['shm_gibps']:.2f} GiB/s "
           f"(copy in {c['shm_copy_in_seconds'] * 1e3:.0f} ms + copy out {c['shm_copy_out_seconds'] * 1e3:.0f} ms)")
-    head = f"{'layout':<10}{'MiB out':>8}{'pull ms':>9}{'GiB/s':>7}{'zc ms':>7}{'tcp ms':>8}{'central ms':>11}{'ray ms':>8}"
+    head = f"{'layout':<10}{'MiB out':>8}{'pull ms':>9}{'GiB/s':>7}{'zc ms':>7}{'tcp ms':>8}{'ucx ms':>8}{'central ms':>11}{'ray ms':>8}"
     head += f"{'x central':>10}{'x ray':>7}{'zc x ray':>9}{'of shm':>8}{'of out':>8}"
     print(head)
     for name, r in result["layouts"].items():
         ray = "-" if r["ray_seconds"] is None else f"{r['ray_seconds'] * 1e3:.0f}"
+        ucx = "-" if r["pull_ucx_seconds"] is None else f"{r['pull_ucx_seconds'] * 1e3:.0f}"
         xray = "-" if r["speedup_vs_ray"] is None else f"{r['speedup_vs_ray']:.2f}"
         zray = "-" if r["speedup_vs_ray_zero_copy"] is None else f"{r['speedup_vs_ray_zero_copy']:.2f}"
         print(f"{name:<10}{r['bytes_delivered'] / (1 << 20):>8.0f}{r['pull_seconds'] * 1e3:>9.0f}{r['pull_gibps']:>7.2f}"
-              f"{r['pull_zero_copy_seconds'] * 1e3:>7.0f}{r['pull_tcp_seconds'] * 1e3:>8.0f}{r['central_seconds'] * 1e3:>11.0f}"
+              f"{r['pull_zero_copy_seconds'] * 1e3:>7.0f}{r['pull_tcp_seconds'] * 1e3:>8.0f}{ucx:>8}{r['central_seconds'] * 1e3:>11.0f}"
               f"{ray:>8}{r['speedup_vs_central']:>10.2f}{xray:>7}{zray:>9}{r['fraction_of_shm_ceiling']:>8.2f}"
               f"{r['fraction_of_shm_copy_out_ceiling']:>8.2f}")
 

@@ -14,6 +14,9 @@ from earl_stream.errors import EarlError
 
 log = logging.getLogger("earl_stream")
 
+RESTART_HELP = ("when a trainer rank dies, stop the whole trainer pool and start it again, up to N times; it "
+                "resumes from its latest checkpoint with nothing skipped or repeated (like torchrun --max-restarts; "
+                "default 0: the pool stops with an error naming the rank, and relaunching it resumes the same way)")
 OVERRIDES_HELP = "dotted config overrides, e.g. trainer.lr=3e-4 rollout.workers=3 (see `config show --fields`)"
 
 
@@ -43,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", metavar="PATH", help="write the JSON summary here (default RUN_DIR/summary.json)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in run_dir: the supervisor's ledger and the trainer's latest checkpoint")
+    p.add_argument("--restart", type=int, default=0, metavar="N", help=RESTART_HELP)
     _add_secret_arg(p)
 
     p = sub.add_parser("supervisor", help="run the supervisor (control plane) of a run")
@@ -58,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="127.0.0.1", metavar="HOST",
                    help="address other processes use to reach this worker's shard node")
     p.add_argument("--nproc", type=int, default=1, help="trainer ranks to start on this host (gloo)")
+    p.add_argument("--restart", type=int, default=0, metavar="N",
+                   help=RESTART_HELP + ". Trainer only; under torchrun use its --max-restarts instead")
+    p.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="trainer only: a collective with the other ranks (or joining them) that takes longer fails "
+                        "with an error naming the step, instead of hanging the pool")
     _add_secret_arg(p)
 
     p = sub.add_parser("status", help="show the state of a running system")
@@ -131,12 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from earl_stream.config import load_config
+    from earl_stream.errors import ConfigError
 
     if args.command == "up":
         from earl_stream.launcher import up
 
+        if args.restart < 0:
+            raise ConfigError("--restart must be >= 0")
         overrides = list(args.overrides) + ([f"steps={args.steps}"] if args.steps is not None else [])
-        return up(load_config(args.config, overrides), bind=args.bind, summary_path=args.summary, resume=args.resume)
+        return up(load_config(args.config, overrides), bind=args.bind, summary_path=args.summary, resume=args.resume,
+                  restart=args.restart)
     if args.command == "supervisor":
         from earl_stream.supervisor.server import serve
 
@@ -181,21 +194,53 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if args.restart < 0 or args.collective_timeout <= 0:
+        from earl_stream.errors import ConfigError
+
+        raise ConfigError("--restart must be >= 0 and --collective-timeout > 0")
     if args.role == "rollout":
         from earl_stream.workers.rollout import run_rollout_worker
 
         run_rollout_worker(args.supervisor, host=args.advertise)
         return 0
-    if args.nproc > 1 and "RANK" not in os.environ:
+    if "RANK" in os.environ:
+        if args.restart:
+            log.warning("--restart is ignored under torchrun (RANK is set): use torchrun --max-restarts")
+    elif args.nproc > 1 or args.restart > 0:
         return _spawn_ranks(args)
     from earl_stream.workers.trainer import run_trainer_rank
 
-    return run_trainer_rank(args.supervisor, host=args.advertise)
+    return run_trainer_rank(args.supervisor, host=args.advertise, collective_timeout_s=args.collective_timeout)
 
 
 def _spawn_ranks(args: argparse.Namespace) -> int:
-    """Start --nproc trainer ranks on this host, torchrun-style (RANK, WORLD_SIZE, MASTER_*)."""
+    """Start --nproc trainer ranks on this host, torchrun-style (RANK, WORLD_SIZE, MASTER_*).
+
+    A rank that dies stops the whole pool (the others would fail in their next collective anyway);
+    with --restart N the pool is started again, up to N times, and resumes from its checkpoint.
+    """
     import signal
+
+    from earl_stream.errors import ChildProcessFailed
+
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    for attempt in range(args.restart + 1):
+        failure = _run_pool(args, stopping)
+        if failure is None or stopping:
+            return 0
+        if attempt == args.restart:
+            raise ChildProcessFailed(f"{failure}; the trainer pool stopped"
+                                     + (f" after {args.restart} restarts" if args.restart else
+                                        " (relaunch it, or pass --restart N, to resume from its latest checkpoint)"))
+        log.warning("%s: restarting the trainer pool (%d of %d); it resumes from its latest checkpoint", failure,
+                    attempt + 1, args.restart)
+    return 0
+
+
+def _run_pool(args: argparse.Namespace, stopping: list[int]) -> str | None:
+    """Run one incarnation of the pool; returns what failed (None: it finished or was stopped)."""
     import time
 
     from earl_stream.procs import ProcessGroup, describe_exit
@@ -204,23 +249,21 @@ def _spawn_ranks(args: argparse.Namespace) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     group = ProcessGroup()
-    stopping: list[int] = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     for rank in range(args.nproc):
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         group.start(f"trainer rank {rank}", ["worker", "--role", "trainer", "--supervisor", args.supervisor,
-                                             "--advertise", args.advertise], env=env)
+                                             "--advertise", args.advertise, "--collective-timeout",
+                                             str(args.collective_timeout)], env=env)
     try:
         while not stopping and any(c.proc.poll() is None for c in group.children):
-            failed = group.failed()
-            if failed is not None:
-                raise EarlError(describe_exit(failed))
+            failed = [c for c in group.children if c.proc.poll() not in (None, 0)]
+            if failed:  # the rank that was killed, rather than the ones that then lost their peer
+                return describe_exit(min(failed, key=lambda c: c.proc.returncode))
             time.sleep(0.2)
     finally:
         group.stop()
-    return 0
+    return None
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -56,6 +56,8 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling threshold", minimum=0)
     top_k: int = _f(0, "top-k sampling (0 = off)", minimum=0)
     threads: int = _f(1, "torch threads per rollout worker", minimum=1)
+    cpus: str = _f("", "CPU ids each rollout worker is pinned to, e.g. '0' or '0,2-3' (torch threads = their "
+                   "count); empty = no pinning")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +69,15 @@ class TrainerConfig:
     group_size: int = _f(8, "episodes per prompt group (GRPO)", minimum=2)
     max_staleness: int = _f(1, "refuse samples older than this many policy versions", minimum=0)
     clip_eps: float = _f(0.2, "PPO clip range of the importance ratio", minimum=0)
+    tis_cap: float = _f(2.0, "truncated importance weight cap C: each token's policy gradient is weighted by "
+                        "min(exp(trainer - engine log-prob), C) (off-policy correction); 0 = off", minimum=0)
     kl_coef: float = _f(0.0, "weight of the KL penalty to the initial (reference) policy", minimum=0)
     entropy_coef: float = _f(0.0, "weight of the entropy bonus", minimum=0)
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", minimum=0)
     micro_batch_tokens: int = _f(8192, "token budget of one micro-batch", minimum=1)
     threads: int = _f(1, "torch threads per trainer rank", minimum=1)
+    cpus: str = _f("", "CPU ids each trainer rank is pinned to, e.g. '1' or '0-1' (torch threads = their count); "
+                   "empty = no pinning")
     checkpoint_every: int = _f(100, "write a checkpoint every this many steps (and at the end)", minimum=1)
     claim_timeout_s: float = _f(600.0, "give up waiting for a step's samples after this long", minimum=1)
 
@@ -80,6 +86,8 @@ class TrainerConfig:
 class StoreConfig:
     dispatch: str = _f("pull", "pull: consumers pull from producers; central: via one process", choices=("pull", "central"))
     max_bytes_per_node: int = _f(1 << 30, "bytes a shard node holds before producers block", minimum=1 << 20)
+    transport: str = _f("auto", "data-plane transport per peer: auto = shared memory on one host, else UCX when "
+                        "both sides have ucxx, else TCP", choices=("auto", "shm", "ucx", "tcp"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +125,21 @@ class RunConfig:
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
     selector: SelectorConfig = dataclasses.field(default_factory=SelectorConfig)
+
+
+def parse_cpus(text: str) -> list[int]:
+    """CPU ids from '0', '0,1' or '0-3,6' (a `cpus` field); [] for ''. Raises ConfigError."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ConfigError(f"cpus: {part!r} is not a CPU id or a range like 0-3") from None
+        if first < 0 or last < first:
+            raise ConfigError(f"cpus: {part!r} is not a valid CPU range")
+        out.extend(range(first, last + 1))
+    return sorted(set(out))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -280,6 +303,13 @@ def _convert(hint: Any, value: Any, name: str, meta: Any, errors: list[str]) -> 
         value, ok = float(value), True
     if hint is str and value is None:
         value, ok = "", True
+    if name.endswith(".cpus") and isinstance(value, (int, list)) and not isinstance(value, bool):
+        value, ok = ",".join(str(v) for v in (value if isinstance(value, list) else [value])), True  # `cpus=1`, `[0,1]`
+    if name.endswith(".cpus") and isinstance(value, str):
+        try:
+            parse_cpus(value)
+        except ConfigError as exc:
+            errors.append(f"{name}: {str(exc).partition(': ')[2]}")
     if not ok:
         errors.append(f"{name}: expected {hint.__name__}, got {value!r}")
         return None

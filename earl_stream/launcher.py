@@ -59,11 +59,15 @@ def _tail(path: str | None, lines: int = 12) -> str:
     return "\n  last lines of its log:\n    " + "\n    ".join(text)
 
 
-def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = None, resume: bool = False) -> int:
+def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = None, resume: bool = False,
+       restart: int = 0) -> int:
+    """Run until `steps` (or a signal). `restart`: times the trainer pool is restarted from its latest
+    checkpoint when one of its ranks dies (0 = the run stops with an error)."""
     cfg, config_file = prepare(cfg)
     run_dir = Path(cfg.run_dir)
     if not resume:  # a fresh run: forget the ledger of an earlier run in the same directory
         (run_dir / "supervisor.state").unlink(missing_ok=True)
+        (run_dir / "trained.jsonl").unlink(missing_ok=True)
     secret = load_secret()
     if secret is None:
         os.environ[SECRET_ENV] = str(create_secret_file(run_dir / "secret").resolve())
@@ -87,7 +91,8 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
             group.start(f"rollout worker {i}", ["worker", "--role", "rollout", "--supervisor", address],
                         log_path=str(logs / f"rollout-{i}.log"))
         trainer = group.start("trainer", ["worker", "--role", "trainer", "--supervisor", address, "--nproc",
-                                          str(cfg.trainer.nproc)], log_path=str(logs / "trainer.log"))
+                                          str(cfg.trainer.nproc), "--restart", str(restart)],
+                              log_path=str(logs / "trainer.log"))
         client = P.ControlClient(address, timeout_s=10, secret=secret)
         with view:
             while not stopping and trainer.proc.poll() is None:

@@ -72,6 +72,7 @@ class ProcessGroup:
             for c in wave:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
+                    c.proc.send_signal(signal.SIGCONT)  # a stopped (frozen) child handles SIGTERM only once resumed
             deadline = time.monotonic() + timeout_s
             for c in wave:
                 try:

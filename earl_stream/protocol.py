@@ -113,6 +113,7 @@ class Prompt(msgspec.Struct, frozen=True):
 class RequestPrompts(Msg, tag="request_prompts"):
     worker_id: str = ""
     max_groups: int = 1
+    request_id: str = ""  # unique per request of this worker; a retry re-sends it and gets the same prompts
 
 
 class Prompts(Msg, tag="prompts"):
@@ -143,6 +144,9 @@ class Release(Msg, tag="release"):
     worker_id: str = ""
     step: int = 0
     lost_sample_ids: list[str] = []  # samples that could not be pulled (producer gone)
+    # True: a checkpoint holds the step, its rows may be freed. False: trained only; a trainer that
+    # resumes from an older checkpoint is served the step again, so the producers keep its rows
+    checkpointed: bool = True
 
 
 class PublishVersion(Msg, tag="publish_version"):

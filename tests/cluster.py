@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from earl_stream import protocol as P
 from earl_stream.errors import EarlError
@@ -29,23 +29,24 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.address = ""
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
+        """`earl-stream ARGS`, run under `prefix` (e.g. `ip netns exec NS ...`) when given."""
         log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "earl_stream", *args], env=self.env, stdout=log,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "earl_stream", *args], env=self.env, stdout=log,
                                 stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc
 
-    def start_supervisor(self, port: int = 0) -> None:
+    def start_supervisor(self, port: int = 0, *, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
         ready = self.tmp / "ready.json"
         ready.unlink(missing_ok=True)
-        self.start("supervisor", "supervisor", "--bind", f"127.0.0.1:{port}", "--ready-file", str(ready),
-                   "--state-dir", str(self.tmp / "state"), *self.overrides)
+        self.start("supervisor", "supervisor", "--bind", f"{host}:{port}", "--ready-file", str(ready),
+                   "--state-dir", str(self.tmp / "state"), *self.overrides, prefix=prefix)
         wait_for(lambda: ready.exists(), 60, "the supervisor to listen")
         self.address = json.loads(ready.read_text())["address"]
 
-    def worker(self, name: str, role: str) -> subprocess.Popen:
-        return self.start(name, "worker", "--role", role, "--supervisor", self.address)
+    def worker(self, name: str, role: str, *args: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
+        return self.start(name, "worker", "--role", role, "--supervisor", self.address, *args, prefix=prefix)
 
     def status(self) -> dict[str, Any]:
         client = P.ControlClient(self.address, timeout_s=5, secret=load_secret(str(self.secret_file)))

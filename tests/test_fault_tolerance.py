@@ -1,17 +1,24 @@
 """Independent launch and failures, as real processes: a rollout worker killed with SIGKILL, the
-supervisor killed and restarted from its state directory, and peers without the cluster secret."""
+supervisor killed and restarted from its state directory, a trainer rank killed with SIGKILL (the
+pool restarts from its checkpoint), and peers without the cluster secret."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import signal
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from earl_stream import protocol as P
 from earl_stream.errors import ProtocolError
 from earl_stream.security import create_secret_file, load_secret
+from earl_stream.supervisor.ledger import Ledger
+from earl_stream.supervisor.server import SupervisorState
 
 from cluster import Cluster, wait_for
 
@@ -82,3 +89,118 @@ def test_peer_without_the_secret_is_refused(cluster: Cluster, tmp_path: Path) ->
     assert cluster.status()["workers"] == []  # it learned nothing and registered nothing
     log = (cluster.tmp / "supervisor.log").read_text()
     assert "refused a control message without the cluster secret" in log
+
+
+def _trained_journal(state_dir: Path) -> dict[int, dict]:
+    """Released steps from the supervisor's trained.jsonl (a step journaled twice has the same content)."""
+    steps: dict[int, dict] = {}
+    for line in (state_dir / "trained.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        assert steps.setdefault(entry["step"], entry) == entry
+    return steps
+
+
+def _hit_rank_1_after_checkpoint(c: Cluster, sig: int, min_version: int, not_pid: int = 0) -> tuple[dict, int]:
+    """Send `sig` to trainer rank 1 once the run is past `min_version` with trained steps no checkpoint holds."""
+    def ready() -> tuple[dict, int] | None:
+        st = c.status()
+        pids = [w["pid"] for w in st["workers"] if w["role"] == "trainer" and w["rank"] == 1 and w["alive"]
+                and w["pid"] != not_pid]
+        ok = st["policy_version"] >= min_version and st["samples_uncheckpointed"] > 0 and len(pids) == 1
+        return (st, pids[0]) if ok else None
+
+    s, pid = wait_for(ready, 240, f"version {min_version} with trained steps after the last checkpoint")
+    assert s["samples_produced"] == (s["samples_consumed"] + s["samples_lost"] + s["samples_stale"]
+                                     + s["samples_in_store"] + s["samples_claimed"])
+    os.kill(pid, sig)
+    return s, pid
+
+
+def test_trainer_rank_killed_pool_resumes_from_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:
+    steps = 20  # room for both kills to find a step that no checkpoint holds yet, however fast the run
+    c = Cluster(tmp_path, tiny_model_dir, f"steps={steps}", "trainer.nproc=2", "trainer.checkpoint_every=3")
+    pool_args = ("worker", "--role", "trainer", "--supervisor", "", "--nproc", "2", "--collective-timeout", "15")
+    try:
+        c.start_supervisor()
+        c.worker("rollout", "rollout")
+        args = [a or c.address for a in pool_args]
+        pool = c.start("trainer", *args, "--restart", "1")
+        # 1) rank 1 hangs: rank 0 gives up on the collective after 15 s with an error naming what it waited
+        #    for; with --restart 1 the pool restarts by itself and resumes from its checkpoint
+        _, first = _hit_rank_1_after_checkpoint(c, signal.SIGSTOP, 4)
+        # 2) rank 1 is killed; the restart is used up, so the pool stops with an error naming the rank ...
+        _hit_rank_1_after_checkpoint(c, signal.SIGKILL, 8, not_pid=first)
+        assert pool.wait(120) != 0
+        # ... and resumes when it is relaunched by hand
+        pool = c.start("trainer-relaunched", *args)
+        assert pool.wait(300) == 0, (tmp_path / "trainer-relaunched.log").read_text()[-3000:]
+        s = c.status()
+    finally:
+        c.stop()
+    log = (tmp_path / "trainer.log").read_text()
+    assert re.search(r"trainer rank 0 of 2: a collective with the other ranks \(step \d+; rendezvous at \S+\) "
+                     r"failed or waited longer than 15s", log)
+    assert "restarting the trainer pool (1 of 1)" in log
+    assert "was killed by SIGKILL; the trainer pool stopped after 1 restarts" in log
+    log += (tmp_path / "trainer-relaunched.log").read_text()
+    resumed = [int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", log)]
+    # two incarnations x two ranks; a checkpoint every 3 steps, or the one rank 0 writes when it is stopped
+    assert len(resumed) == 2 * 2 and all(r >= 3 for r in resumed)
+    reached = max(int(n) for n in re.findall(r"step (\d+): loss", log[:log.index("restarting the trainer pool")]))
+    assert s["policy_version"] == steps and s["samples_claimed"] == s["samples_uncheckpointed"] == 0
+    assert s["samples_produced"] == (s["samples_consumed"] + s["samples_lost"] + s["samples_stale"]
+                                     + s["samples_in_store"] + s["samples_claimed"])
+    # every step trained exactly once in the model that came out, none skipped, no prompt twice
+    journal = _trained_journal(tmp_path / "state")
+    assert sorted(journal) == list(range(steps))
+    trained = [o for e in journal.values() for o in e["trained"]]
+    assert len(trained) == len(set(trained)) == steps * 2 - sum(len(e["lost"]) for e in journal.values())
+    state = msgspec.msgpack.decode((tmp_path / "state" / "supervisor.state").read_bytes(), type=SupervisorState)
+    led = Ledger([], seed=0, group_size=4, groups_per_step=2, max_staleness=1)
+    led.restore(state.ledger)
+    skipped = set(range(max(trained))) - set(trained) - set(led.groups)
+    assert not skipped, f"prompts neither trained nor outstanding: {sorted(skipped)}"
+    print(f"trainer pool hung at version {reached}, resumed from the checkpoints of steps {resumed}; "
+          f"ledger: produced {s['samples_produced']}, consumed {s['samples_consumed']}, "
+          f"lost {s['samples_lost']}, stale {s['samples_stale']}, waiting {s['samples_in_store']}, "
+          f"reissued {s['prompts_reissued']}, duplicates {s['duplicates_detected']}")
+
+
+_GATHER = """
+import json, os, sys, time
+import torch.distributed as dist
+from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta
+from earl_stream.workers.parallel import agree_on_lost
+dist.init_process_group("gloo")
+metas = [SampleMeta(schema_version=SCHEMA_VERSION, sample_id=f"g{i // 2}.0-{i % 2}", prompt_ordinal=i // 2,
+                    episode_id=str(i), group_id=f"g{i // 2}.0", env="e", turns=1, prompt_tokens=1, response_tokens=1,
+                    total_tokens=2, reward=0.0, advantage=None, policy_version_min=0, policy_version_max=0,
+                    producer_id="w", producer_address="h:1", checksum=0, created_at=0.0, info_json="{}")
+         for i in range(6)]
+# only rank 1 could not pull group g2 (its producer died after rank 0 had pulled its own rows)
+mine = ["g2.0-0", "g2.0-1"] if dist.get_rank() == 1 else []
+pulled = {i: {} for i in range(6) if metas[i].sample_id not in mine}
+kept, lost = agree_on_lost(metas, pulled, mine)
+print(json.dumps({"lost": lost, "kept": sorted(kept)}))
+dist.destroy_process_group()
+"""
+
+
+def test_lost_ids_of_every_rank_reach_rank_0(tmp_path: Path) -> None:
+    """Rank 0 releases the step: it must know what rank 1 failed to pull (agreed without pickles), and
+    no rank trains a row of a group another rank lost."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _GATHER], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    # both ranks drop group g2 before training (rank 0 had pulled its rows) and report its ids
+    expected = {"lost": ["g2.0-0", "g2.0-1"], "kept": [0, 1, 2, 3]}
+    assert [json.loads(o.strip().splitlines()[-1]) for o in outs] == [expected] * 2

@@ -3,7 +3,7 @@
 Tensor bytes stay in the process that produced them (a `ShardNode`); metadata rows (`SampleMeta`,
 Arrow `METADATA_SCHEMA`) go to the supervisor, which is not part of this package. Consumers compute
 their share with `partition` and pull it with `pull_samples` / `pull_weights` through a `ShardClient`
-(shared memory with same-host peers, TCP otherwise). `store.dispatch=central` routes the same pulls
+(shared memory with same-host peers, UCX when `ucxx` is installed and chosen, TCP otherwise). `store.dispatch=central` routes the same pulls
 through one `CentralDispatcher` process instead (`CentralClient`, `pull_samples_central`).
 """
 
@@ -36,7 +36,9 @@ from earl_stream.store.shm import cleanup_stale_segments, shm_supported
 from earl_stream.store.wire import ErrorCode, ManifestEntry
 
 # weights.py needs torch; load it on first use so that torch-free processes (the supervisor) stay light.
-_LAZY_WEIGHTS = frozenset({"WeightEntry", "WeightsManifest", "drop_weights", "publish_weights", "pull_weights"})
+_LAZY_WEIGHTS = frozenset(
+    {"WeightEntry", "WeightsManifest", "drop_weights", "publish_weights", "pull_weights", "pull_weights_tp", "tp_bounds", "tp_split_dim"}
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -75,6 +77,7 @@ __all__ = [
     "pull_samples",
     "pull_samples_central",
     "pull_weights",
+    "pull_weights_tp",
     "record_checksum",
     "sample_key",
     "shm_supported",
@@ -82,4 +85,6 @@ __all__ = [
     "table_from_ipc",
     "table_to_ipc",
     "table_to_metas",
+    "tp_bounds",
+    "tp_split_dim",
 ]

@@ -4,8 +4,9 @@ Owns `ShardClient`: one persistent, authenticated connection per peer address, r
 ranges of stored arrays, concurrent pulls from several peers, and, per peer, the transport: after
 authentication it asks the node for a shared-memory offer and, if this process can read the node's
 probe file (same host, same /dev/shm), pulls with PULL_SHM (the reply says where the bytes lie and
-the client copies them out of the mapped segment); otherwise, or with `shm=False`, plain PULL over
-TCP. Turning replies into arrays is `receive.py`'s. It knows nothing about what keys mean (see
+the client copies them out of the mapped segment); otherwise, when `ucxx` is installed and the
+node offers it, PULL_UCX (the piece table over the socket, the bytes over UCX, `ucx.py`); otherwise,
+or with `shm=False` / `transport='tcp'`, plain PULL over TCP. Turning replies into arrays is `receive.py`'s. It knows nothing about what keys mean (see
 `experience.py`, `weights.py`).
 """
 
@@ -24,6 +25,7 @@ import msgspec
 import numpy as np
 
 from earl_stream.errors import ProtocolError, StoreError
+from earl_stream.store import ucx as ucx_transport
 from earl_stream.store import wire
 from earl_stream.store.conn import LeaseToken, PeerConn
 from earl_stream.store.receive import ALIGN, BufferPool, Piece, SegmentGone, pieces_of_tcp_reply, receive_pieces
@@ -55,6 +57,19 @@ class RemoteError(StoreError):
         self.code = code
 
 
+def _normalized(pieces: Sequence[Piece]) -> list[Piece]:
+    """Pieces as (str, int, int) tuples, checked; numpy integers and the like are converted."""
+    out = []
+    for piece in pieces:
+        key, start, end = piece
+        if type(key) is not str or type(start) is not int or type(end) is not int:
+            key, start, end = str(key), int(start), int(end)
+        if not 0 <= start <= end:
+            raise StoreError(f"piece {key!r} [{start}, {end}) is not a valid element range")
+        out.append((key, start, end))
+    return out
+
+
 def split_address(address: str) -> tuple[str, int]:
     """'host:port' (or '[v6]:port') -> (host, port)."""
     host, sep, port = address.rpartition(":")
@@ -70,7 +85,9 @@ class ShardClient:
     request (connect, send, and the complete reply); `max_payload`: largest reply accepted, in bytes;
     `shm`: use shared memory with peers on this host (TCP stays the fallback for every other peer);
     `recv_pool_bytes`: idle receive buffers kept for reuse (each is reused once the arrays viewing it
-    are gone).
+    are gone). `transport`: one of `ucx.TRANSPORTS` ('auto', 'shm', 'tcp', 'ucx'; None: 'auto' when
+    `shm`, else 'tcp'); 'ucx' raises StoreError here when `ucxx` does not import, and at connect when
+    a peer does not offer UCX.
     """
 
     def __init__(
@@ -82,9 +99,11 @@ class ShardClient:
         max_parallel_peers: int = 8,
         shm: bool = True,
         recv_pool_bytes: int = 512 << 20,
+        transport: str | None = None,
     ) -> None:
+        self._transport = ucx_transport.check_transport(transport or ("auto" if shm else "tcp"))
         self._secret = secret
-        self._maps = SegmentCache() if shm else None
+        self._maps = SegmentCache() if shm and self._transport in ("auto", "shm") else None
         self._buffers = BufferPool(recv_pool_bytes)
         self._timeout_s = timeout_s
         self._max_payload = max_payload
@@ -116,22 +135,19 @@ class ShardClient:
         zero-copy view). Raises `RemoteError` (unknown key, bad range), `PeerUnreachable`, or
         `StoreError` on a checksum mismatch.
         """
-        pieces = [(str(k), int(s), int(e)) for k, s, e in pieces]
+        pieces = _normalized(pieces)
         if not pieces:
             return []
-        for key, start, end in pieces:
-            if not 0 <= start <= end:
-                raise StoreError(f"piece {key!r} [{start}, {end}) is not a valid element range")
         what = f"a reply to PULL of {len(pieces)} piece(s)"
         return self._call(address, what, timeout_s, lambda conn, d: self._pull_on(conn, d, address, pieces, zero_copy, merge_runs))
 
     def transport(self, address: str) -> str | None:
-        """'shm' or 'tcp' for a peer this client is connected to, else None."""
+        """'shm', 'ucx' or 'tcp' for a peer this client is connected to, else None."""
         with self._lock:
             conn = self._conns.get(address)
         if conn is None or conn.sock is None:
             return None
-        return "shm" if conn.shm else "tcp"
+        return "shm" if conn.shm else "ucx" if conn.ucx_endpoint is not None else "tcp"
 
     def manifest(self, address: str, prefix: str = "", *, timeout_s: float | None = None) -> list[ManifestEntry]:
         """Keys (sorted), dtypes and shapes of the arrays a peer holds under `prefix`."""
@@ -246,7 +262,7 @@ class ShardClient:
             for attempt in range(2):
                 fresh = conn.sock is None
                 if fresh:
-                    conn.sock, conn.shm = self._connect(address, deadline, timeout)
+                    conn.sock, conn.shm, conn.ucx_endpoint = self._connect(address, deadline, timeout)
                 try:
                     conn.flush_released()
                     result = op(conn, deadline)
@@ -272,8 +288,9 @@ class ShardClient:
                     raise StoreError(f"peer {address} broke the protocol while sending {what}: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def _connect(self, address: str, deadline: float, timeout: float) -> tuple[socket.socket, bool]:
-        """A connected, authenticated socket, and whether pulls from this peer go through shared memory."""
+    def _connect(self, address: str, deadline: float, timeout: float) -> tuple[socket.socket, bool, object | None]:
+        """A connected, authenticated socket, whether pulls from this peer go through shared memory, and
+        else the UCX endpoint its bytes come through (None: over the socket)."""
         host, port = split_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
@@ -283,6 +300,7 @@ class ShardClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._handshake(sock, address, deadline)
             shm = self._maps is not None and self._negotiate_shm(sock, address, deadline)
+            endpoint = None if shm else self._negotiate_ucx(sock, address, deadline)
         except socket.timeout:
             sock.close()
             raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for the handshake of peer {address}") from None
@@ -292,8 +310,32 @@ class ShardClient:
         except (OSError, ProtocolError) as exc:
             sock.close()
             raise PeerUnreachable(address, f"handshake with shard node {address} failed: {exc}") from exc
-        log.debug("connected to shard node %s over %s", address, "shared memory" if shm else "TCP")
-        return sock, shm
+        log.debug("connected to shard node %s over %s", address, "shm" if shm else "UCX" if endpoint is not None else "TCP")
+        return sock, shm, endpoint
+
+    def _negotiate_ucx(self, sock: socket.socket, address: str, deadline: float) -> object | None:
+        """Exchange UCX worker addresses with the node; its endpoint, or None (TCP) unless 'ucx' is required."""
+        if self._transport not in ("auto", "ucx") or not ucx_transport.ucx_available():
+            return None
+        try:
+            worker = ucx_transport.process_worker()
+        except StoreError as exc:
+            if self._transport == "ucx":
+                raise
+            log.warning("UCX is installed but unusable here (%s); pulling from %s over TCP", exc, address)
+            return None
+        sock.sendall(wire.encode_frame(wire.UcxHello(worker.address)))
+        try:
+            _, offer = self._read_reply(sock, deadline, address, Kind.UCX_OFFER_REPLY)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.UNKNOWN_KIND or self._transport == "ucx":
+                raise
+            return None  # a node without the UCX transport
+        if offer.available:
+            return worker.endpoint(offer.worker_address)
+        if self._transport == "ucx":
+            raise StoreError(f"transport 'ucx' was asked for but shard node {address} does not offer it: {offer.reason}")
+        return None
 
     def _negotiate_shm(self, sock: socket.socket, address: str, deadline: float) -> bool:
         """Ask for the node's shared-memory offer; accept it only if we can read its probe here."""
@@ -338,6 +380,8 @@ class ShardClient:
     ) -> list[np.ndarray]:
         sock = conn.sock
         assert sock is not None
+        if conn.ucx_endpoint is not None:
+            return self._pull_ucx(conn, deadline, address, pieces, merge_runs)
         if not conn.shm:
             sock.sendall(wire.encode_frame(wire.PullRequest(pieces)))
             head, reply = self._read_reply(sock, deadline, address, Kind.PULL_REPLY)
@@ -360,4 +404,23 @@ class ShardClient:
         elif got.used_shm:
             # Lets the node reuse the regions now rather than at our next request; nothing to wait for.
             sock.sendall(wire.encode_frame(wire.ShmDone()))
+        return got.arrays
+
+    def _pull_ucx(self, conn: PeerConn, deadline: float, address: str, pieces: list[Piece], merge_runs: bool) -> list[np.ndarray]:
+        """PULL_UCX: the piece table comes over the socket, the bytes over UCX into one receive buffer."""
+        sock, endpoint = conn.sock, conn.ucx_endpoint
+        assert sock is not None and endpoint is not None
+        if len(pieces) > ucx_transport.MAX_PIECES:
+            raise StoreError(f"{len(pieces)} pieces in one pull; at most {ucx_transport.MAX_PIECES} over UCX")
+        tag = ucx_transport.process_worker().new_tag()
+        sock.sendall(wire.encode_frame(wire.PullUcxRequest(pieces, tag)))
+        _, reply = self._read_reply(sock, deadline, address, Kind.PULL_UCX_REPLY)
+
+        def receive(views: list[tuple[int, np.ndarray]]) -> None:
+            ucx_transport.recv_pieces(endpoint, views, tag, deadline)
+
+        got = receive_pieces(
+            sock, deadline, address, pieces, pieces_of_tcp_reply(reply), [], reply.nbytes, None, self._max_payload, False,
+            self._buffers, merge_runs, ucx_receive=receive,
+        )
         return got.arrays

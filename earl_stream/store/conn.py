@@ -23,6 +23,7 @@ class PeerConn:
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
     shm: bool = False  # this connection pulls through the peer's shared memory
+    ucx_endpoint: object | None = None  # or its bytes come over UCX (the socket stays the control channel)
     generation: int = 0  # bumped on close: held leases of an older connection died with it
     released: deque[int] = field(default_factory=deque)  # held leases whose arrays are gone, to tell the peer
 
@@ -33,6 +34,7 @@ class PeerConn:
             finally:
                 self.sock = None
                 self.shm = False
+                self.ucx_endpoint = None
                 self.generation += 1
                 self.released.clear()
 

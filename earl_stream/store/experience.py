@@ -236,7 +236,8 @@ def _pieces_for(
 ) -> list[tuple[str, int, int]]:
     """The row's ranges of every field, field after field (an empty range if it needs none)."""
     ranges = _ranges_for(pos, meta, token_ranges) or [(0, 0)]
-    return [(sample_key(meta.sample_id, name), s, e) for name in fields for s, e in ranges]
+    keys = [sample_key(meta.sample_id, name) for name in fields]
+    return [(key, s, e) for key in keys for s, e in ranges]
 
 
 def _assemble(
@@ -253,10 +254,17 @@ def _ranges_for(pos: int, meta: SampleMeta, token_ranges: Mapping[int, list[tupl
         return [(0, meta.total_tokens)]
     if pos not in token_ranges:
         raise StoreError(f"token_ranges has no entry for position {pos} (sample {meta.sample_id})")
-    ranges = [(int(s), int(e)) for s, e in token_ranges[pos]]
-    for s, e in ranges:
+    ranges: list[tuple[int, int]] = []
+    for s, e in token_ranges[pos]:
+        s, e = int(s), int(e)
         if not 0 <= s <= e <= meta.total_tokens:
             raise StoreError(f"range [{s}, {e}) outside sample {meta.sample_id} of {meta.total_tokens} tokens")
+        if s == e:
+            continue  # moves nothing
+        if ranges and ranges[-1][1] == s:  # adjacent (e.g. the middle zig-zag chunks): one range, one piece
+            ranges[-1] = (ranges[-1][0], e)
+        else:
+            ranges.append((s, e))
     return ranges
 
 

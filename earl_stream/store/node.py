@@ -25,6 +25,7 @@ import msgspec
 import numpy as np
 
 from earl_stream.errors import ProtocolError, StoreError
+from earl_stream.store import ucx as ucx_transport
 from earl_stream.store import wire
 from earl_stream.store.shards import Lease, RequestError, ShardStore
 from earl_stream.store.shm import ShmPool, shm_supported
@@ -46,7 +47,9 @@ class ShardNode:
     copy out of directly (None: wherever /dev/shm is usable); `shm_max_bytes`: cap of the pool
     (default: `max_bytes`, else 1 GiB; arrays that do not fit stay private and travel inline);
     `shm_segment_bytes`: largest segment (and largest array placed in shared memory);
-    `handlers`: extra request kinds, header type -> function returning the reply header.
+    `handlers`: extra request kinds, header type -> function returning the reply header. `ucx`: offer
+    the UCX transport to peers that ask (None: when `ucxx` imports and peers must prove `secret`, since
+    UCX aborts the process on a malformed worker address; its worker starts on first use).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class ShardNode:
         shm_max_bytes: int | None = None,
         shm_segment_bytes: int = 64 << 20,
         handlers: Mapping[type[msgspec.Struct], Handler] | None = None,
+        ucx: bool | None = None,
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise StoreError(f"max_bytes must be positive or None, got {max_bytes}")
@@ -74,6 +78,7 @@ class ShardNode:
             pool = ShmPool(max_bytes=cap, segment_bytes=shm_segment_bytes)
         self._store = ShardStore(max_bytes, put_timeout_s, pool)
         self._handlers = dict(handlers or {})
+        self._ucx = (ucx_transport.ucx_available() and secret is not None) if ucx is None else ucx
         self._secret = secret
         self._max_payload = max_payload
         self._frame_timeout_s = frame_timeout_s
@@ -275,6 +280,10 @@ class ShardNode:
             sock.sendall(wire.encode_frame(offer))
         elif isinstance(header, wire.ShmDone):
             leases.end_held(header.leases)
+        elif isinstance(header, wire.UcxHello):
+            self._answer_ucx_hello(sock, header, leases)
+        elif isinstance(header, wire.PullUcxRequest):
+            self._answer_pull_ucx(sock, header, leases)
         elif isinstance(header, wire.Hello):
             sock.sendall(wire.encode_frame(wire.HelloOk()))  # harmless: already authenticated or no secret
         elif type(header) in self._handlers:
@@ -299,25 +308,17 @@ class ShardNode:
             raise RequestError(
                 ErrorCode.REPLY_TOO_LARGE, f"{_MAX_HELD_LEASES} zero-copy leases already held; drop pulled arrays first"
             )
-        pieces, lease = self._store.resolve(request.pieces, arrays=False)
+        found = self._store.resolve_shm(request.pieces)
+        lease = found.lease
         try:
-            inline = [p.array for p in pieces if p.array is not None]
+            infos = found.infos
+            inline = [p.array for _, p in found.inline if p.array is not None]
             total = sum(a.nbytes for a in inline)
-            self._check_payload(total + sum(p.count * _itemsize(p.dtype) for p in pieces if p.array is None))
+            self._check_payload(total + sum(i.count * _itemsize(i.dtype) for i in infos if i is not None))
+            for at, p in found.inline:
+                infos[at] = wire.ShmPiece(p.dtype, p.count, self._store.wire_crc(p), -1, 0)
             pool = self._store.pool
-            index: dict[int, int] = {}
-            segments: list[wire.ShmSegment] = []
-            infos = []
-            for p in pieces:
-                if p.segment < 0:
-                    infos.append(wire.ShmPiece(p.dtype, p.count, self._store.wire_crc(p), -1, 0))
-                    continue
-                if p.segment not in index:
-                    assert pool is not None
-                    index[p.segment] = len(segments)
-                    segments.append(wire.ShmSegment(*pool.segment(p.segment)))
-                check = -1 if p.sum64 is None else p.sum64  # the reader verifies whole arrays after its copy
-                infos.append(wire.ShmPiece(p.dtype, p.count, check, index[p.segment], p.offset))
+            segments = [wire.ShmSegment(*pool.segment(s)) for s in found.segments] if pool is not None else []
             lease_id = leases.next_id() if request.hold and segments else 0
             prefix = _encode_reply(wire.PullShmReply(segments, infos, lease_id), payload_len=total)
             wire.send_buffers(sock, [prefix, *(memoryview(a.view(np.uint8)) for a in inline)])
@@ -325,6 +326,40 @@ class ShardNode:
             lease.release()
             raise
         leases.add(lease, lease_id)
+
+    def _answer_ucx_hello(self, sock: socket.socket, hello: wire.UcxHello, leases: _ConnLeases) -> None:
+        if not self._ucx:
+            reason = "UCX is turned off on this node" if ucx_transport.ucx_available() else f"no ucxx here ({ucx_transport.ucx_import_error()})"
+            sock.sendall(wire.encode_frame(wire.UcxOffer(False, b"", reason)))
+            return
+        try:
+            worker = ucx_transport.process_worker()
+            if not ucx_transport.plausible_address(hello.worker_address, worker.address):
+                raise StoreError(f"a {len(hello.worker_address)}-byte UCX_HELLO that is not a UCX worker address of this UCX version")
+            leases.ucx_endpoint = worker.endpoint(hello.worker_address)
+        except StoreError as exc:
+            log.warning("shard node %s: UCX endpoint to a peer failed: %s", self.address, exc)
+            sock.sendall(wire.encode_frame(wire.UcxOffer(False, b"", str(exc))))
+            return
+        sock.sendall(wire.encode_frame(wire.UcxOffer(True, worker.address)))
+
+    def _answer_pull_ucx(self, sock: socket.socket, request: wire.PullUcxRequest, leases: _ConnLeases) -> None:
+        if leases.ucx_endpoint is None:
+            raise RequestError(ErrorCode.MALFORMED, "PULL_UCX before a UCX_HELLO was accepted on this connection")
+        if len(request.pieces) > ucx_transport.MAX_PIECES:
+            raise RequestError(ErrorCode.REPLY_TOO_LARGE, f"over {ucx_transport.MAX_PIECES} pieces in one PULL_UCX; split the pull")
+        if not 0 <= request.tag <= (1 << 64) - 1 - len(request.pieces):
+            raise RequestError(ErrorCode.MALFORMED, f"PULL_UCX tag {request.tag} does not leave room for its pieces in 64 bits")
+        pieces, lease = self._store.resolve(request.pieces)
+        try:
+            total = sum(p.count * _itemsize(p.dtype) for p in pieces)
+            self._check_payload(total)
+            infos = [wire.PieceInfo(p.dtype, p.count, self._store.wire_crc(p)) for p in pieces]
+            sock.sendall(_encode_reply(wire.PullUcxReply(infos, total)))
+            deadline = time.monotonic() + self._frame_timeout_s
+            ucx_transport.send_pieces(leases.ucx_endpoint, [p.array for p in pieces], request.tag, deadline)
+        finally:
+            lease.release()
 
     def _check_payload(self, total: int) -> None:
         if total > self._max_payload:
@@ -353,6 +388,7 @@ class _ConnLeases:
 
     def __init__(self) -> None:
         self.implicit: Lease | None = None
+        self.ucx_endpoint: object | None = None  # this connection's UCX endpoint to the client's worker
         self.held: dict[int, Lease] = {}
         self._last_id = 0
 

@@ -4,7 +4,8 @@ Owns the checks of a reply's piece table against the request, the layout of the 
 per reply, from a `BufferPool` of recycled buffers; each output array aligned to 64 bytes; a run of
 ranges of one key merged into one array lands back to back), receiving inline bytes from the
 socket, copying shared-memory pieces out of the peer's segments (`SegmentCache`), and the integrity
-checks (crc32 of what crossed the wire, `sum64` of whole arrays read from shared memory). Connections,
+checks (crc32 of what crossed the wire, `sum64` of whole arrays read from shared memory, and of the
+check blocks covering a sub-range, summed where they lie in the segment). Connections,
 retries and timeouts are `client.py`'s.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import weakref
+from typing import Callable
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -24,6 +26,9 @@ from earl_stream.store import wire
 from earl_stream.store.shm import SegmentCache
 
 ALIGN = 64  # every received piece starts at a multiple of this in the receive buffer
+_U64 = np.dtype("<u8")
+_U8 = np.dtype(np.uint8)
+_MASK64 = (1 << 64) - 1
 Piece = tuple[str, int, int]  # (key, start, end): elements [start, end) of the array under key
 
 
@@ -71,7 +76,7 @@ class SegmentGone(StoreError):
     """A segment the peer named cannot be opened (the peer exited and removed it)."""
 
 
-def pieces_of_tcp_reply(reply: wire.PullReply) -> list[wire.ShmPiece]:
+def pieces_of_tcp_reply(reply: wire.PullReply | wire.PullUcxReply) -> list[wire.ShmPiece]:
     return [wire.ShmPiece(p.dtype, p.count, p.crc32, -1, 0) for p in reply.pieces]  # all inline: crc32
 
 
@@ -99,6 +104,7 @@ def receive_pieces(
     zero_copy: bool = False,
     buffers: BufferPool | None = None,
     merge_runs: bool = False,
+    ucx_receive: Callable[[list[tuple[int, np.ndarray]]], None] | None = None,
 ) -> Received:
     """The reply's pieces as arrays: views into one receive buffer, or (`zero_copy`) read-only views
     straight into the peer's segments for single pieces that lie there. With `merge_runs`, each run
@@ -106,87 +112,135 @@ def receive_pieces(
 
     Inline pieces are read from `sock` (their bytes follow the header, in order); shm pieces are
     copied out of (or viewed in) the peer's segments. Every piece with a check is verified.
+    With `ucx_receive`, inline pieces arrive over UCX instead: it gets (piece index, uint8 view to
+    fill) for each of them and returns once they are filled.
     """
     if len(infos) != len(pieces):
         raise ProtocolError(f"asked for {len(pieces)} pieces, reply describes {len(infos)}")
-    sizes, dts, inline_bytes = _sizes(pieces, infos, segments)
+    sizes, dts, offsets, runs, inline_bytes, total = _layout(pieces, infos, segments, merge_runs, zero_copy)
     if inline_bytes != payload_len:
         raise ProtocolError(f"reply payload is {payload_len} bytes, its inline pieces add up to {inline_bytes}")
-    runs = _runs(pieces, merge_runs)
-    offsets = [-1] * len(pieces)  # -1: read in place (zero copy)
-    total = 0
-    for first, stop in runs:
-        if zero_copy and stop - first == 1 and infos[first].segment >= 0:
-            continue
-        total = -(-total // ALIGN) * ALIGN
-        for i in range(first, stop):
-            if dts[i] != dts[first]:
-                raise ProtocolError(f"ranges of {pieces[first][0]!r} came back with different dtypes")
-            offsets[i] = total
-            total += sizes[i]
     if total > max_bytes + ALIGN * len(runs):
         raise ProtocolError(f"reply of {total} bytes is over this client's max_payload={max_bytes}")
     buf = np.empty(max(total, 1), dtype=np.uint8) if buffers is None or total == 0 else buffers.take(total)
-    _receive_inline(sock, deadline, buf, infos, offsets, sizes)
+    if ucx_receive is None:
+        _receive_inline(sock, deadline, buf, infos, offsets, sizes)
+    else:
+        ucx_receive([(i, buf[off : off + size]) for i, (info, off, size) in enumerate(zip(infos, offsets, sizes)) if info.segment < 0 and size])
     segs = _map_segments(address, segments, maps, fresh=zero_copy)
-    raws = []
-    for (key, start, end), info, off, size in zip(pieces, infos, offsets, sizes):
-        if off >= 0:
-            raw = buf[off : off + size]
-            if info.segment >= 0:
-                raw[:] = segs[info.segment][info.offset : info.offset + size]
-        else:
-            raw = segs[info.segment][info.offset : info.offset + size]
-        if info.check >= 0:
-            got = zlib.crc32(raw) if info.segment < 0 else wire.sum64(raw)
-            if got != info.check:
-                raise StoreError(
-                    f"checksum mismatch for {key!r} [{start}, {end}) from peer {address}: the bytes were corrupted "
-                    "in storage or in transit; treat this shard as lost"
-                )
-        raws.append(raw)
+    _copy_and_verify(address, pieces, infos, offsets, sizes, buf, segs)
     out = []
     for first, stop in runs:
-        if stop - first == 1:
-            out.append(raws[first].view(dts[first]))
+        off, size = offsets[first], sizes[first]
+        if stop - first > 1:
+            out.append(buf[off : offsets[stop - 1] + sizes[stop - 1]].view(dts[first]))
+        elif off >= 0:
+            out.append(buf[off : off + size].view(dts[first]))
         else:
-            out.append(buf[offsets[first] : offsets[stop - 1] + sizes[stop - 1]].view(dts[first]))
+            info = infos[first]
+            out.append(segs[info.segment][info.offset : info.offset + size].view(dts[first]))
     return Received(out, bool(segments), segs if zero_copy else [])
 
 
-def _sizes(
-    pieces: Sequence[Piece], infos: Sequence[wire.ShmPiece], segments: Sequence[wire.ShmSegment]
-) -> tuple[list[int], list[np.dtype], int]:
-    """Byte size and dtype of every piece, checked against the request and the segments' bounds."""
+def _copy_and_verify(
+    address: str,
+    pieces: Sequence[Piece],
+    infos: Sequence[wire.ShmPiece],
+    offsets: list[int],
+    sizes: list[int],
+    buf: np.ndarray,
+    segs: list[np.ndarray],
+) -> None:
+    """Copy shared-memory pieces into `buf` (offset -1: left in place), then verify every piece with a check.
+
+    The hot loop of a many-range pull (e.g. zig-zag context-parallel slices): memoryview copies (one
+    memcpy each, no numpy dispatch) and plain integer arithmetic.
+    """
+    mbuf = memoryview(buf)
+    msegs = [memoryview(s) for s in segs]
+    words = [s.view(_U64) if s.nbytes % 8 == 0 else None for s in segs]  # segments are 2 MiB multiples
+    add = np.add.reduce
+    for i, info in enumerate(infos):
+        seg, off, size = info.segment, offsets[i], sizes[i]
+        if off >= 0 and seg >= 0 and size:
+            at = info.offset
+            mbuf[off : off + size] = msegs[seg][at : at + size]
+        check = info.check
+        if check < 0:
+            continue
+        if info.check_bytes:  # a sub-range: verified over the check blocks covering it, where they lie
+            at, n, w = info.check_offset, info.check_bytes, words[seg]
+            if w is not None and at % 8 == 0:  # always, for our nodes: `wire.sum64` without its slicing
+                whole = n - n % 8
+                got = int(add(w[at >> 3 : (at + whole) >> 3])) + n
+                if whole != n:  # the array's last, partial word (zero-padded)
+                    got += int.from_bytes(msegs[seg][at + whole : at + n], "little")
+                got &= _MASK64
+            else:
+                got = wire.sum64(segs[seg][at : at + n])
+        elif seg < 0:
+            got = zlib.crc32(mbuf[off : off + size])
+        else:
+            got = wire.sum64(buf[off : off + size] if off >= 0 else segs[seg][info.offset : info.offset + size])
+        if got != check:
+            key, start, end = pieces[i]
+            raise StoreError(
+                f"checksum mismatch for {key!r} [{start}, {end}) from peer {address}: the bytes were corrupted "
+                "in storage or in transit; treat this shard as lost"
+            )
+
+
+def _layout(
+    pieces: Sequence[Piece], infos: Sequence[wire.ShmPiece], segments: Sequence[wire.ShmSegment], merge: bool, zero_copy: bool
+) -> tuple[list[int], list[np.dtype], list[int], list[tuple[int, int]], int, int]:
+    """One pass over the reply's piece table: every piece checked against the request and the
+    segments' bounds, its byte size and dtype, and where it lands in the receive buffer.
+
+    Returns (sizes, dtypes, buffer offsets (-1: read in place, zero copy), output runs as [first, stop)
+    piece indices (runs of one key when merging, else single pieces), inline bytes, buffer bytes).
+    Each output array starts at a multiple of ALIGN; a run's ranges lie back to back.
+    """
     known: dict[str, np.dtype] = {}
-    sizes, dts, inline_bytes = [], [], 0
-    for (key, start, end), info in zip(pieces, infos):
+    seg_sizes = [s.size for s in segments]
+    n = len(pieces)
+    sizes, dts, offsets = [0] * n, [_U8] * n, [-1] * n
+    runs: list[tuple[int, int]] = []
+    inline_bytes = total = run_total = 0
+    prev_key = None
+    for i, ((key, start, end), info) in enumerate(zip(pieces, infos)):
         dt = known.get(info.dtype)
         if dt is None:
             dt = known[info.dtype] = wire.storable_dtype(info.dtype)
-        if info.count != end - start:
-            raise ProtocolError(f"piece {key!r}: asked {end - start} elements, reply has {info.count}")
-        size = info.count * dt.itemsize
-        if info.segment < 0:
+        count, seg, offset = info.count, info.segment, info.offset
+        if count != end - start:
+            raise ProtocolError(f"piece {key!r}: asked {end - start} elements, reply has {count}")
+        size = count * dt.itemsize
+        if seg < 0:
             inline_bytes += size
-        elif info.segment >= len(segments) or info.offset < 0 or info.offset + size > segments[info.segment].size:
-            raise ProtocolError(f"piece {key!r}: shared-memory location {info.segment}:{info.offset}+{size} is invalid")
-        sizes.append(size)
-        dts.append(dt)
-    return sizes, dts, inline_bytes
-
-
-def _runs(pieces: Sequence[Piece], merge: bool) -> list[tuple[int, int]]:
-    """[first, stop) index ranges of the output arrays: runs of one key when merging, else single pieces."""
-    if not merge:
-        return [(i, i + 1) for i in range(len(pieces))]
-    runs: list[tuple[int, int]] = []
-    for i, piece in enumerate(pieces):
-        if runs and pieces[runs[-1][0]][0] == piece[0]:
-            runs[-1] = (runs[-1][0], i + 1)
+        elif seg >= len(seg_sizes) or offset < 0 or offset + size > seg_sizes[seg]:
+            raise ProtocolError(f"piece {key!r}: shared-memory location {seg}:{offset}+{size} is invalid")
+        elif info.check_bytes and not (
+            0 <= info.check_offset <= offset and offset + size <= info.check_offset + info.check_bytes <= seg_sizes[seg]
+        ):
+            raise ProtocolError(f"piece {key!r}: check blocks {info.check_offset}+{info.check_bytes} do not cover it")
+        if merge and runs and key == prev_key:
+            first = runs[-1][0]
+            if dt != dts[first]:
+                raise ProtocolError(f"ranges of {key!r} came back with different dtypes")
+            if offsets[first] < 0:  # it was a lone zero-copy piece; now a run: copy it after all
+                run_total = -(-total // ALIGN) * ALIGN
+                offsets[first], total = run_total, run_total + sizes[first]
+            runs[-1] = (first, i + 1)
         else:
             runs.append((i, i + 1))
-    return runs
+            if zero_copy and seg >= 0:  # a lone piece in shared memory is read in place (unless a run follows)
+                sizes[i], dts[i], prev_key = size, dt, key
+                continue
+            total = -(-total // ALIGN) * ALIGN
+        offsets[i] = total
+        total += size
+        sizes[i], dts[i], prev_key = size, dt, key
+    return sizes, dts, offsets, runs, inline_bytes, total
 
 
 def _receive_inline(

@@ -36,10 +36,26 @@ class RequestError(Exception):
 class _Shard:
     array: np.ndarray  # 1-D, C-contiguous, read-only (a view into `region` when it lives in the pool)
     sum64: int  # `wire.sum64` of the whole array's bytes, taken at put: the reference against bit rot
+    blocks: np.ndarray  # uint64 [nblocks + 1]: running word sums of CHECK_BLOCK-byte blocks (sub-range checks)
     region: Region | None
     dtype: str  # the array's dtype string, itemsize and length, kept at hand for the thousands of
     itemsize: int  # pieces a request resolves
     count: int
+
+
+CHECK_BLOCK = 1024  # bytes per check block: a sub-range is verified over the blocks covering it
+_MASK64 = (1 << 64) - 1
+
+
+class Span(NamedTuple):
+    """The check blocks covering a sub-range: put-time `sum64` of their bytes, their start (bytes from
+    the start of the array) and length, and (when the array is at hand) a uint8 view of them."""
+
+    check: int
+    start: int
+    nbytes: int
+    view: np.ndarray | None
+    seg_offset: int = -1  # where the blocks start in the shared-memory segment (-1: not in one)
 
 
 class Piece(NamedTuple):
@@ -55,6 +71,7 @@ class Piece(NamedTuple):
     sum64: int | None
     segment: int
     offset: int
+    span: Span | None = None  # for a sub-range: the blocks to verify it against
 
 
 class Lease:
@@ -68,6 +85,16 @@ class Lease:
         for region in regions:
             assert self._pool is not None
             self._pool.release(region)
+
+
+class ShmResolved(NamedTuple):
+    """What `ShardStore.resolve_shm` found: the reply's piece table (None: an inline piece), the pool
+    segment ids it numbers, the inline pieces by position, and the lease on the regions."""
+
+    infos: list[wire.ShmPiece | None]
+    segments: list[int]
+    inline: list[tuple[int, Piece]]
+    lease: Lease
 
 
 class ShardStore:
@@ -197,20 +224,72 @@ class ShardStore:
                 n = shard.count
                 if not 0 <= start <= end <= n:
                     raise RequestError(ErrorCode.BAD_RANGE, f"range [{start}, {end}) outside [0, {n}] of key {key!r}")
-                check = shard.sum64 if start == 0 and end == n else None
+                whole = start == 0 and end == n
+                check = shard.sum64 if whole else None
                 region = shard.region
+                span = None if whole else _span(shard, start, end, arrays or region is None, -1 if region is None else region.offset)
                 if region is None:
-                    out.append(Piece(key, shard.array[start:end], shard.dtype, end - start, check, -1, 0))
+                    out.append(Piece(key, shard.array[start:end], shard.dtype, end - start, check, -1, 0, span))
                     continue
                 if not regions or regions[-1] is not region:
                     regions.append(region)
                 view = shard.array[start:end] if arrays else None
                 off = region.offset + start * shard.itemsize
-                out.append(Piece(key, view, shard.dtype, end - start, check, region.segment, off))
+                out.append(Piece(key, view, shard.dtype, end - start, check, region.segment, off, span))
             if regions:
                 assert self._pool is not None  # regions imply a pool
                 self._pool.acquire_many(regions)
         return out, Lease(self._pool, regions)
+
+    def resolve_shm(self, pieces: Sequence[tuple[str, int, int]]) -> ShmResolved:
+        """`resolve` for a PULL_SHM reply, in one pass straight to its piece table (the hot path of
+        many-range pulls): a `wire.ShmPiece` per piece, its segment numbered in order of first use
+        (`segments` lists the pool's segment ids); pieces outside shared memory get a None entry and
+        their `Piece` in `inline` (position, piece): the caller fills in their crc32."""
+        infos: list[wire.ShmPiece | None] = []
+        segments: list[int] = []
+        seg_index: dict[int, int] = {}
+        inline: list[tuple[int, Piece]] = []
+        regions: list[Region] = []
+        with self._cond:
+            shards = self._shards
+            for key, start, end in pieces:
+                shard = shards.get(key)
+                if shard is None:
+                    raise RequestError(ErrorCode.UNKNOWN_KEY, f"no shard under key {key!r}")
+                n = shard.count
+                if not 0 <= start <= end <= n:
+                    raise RequestError(ErrorCode.BAD_RANGE, f"range [{start}, {end}) outside [0, {n}] of key {key!r}")
+                region = shard.region
+                if region is None:
+                    whole = start == 0 and end == n
+                    span = None if whole else _span(shard, start, end, True, -1)
+                    piece = Piece(key, shard.array[start:end], shard.dtype, end - start, shard.sum64 if whole else None, -1, 0, span)
+                    inline.append((len(infos), piece))
+                    infos.append(None)
+                    continue
+                if not regions or regions[-1] is not region:
+                    regions.append(region)
+                si = seg_index.get(region.segment)
+                if si is None:
+                    si = seg_index[region.segment] = len(segments)
+                    segments.append(region.segment)
+                off = region.offset + start * shard.itemsize
+                if start == 0 and end == n:  # the reader verifies a whole array after its copy
+                    infos.append(wire.ShmPiece(shard.dtype, n, shard.sum64, si, off))
+                elif start == end:
+                    infos.append(wire.ShmPiece(shard.dtype, 0, -1, si, off))
+                else:  # ... and a sub-range over the check blocks covering it, where they lie (`_span`, inlined)
+                    isz, blocks = shard.itemsize, shard.blocks
+                    first = start * isz // CHECK_BLOCK
+                    last = min(-(-end * isz // CHECK_BLOCK), blocks.shape[0] - 1)
+                    lo, hi = first * CHECK_BLOCK, min(last * CHECK_BLOCK, n * isz)
+                    check = (blocks.item(last) - blocks.item(first) + hi - lo) & _MASK64
+                    infos.append(wire.ShmPiece(shard.dtype, end - start, check, si, off, region.offset + lo, hi - lo))
+            if regions:
+                assert self._pool is not None  # regions imply a pool
+                self._pool.acquire_many(regions)
+        return ShmResolved(infos, segments, inline, Lease(self._pool, regions))
 
     def manifest(self, prefix: str) -> list[wire.ManifestEntry]:
         with self._cond:
@@ -236,6 +315,13 @@ class ShardStore:
         `sum64` (RequestError CORRUPT if bit rot hit it) and its crc is kept for the next sender."""
         assert piece.array is not None, "resolve(arrays=True) for pieces that cross a wire"
         if piece.sum64 is None:
+            span = piece.span
+            if span is not None and span.nbytes and (span.view is None or wire.sum64(span.view) != span.check):
+                raise RequestError(
+                    ErrorCode.CORRUPT,
+                    f"checksum mismatch for {piece.key!r} near bytes [{span.start}, {span.start + span.nbytes}): this node's "
+                    "copy is corrupt; treat the shard as lost",
+                )
             return zlib.crc32(piece.array.view(np.uint8))
         with self._cond:
             crc = self._crcs.get(piece.key)
@@ -262,4 +348,34 @@ def _prepare(key: str, arr: np.ndarray) -> _Shard:
         raise StoreError(f"shard {key!r} has dtype {arr.dtype}; only fixed-size numeric dtypes can be stored")
     view = np.ascontiguousarray(arr).view()
     view.flags.writeable = False
-    return _Shard(view, wire.sum64(view.view(np.uint8)), None, view.dtype.str, view.itemsize, view.shape[0])
+    blocks = _block_sums(view.view(np.uint8))
+    total = (int(blocks[-1]) + view.nbytes) & _MASK64
+    return _Shard(view, total, blocks, None, view.dtype.str, view.itemsize, view.shape[0])
+
+
+def _block_sums(raw: np.ndarray) -> np.ndarray:
+    """Running word sums (`wire.word_sum`) of the CHECK_BLOCK-byte blocks of `raw`: uint64 [nblocks + 1],
+    entry k = sum of blocks [0, k) mod 2**64. One pass over the bytes."""
+    n = raw.shape[0]
+    full = n // CHECK_BLOCK
+    sums = np.zeros(-(-n // CHECK_BLOCK) + 1, dtype=np.uint64)
+    if full:
+        words = raw[: full * CHECK_BLOCK].view("<u8").reshape(full, CHECK_BLOCK // 8)
+        np.add.reduce(words, axis=1, dtype=np.uint64, out=sums[1 : full + 1])
+    if n > full * CHECK_BLOCK:
+        sums[-1] = wire.word_sum(raw[full * CHECK_BLOCK :])
+    np.cumsum(sums, out=sums)  # uint64 wraps: sums mod 2**64, as word_sum
+    return sums
+
+
+def _span(shard: _Shard, start: int, end: int, with_view: bool, region_offset: int) -> Span:
+    """The check blocks covering elements [start, end) of `shard` (whose region starts at `region_offset`
+    of its segment; -1: not in shared memory)."""
+    first = start * shard.itemsize // CHECK_BLOCK
+    last = min(-(-end * shard.itemsize // CHECK_BLOCK), shard.blocks.shape[0] - 1)
+    if last <= first:  # an empty range: nothing to verify
+        return Span(-1, 0, 0, None)
+    lo, hi = first * CHECK_BLOCK, min(last * CHECK_BLOCK, shard.count * shard.itemsize)
+    check = (shard.blocks.item(last) - shard.blocks.item(first) + hi - lo) & _MASK64
+    view = shard.array.view(np.uint8)[lo:hi] if with_view else None
+    return Span(check, lo, hi - lo, view, -1 if region_offset < 0 else region_offset + lo)

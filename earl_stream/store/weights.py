@@ -4,14 +4,15 @@ Owns the key layout of published weights (`w/{version}/{name}` holding each tens
 uint8 array, plus `w/{version}/.manifest` holding a JSON `WeightsManifest` with dtype and shape per
 tensor), `publish_weights` / `drop_weights` on the trainer's node, and `pull_weights` on a rollout
 engine's side. All of a version's keys are put in one atomic `put_many`, so a puller sees a version
-completely or not at all. Choosing which slices a tensor-parallel engine needs is left to the caller:
-pieces are byte ranges of a tensor, so sub-range pulls fit this layout unchanged.
+completely or not at all. `pull_weights_tp` pulls only a tensor-parallel engine's slice of each
+tensor (`tp_split_dim`: column-parallel projections on dim 0, row-parallel on dim 1, embeddings and
+lm_head on the vocabulary, norms replicated), as byte ranges of the stored tensors.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 import numpy as np
@@ -184,3 +185,135 @@ def _pull_buckets(
         for (name, _, _), arr in zip(bucket, arrays):
             chunks[name].append(arr)
     return {name: (c[0] if len(c) == 1 else np.concatenate(c)) for name, c in chunks.items() if c}
+
+
+# --- tensor-parallel slices -------------------------------------------------------------------------------
+
+# Megatron-style sharding of a transformer's parameters (Hugging Face names): column-parallel
+# projections split their output features (dim 0 of the [out, in] weight, and their bias),
+# row-parallel ones their input features (dim 1; their bias is replicated), embeddings and the output
+# head their vocabulary (dim 0); everything else (norms, scalars) is replicated.
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_VOCAB_PARALLEL = ("embed_tokens", "lm_head", "wte")
+_MAX_PIECES_PER_REQUEST = 16384  # keeps a request header far below wire.MAX_HEADER_BYTES
+
+
+def tp_split_dim(name: str, shape: list[int]) -> int | None:
+    """The dimension along which tensor-parallel ranks split parameter `name` (None: replicated).
+
+    q/k/v/gate/up projections: 0 (weight [out, in] and bias [out]); o/down projections: 1 for the
+    weight [out, in] (bias replicated); embeddings and lm_head: 0 (vocabulary); norms and the rest: None.
+    """
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    leaf = parts[-1]
+    if module in _COLUMN_PARALLEL and len(shape) >= 1:
+        return 0
+    if module in _ROW_PARALLEL and leaf == "weight" and len(shape) == 2:
+        return 1
+    if module in _VOCAB_PARALLEL and leaf == "weight" and len(shape) == 2:
+        return 0
+    return None
+
+
+def tp_bounds(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """[start, end) of rank `tp_rank`'s share of `size` (near-equal contiguous shares, in rank order)."""
+    return size * tp_rank // tp_size, size * (tp_rank + 1) // tp_size
+
+
+def pull_weights_tp(
+    client: ShardClient,
+    address: str,
+    version: int,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    timeout_s: float = 60.0,
+    names: Iterable[str] | None = None,
+    bucket_bytes: int = 64 << 20,
+    split_dim: Callable[[str, list[int]], int | None] = tp_split_dim,
+) -> dict[str, torch.Tensor]:
+    """Fetch only tensor-parallel slice `tp_rank` of `tp_size` of every tensor of version `version`.
+
+    A tensor split along dim d (see `tp_split_dim`; d in {0, 1}) comes back with `tp_bounds(shape[d],
+    ...)` of that dimension, the others whole; replicated tensors whole. Only those bytes move: a dim-0
+    slice is one byte range, a dim-1 slice one range per row. Requests carry at most `bucket_bytes`;
+    everything is bounded by `timeout_s` (StoreError naming the version and the peer, never a hang).
+    """
+    if not (isinstance(tp_size, int) and tp_size >= 1 and isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
+        raise StoreError(f"tp_rank={tp_rank!r} must be in [0, tp_size={tp_size!r})")
+    if bucket_bytes < 1:
+        raise StoreError(f"bucket_bytes={bucket_bytes} must be >= 1")
+    deadline = time.monotonic() + timeout_s
+    where = f"weights version {version} (tp slice {tp_rank}/{tp_size}) from {address}"
+    try:
+        manifest = _await_manifest(client, address, version, deadline, where, timeout_s)
+        wanted = _select(manifest, names, where)
+        plans = [_slice_plan(e, split_dim(e.name, list(e.shape)), tp_rank, tp_size, where) for e in wanted]
+        raw = _pull_ranges(client, address, version, plans, bucket_bytes, deadline, where, timeout_s)
+    except StoreError as exc:
+        if where in str(exc):
+            raise
+        raise StoreError(f"pulling {where} failed: {exc}") from exc
+    out = {}
+    for entry, (_, shape, _) in zip(wanted, plans):
+        data = raw.get(entry.name)
+        data = torch.from_numpy(data) if data is not None and data.size else torch.empty(0, dtype=torch.uint8)
+        out[entry.name] = data.view(_dtype_from_name(entry.dtype)).reshape(shape)
+    return out
+
+
+def _slice_plan(
+    entry: WeightEntry, dim: int | None, tp_rank: int, tp_size: int, where: str
+) -> tuple[str, list[int], list[tuple[int, int]]]:
+    """(name, shape of the slice, byte ranges of the stored tensor that make it up, in order)."""
+    shape = list(entry.shape)
+    if dim is None or tp_size == 1:
+        return entry.name, shape, [(0, entry.nbytes)] if entry.nbytes else []
+    if dim not in (0, 1) or dim >= len(shape):
+        raise StoreError(f"{where}: cannot split {entry.name} {shape} along dim {dim} (only 0 or 1)")
+    numel = int(np.prod(shape))
+    item = entry.nbytes // numel if numel else 0
+    start, end = tp_bounds(shape[dim], tp_rank, tp_size)
+    sliced = shape[:dim] + [end - start] + shape[dim + 1 :]
+    inner = int(np.prod(shape[dim + 1 :])) * item  # bytes per index of `dim`
+    if dim == 0:
+        return entry.name, sliced, [(start * inner, end * inner)] if end > start and inner else []
+    row = shape[1] * inner
+    ranges = [(r * row + start * inner, r * row + end * inner) for r in range(shape[0])] if end > start and inner else []
+    return entry.name, sliced, ranges
+
+
+def _pull_ranges(
+    client: ShardClient,
+    address: str,
+    version: int,
+    plans: list[tuple[str, list[int], list[tuple[int, int]]]],
+    bucket_bytes: int,
+    deadline: float,
+    where: str,
+    timeout_s: float,
+) -> dict[str, np.ndarray]:
+    """Raw uint8 bytes per tensor name (its ranges back to back), in requests of <= `bucket_bytes`."""
+    buckets: list[list[tuple[str, int, int]]] = [[]]
+    fill = 0
+    for name, _, ranges in plans:
+        for lo, hi in ranges:
+            for s in range(lo, hi, bucket_bytes):
+                e = min(s + bucket_bytes, hi)
+                if buckets[-1] and (fill + e - s > bucket_bytes or len(buckets[-1]) >= _MAX_PIECES_PER_REQUEST):
+                    buckets.append([])
+                    fill = 0
+                buckets[-1].append((name, s, e))
+                fill += e - s
+    chunks: dict[str, list[np.ndarray]] = {}
+    for bucket in buckets:
+        if not bucket:
+            continue
+        pieces = [(weight_key(version, name), s, e) for name, s, e in bucket]
+        arrays = client.pull(address, pieces, timeout_s=_remaining(deadline, where, timeout_s), merge_runs=True)
+        names = [name for i, (name, _, _) in enumerate(bucket) if i == 0 or bucket[i - 1][0] != name]
+        for name, arr in zip(names, arrays):
+            chunks.setdefault(name, []).append(arr)
+    return {name: (c[0] if len(c) == 1 else np.concatenate(c)) for name, c in chunks.items()}

@@ -19,6 +19,11 @@ regions of a PULL_SHM reply stay leased to the connection until the client sends
 never answered), sends its next request, or disconnects; only then may the node reuse them. A
 PULL_SHM with `hold` gets a numbered lease instead, which lasts until an SHM_DONE lists its number
 or the connection closes (zero-copy reads whose lifetime the client decides).
+UCX (when `ucxx` is installed on both sides; `ucx.py`): UCX_HELLO carries the client's UCX worker
+address, UCX_OFFER_REPLY the node's (addresses travel over this authenticated connection, never a
+UCX listener, so that UCX may pick shared memory or RDMA). A PULL_UCX is answered by a PULL_UCX_REPLY
+header on this socket (dtype, count and crc32 per piece, as PULL_REPLY) while the bytes of piece i
+travel as one UCX tag message tagged `tag + i`.
 GATHER / DROP are served only by a central dispatcher node (`central.py`); other nodes answer
 UNKNOWN_KIND.
 """
@@ -68,6 +73,10 @@ class Kind(enum.IntEnum):
     PULL_SHM = 22
     PULL_SHM_REPLY = 23
     SHM_DONE = 24  # one-way: never answered
+    UCX_HELLO = 25
+    UCX_OFFER_REPLY = 26
+    PULL_UCX = 27
+    PULL_UCX_REPLY = 28
     GATHER = 30
     GATHER_REPLY = 31
     DROP = 32
@@ -174,14 +183,17 @@ class ShmSegment(msgspec.Struct, frozen=True, array_like=True):
 class ShmPiece(msgspec.Struct, frozen=True, array_like=True):
     """dtype string, element count, integrity check, segment index into the reply's `segments` (-1:
     inline in the payload), byte offset in it. `check` is the crc32 of an inline piece's bytes, or the
-    `sum64` taken at put of a whole array in shared memory, or -1 (a sub-range in shared memory: the
-    node's only reference is for the whole array, and no wire lies between it and the reader)."""
+    `sum64` taken at put of a whole array in shared memory, or, for a sub-range in shared memory, the
+    put-time `sum64` of the check blocks covering it: the `check_bytes` bytes at `check_offset` of the
+    same segment (the reader sums them where they lie; -1: no check)."""
 
     dtype: str
     count: int
     check: int
     segment: int
     offset: int
+    check_offset: int = 0
+    check_bytes: int = 0  # 0: `check` covers exactly the piece's own bytes
 
 
 class PullShmReply(msgspec.Struct, frozen=True):
@@ -196,6 +208,34 @@ class ShmDone(msgspec.Struct, frozen=True):
     """Ends the implicit lease of the last reply, and the held leases listed."""
 
     leases: list[int] = []
+
+
+class UcxHello(msgspec.Struct, frozen=True):
+    """The client's UCX worker address (opaque bytes from ucxx)."""
+
+    worker_address: bytes
+
+
+class UcxOffer(msgspec.Struct, frozen=True):
+    """`available`: the node serves PULL_UCX; `worker_address`: its UCX worker's address."""
+
+    available: bool
+    worker_address: bytes
+    reason: str = ""  # why not, when not available
+
+
+class PullUcxRequest(msgspec.Struct, frozen=True):
+    """Same pieces as `PullRequest`; `tag`: the UCX tag of piece 0 (piece i travels as `tag + i`)."""
+
+    pieces: list[tuple[str, int, int]]
+    tag: int
+
+
+class PullUcxReply(msgspec.Struct, frozen=True):
+    """Per piece dtype, count and crc32 (as `PullReply`); `nbytes`: bytes that follow over UCX."""
+
+    pieces: list[PieceInfo]
+    nbytes: int
 
 
 class GatherRequest(msgspec.Struct, frozen=True):
@@ -234,6 +274,10 @@ HEADER_TYPES: dict[Kind, type[msgspec.Struct]] = {
     Kind.PULL_SHM: PullShmRequest,
     Kind.PULL_SHM_REPLY: PullShmReply,
     Kind.SHM_DONE: ShmDone,
+    Kind.UCX_HELLO: UcxHello,
+    Kind.UCX_OFFER_REPLY: UcxOffer,
+    Kind.PULL_UCX: PullUcxRequest,
+    Kind.PULL_UCX_REPLY: PullUcxReply,
     Kind.GATHER: GatherRequest,
     Kind.GATHER_REPLY: GatherReply,
     Kind.DROP: DropRequest,
@@ -315,16 +359,24 @@ def check_mac(secret: bytes, nonce: bytes, mac: bytes) -> bool:
 _MASK64 = (1 << 64) - 1
 
 
+_U64 = np.dtype("<u8")
+
+
+def word_sum(raw: np.ndarray) -> int:
+    """`sum64` without the length term: little-endian u64 words (tail zero-padded) summed mod 2**64."""
+    n = raw.shape[0]
+    whole = n - n % 8
+    total = int(np.add.reduce(raw[:whole].view(_U64), dtype=np.uint64)) if whole else 0
+    if whole != n:
+        total += int.from_bytes(raw[whole:].tobytes(), "little")
+    return total & _MASK64
+
+
 def sum64(raw: np.ndarray) -> int:
     """Fast 64-bit check of a uint8 array: its little-endian u64 words (tail zero-padded) summed mod
     2**64, plus its length. Any single corrupted word changes it. Used where there is no wire to
     protect (shared memory); crc32 guards the wire."""
-    n = raw.shape[0]
-    whole = n - n % 8
-    total = int(np.add.reduce(raw[:whole].view("<u8"), dtype=np.uint64)) if whole else 0
-    if whole != n:
-        total += int.from_bytes(raw[whole:].tobytes(), "little")
-    return (total + n) & _MASK64
+    return (word_sum(raw) + raw.shape[0]) & _MASK64
 
 
 def storable_dtype(text: str) -> np.dtype:

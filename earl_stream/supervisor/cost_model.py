@@ -92,6 +92,18 @@ class StepCostModel:
         f = plan_features(shape, plan, accumulation_steps=accumulation_steps)
         return f.tokens / self.step_seconds(shape, plan, accumulation_steps=accumulation_steps)
 
+    def to_dict(self) -> dict[str, float]:
+        """The calibration, to store (JSON) and reload with `from_dict`."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> StepCostModel:
+        """A stored calibration; ConfigError names unknown fields."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(d) - known):
+            raise ConfigError(f"unknown cost-model fields {unknown}; known: {sorted(known)}")
+        return cls(**{k: float(v) for k, v in d.items()})
+
     @classmethod
     def calibrate(cls, samples: Sequence[tuple[ModelShape, TrainPlan, float]]) -> StepCostModel:
         """Non-negative least squares of measured micro-batch step seconds on the four features.

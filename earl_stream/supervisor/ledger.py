@@ -1,10 +1,17 @@
 """The prompt ledger and layout index of the supervisor: which prompts are out, which finished
 samples wait in which producer's store, what each training step claimed, and the sample accounting
-(produced = consumed + lost + stale + waiting).
+(produced = consumed + lost + stale + waiting + claimed, where claimed = claimed but not trained yet).
 
 Pure bookkeeping, no I/O: the server (`earl_stream.supervisor.server`) calls it. Each prompt carries
 a monotonic ordinal; a prompt whose samples are lost or stale is re-issued under the same ordinal,
 so no prompt is skipped and none is trained twice.
+
+Every mutating call is safe to repeat, because control calls are retried after a timeout whose reply
+may have been lost: a `RequestPrompts` carries a request id and a repeat gets the same prompts back;
+re-sent rows are ignored; a repeated release is a no-op. A claimed step is first reported trained
+(its samples count as consumed) and released only once a checkpoint holds its update, so a trainer
+that resumes from its checkpoint is served the claims after it again, with the same rows; the
+producers keep them until then (see `earl_stream.workers.trainer`).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class Counters:
     prompts_reissued: int = 0
     duplicates_detected: int = 0
     tokens_produced: int = 0
+    requests_repeated: int = 0  # RequestPrompts retried after a lost reply, answered with the same prompts
 
 
 class LedgerState(msgspec.Struct):
@@ -64,6 +72,8 @@ class LedgerState(msgspec.Struct):
     ready: list[int]
     claims: dict[int, tuple[bytes, list[int]]]
     attempts: dict[int, int]
+    requests: dict[str, list[tuple[str, list[str]]]] = {}  # worker -> recent (request id, group ids)
+    trained_steps: dict[int, list[int]] = {}  # trained, not checkpointed: step -> ordinals lost in it
 
 
 class Ledger:
@@ -82,6 +92,9 @@ class Ledger:
         self.next_ordinal = 0
         self.next_claim_step = 0
         self._attempts: dict[int, int] = {}
+        self.requests: dict[str, dict[str, list[str]]] = {}  # worker -> request id -> group ids issued
+        self.trained_steps: dict[int, list[int]] = {}  # claimed steps trained, not yet checkpointed -> lost ordinals
+        self.journal: list[dict[str, object]] = []  # released steps not yet written out by the server
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -100,8 +113,34 @@ class Ledger:
     def outstanding_groups(self) -> int:
         return sum(1 for g in self.groups.values() if g.state in (PromptState.QUEUED, PromptState.INFLIGHT, PromptState.READY))
 
-    def issue(self, worker_id: str, max_groups: int) -> list[Prompt]:
-        """Hand out up to `max_groups` prompts, never more than the staleness bound lets be used."""
+    def issue(self, worker_id: str, max_groups: int, request_id: str = "") -> list[Prompt]:
+        """Hand out up to `max_groups` prompts, never more than the staleness bound lets be used.
+
+        A repeated `request_id` of the same worker (its first reply was lost) gets the prompts of
+        the first answer that this worker still holds, and nothing new.
+        """
+        if request_id:
+            seen = self.requests.setdefault(worker_id, {})
+            if request_id in seen:
+                self.counters.requests_repeated += 1
+                return self._held(worker_id, seen[request_id])
+        out = self._issue_new(worker_id, max_groups)
+        if request_id:
+            seen[request_id] = [p.group_id for p in out]
+            while len(seen) > REQUESTS_KEPT:  # only the last few can still be retried
+                del seen[next(iter(seen))]
+        return out
+
+    def _held(self, worker_id: str, group_ids: list[str]) -> list[Prompt]:
+        out = []
+        for gid in group_ids:
+            group = self.groups.get(_ordinal_of(gid))
+            if group is not None and group.state == PromptState.INFLIGHT and group.worker_id == worker_id \
+                    and group.prompt.group_id == gid:
+                out.append(group.prompt)
+        return out
+
+    def _issue_new(self, worker_id: str, max_groups: int) -> list[Prompt]:
         limit = self.groups_per_step * (self.max_staleness + 1)
         out: list[Prompt] = []
         while len(out) < max_groups:
@@ -135,6 +174,9 @@ class Ledger:
     def add_rows(self, worker_id: str, rows: Iterable[SampleMeta]) -> None:
         for row in rows:
             group = self.groups.get(row.prompt_ordinal)
+            if group is not None and group.prompt.group_id == row.group_id \
+                    and any(r.sample_id == row.sample_id for r in group.rows):
+                continue  # the same row sent again (a retried PutMeta): already counted once
             if group is None or group.state != PromptState.INFLIGHT or group.prompt.group_id != row.group_id \
                     or any(r.sample_id == row.sample_id for r in group.rows):
                 self.counters.duplicates_detected += 1
@@ -149,7 +191,7 @@ class Ledger:
     def fail_groups(self, group_ids: Iterable[str]) -> None:
         """The worker could not finish these groups (an environment failed): re-issue them."""
         for gid in group_ids:
-            ordinal = int(gid[1:].split(".")[0])
+            ordinal = _ordinal_of(gid)
             group = self.groups.get(ordinal)
             if group is not None and group.state == PromptState.INFLIGHT and group.prompt.group_id == gid:
                 self._reissue(ordinal)
@@ -167,6 +209,7 @@ class Ledger:
                 self._reissue(ordinal)
                 reissued += 1
         self.counters.samples_lost += lost
+        self.requests.pop(worker_id, None)  # what it asked for is re-issued; its retries get nothing
         return {"samples_lost": lost, "prompts_reissued": reissued}
 
     # -- claims -------------------------------------------------------------------------------
@@ -198,30 +241,58 @@ class Ledger:
         self.next_claim_step = max(self.next_claim_step, step + 1)
         return ipc, to_free
 
-    def release(self, step: int, lost_sample_ids: Iterable[str] = ()) -> dict[str, list[str]]:
-        """The step was trained: free its shards; samples that could not be pulled are lost and their
-        prompts re-issued. Returns {producer address: sample ids} to free."""
+    def trained(self, step: int, lost_sample_ids: Iterable[str] = ()) -> dict[str, list[str]]:
+        """The step was trained (not yet checkpointed): its samples count as consumed, and groups with
+        a sample that could not be pulled count as lost and are re-issued. The claim stays, without
+        those groups, so that a trainer resuming from an older checkpoint is served it again; the
+        producers keep its rows until `release`. Returns {producer address: sample ids} to free.
+
+        Repeating it is a no-op, except for groups newly lost in a replay (their producer died after
+        the first training): they move from consumed to lost and are re-issued.
+        """
         if step not in self.claims:
             return {}
-        _, ordinals = self.claims.pop(step)
+        ipc, ordinals = self.claims[step]
+        replay = step in self.trained_steps
         lost = set(lost_sample_ids)
+        kept: list[int] = []
         to_free: dict[str, list[str]] = {}
         for o in ordinals:
             group = self.groups[o]
             # The trainer drops a whole group when any of its samples could not be pulled (its
             # advantages need every member), so the group counts as lost and is played again.
-            group_lost = any(r.sample_id in lost for r in group.rows)
-            if group_lost:
-                self.counters.samples_lost += len(group.rows)
-            else:
-                self.counters.samples_consumed += len(group.rows)
+            if not any(r.sample_id in lost for r in group.rows):
+                kept.append(o)
+                if not replay:
+                    self.counters.samples_consumed += len(group.rows)
+                continue
+            if replay:
+                self.counters.samples_consumed -= len(group.rows)
+            self.counters.samples_lost += len(group.rows)
             for r in group.rows:
                 to_free.setdefault(r.producer_address, []).append(r.sample_id)
-            if group_lost:
-                self._reissue(o)
-            else:
-                group.state = PromptState.DONE
-                del self.groups[o]
+            self.trained_steps.setdefault(step, []).append(o)
+            self._reissue(o)
+        self.trained_steps.setdefault(step, [])
+        if len(kept) < len(ordinals):  # a replay pulls exactly what the first training used
+            ipc = table_to_ipc(metas_to_table([r for o in kept for r in sorted(self.groups[o].rows,
+                                                                             key=lambda r: r.sample_id)]))
+        self.claims[step] = (ipc, kept)
+        return to_free
+
+    def release(self, step: int, lost_sample_ids: Iterable[str] = ()) -> dict[str, list[str]]:
+        """A checkpoint holds the step: it is done for good and its rows may be freed (counted by
+        `trained` first if it was not yet). Returns {producer address: sample ids} to free."""
+        if step not in self.claims:
+            return {}
+        to_free = self.trained(step, lost_sample_ids) if step not in self.trained_steps else {}
+        _, ordinals = self.claims.pop(step)
+        for o in ordinals:
+            group = self.groups.pop(o)
+            group.state = PromptState.DONE
+            for r in group.rows:
+                to_free.setdefault(r.producer_address, []).append(r.sample_id)
+        self.journal.append({"step": step, "trained": ordinals, "lost": self.trained_steps.pop(step)})
         return to_free
 
     # -- persistence --------------------------------------------------------------------------
@@ -231,7 +302,8 @@ class Ledger:
         state = LedgerState(
             next_ordinal=self.next_ordinal, next_claim_step=self.next_claim_step,
             counters=dataclasses.asdict(self.counters), groups=list(self.groups.values()), queue=list(self.queue),
-            ready=self.ready, claims={k: list(v) for k, v in self.claims.items()}, attempts=self._attempts)
+            ready=self.ready, claims={k: list(v) for k, v in self.claims.items()}, attempts=self._attempts,
+            requests={w: list(r.items()) for w, r in self.requests.items()}, trained_steps=self.trained_steps)
         return msgspec.msgpack.encode(state)
 
     def restore(self, data: bytes) -> None:
@@ -243,9 +315,29 @@ class Ledger:
         self.ready = list(state.ready)
         self.claims = {k: (bytes(v[0]), list(v[1])) for k, v in state.claims.items()}
         self._attempts = dict(state.attempts)
+        self.requests = {w: dict(r) for w, r in state.requests.items()}
+        self.trained_steps = {k: list(v) for k, v in state.trained_steps.items()}
 
     def samples_waiting(self) -> int:
         return sum(len(self.groups[o].rows) for o in self.ready)
+
+    def samples_claimed(self) -> int:
+        """Samples of claimed steps not trained yet."""
+        return sum(len(self.groups[o].rows) for step, (_, ords) in self.claims.items() if step not in self.trained_steps
+                   for o in ords)
+
+    def samples_uncheckpointed(self) -> int:
+        """Samples trained (counted consumed) that no checkpoint holds yet; their producers keep them."""
+        return sum(len(self.groups[o].rows) for step, (_, ords) in self.claims.items() if step in self.trained_steps
+                   for o in ords)
+
+
+REQUESTS_KEPT = 64
+
+
+def _ordinal_of(group_id: str) -> int:
+    """`g<ordinal>.<attempt>` -> ordinal."""
+    return int(group_id[1:].split(".")[0])
 
 
 def outcome_of(meta: SampleMeta) -> str:

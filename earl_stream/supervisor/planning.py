@@ -19,6 +19,7 @@ from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SampleMeta
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
+from earl_stream.supervisor.cost_model import StepCostModel
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, TrainPlan
 from earl_stream.supervisor.selector import (
     Infeasible, PlanDecision, PoolBudget, RolloutDecision, RolloutSelector, Thresholds, TrainerSelector,
@@ -32,7 +33,13 @@ def _ram_bytes() -> int:
 
 
 class Planner:
-    def __init__(self, cfg: RunConfig) -> None:
+    """Context statistics and the current plans of the trainer and rollout pools of one run.
+
+    `cost_model`: a calibrated `StepCostModel` (e.g. `StepCostModel.calibrate` on measured steps, or
+    `StepCostModel.from_dict` of a stored calibration); the default's GPU-like coefficients otherwise.
+    """
+
+    def __init__(self, cfg: RunConfig, *, cost_model: StepCostModel | None = None) -> None:
         s = cfg.selector
         self.stats = ContextStats(s.context_window)
         self.trainer: TrainerSelector | None = None
@@ -50,13 +57,14 @@ class Planner:
                                 lower_factor=s.lower_factor, headroom=s.headroom,
                                 min_episodes_between=s.min_episodes_between)
         memory = s.trainer_memory_bytes or _ram_bytes() // 4
-        # what the trainer really implements today: data parallel over its ranks, recomputation on/off
+        # what the trainer implements: data parallel (DDP-style) and Ulysses sequence parallel over its
+        # ranks (`workers.parallel`), recomputation on/off; no tensor parallel or FSDP
         self.trainer = TrainerSelector(
             shape, PoolBudget(cfg.trainer.nproc, memory, s.reserve_bytes),
             base=TrainPlan(micro_batch=1, seq_len=s.initial_seq_len, attention=Attention.EAGER,
                            logit_copies=LOGIT_COPIES_EARL_GRPO),
-            thresholds=thresholds, allow_tp=False, allow_sp=False, allow_fsdp=False,
-            step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size)
+            thresholds=thresholds, cost_model=cost_model, allow_tp=False, allow_sp=cfg.trainer.nproc > 1,
+            allow_fsdp=False, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size, pad_aware=True)
         self.rollout = RolloutSelector(shape, PoolBudget(1, memory, s.reserve_bytes), thresholds=thresholds,
                                        dtype_bytes=4, max_sequences=cfg.rollout.max_batch_size, allow_tp=False)
         for selector in (self.trainer, self.rollout):

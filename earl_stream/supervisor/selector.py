@@ -250,6 +250,7 @@ class _Selector(Generic[_D]):
         self._current: _D | None = None
         self._infeasible: Infeasible | None = None
         self._last: tuple[int, int] | None = None  # (episodes total, step) of the last decision
+        self._snapshot: ContextSnapshot | None = None  # the statistics of the latest decide()
 
     @property
     def current(self) -> _D | None:
@@ -274,6 +275,7 @@ class _Selector(Generic[_D]):
     def decide(self, snapshot: ContextSnapshot, step: int = 0) -> _D | Infeasible | None:
         """A new decision when the thresholds are crossed, Infeasible once per unreachable design
         length (until a decision succeeds), otherwise None (keep the current plan)."""
+        self._snapshot = snapshot
         hit = self._trigger(snapshot, step)
         if hit is None:
             return None
@@ -334,13 +336,18 @@ class TrainerSelector(_Selector[PlanDecision]):
     vocab-parallel logits, Megatron sequence parallelism when tp > 1, the optimizer's foreach mode).
     `step_sequences` (episodes per training step) spreads the states sync of a plan over the
     micro-batches of a step, counted as if every episode had the design length.
+    `pad_aware`: also rank micro-batch budgets of 1, 2, 4, ... design-length rows below the largest
+    that fits, counting a micro-batch of several rows at its expected fill (rows are padded to the
+    longest: p50 / p99 of the latest statistics, `prior_fill` before any), so that the cost model
+    (with its calibrated fixed cost per micro-batch) weighs padding against per-pass overhead.
+    Without it, every plan uses the largest budget that fits.
     """
 
     def __init__(self, shape: ModelShape, budget: PoolBudget, *, base: TrainPlan, thresholds: Thresholds | None = None,
                  cost_model: StepCostModel | None = None, pool: str = "trainer",
                  recomputes: Sequence[Recompute] = (Recompute.NONE, Recompute.FULL), allow_tp: bool = True,
                  allow_sp: bool = True, allow_fsdp: bool = True, max_micro_batch_tokens: int = 1 << 16,
-                 step_sequences: int = 1) -> None:
+                 step_sequences: int = 1, pad_aware: bool = False, prior_fill: float = 0.75) -> None:
         super().__init__(budget, thresholds, pool)
         if Recompute.SELECTIVE in recomputes or not recomputes:
             raise ConfigError(f"recomputes={[r.value for r in recomputes]}: choose from none/full (selective "
@@ -353,6 +360,9 @@ class TrainerSelector(_Selector[PlanDecision]):
         self.recomputes = tuple(recomputes)
         self.allow_tp, self.allow_sp, self.allow_fsdp = allow_tp, allow_sp, allow_fsdp
         self.max_micro_batch_tokens, self.step_sequences = max_micro_batch_tokens, step_sequences
+        if not 0 < prior_fill <= 1:
+            raise ConfigError(f"prior_fill={prior_fill} must be within (0, 1]")
+        self.pad_aware, self.prior_fill = pad_aware, prior_fill
 
     def layouts(self, design_seq_len: int) -> list[TrainPlan]:
         """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence."""
@@ -373,27 +383,45 @@ class TrainerSelector(_Selector[PlanDecision]):
 
     def _plan(self, design: int, reason: str, step: int) -> PlanDecision | Infeasible:
         cap = max(self.max_micro_batch_tokens, design)
-        ranked: list[tuple[RankedPlan, int]] = []  # with each plan's micro-batch token budget
+        ranked: list[tuple[RankedPlan, int, float]] = []  # with the micro-batch token budget and the score
         for layout in self.layouts(design):
             if not check_fit(self.shape, layout, self.budget.memory_bytes_per_device,
                              reserve_bytes=self.budget.reserve_bytes).fits:
                 continue
-            tokens = micro_batch_tokens(self.shape, layout, self.budget, max_tokens=cap)
-            rep = dataclasses.replace(layout, micro_batch=max(1, tokens // design))
-            fit = check_fit(self.shape, rep, self.budget.memory_bytes_per_device,
-                            reserve_bytes=self.budget.reserve_bytes)
-            # states sync (FSDP gathers, DDP all-reduce) is paid once per step, over its micro-batches
-            acc = max(1, math.ceil(self.step_sequences / (rep.dp * rep.micro_batch)))
-            ranked.append((rank_plans(self.shape, [fit], self.cost_model, accumulation_steps=acc)[0], tokens))
+            largest = micro_batch_tokens(self.shape, layout, self.budget, max_tokens=cap)
+            for tokens in self._budgets(largest, design):
+                rep = dataclasses.replace(layout, micro_batch=max(1, tokens // design))
+                fit = check_fit(self.shape, rep, self.budget.memory_bytes_per_device,
+                                reserve_bytes=self.budget.reserve_bytes)
+                # states sync (FSDP gathers, DDP all-reduce) is paid once per step, over its micro-batches
+                acc = max(1, math.ceil(self.step_sequences / (rep.dp * rep.micro_batch)))
+                r = rank_plans(self.shape, [fit], self.cost_model, accumulation_steps=acc)[0]
+                ranked.append((r, tokens, r.tokens_per_second * self._fill(rep.micro_batch)))
         if not ranked:
             return Infeasible(self._infeasible_message(design), self.pool, design, reason, step)
         # as rank_plans orders: fastest, then most headroom; then the earliest layout (least model parallelism)
-        best, tokens = min(ranked, key=lambda r: (-r[0].tokens_per_second, -r[0].check.headroom_bytes))
+        best, tokens, score = min(ranked, key=lambda r: (-r[2], -r[0].check.headroom_bytes))
         bound = dataclasses.replace(best.check.plan, micro_batch=1, seq_len=tokens)
         peak = predict_train_memory(self.shape, bound).total_bytes
         return PlanDecision(version=self.version + 1, pool=self.pool, plan=best.check.plan, micro_batch_tokens=tokens,
                             design_seq_len=design, predicted_peak_bytes=peak,
-                            predicted_tokens_per_s=best.tokens_per_second, reason=reason, step=step)
+                            predicted_tokens_per_s=score, reason=reason, step=step)
+
+    def _budgets(self, largest: int, design: int) -> list[int]:
+        """Micro-batch token budgets to rank for one layout: the largest that fits (and, pad-aware,
+        1, 2, 4, ... design-length rows below it)."""
+        if not self.pad_aware or largest < design:
+            return [largest]
+        return sorted({design << i for i in range(largest.bit_length()) if design << i < largest} | {largest})
+
+    def _fill(self, rows: int) -> float:
+        """Expected real / padded tokens of a micro-batch of `rows` rows (1 when not pad-aware)."""
+        if not self.pad_aware or rows <= 1:
+            return 1.0
+        snap = self._snapshot
+        if snap is None or snap.count == 0 or snap.p99 <= 0:
+            return self.prior_fill
+        return min(1.0, snap.p50 / snap.p99)
 
     def _infeasible_message(self, design: int) -> str:
         plan = dataclasses.replace(self.base, micro_batch=1, seq_len=design, dp=self.budget.devices, tp=1, sp=1,

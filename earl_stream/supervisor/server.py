@@ -133,7 +133,7 @@ class Supervisor:
     def _on_requestprompts(self, msg: P.RequestPrompts, now: float) -> P.Msg:
         if self.finished or msg.worker_id not in self.workers:
             return P.Prompts(prompts=[])
-        return P.Prompts(prompts=self.ledger.issue(msg.worker_id, msg.max_groups))
+        return P.Prompts(prompts=self.ledger.issue(msg.worker_id, msg.max_groups, msg.request_id))
 
     def _on_putmeta(self, msg: P.PutMeta, now: float) -> P.Msg:
         self.ledger.add_rows(msg.worker_id, msg.rows)
@@ -156,7 +156,10 @@ class Supervisor:
                          plan_json=self.planner.trainer_plan_json() if ipc is not None else "")
 
     def _on_release(self, msg: P.Release, now: float) -> P.Msg:
-        self._queue_free(self.ledger.release(msg.step, msg.lost_sample_ids))
+        if msg.checkpointed:
+            self._queue_free(self.ledger.release(msg.step, msg.lost_sample_ids))
+        else:
+            self._queue_free(self.ledger.trained(msg.step, msg.lost_sample_ids))
         return P.Ack()
 
     def _on_publishversion(self, msg: P.PublishVersion, now: float) -> P.Msg:
@@ -272,6 +275,8 @@ class Supervisor:
             "wall_seconds": wall,
             **dataclasses.asdict(c),
             "samples_in_store": self.ledger.samples_waiting(),
+            "samples_claimed": self.ledger.samples_claimed(),
+            "samples_uncheckpointed": self.ledger.samples_uncheckpointed(),
             "mean_reward_last": float(np.mean(rewards)) if rewards else None,
             "win_rate_last": outcomes.count("win") / len(outcomes) if outcomes else None,
             "draw_rate_last": outcomes.count("draw") / len(outcomes) if outcomes else None,
@@ -337,6 +342,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     sup = Supervisor(cfg, address=address)
     state_path = Path(state_dir or cfg.run_dir) / "supervisor.state"
     state_path.parent.mkdir(parents=True, exist_ok=True)
+    journal_path = state_path.parent / "trained.jsonl"
     if state_path.exists():
         try:
             sup.restore(state_path.read_bytes(), time.monotonic())
@@ -369,6 +375,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
                 msg = P.decode(payload)
                 reply = sup.handle(msg, now)
                 if isinstance(msg, MUTATING):  # write-ahead: persisted before the peer hears back
+                    _write_journal(sup, journal_path)
                     saved = _persist(sup, state_path, saved)
             except ProtocolError as exc:
                 log.warning("bad control message from peer %s: %s", frames[0].hex()[:16], exc)
@@ -383,6 +390,21 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     _persist(sup, state_path, saved)
     sock.close(0)
     log.info("supervisor stopped")
+
+
+def _write_journal(sup: Supervisor, path: Path) -> None:
+    """Append each released step's prompt ordinals to `trained.jsonl` in the state directory.
+
+    One JSON line per step: {"step", "trained": [ordinals], "lost": [ordinals]}. A step released,
+    journaled and then lost from a crashed supervisor's snapshot is released again, so a step may
+    appear twice, with the same ordinals.
+    """
+    if not sup.ledger.journal:
+        return
+    with path.open("a") as f:
+        for entry in sup.ledger.journal:
+            f.write(json.dumps(entry) + "\n")
+    sup.ledger.journal.clear()
 
 
 def _persist(sup: Supervisor, path: Path, previous: bytes) -> bytes:

@@ -35,6 +35,12 @@ class Sampling:
     top_k: int = 0
 
 
+def episode_sample_seed(prompt_seed: int, index: int) -> int:
+    """The sampling seed of episode `index` of a prompt group: a group's episodes differ, and an
+    episode's tokens are a pure function of (prompt seed, index, weights), whichever batch it shares."""
+    return (prompt_seed * 1_000_003 + index * 7_919 + 1) & 0x7FFFFFFF
+
+
 @dataclasses.dataclass
 class _Trace:
     """Token fields of an episode as it grows (lists, turned into arrays once at the end)."""
@@ -71,8 +77,13 @@ async def play_episode(
     policy_version: Callable[[], int],
     decode: Callable[[list[int]], str],
     step_timeout_s: float = 30.0,
+    sample_seed: int | None = None,
 ) -> SampleRecord:
-    """Play one episode to its end. Raises EpisodeFailed if the environment misbehaves."""
+    """Play one episode to its end. Raises EpisodeFailed if the environment misbehaves.
+
+    With `sample_seed`, turn k samples with the engine's per-request seed `sample_seed + k` (see
+    `episode_sample_seed`); without, from the engine's shared generator.
+    """
     episode_id = uuid.uuid4().hex[:16]
     observation = await _guard(env_reset(env, seed), step_timeout_s, "reset")
     trace = _Trace()
@@ -82,7 +93,8 @@ async def play_episode(
     while True:
         request = GenerateRequest(prompt_ids=list(trace.ids), max_new_tokens=options.max_turn_tokens,
                                   stop_token_ids=chat.stop_token_ids, temperature=sampling.temperature,
-                                  top_p=sampling.top_p, top_k=sampling.top_k, cache_key=episode_id)
+                                  top_p=sampling.top_p, top_k=sampling.top_k, cache_key=episode_id,
+                                  seed=None if sample_seed is None else sample_seed + turns)
         result = await batcher.generate(request)
         version = result.policy_version if result.policy_version is not None else policy_version()
         trace.add_model(list(result.token_ids), list(result.logprobs), version)

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from earl_stream import protocol as P
-from earl_stream.config import RunConfig, config_from_dict
+from earl_stream.config import RunConfig, config_from_dict, parse_cpus
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,30 @@ def model_path(cfg: RunConfig) -> Path:
 
     return ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
                                                    warm_start_seconds=cfg.model.warm_start_seconds)
+
+
+def pin_to_cpus(cpus: str, threads: int) -> list[int]:
+    """Pin this process to `cpus` (a config `cpus` field) and size torch's thread pool.
+
+    With CPUs given, torch gets one thread per pinned CPU (a pool uses exactly its cores, as a
+    disaggregated GPU pool would); without, it keeps `threads` and the OS schedules freely.
+    Returns the CPUs pinned to ([] = not pinned).
+    """
+    import torch
+
+    ids = parse_cpus(cpus)
+    if ids:
+        # sched_setaffinity(0) pins only the calling thread: pin every thread started so far (ZMQ I/O,
+        # shard node, metrics server); threads started later inherit the mask.
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), ids)
+            except ProcessLookupError:  # the thread has just exited
+                pass
+        threads = len(ids)
+    torch.set_num_threads(threads)
+    log.info("torch threads %d, %s", threads, f"pinned to CPUs {ids}" if ids else "not pinned")
+    return ids
 
 
 class StopFlag:

@@ -10,13 +10,16 @@ loading them between engine batches.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
+import threading
+from collections.abc import Iterator
 from collections import deque
 import logging
 import time
 
 import numpy as np
-import torch
 
 from earl_stream import metrics as M
 from earl_stream import protocol as P
@@ -33,8 +36,8 @@ from earl_stream.store.experience import ExperienceWriter
 from earl_stream.episodes import TRANSCRIPTS_KEPT, transcript_key
 from earl_stream.store.node import ShardNode
 from earl_stream.store.weights import pull_weights
-from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
-from earl_stream.workers.common import StopFlag, model_path, register
+from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_sample_seed, play_episode
+from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.base import Engine, EngineCapacity
 from earl_stream.workers.engines.registry import make_engine
@@ -56,9 +59,10 @@ class RolloutWorker:
         self.worker_id = reg.worker_id
         self.target_version, self.weights_address = reg.policy_version, reg.weights_address
         self.writer = ExperienceWriter(self.node, self.worker_id)
-        self.store_client = ShardClient(secret=secret)
-        torch.set_num_threads(self.cfg.rollout.threads)
-        self.engine = self._make_engine()
+        self.store_client = ShardClient(secret=secret, transport=self.cfg.store.transport)
+        pin_to_cpus(self.cfg.rollout.cpus, self.cfg.rollout.threads)
+        with self._heartbeats_during("engine start"):  # vLLM starts in 30-60 s on CPU, longer than a lease
+            self.engine = self._make_engine()
         self.chat = ChatFormat(self.tokenizer)
         self.envs = {e.display_name: e for e in self.cfg.envs}
         self.envs_version = 0
@@ -69,6 +73,26 @@ class RolloutWorker:
         self.tokens_generated = 0
         self.inflight = 0
         log.info("%s ready: shards at %s, metrics at %s", self.worker_id, self.node.address, self.metrics_address)
+
+    @contextlib.contextmanager
+    def _heartbeats_during(self, what: str) -> Iterator[None]:
+        """Heartbeat from a thread while a blocking start-up runs, so the lease does not expire meanwhile."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.cfg.supervisor.heartbeat_s):
+                try:
+                    self.hb_client.call(P.Heartbeat(worker_id=self.worker_id, stats={"starting": 1.0}))
+                except EarlError as exc:
+                    log.warning("heartbeat during %s failed: %s", what, exc)
+
+        thread = threading.Thread(target=beat, name="earl-startup-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def _make_engine(self) -> Engine:
         """The configured backend; only the built-in engine needs the model in this process."""
@@ -140,8 +164,8 @@ class RolloutWorker:
                 break
             if reply.policy_version != self.engine.policy_version and reply.weights_address:
                 await self._load_weights(reply.policy_version, reply.weights_address)
-            M.STORE_SHARDS_HELD.labels(self.worker_id).set(self.writer.samples_held)
             M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
+            M.STORE_SHARDS_HELD.labels(self.worker_id).set(self.writer.samples_held)
             await asyncio.sleep(period)
 
     async def _apply_plan(self, plan_json: str) -> None:
@@ -197,8 +221,12 @@ class RolloutWorker:
             self.version_changed.notify_all()
 
     async def _group_slot(self, slot: int) -> None:
-        while not self.stop:
-            reply = await self._call(P.RequestPrompts(worker_id=self.worker_id, max_groups=1))
+        for n in itertools.count():
+            if self.stop:
+                break
+            # a retry after a lost reply re-sends this id and gets the same prompt, not a second one
+            reply = await self._call(P.RequestPrompts(worker_id=self.worker_id, max_groups=1,
+                                                      request_id=f"{slot}.{n}"))
             if not reply.prompts:
                 await asyncio.sleep(0.05)
                 continue
@@ -235,8 +263,9 @@ class RolloutWorker:
             results = await asyncio.gather(*[
                 play_episode(env, env_options(env), self.chat, self.batcher, env_name=prompt.env, seed=prompt.seed,
                              prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
-                             policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode)
-                for env in envs], return_exceptions=True)
+                             policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
+                             sample_seed=episode_sample_seed(prompt.seed, i))
+                for i, env in enumerate(envs)], return_exceptions=True)
         finally:
             self.inflight -= len(envs)
             M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)

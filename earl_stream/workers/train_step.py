@@ -17,12 +17,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from earl_stream.algo.grpo import clipped_pg_loss, group_advantages, token_entropy, token_logprobs
+from earl_stream.algo.grpo import clipped_pg_loss, group_advantages
 from earl_stream.config import TrainerConfig
+from earl_stream.errors import ConfigError
 from earl_stream.store.experience import Puller
 from earl_stream.store.experience import SamplesUnavailable, pull_samples
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta
+from earl_stream.workers.parallel import (
+    agree_on_lost, entropy, forward_logprobs, local_batch, sp_state, sp_token_ranges, sp_windows,
+)
 
 FIELDS = ("input_ids", "loss_mask", "behaviour_logprobs")
 
@@ -68,30 +72,44 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
                client: Puller, cfg: TrainerConfig, *, ref_model: torch.nn.Module | None = None,
                rank: int = 0) -> StepResult:
     start = time.monotonic()
-    world = layout.dp_size
+    world = layout.world_size  # dp and sp ranks alike hold partial gradients of the same weights
+    if sp_state() != (layout.cp_size, layout.cp_rank):
+        raise ConfigError(f"layout has sp={layout.cp_size} (rank {layout.cp_rank}) but the model runs sp={sp_state()}: "
+                          "apply the plan with earl_stream.workers.parallel.apply_plan first")
     advantages = group_advantages([m.reward for m in metas], [m.group_id for m in metas])
     normalizer = float(max(1, sum(m.response_tokens for m in metas)))
-    part = partition([m.total_tokens for m in metas], layout, micro_batch_tokens=cfg.micro_batch_tokens)
+    lengths = [m.total_tokens for m in metas]
+    part = partition(lengths, layout, micro_batch_tokens=cfg.micro_batch_tokens)
+    windows: list = [None] * len(part.micro_batches)
+    ranges = None
+    if layout.cp_size > 1:  # Ulysses: this rank pulls and runs only its slice of every micro-batch
+        windows = sp_windows(part.micro_batches, lengths, layout.cp_size, layout.cp_rank)
+        ranges = sp_token_ranges(part.micro_batches, lengths, windows)
     pull_start = time.monotonic()
-    pulled, lost = _pull(client, metas, part.rows)
+    pulled, lost = _pull(client, metas, part.rows, ranges)
+    if world > 1:
+        # Before any forward pass every rank drops the groups any rank lost: an sp group's ranks must
+        # run the same rows, and no rank may train part of a group that the ledger re-issues.
+        pulled, lost = agree_on_lost(metas, pulled, lost)
     pull_seconds = time.monotonic() - pull_start
     sums = {"pg_loss": 0.0, "mismatch_abs": 0.0, "clip_frac": 0.0, "entropy": 0.0}
-    for mb in part.micro_batches:
+    for mb, window in zip(part.micro_batches, windows):
         rows = [i for i in mb if i in pulled]
         if not rows:
             continue
-        batch = batch_tensors([pulled[i] for i in rows], advantages[rows])
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        logp = token_logprobs(out.logits, batch["input_ids"])
+        if window is None:
+            batch = batch_tensors([pulled[i] for i in rows], advantages[rows])
+        else:  # this rank's token slice, loss tensors aligned to it
+            batch = local_batch([pulled[i] for i in rows], advantages[rows], window)
+        logits, logp = forward_logprobs(model, batch)
         ref = None
         if ref_model is not None:
             with torch.no_grad():
-                ref = token_logprobs(ref_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                                     batch["input_ids"])
-        ent = token_entropy(out.logits.detach()) if cfg.entropy_coef == 0 else token_entropy(out.logits)
+                ref = forward_logprobs(ref_model, batch)[1]
+        ent = entropy(logits.detach() if cfg.entropy_coef == 0 else logits, batch)
         terms = clipped_pg_loss(logp, batch["behaviour_logprobs"], batch["advantages"], batch["loss_mask"],
                                 clip_eps=cfg.clip_eps, normalizer=normalizer, ref_logprobs=ref, kl_coef=cfg.kl_coef,
-                                entropy=ent, entropy_coef=cfg.entropy_coef)
+                                entropy=ent, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap)
         terms.loss.backward()
         for k in sums:
             sums[k] += terms.stats.get(k, 0.0)
@@ -115,16 +133,22 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     )
 
 
-def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int]) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
-    """Pull this rank's rows; rows whose producer is gone are dropped with their whole group."""
+def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
+          ranges: dict[int, list[tuple[int, int]]] | None = None) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
+    """Pull this rank's rows (only `ranges[row]` of each when given); rows whose producer is gone are
+    dropped with their whole group."""
     mine = [metas[i] for i in rows]
+
+    def of(keep: Sequence[int]) -> dict[int, list[tuple[int, int]]] | None:
+        return None if ranges is None else {pos: ranges[i] for pos, i in enumerate(keep)}
+
     try:
-        data = pull_samples(client, mine, FIELDS)
+        data = pull_samples(client, mine, FIELDS, of(rows))
         return dict(zip(rows, data)), []
     except SamplesUnavailable as exc:
         missing = set(exc.sample_ids)
     lost_groups = {m.group_id for m in mine if m.sample_id in missing}
     keep = [i for i in rows if metas[i].group_id not in lost_groups]
-    data = pull_samples(client, [metas[i] for i in keep], FIELDS)
+    data = pull_samples(client, [metas[i] for i in keep], FIELDS, of(keep))
     lost = [m.sample_id for m in metas if m.group_id in lost_groups]
     return dict(zip(keep, data)), lost

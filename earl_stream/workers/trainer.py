@@ -9,6 +9,7 @@ The loop reads top to bottom in `TrainerRank.run`; the math lives in `earl_strea
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -30,7 +31,8 @@ from earl_stream.store.layout import Layout
 from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.store.weights import drop_weights, publish_weights
-from earl_stream.workers.common import StopFlag, model_path, register
+from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
+from earl_stream.workers.parallel import RankPlan, SequenceParallelGroups, apply_plan
 from earl_stream.workers.train_step import StepResult, train_step
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class TrainerRank:
         reg, self.cfg = register(self.client, P.Role.TRAINER, host=host, rank=rank, shard_address=self.node.address,
                                  metrics_address=self.metrics_address)
         self.worker_id = reg.worker_id
-        torch.set_num_threads(self.cfg.trainer.threads)
+        pin_to_cpus(self.cfg.trainer.cpus, self.cfg.trainer.threads)
         torch.manual_seed(self.cfg.seed)
         self.model, self.tokenizer = load_model(model_path(self.cfg))
         self.model.train()
@@ -59,7 +61,9 @@ class TrainerRank:
             self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.layout = Layout(dp_size=world_size, dp_rank=rank)
-        self.store_client: ShardClient | CentralClient = ShardClient(secret=secret)
+        # collective: every rank creates the sp groups once, so a plan change needs no set-up
+        self.sp_groups = SequenceParallelGroups(world_size, rank) if world_size > 1 else None
+        self.store_client: ShardClient | CentralClient = ShardClient(secret=secret, transport=self.cfg.store.transport)
         self.dispatcher = None
         if self.cfg.store.dispatch == "central":  # the single-controller pattern, kept for measurement
             if rank == 0:
@@ -68,6 +72,8 @@ class TrainerRank:
             self.store_client = CentralClient(self.store_client, address)
         self.step_cfg = self.cfg.trainer  # the trainer knobs a plan may change at a step boundary
         self.plan_version = 0
+        self.unreleased: list[tuple[int, list[str]]] = []  # (step, lost ids) trained, released at a checkpoint
+        self.phase = "start-up"  # what a failed collective was part of, for its error message
         self.version = self._resume(reg.policy_version)
         self.published_version = -1
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
@@ -78,8 +84,10 @@ class TrainerRank:
         step = self.version
         end = cfg.steps or float("inf")
         if self.rank == 0:
+            self._release_checkpointed()  # releases a checkpoint we resumed from still owed the supervisor
             self._publish(self.version, {})  # rollout pulls its first weights from the trainer
         while step < end and not self.stop:
+            self.phase = f"step {step}"
             metas = self._claim(step)
             if metas is None:
                 break
@@ -89,6 +97,9 @@ class TrainerRank:
                                 ref_model=self.ref_model, rank=self.rank)
             step += 1
             self.version = step
+            lost = result.lost_sample_ids  # every rank's: train_step agrees on them before training
+            if self.rank == 0:
+                self.unreleased.append((step - 1, lost))
             self._report(result)
             self._observe_staleness(step, metas)
             if self.rank == 0 and step % t.checkpoint_every == 0:
@@ -97,9 +108,12 @@ class TrainerRank:
                 dist.barrier()  # every rank has pulled: the producers may free the step's shards
             if self.rank == 0:
                 self._publish(step, result.metrics())
-                self._call(P.Release(worker_id=self.worker_id, step=step - 1, lost_sample_ids=result.lost_sample_ids))
+                self._call(P.Release(worker_id=self.worker_id, step=step - 1, lost_sample_ids=lost, checkpointed=False))
+                if step % t.checkpoint_every == 0:
+                    self._release_checkpointed()
         if self.rank == 0:
             self.save_checkpoint(step)
+            self._release_checkpointed()
             if cfg.steps and step >= cfg.steps:
                 self._call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
         self.close()
@@ -123,24 +137,45 @@ class TrainerRank:
         return None
 
     def _apply_plan(self, plan_json: str, step: int) -> None:
-        """Adopt the selector's plan at this step boundary: micro-batch token budget and recomputation.
+        """Adopt the selector's plan at this step boundary: sequence-parallel size (the rank's layout:
+        dp x sp over the pool), micro-batch token budget and recomputation.
 
-        The math does not change (the loss is normalised by the claim's token count), only how the
-        step is cut into micro-batches and what is kept for the backward pass.
+        The math does not change (the loss is normalised by the claim's token count and gradients
+        are summed over the pool), only how the step is cut and what is kept for the backward pass.
+        Every rank adopts rank 0's plan, so all ranks switch at the same boundary.
         """
+        if self.world_size > 1:
+            plan_json = _broadcast_bytes(plan_json.encode()).decode()
         if not plan_json:
             return
         plan = json.loads(plan_json)
         if plan["version"] == self.plan_version:
             return
         self.plan_version = plan["version"]
-        self.step_cfg = dataclasses.replace(self.step_cfg, micro_batch_tokens=int(plan["rank_micro_batch_tokens"]))
-        if plan["plan"]["recompute"] == "full":
-            self.model.gradient_checkpointing_enable()
-        else:
-            self.model.gradient_checkpointing_disable()
-        log.info("step %d: adopted trainer plan v%d: micro-batch %d tokens, recompute %s (%s)", step,
-                 self.plan_version, self.step_cfg.micro_batch_tokens, plan["plan"]["recompute"], plan["reason"])
+        new = RankPlan.from_plan_dict(plan)
+        if self.world_size % new.sp:
+            log.error("step %d: plan v%d has sp=%d, which does not divide %d ranks; keeping sp=%d", step,
+                      self.plan_version, new.sp, self.world_size, self.layout.cp_size)
+            new = dataclasses.replace(new, sp=self.layout.cp_size)
+        apply_plan(self.model, new, groups=self.sp_groups, rank=self.rank,
+                   extra_models=[self.ref_model] if self.ref_model is not None else [])
+        self.layout = Layout.from_rank(self.rank, dp=self.world_size // new.sp, cp=new.sp)
+        self.step_cfg = dataclasses.replace(self.step_cfg, micro_batch_tokens=new.micro_batch_tokens)
+        log.info("step %d: adopted trainer plan v%d: dp=%d sp=%d, micro-batch %d tokens, recompute %s (%s)", step,
+                 self.plan_version, self.layout.dp_size, new.sp, new.micro_batch_tokens, new.recompute, plan["reason"])
+
+    def _release_checkpointed(self) -> None:
+        """Release the steps the latest checkpoint holds (rank 0, right after writing it).
+
+        Each step is reported trained at once (checkpointed=False) but released only once a
+        checkpoint holds its update: a pool that dies and resumes from that checkpoint is served
+        the later steps' claims again, with the same rows, so no prompt is skipped and none is
+        trained twice. The producers keep those rows until then (at most `trainer.checkpoint_every`
+        steps).
+        """
+        for done, lost in self.unreleased:
+            self._call(P.Release(worker_id=self.worker_id, step=done, lost_sample_ids=lost))
+        self.unreleased = []
 
     def _publish(self, version: int, metrics: dict[str, float]) -> None:
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -202,6 +237,7 @@ class TrainerRank:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
+        self.unreleased = [(int(s), list(ids)) for s, ids in state.get("unreleased", [])]
         log.info("resumed from %s at step %d (the supervisor was at version %d)", ckpt, state["step"], supervisor_version)
         return int(state["step"])
 
@@ -211,7 +247,7 @@ class TrainerRank:
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         torch.save({"optimizer": self.optimizer.state_dict(), "step": step, "policy_version": self.version,
-                    "rng": torch.get_rng_state()}, out / "trainer_state.pt")
+                    "rng": torch.get_rng_state(), "unreleased": self.unreleased}, out / "trainer_state.pt")
         latest = Path(self.cfg.run_dir) / "checkpoints" / "latest"
         tmp = latest.with_suffix(".tmp")
         tmp.write_text(out.name)
@@ -240,14 +276,51 @@ def _broadcast_str(text: str, world_size: int) -> str:
     return bytes(buf.tolist()).rstrip(b"\0").decode()
 
 
-def run_trainer_rank(supervisor: str, host: str = "127.0.0.1") -> int:
-    """One rank; under torchrun (or `worker --nproc`) RANK/WORLD_SIZE/MASTER_* come from the environment."""
+def _broadcast_bytes(data: bytes) -> bytes:
+    """Rank 0's bytes to every rank (length first, then the bytes; no pickling)."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    if int(size) == 0:
+        return b""
+    buf = torch.zeros(int(size), dtype=torch.uint8)
+    if dist.get_rank() == 0 and data:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return buf.numpy().tobytes()
+
+
+class CollectiveFailed(EarlError):
+    """A collective with the other trainer ranks failed or timed out (a rank died or hangs)."""
+
+
+def run_trainer_rank(supervisor: str, host: str = "127.0.0.1", *, collective_timeout_s: float = 300.0) -> int:
+    """One rank; under torchrun (or `worker --nproc`) RANK/WORLD_SIZE/MASTER_* come from the environment.
+
+    Every collective (and joining the pool) gives up after `collective_timeout_s` with a
+    CollectiveFailed naming the step it was part of, so a dead or frozen rank stops the pool
+    instead of hanging it; relaunching the pool resumes it from the latest checkpoint.
+    """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    trainer: TrainerRank | None = None
     try:
-        return TrainerRank(supervisor, rank=rank, world_size=world_size, host=host).run()
+        if world_size > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=collective_timeout_s))
+        trainer = TrainerRank(supervisor, rank=rank, world_size=world_size, host=host)
+        return trainer.run()
+    except RuntimeError as exc:
+        if world_size == 1 or not (isinstance(exc, dist.DistError) or "gloo" in str(exc)):
+            raise
+        phase = trainer.phase if trainer is not None else "joining the pool"
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise CollectiveFailed(
+            f"trainer rank {rank} of {world_size}: a collective with the other ranks ({phase}; rendezvous at "
+            f"{where}) failed or waited longer than {collective_timeout_s:.0f}s: another rank died or hangs "
+            f"({str(exc).splitlines()[0][:200]}). Relaunch the pool (or start it with --restart N) to resume "
+            "from the latest checkpoint.") from None
     finally:
+        if trainer is not None and not trainer.stop:  # run() closes it when it returns
+            trainer.close()
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

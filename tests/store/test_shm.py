@@ -227,8 +227,38 @@ def test_corruption_at_rest_is_caught_on_both_transports(client_shm: bool) -> No
         node._corrupt_for_test("k", byte_index=4001)
         with pytest.raises(StoreError, match="checksum mismatch"):
             client.pull(node.address, [("k", 0, 5000)])
-        (ok,) = client.pull(node.address, [("k", 0, 1000)])  # the healthy part of a sub-range is served
-        np.testing.assert_array_equal(ok, np.arange(1000))
+        (ok,) = client.pull(node.address, [("k", 0, 700)])  # ranges whose 1 KiB check blocks are clean are served
+        np.testing.assert_array_equal(ok, np.arange(700))
+
+
+@pytest.mark.parametrize("mode", ["shm", "shm_zero_copy", "tcp"])
+def test_corrupt_segment_never_reaches_a_sub_range_consumer(mode: str) -> None:
+    """Bit rot in a segment: every sub-range whose check blocks hold the bad byte is refused, however it
+    is pulled (copied out of shm, viewed in place, merged zig-zag ranges, or sent over TCP)."""
+    n = 40_000  # int32: 160,000 bytes, ~157 check blocks
+    with ShardNode() as node, ShardClient(timeout_s=5.0, shm=mode != "tcp") as client:
+        node.put("k", np.arange(n, dtype=np.int32))
+        node.put("u8", np.arange(n, dtype=np.uint8))
+        bad = 100_003  # byte 3 of element 25,000
+        node._corrupt_for_test("k", byte_index=bad)
+        node._corrupt_for_test("u8", byte_index=bad // 4)
+        zc = mode == "shm_zero_copy"
+        for pieces in ([("k", 25_000, 25_001)], [("k", 24_990, 25_010)], [("k", 24_800, 24_999)],  # same block
+                       [("k", 0, 10), ("k", 24_000, 26_000)], [("u8", 25_000, 25_001)], [("u8", 1, n - 1)]):
+            with pytest.raises(StoreError, match="checksum mismatch"):
+                client.pull(node.address, pieces, zero_copy=zc, merge_runs=len(pieces) > 1)
+        # the zig-zag CP ranges that avoid the bad block are served, and right
+        first, second = client.pull(node.address, [("k", 0, 10_000), ("k", 30_000, n)], zero_copy=zc)
+        np.testing.assert_array_equal(first, np.arange(10_000))
+        np.testing.assert_array_equal(second, np.arange(30_000, n))
+        (merged,) = client.pull(node.address, [("u8", 0, 5_000), ("u8", 35_000, n)], merge_runs=True)
+        np.testing.assert_array_equal(merged, np.concatenate([np.arange(5_000), np.arange(35_000, n)]).astype(np.uint8))
+        assert client.transport(node.address) == ("tcp" if mode == "tcp" else "shm")
+        node.put("odd", np.arange(3001, dtype=np.uint8))  # its last check block ends in a partial word
+        node._corrupt_for_test("odd", byte_index=3000)
+        with pytest.raises(StoreError, match="checksum mismatch"):
+            client.pull(node.address, [("odd", 2500, 3001)], zero_copy=zc)
+        np.testing.assert_array_equal(client.pull(node.address, [("odd", 0, 1000)])[0], np.arange(1000).astype(np.uint8))
 
 
 # --- bad input on the shared-memory path ----------------------------------------------------------------

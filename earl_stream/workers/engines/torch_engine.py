@@ -6,6 +6,11 @@ request's own parameters and generator, and the KV caches kept between the turns
 (`cache_key`; LRU, bounded by the KV budget). It leaves scheduling across asyncio episodes to
 `AsyncBatcher` and tokenisation to the agent loop. CPU/fp32 is the tested configuration.
 
+Forward passes go through `fast_decoder.FastDecoder` (the engine's own Llama-family forward with a
+preallocated KV cache; 1.3-1.9x faster generation than the HF forward on the 1M-parameter default
+model) where the model qualifies, else through the HF model with a `DynamicCache`. Both give the
+same logits to ~1e-5 (log-probs to ~1e-6).
+
 Batch layout (one row per request, T = C + N + generated):
   mask [B, T]: | pad | kept KV of row (c_i) || pad | new prompt tokens of row (n_i) | generated ...
   where C = max c_i and N = max n_i. Gaps are masked out; positions are cumsum(mask) - 1.
@@ -25,6 +30,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
+from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
 
 _LOG = logging.getLogger(__name__)
 
@@ -153,7 +160,9 @@ class TorchEngine:
         max_batch_size: int = 64,
         kv_budget_tokens: int = 65536,
         seed: int = 0,
+        fast_forward: bool = True,
     ) -> None:
+        """`fast_forward=False` always uses the HF model's forward (for comparisons and debugging)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
@@ -172,6 +181,7 @@ class TorchEngine:
         self._can_keep = all(t == "full_attention" for t in layer_types)
         if not self._can_keep:
             _LOG.warning("model has non-full-attention layers %s: KV caches are not kept between turns", layer_types)
+        self._fast = FastDecoder(model) if fast_forward and self._can_keep and FastDecoder.supports(model) else None
         self._counts = {"batches": 0, "forward_calls": 0, "prefill_tokens": 0, "reused_tokens": 0, "generated": 0}
 
     # ---------------------------------------------------------------- Engine protocol
@@ -315,39 +325,49 @@ class TorchEngine:
             mask[b, width_c - c : width_c] = 1
             mask[b, width_c + width_n - len(new) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
-        out = self._model(
-            input_ids=ids.to(self._device),
-            attention_mask=mask.to(self._device),
-            position_ids=positions.to(self._device),
-            past_key_values=self._merge_kept(rows, cached, width_c),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        ids, mask, positions = ids.to(self._device), mask.to(self._device), positions.to(self._device)
+        cache: DynamicCache | StaticKV | None
+        if self._fast is not None:
+            capacity = width_c + width_n + max(r.req.max_new_tokens for r in rows)
+            cache = self._fast.new_cache(len(rows), capacity)
+            self._fill_kept(rows, cached, width_c, [(layer.k_buf, layer.v_buf) for layer in cache.layers])
+            cache.length = width_c
+            logits = self._fast.forward(ids, positions, mask, cache)
+        else:
+            cache = self._merge_kept(rows, cached, width_c)
+            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                              use_cache=True, logits_to_keep=1)
+            logits, cache = out.logits[:, -1, :], out.past_key_values
         self._counts["forward_calls"] += 1
         self._counts["prefill_tokens"] += sum(len(r.prompt) - c for r, c in zip(rows, cached))
         self._counts["reused_tokens"] += sum(cached)
         for row in rows:
             row.kept = None  # its tensors now live in the batch cache
-        return out.logits[:, -1, :].float(), out.past_key_values, mask.to(self._device)
+        return logits.float(), cache, mask
 
     def _merge_kept(self, rows: list[_Row], cached: list[int], width: int) -> DynamicCache | None:
-        """Right-align every row's kept KV in a [B, kv_heads, width, head_dim] block per layer."""
+        """A DynamicCache holding every row's kept KV right-aligned in [B, kv_heads, width, head_dim] per layer."""
         if width == 0:
             return None
         sample = next(r.kept for r in rows if r.kept is not None)
         layers = []
-        for li, (k0, _) in enumerate(sample.kv):
+        for k0, _ in sample.kv:
             shape = (len(rows), k0.shape[1], width, k0.shape[3])
-            keys = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
-            values = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
-            for b, (row, c) in enumerate(zip(rows, cached)):
-                if row.kept is not None:
-                    keys[b, :, width - c :] = row.kept.kv[li][0][0]
-                    values[b, :, width - c :] = row.kept.kv[li][1][0]
-            layers.append((keys, values))
+            layers.append((k0.new_zeros(shape), k0.new_zeros(shape)))
+        self._fill_kept(rows, cached, width, layers)
         return DynamicCache(ddp_cache_data=layers)
 
-    def _decode(self, rows: list[_Row], logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor) -> None:
+    @staticmethod
+    def _fill_kept(rows: list[_Row], cached: list[int], width: int,
+                   layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy every row's kept KV into positions [width - c_i, width) of per-layer [B, kv_heads, >= width, head_dim]."""
+        for li, (keys, values) in enumerate(layers):
+            for b, (row, c) in enumerate(zip(rows, cached)):
+                if row.kept is not None:
+                    keys[b, :, width - c : width] = row.kept.kv[li][0][0]
+                    values[b, :, width - c : width] = row.kept.kv[li][1][0]
+
+    def _decode(self, rows: list[_Row], logits: torch.Tensor, cache: DynamicCache | StaticKV, mask: torch.Tensor) -> None:
         """Sample, append, drop finished rows, feed the rest one token; until every row finished."""
         live = list(range(len(rows)))
         params = SamplingParams.of([r.req for r in rows])
@@ -379,16 +399,15 @@ class TorchEngine:
                 params = params.select(idx)
                 live = [live[j] for j in stay]
             mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
-            out = self._model(
-                input_ids=tokens[:, None].to(self._device),
-                attention_mask=mask,
-                position_ids=positions[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
+            if isinstance(cache, StaticKV):
+                assert self._fast is not None
+                logits = self._fast.forward(tokens[:, None].to(self._device), positions[:, None], mask, cache).float()
+            else:
+                out = self._model(input_ids=tokens[:, None].to(self._device), attention_mask=mask,
+                                  position_ids=positions[:, None], past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1, :].float()
             self._counts["forward_calls"] += 1
             positions = positions + 1
-            logits = out.logits[:, -1, :].float()
 
     def _sample(
         self, logits: torch.Tensor, rows: list[_Row], params: SamplingParams
@@ -403,7 +422,7 @@ class TorchEngine:
                 uniforms[j] = torch.rand((), generator=row.generator)
         return sample_tokens(logits, params, uniforms.to(logits.device))
 
-    def _keep(self, row: _Row, cache: DynamicCache, mask: torch.Tensor, j: int) -> None:
+    def _keep(self, row: _Row, cache: DynamicCache | StaticKV, mask: torch.Tensor, j: int) -> None:
         """Store the KV of a finished row (prompt + all generated tokens but the last, never fed)."""
         if row.keep_key is None:
             return
@@ -413,70 +432,6 @@ class TorchEngine:
         kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel))
               for layer in cache.layers]
         self._kv.put(row.keep_key, _Kept(tokens, kv))
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-row sampling knobs of a batch: temperature [B] float32 (0 = greedy), top_k [B] int64 (0 = off),
-    top_p [B] float32 (1 = off)."""
-
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-
-    @staticmethod
-    def of(requests: Sequence[GenerateRequest]) -> SamplingParams:
-        return SamplingParams(
-            torch.tensor([r.temperature for r in requests], dtype=torch.float32),
-            torch.tensor([r.top_k for r in requests], dtype=torch.long),
-            torch.tensor([r.top_p for r in requests], dtype=torch.float32),
-        )
-
-    def select(self, idx: torch.Tensor) -> SamplingParams:
-        return SamplingParams(self.temperature[idx], self.top_k[idx], self.top_p[idx])
-
-
-def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row by inverse CDF with the given uniforms [B] in [0, 1).
-
-    logits [B, V] float32. Returns tokens [B] int64 and their log-probs [B] float32 under the
-    distribution sampled from: log_softmax(logits / T) after top-k then top-p, renormalised;
-    greedy rows (T == 0) take the argmax and report log_softmax(logits) of it.
-    """
-    greedy = params.temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
-    if bool((params.top_k > 0).any()) or bool((params.top_p < 1).any()):
-        scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
-    logp = torch.log_softmax(scaled, dim=-1)
-    cdf = logp.exp().cumsum(dim=-1)
-    targets = (uniforms * cdf[:, -1])[:, None]
-    sampled = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-    # Rounding can land the inverse CDF on a filtered-out token; fall back to the mode then.
-    sampled_lp = logp.gather(1, sampled[:, None]).squeeze(1)
-    sampled = torch.where(torch.isinf(sampled_lp), scaled.argmax(dim=-1), sampled)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    if bool(greedy.any()):
-        plain = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        chosen = torch.where(greedy, plain, chosen)
-    return tokens, chosen
-
-
-def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k (exactly k by rank), then outside its top-p nucleus, to -inf."""
-    vocab = scaled.shape[-1]
-    values, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scaled.device)[None, :]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    drop = ranks >= k[:, None]
-    values = values.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(values, dim=-1)
-    # Keep a token while the mass before it is below p: the top token always stays.
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    values = values.masked_fill(drop, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
 
 
 def _check_capacity(capacity: EngineCapacity) -> None:

@@ -1,0 +1,261 @@
+"""The built-in engine's own forward pass for Llama-family decoders (Qwen2, Llama, Mistral), with a
+preallocated KV cache written in place.
+
+Why it exists: on the small models rollout runs on CPU, a decode step's time goes to the Python
+overhead of the Hugging Face module stack (~60 module calls, mask construction, cache bookkeeping,
+`torch.cat` of the whole cache every step), not to FLOPs. An inference engine owns its model code,
+as vLLM and SGLang do; this one is the same math in a few functional ops per layer.
+
+It owns: `FastDecoder` (the forward over the HF model's parameters and rotary module, with the q/k/v
+and gate/up projections fused into one matmul each; the fused copies are rebuilt whenever a source
+parameter changed in place, e.g. by a weight load; log-probs match the trainer's forward to ~1e-6; the
+copies cost ~2/3 of the layers' weight memory again, acceptable for the small CPU models it serves) and
+`StaticKV` (per layer [B, kv_heads, capacity, head_dim] buffers shared by every row of a batch, with
+the same `.layers[i].keys/.values/.batch_select_indices` surface the engine uses on a DynamicCache).
+It leaves everything else to the HF forward: `FastDecoder.supports(model)` says which models qualify
+(full attention only, SiLU MLP, standard pre-norm layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+_FAMILIES = ("qwen2", "llama", "mistral")
+
+
+class _StaticLayer:
+    """One layer's K/V buffers; `keys`/`values` are the filled part [B, kv_heads, length, head_dim]."""
+
+    def __init__(self, owner: StaticKV, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._owner = owner
+        self.k_buf = keys
+        self.v_buf = values
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.k_buf[:, :, : self._owner.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.v_buf[:, :, : self._owner.length]
+
+    def batch_select_indices(self, idx: torch.Tensor) -> None:
+        """Keep only the rows `idx` [B'] int64 (the engine drops finished rows)."""
+        self.k_buf = self.k_buf.index_select(0, idx)
+        self.v_buf = self.v_buf.index_select(0, idx)
+
+
+class StaticKV:
+    """A batch's KV cache: all rows share one length (the batch is left-padded), capacity grows if needed."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.length = 0
+        self.layers = [_StaticLayer(self, torch.zeros(shape, dtype=dtype, device=device),
+                                    torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].k_buf.shape[2]
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` more positions (doubling, so appends stay amortised O(1))."""
+        need = self.length + tokens
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity)
+        for layer in self.layers:
+            for name in ("k_buf", "v_buf"):
+                old = getattr(layer, name)
+                grown = old.new_zeros((old.shape[0], old.shape[1], new_cap, old.shape[3]))
+                grown[:, :, : self.length] = old[:, :, : self.length]
+                setattr(layer, name, grown)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The HF RMSNorm (float32 statistics, weight applied in the input dtype); one fused op for float32."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's tensors, fused where that saves matmul calls ([out, in] weights)."""
+
+    ln1: torch.Tensor
+    ln1_eps: float
+    qkv_w: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: torch.Tensor
+    ln2_eps: float
+    gate_up_w: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+    scaling: float
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FastDecoder:
+    """Forward of a supported HF causal LM over its live parameters; see the module docstring."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        if not self.supports(model):
+            raise ValueError(f"{type(model).__name__} is not supported by FastDecoder")
+        config = model.config
+        inner = model.model
+        self._embed = inner.embed_tokens
+        self._layers = list(inner.layers)
+        self._norm = inner.norm
+        self._rotary = inner.rotary_emb
+        self._head = model.get_output_embeddings()
+        self.num_layers = len(self._layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.dtype = self._embed.weight.dtype
+        self.device = self._embed.weight.device
+        self._fused: list[_Layer] = []
+        self._fused_key: tuple[int, ...] = ()
+        self.refresh()
+
+    def _sources(self) -> list[torch.Tensor]:
+        out = []
+        for layer in self._layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                out.append(lin.weight)
+                if lin.bias is not None:
+                    out.append(lin.bias)
+        return out
+
+    def refresh(self) -> None:
+        """Rebuild the fused projections if any source parameter was replaced or changed in place."""
+        sources = self._sources()
+        key = tuple(t._version for t in sources) + tuple(t.data_ptr() for t in sources)
+        if key == self._fused_key:
+            return
+        with torch.no_grad():
+            self._fused = [self._fuse(layer) for layer in self._layers]
+        self._fused_key = key
+
+    @staticmethod
+    def _fuse(layer: torch.nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        gate_up = (mlp.gate_proj, mlp.up_proj)
+
+        def bias(lins: tuple[torch.nn.Module, ...]) -> torch.Tensor | None:
+            if all(lin.bias is None for lin in lins):
+                return None
+            return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
+                              for lin in lins])
+
+        return _Layer(
+            ln1=layer.input_layernorm.weight, ln1_eps=float(layer.input_layernorm.variance_epsilon),
+            qkv_w=torch.cat([lin.weight for lin in qkv]), qkv_b=bias(qkv),
+            o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
+            ln2=layer.post_attention_layernorm.weight, ln2_eps=float(layer.post_attention_layernorm.variance_epsilon),
+            gate_up_w=torch.cat([lin.weight for lin in gate_up]), gate_up_b=bias(gate_up),
+            down_w=mlp.down_proj.weight, down_b=mlp.down_proj.bias, scaling=float(attn.scaling),
+        )
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        """True for Qwen2/Llama/Mistral-style models with full attention everywhere and a SiLU MLP."""
+        config = model.config
+        if getattr(config, "model_type", None) not in _FAMILIES or getattr(config, "hidden_act", None) != "silu":
+            return False
+        if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"])):
+            return False
+        if getattr(config, "use_sliding_window", False) or getattr(config, "pretraining_tp", 1) != 1:
+            return False
+        inner = getattr(model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not all(hasattr(inner, n) for n in needed) or model.get_output_embeddings() is None:
+            return False
+        layer = inner.layers[0]
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")) and all(
+            hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+
+    def new_cache(self, batch: int, capacity: int) -> StaticKV:
+        """An empty cache for a new batch (and the moment to pick up changed weights)."""
+        self.refresh()
+        return StaticKV(self.num_layers, batch, self.kv_heads, capacity, self.head_dim, self.dtype, self.device)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache: StaticKV,
+                *, last_only: bool = True) -> torch.Tensor:
+        """Run ids [B, n] int64 at positions [B, n] int64 after the cache's `length` tokens.
+
+        key_mask [B, length + n] (nonzero = a real token) masks padding keys; queries attend causally.
+        Appends the new K/V to `cache`. Returns logits [B, V] of the last position (`last_only`) or
+        [B, n, V], in the model dtype.
+        """
+        b, n = ids.shape
+        start = cache.length
+        end = start + n
+        cache.reserve(n)
+        x = F.embedding(ids, self._embed.weight)
+        cos, sin = self._rotary(x, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        mask = self._attention_mask(key_mask, start, n)
+        heads, kv_heads, d = self.num_heads, self.kv_heads, self.head_dim
+        for i, lay in enumerate(self._fused):
+            kv = cache.layers[i]
+            h = _rms_norm(x, lay.ln1, lay.ln1_eps)
+            qkv = F.linear(h, lay.qkv_w, lay.qkv_b).view(b, n, heads + 2 * kv_heads, d).transpose(1, 2)
+            qk = qkv[:, : heads + kv_heads]
+            qk = qk * cos + _rotate_half(qk) * sin  # q and k rotated in one go
+            kv.k_buf[:, :, start:end] = qk[:, heads:]
+            kv.v_buf[:, :, start:end] = qkv[:, heads + kv_heads :]
+            o = self._attend(qk[:, :heads], kv.k_buf[:, :, :end], kv.v_buf[:, :, :end], mask, lay.scaling)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, n, heads * d), lay.o_w, lay.o_b)
+            h = _rms_norm(x, lay.ln2, lay.ln2_eps)
+            gate, up = F.linear(h, lay.gate_up_w, lay.gate_up_b).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lay.down_w, lay.down_b)
+        cache.length = end
+        if last_only:
+            x = x[:, -1]
+        x = _rms_norm(x, self._norm.weight, float(self._norm.variance_epsilon))
+        return F.linear(x, self._head.weight, getattr(self._head, "bias", None))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+        """q [B, H, n, D] over keys/values [B, Hkv, L, D] -> [B, H, n, D]; query head h reads kv head h // (H/Hkv).
+
+        A decode step (n == 1) is written out: on CPU that beats SDPA's masked path for one query row.
+        """
+        b, heads, n, d = q.shape
+        if n != 1:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling,
+                                                  enable_gqa=self.kv_heads != heads)
+        grouped = q.reshape(b, self.kv_heads, heads // self.kv_heads, d)
+        scores = (grouped @ keys.transpose(-1, -2)) * scaling
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return (torch.softmax(scores, dim=-1) @ values).reshape(b, heads, 1, d)
+
+    @staticmethod
+    def _attention_mask(key_mask: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """Boolean [B, 1, n, start + n]: real keys at or before the query. A query always sees itself, so
+        padding queries (whose outputs are never used) do not produce NaNs that would leak through V."""
+        keys = key_mask[:, None, None, : start + n].bool()
+        if n == 1:
+            return keys
+        cols = torch.arange(start + n, device=key_mask.device)
+        rows = torch.arange(start, start + n, device=key_mask.device)[:, None]
+        return (keys & (cols <= rows)) | (cols == rows)

@@ -1,0 +1,50 @@
+"""End to end with the vLLM backend (run by `make test-vllm`; skipped where vllm is absent):
+`earl-stream up rollout.engine=vllm` trains for real on CPU, rollout loads every new policy version
+into the live vLLM engine, and vLLM's slow start (30-60 s on CPU) does not cost the rollout worker
+its lease (the worker heartbeats while its engine starts)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from earl_stream.workers.engines.registry import unavailable_reason
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+_REASON = unavailable_reason("vllm")
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+STEPS = 3
+
+
+def test_up_trains_with_the_vllm_engine(tmp_path: Path, tiny_model_dir: Path) -> None:
+    summary_path = tmp_path / "summary.json"
+    run_dir = tmp_path / "run"
+    # lease_s=10 (the default) is far shorter than vLLM's start-up on CPU: only start-up heartbeats keep
+    # the worker alive. One rollout worker: each vLLM engine takes ~2.5 GB and both cores while it starts.
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", str(STEPS), "--summary", str(summary_path),
+           f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "rollout.engine=vllm", "rollout.workers=1",
+           "rollout.max_batch_size=16", "trainer.groups_per_step=2", "trainer.group_size=4",
+           "rollout.groups_in_flight=2", "supervisor.heartbeat_s=0.5", "supervisor.lease_s=10"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    logs = run_dir / "logs"
+    rollout_log = (logs / "rollout-0.log").read_text() if (logs / "rollout-0.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + rollout_log[-3000:]
+
+    summary = json.loads(summary_path.read_text())
+    assert summary["policy_version"] >= STEPS
+    assert summary["samples_trained"] >= STEPS * 2 * 4
+    assert summary["samples_lost"] == 0 and summary["prompts_reissued"] == 0
+    assert summary["last_loss"] is not None
+    supervisor_log = (logs / "supervisor.log").read_text()
+    assert "missed its lease" not in supervisor_log, supervisor_log[-3000:]
+    # The worker really ran vLLM and swapped the trainer's weights into it, in place.
+    assert "VllmEngine" in rollout_log or "vllm" in rollout_log.lower()
+    versions = [int(v) for v in re.findall(r"loaded policy version (\d+)", rollout_log)]
+    assert versions and max(versions) >= STEPS - 1, rollout_log[-3000:]
