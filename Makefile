@@ -23,10 +23,27 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed
-	$(PY) bench/dispatch.py --json bench/results/dispatch.json
-	$(PY) bench/memory_model.py --json bench/results/memory_model.json
-	$(PY) bench/learning.py --json bench/results/learning.json
+# Benchmarks run in their own environment (.venv-bench: the project + the `bench` extra, i.e. TRL and
+# Ray as peer baselines), so that installing them can never break the test environment (.venv).
+BENCH_VENV ?= .venv-bench
+BPY := $(BENCH_VENV)/bin/python
+
+$(BENCH_VENV)/.installed: pyproject.toml
+	test -x $(BPY) || python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/pip install -q $(TORCH)
+	$(BENCH_VENV)/bin/pip install -q "$(TRANSFORMERS)" -e ".[bench]"
+	touch $@
+
+# Every benchmark, then docs/BENCHMARKS.md from bench/results/*.json (BENCH_ARGS=--quick for a short pass).
+bench: $(BENCH_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BPY) bench/dispatch.py $(BENCH_ARGS) --json bench/results/dispatch.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/memory_model.py $(BENCH_ARGS) --json bench/results/memory_model.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/selector.py $(BENCH_ARGS) --json bench/results/selector.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/engine.py $(BENCH_ARGS) --json bench/results/engine.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/learning.py --json bench/results/learning.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/e2e.py $(BENCH_ARGS) --json bench/results/e2e.json
+	$(BPY) bench/report.py
 
 clean-venv:
 	rm -rf $(VENV)
