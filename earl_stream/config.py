@@ -111,6 +111,11 @@ class SelectorConfig:
     trainer_memory_bytes: int = _f(0, "per-rank memory budget; 0 = this machine's RAM / 4", minimum=0)
     reserve_bytes: int = _f(1 << 30, "memory kept free for what the model does not count (runtime, allocator)",
                             minimum=0)
+    cost_model_path: str = _f("", "JSON of a step cost-model calibration to start from (StepCostModel.to_dict(), "
+                              "or a file with it under \"cost_model\" like bench/results/selector.json); empty = defaults")
+    cost_model_min_steps: int = _f(8, "refit the cost model from the trainer's measured step times after this many "
+                                   "steps, and as often again after that; 0 = never", minimum=0)
+    cost_model_window: int = _f(64, "most recent measured training steps the cost model is refit on", minimum=2)
 
 
 @dataclasses.dataclass(frozen=True)

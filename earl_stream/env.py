@@ -57,6 +57,7 @@ _BUILTIN_ENVS: dict[str, str] = {
     "calculator": "envs.calculator:Calculator",
     "reasoning_gym": "envs.reasoning_gym_env:ReasoningGymEnv",
     "textarena": "envs.textarena_env:TextArenaEnv",
+    "long_recall": "envs.long_recall:LongRecall",
 }
 
 DEFAULT_MAX_TURN_TOKENS = 32

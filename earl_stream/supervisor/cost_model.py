@@ -2,8 +2,9 @@
 
 Owns: the features of a plan (`plan_features`: FLOPs per device, bytes moved per device, s x s
 score elements of eager attention), the linear time model over them (`StepCostModel`), its
-least-squares calibration from measured step times (`StepCostModel.calibrate`, as EARL profiles
-tokens/GPU/s per setting and length range), and ranking of the plans that fit (`rank_plans`).
+least-squares calibration from measured step times (`StepCostModel.calibrate` on single
+micro-batches, as EARL profiles tokens/GPU/s per setting and length range; `fit_steps` on whole
+training steps, as the supervisor refits it live from the trainer's reports), and ranking of the plans that fit (`rank_plans`).
 Which plans fit is `memory_model`'s answer; when to reselect is the selector's.
 
 Per micro-batch on one device (n = b s / sp tokens outside attention, N = matrix parameters):
@@ -113,12 +114,35 @@ class StepCostModel:
         """
         if len(samples) < 2:
             raise ConfigError(f"cost model calibration needs >= 2 measured steps, got {len(samples)}")
-        feats = [plan_features(shape, plan) for shape, plan, _ in samples]
-        x = np.array([[f.flops, f.comm_bytes, f.score_elements, 1.0] for f in feats], dtype=np.float64)
-        y = np.array([sec for _, _, sec in samples], dtype=np.float64)
-        defaults = np.array([cls.seconds_per_flop, cls.seconds_per_byte, cls.seconds_per_score, 0.0])
+        model = cls.fit_steps([(shape, [plan], sec) for shape, plan, sec in samples])
+        logger.info("calibrated step cost model from %d samples: %s", len(samples), model)
+        return model
+
+    @classmethod
+    def fit_steps(cls, samples: Sequence[tuple[ModelShape, Sequence[TrainPlan], float]],
+                  *, prior: StepCostModel | None = None, relative: bool = False) -> StepCostModel:
+        """Non-negative least squares of measured *training step* seconds, each step being the
+        micro-batches it ran (`TrainPlan`s with their rows and padded length) and its seconds.
+
+        A step's features are the sums over its micro-batches (states sync counted once per step)
+        and `fixed_seconds` is paid per micro-batch, so the result ranks plans as `calibrate`'s does.
+        Coefficients of features no sample exercises keep `prior`'s (the defaults without one).
+        `relative`: minimise squared *relative* errors (each step weighted by 1 / its seconds), so
+        that short steps count as much as long ones. Needs at least two samples with >= 1
+        micro-batch each.
+        """
+        rows = [(shape, list(plans), float(sec)) for shape, plans, sec in samples if plans]
+        if len(rows) < 2:
+            raise ConfigError(f"cost model calibration needs >= 2 measured steps, got {len(rows)}")
+        x = np.array([_step_row(shape, plans) for shape, plans, _ in rows], dtype=np.float64)
+        y = np.array([sec for _, _, sec in rows], dtype=np.float64)
+        if relative:
+            if (y <= 0).any():
+                raise ConfigError("relative cost-model fit needs measured step seconds > 0")
+            x, y = x / y[:, None], np.ones_like(y)
+        base = prior or cls()
+        coef = np.array([base.seconds_per_flop, base.seconds_per_byte, base.seconds_per_score, base.fixed_seconds])
         active = [j for j in range(4) if np.any(x[:, j] > 0)]
-        coef = defaults.copy()
         while active:
             scale = x[:, active].max(axis=0)  # columns differ by ~1e12: scale for a stable solve
             sol, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
@@ -127,9 +151,26 @@ class StepCostModel:
                 coef[active] = sol
                 break
             active = [j for j, c in zip(active, sol) if c > 0]  # drop negative terms, refit
-        model = cls(*coef)
-        logger.info("calibrated step cost model from %d samples: %s", len(samples), model)
-        return model
+        return cls(*(float(c) for c in coef))
+
+    def predict_step(self, shape: ModelShape, micro_batches: Sequence[TrainPlan]) -> float:
+        """Seconds of one training step made of `micro_batches` (as in `fit_steps`)."""
+        row = _step_row(shape, micro_batches)
+        return (self.seconds_per_flop * row[0] + self.seconds_per_byte * row[1]
+                + self.seconds_per_score * row[2] + self.fixed_seconds * row[3])
+
+    def relative_error(self, samples: Sequence[tuple[ModelShape, Sequence[TrainPlan], float]]) -> float:
+        """Mean |predicted - measured| / measured over steps (`fit_steps`' samples); 0.0 without any."""
+        errs = [abs(self.predict_step(shape, plans) - sec) / sec for shape, plans, sec in samples if plans and sec > 0]
+        return float(np.mean(errs)) if errs else 0.0
+
+
+def _step_row(shape: ModelShape, micro_batches: Sequence[TrainPlan]) -> list[float]:
+    """[flops, comm bytes, score elements, micro-batches] of one step, summed over its micro-batches."""
+    acc = max(1, len(micro_batches))
+    feats = [plan_features(shape, plan, accumulation_steps=acc) for plan in micro_batches]
+    return [sum(f.flops for f in feats), sum(f.comm_bytes for f in feats),
+            sum(f.score_elements for f in feats), float(len(feats))]
 
 
 @dataclasses.dataclass(frozen=True)

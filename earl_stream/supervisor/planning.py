@@ -4,6 +4,13 @@ of each pool from the parallelism selector (`earl_stream.supervisor.selector`).
 The trainer receives its plan with each claim and adopts it at that step boundary; rollout workers
 receive theirs with heartbeats and apply it between engine batches. Plans carry a version and the
 reason they were made; both are logged, exported as metrics and shown in the status.
+
+The trainer selector ranks plans with a `StepCostModel`: the defaults, a stored calibration
+(`selector.cost_model_path`), and, once `selector.cost_model_min_steps` training steps were measured,
+a live refit (`StepCostModel.fit_steps`) on the trainer's reported step times (minus the time it
+spent pulling shards), each step described by the micro-batches the trainer cut it into under the
+plan of that step. A refit replaces the model only if it predicts those steps better; it is logged,
+shown in the status ("plans" -> "cost_model") and written to `<run_dir>/cost_model.json`.
 """
 
 from __future__ import annotations
@@ -11,13 +18,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import dataclasses
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from earl_stream import metrics as M
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
-from earl_stream.store.schema import SampleMeta
+from earl_stream.store.layout import Layout, partition
+from earl_stream.store.schema import SampleMeta, table_from_ipc
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
 from earl_stream.supervisor.cost_model import StepCostModel
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, TrainPlan
@@ -26,6 +36,22 @@ from earl_stream.supervisor.selector import (
 )
 
 log = logging.getLogger(__name__)
+_WARMUP_STEPS = 1  # the first measured steps pay one-off costs (allocator, lazy init): not calibrated on
+
+
+def load_cost_model(path: str | os.PathLike[str]) -> StepCostModel:
+    """A stored calibration: `StepCostModel.to_dict()` as JSON, or a JSON object holding it under
+    "cost_model" (as bench/results/selector.json and `<run_dir>/cost_model.json` do)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"selector.cost_model_path={str(path)!r}: cannot read a JSON calibration ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("cost_model"), dict):
+        data = data["cost_model"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"selector.cost_model_path={str(path)!r}: expected a JSON object of cost-model fields")
+    return StepCostModel.from_dict(data)
 
 
 def _ram_bytes() -> int:
@@ -36,11 +62,23 @@ class Planner:
     """Context statistics and the current plans of the trainer and rollout pools of one run.
 
     `cost_model`: a calibrated `StepCostModel` (e.g. `StepCostModel.calibrate` on measured steps, or
-    `StepCostModel.from_dict` of a stored calibration); the default's GPU-like coefficients otherwise.
+    `StepCostModel.from_dict` of a stored calibration); else the one at `selector.cost_model_path`;
+    else the default's GPU-like coefficients. Refit live by `on_trained` (see the module docstring).
     """
 
     def __init__(self, cfg: RunConfig, *, cost_model: StepCostModel | None = None) -> None:
         s = cfg.selector
+        source = "given" if cost_model is not None else s.cost_model_path or "defaults"
+        if cost_model is None and s.cost_model_path:
+            cost_model = load_cost_model(s.cost_model_path)
+        self.cost_model = cost_model or StepCostModel()
+        self.calibration: dict[str, Any] = {"source": source, "cost_model": self.cost_model.to_dict()}
+        self._calibration_file = Path(cfg.run_dir) / "cost_model.json"
+        self._min_steps = s.cost_model_min_steps
+        self._step_plans: dict[int, list[TrainPlan]] = {}  # step -> its micro-batches, until measured
+        self._samples: deque[tuple[ModelShape, list[TrainPlan], float]] = deque(maxlen=s.cost_model_window)
+        self._measured = 0
+        self._fit_at = 0
         self.stats = ContextStats(s.context_window)
         self.trainer: TrainerSelector | None = None
         self.rollout: RolloutSelector | None = None
@@ -52,7 +90,7 @@ class Planner:
             if s.enabled:
                 log.warning("selector off: the supervisor cannot read the model config (model.path=%r)", cfg.model.path)
             return
-        shape = ModelShape.from_hf(json.loads(config_file.read_text()))
+        shape = self.shape = ModelShape.from_hf(json.loads(config_file.read_text()))
         thresholds = Thresholds(percentile=Percentile(s.percentile), upper_factor=s.upper_factor,
                                 lower_factor=s.lower_factor, headroom=s.headroom,
                                 min_episodes_between=s.min_episodes_between)
@@ -63,7 +101,7 @@ class Planner:
             shape, PoolBudget(cfg.trainer.nproc, memory, s.reserve_bytes),
             base=TrainPlan(micro_batch=1, seq_len=s.initial_seq_len, attention=Attention.EAGER,
                            logit_copies=LOGIT_COPIES_EARL_GRPO),
-            thresholds=thresholds, cost_model=cost_model, allow_tp=False, allow_sp=cfg.trainer.nproc > 1,
+            thresholds=thresholds, cost_model=self.cost_model, allow_tp=False, allow_sp=cfg.trainer.nproc > 1,
             allow_fsdp=False, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size, pad_aware=True)
         self.rollout = RolloutSelector(shape, PoolBudget(1, memory, s.reserve_bytes), thresholds=thresholds,
                                        dtype_bytes=4, max_sequences=cfg.rollout.max_batch_size, allow_tp=False)
@@ -76,8 +114,10 @@ class Planner:
     def add(self, rows: list[SampleMeta]) -> None:
         self.stats.add_many(r.total_tokens for r in rows)
 
-    def on_step(self, step: int) -> None:
-        """At a step boundary (a new claim): re-plan if the context percentiles crossed a threshold."""
+    def on_step(self, step: int, claim_ipc: bytes | None = None) -> None:
+        """At a step boundary (a new claim): re-plan if the context percentiles crossed a threshold.
+
+        `claim_ipc` (the claimed metadata table) lets the cost model be refit on this step's time."""
         snapshot = self.stats.snapshot()
         for selector in (self.trainer, self.rollout):
             if selector is None:
@@ -89,6 +129,64 @@ class Planner:
                 self.last_infeasible = result.message
             elif result is not None:
                 self._adopt(result)
+        if claim_ipc and self.trainer_plan is not None and self._min_steps:
+            lengths = table_from_ipc(claim_ipc).column("total_tokens").to_pylist()
+            self._step_plans[step] = self.micro_batches(lengths)
+            for old in [k for k in self._step_plans if k < step - 64]:  # never reported (e.g. a trainer restart)
+                del self._step_plans[old]
+
+    def micro_batches(self, lengths: list[int]) -> list[TrainPlan]:
+        """The micro-batches rank 0 of the trainer runs for a claim of rows of `lengths` tokens under
+        the current plan: `TrainPlan`s of its rows, padded to the longest (as `train_step` cuts it)."""
+        decision = self.trainer_plan
+        if decision is None:
+            return []
+        plan = decision.plan
+        layout = Layout.from_rank(0, dp=plan.dp, cp=plan.sp)
+        part = partition(lengths, layout, micro_batch_tokens=decision.rank_micro_batch_tokens)
+        return [dataclasses.replace(plan, micro_batch=len(mb), seq_len=max(lengths[i] for i in mb))
+                for mb in part.micro_batches if mb]
+
+    def on_trained(self, step: int, metrics: dict[str, float]) -> StepCostModel | None:
+        """The trainer measured `step` (its PublishVersion metrics: step_seconds, pull_seconds): keep
+        the sample and refit the cost model every `selector.cost_model_min_steps` samples. Returns the
+        refit model when one was adopted."""
+        plans = self._step_plans.pop(step, None)
+        if not plans or self.trainer is None:
+            return None
+        self._measured += 1
+        seconds = float(metrics.get("step_seconds", 0.0)) - float(metrics.get("pull_seconds", 0.0))
+        if self._measured <= _WARMUP_STEPS or seconds <= 0:
+            return None
+        self._samples.append((self.shape, plans, seconds))
+        if len(self._samples) < self._min_steps or self._measured - self._fit_at < self._min_steps:
+            return None
+        self._fit_at = self._measured
+        return self._refit(step)
+
+    def _refit(self, step: int) -> StepCostModel | None:
+        samples = list(self._samples)
+        fitted = StepCostModel.fit_steps(samples, prior=self.cost_model, relative=True)
+        before, after = self.cost_model.relative_error(samples), fitted.relative_error(samples)
+        adopted = after <= before
+        self.calibration = {"source": "live" if adopted else self.calibration["source"], "step": step,
+                            "steps": len(samples), "relative_error": min(after, before),
+                            "previous_relative_error": before, "refit_relative_error": after, "adopted": adopted,
+                            "cost_model": (fitted if adopted else self.cost_model).to_dict()}
+        log.info("cost model refit on %d measured steps at step %d: mean relative error %.3f -> %.3f (%s): %s",
+                 len(samples), step, before, after, "adopted" if adopted else "kept the previous",
+                 fitted.to_dict())
+        if not adopted:
+            return None
+        self.cost_model = fitted
+        if self.trainer is not None:
+            self.trainer.cost_model = fitted
+        try:
+            self._calibration_file.parent.mkdir(parents=True, exist_ok=True)
+            self._calibration_file.write_text(json.dumps(self.calibration, indent=1))
+        except OSError as exc:
+            log.warning("cannot write the cost model calibration to %s: %s", self._calibration_file, exc)
+        return fitted
 
     def _adopt(self, decision: PlanDecision | RolloutDecision) -> None:
         if isinstance(decision, PlanDecision):
@@ -113,4 +211,4 @@ class Planner:
     def status(self) -> dict[str, Any]:
         return {"trainer": self.trainer_plan.to_dict() if self.trainer_plan else None,
                 "rollout": self.rollout_plan.to_dict() if self.rollout_plan else None,
-                "infeasible": self.last_infeasible or None}
+                "infeasible": self.last_infeasible or None, "cost_model": self.calibration}

@@ -151,7 +151,7 @@ class Supervisor:
         ipc, stale = self.ledger.claim(msg.step, msg.num_groups, msg.min_policy_version)
         self._queue_free(stale)
         if ipc is not None and first:
-            self.planner.on_step(msg.step)  # a step boundary: the pools may adopt a new plan here
+            self.planner.on_step(msg.step, ipc)  # a step boundary: the pools may adopt a new plan here
         return P.Claimed(step=msg.step, ready=ipc is not None, table_ipc=ipc or b"",
                          plan_json=self.planner.trainer_plan_json() if ipc is not None else "")
 
@@ -166,6 +166,7 @@ class Supervisor:
         self.policy_version = msg.version  # the trainer is authoritative (a resume may roll back)
         self.weights_address = msg.weights_address
         self.trainer_metrics = dict(msg.metrics)
+        self.planner.on_trained(msg.version - 1, self.trainer_metrics)  # refits the cost model now and then
         M.SUP_POLICY_VERSION.set(self.policy_version)
         return P.Ack()
 

@@ -1,0 +1,114 @@
+"""Key-value recall over many turns, with a curriculum that makes the episodes longer as a run goes on.
+
+Each episode shows the model `facts_per_turn` facts per turn ("Q7=3 B2=8 ..."; keys are a capital
+letter and a digit, values a digit 1-9) for a number of turns, then asks for the value of one key
+shown earlier. Fact turns take any reply (the model may acknowledge); only the final answer is
+scored: reward 1.0 when the first digit of the reply is the value, 0.0 otherwise (a uniformly
+guessing policy scores 1/9). `info["outcome"]` on the terminal step is "correct", "wrong" or
+"no_answer", with "expected", "turns" and "level".
+
+The curriculum: the number of fact turns is `turns + level` (capped at `max_turns`), where `level`
+grows by one every `grow_every` distinct seeds (prompt groups) this process has seen. A seed's level
+is fixed the first time the process sees it, so every member of a GRPO group (same seed) gets the
+same episode and a seed replays exactly within a process; across processes an episode depends on
+how many seeds that process saw before (with `grow_every=0`, the default, it is a pure function of
+the seed). Each fact turn adds ~35 tokens of context with the embedded tiny model's tokenizer,
+so a run that starts at 2 turns (~100 tokens) and grows to 24 reaches ~900 tokens per episode.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+import threading
+from collections import OrderedDict
+
+from earl_stream.env import StepResult
+from earl_stream.errors import EnvError
+
+__all__ = ["LongRecall"]
+
+_KEYS = [f"{c}{d}" for c in string.ascii_uppercase for d in range(10)]
+_DIGIT = re.compile(r"[1-9]")
+_SEEDS_REMEMBERED = 4096  # the level of this many most recent seeds; older ones get a fresh level
+
+
+class _Curriculum:
+    """Process-wide: the level of each seed, by the order in which distinct seeds arrive."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._levels: dict[tuple[int, int], OrderedDict[int, int]] = {}
+        self._seen: dict[tuple[int, int], int] = {}
+
+    def level(self, seed: int, grow_every: int, key: tuple[int, int]) -> int:
+        if grow_every <= 0:
+            return 0
+        with self._lock:
+            levels = self._levels.setdefault(key, OrderedDict())
+            if seed not in levels:
+                levels[seed] = self._seen.get(key, 0) // grow_every
+                self._seen[key] = self._seen.get(key, 0) + 1
+                if len(levels) > _SEEDS_REMEMBERED:
+                    levels.popitem(last=False)
+            levels.move_to_end(seed)
+            return levels[seed]
+
+
+_CURRICULUM = _Curriculum()
+
+
+class LongRecall:
+    """Remember the facts of every turn; answer one question at the end. See the module docstring."""
+
+    max_turn_tokens: int = 3
+    system_prompt: str = "Remember every fact. At the end, reply with the value of the key asked for."
+
+    def __init__(self, turns: int = 2, max_turns: int = 24, facts_per_turn: int = 4, grow_every: int = 0) -> None:
+        # int() because `env attach --param k=v` may pass strings
+        turns, max_turns, facts, grow_every = int(turns), int(max_turns), int(facts_per_turn), int(grow_every)
+        if not 1 <= turns <= max_turns or not 1 <= facts or max_turns * facts > len(_KEYS) or grow_every < 0:
+            raise EnvError(f"LongRecall needs 1 <= turns ({turns}) <= max_turns ({max_turns}), facts_per_turn "
+                           f"({facts}) >= 1, max_turns x facts_per_turn <= {len(_KEYS)} distinct keys and "
+                           f"grow_every ({grow_every}) >= 0")
+        self.turns, self.max_turns, self.facts_per_turn, self.grow_every = turns, max_turns, facts, grow_every
+        self._pages: list[str] = []
+        self._key, self._value = "", 0
+        self._shown = 0
+        self._level = 0
+        self._done = True
+
+    def episode_turns(self, level: int) -> int:
+        """Fact turns of an episode at curriculum `level`."""
+        return min(self.max_turns, self.turns + level)
+
+    async def reset(self, seed: int) -> str:
+        """Draw the facts and the question of `seed` at the seed's curriculum level; show the first facts."""
+        self._level = _CURRICULUM.level(seed, self.grow_every, (self.turns, self.grow_every))
+        n = self.episode_turns(self._level)
+        rng = random.Random(seed)
+        keys = rng.sample(_KEYS, n * self.facts_per_turn)
+        values = [rng.randint(1, 9) for _ in keys]
+        facts = [f"{k}={v}" for k, v in zip(keys, values)]
+        self._pages = [" ".join(facts[i:i + self.facts_per_turn]) for i in range(0, len(facts), self.facts_per_turn)]
+        ask = rng.randrange(len(keys))
+        self._key, self._value = keys[ask], values[ask]
+        self._shown, self._done = 1, False
+        return f"Facts: {self._pages[0]}"
+
+    async def step(self, action_text: str) -> StepResult:
+        """Show the next facts, or the question after the last of them, or score the answer."""
+        if self._done:
+            raise EnvError("LongRecall.step() called on a finished episode; call reset(seed) first")
+        if self._shown < len(self._pages):
+            self._shown += 1
+            return StepResult(f"Facts: {self._pages[self._shown - 1]}", 0.0, False)
+        if self._shown == len(self._pages):
+            self._shown += 1
+            return StepResult(f"What is {self._key}?", 0.0, False)
+        self._done = True
+        match = _DIGIT.search(action_text)
+        outcome = "no_answer" if match is None else "correct" if int(match.group()) == self._value else "wrong"
+        info = {"outcome": outcome, "expected": self._value, "turns": len(self._pages), "level": self._level}
+        return StepResult("", 1.0 if outcome == "correct" else 0.0, True, info)

@@ -1,0 +1,101 @@
+"""The long-recall environment: scoring, episode length, the curriculum (per-seed levels, replay within
+a process, same episode for every member of a group) and what a context grows to with the tiny
+model's tokenizer; it resolves by its registered name."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from earl_stream.env import env_options, env_reset, env_step, make_env
+from earl_stream.errors import EnvError
+from envs.long_recall import LongRecall
+
+
+async def _play(env: LongRecall, seed: int, answer: str | None = None) -> tuple[list[str], object]:
+    """Acknowledge every fact turn, then reply `answer` (default: the right value, read off the facts)."""
+    pages = [await env_reset(env, seed)]
+    while True:
+        result = await env_step(env, "ok")
+        pages.append(result.observation)
+        if result.observation.startswith("What is"):
+            break
+    key = re.match(r"What is (\w+)\?", pages[-1]).group(1)
+    facts = dict(f.split("=") for page in pages[:-1] for f in page.removeprefix("Facts: ").split())
+    final = await env_step(env, answer if answer is not None else facts[key])
+    return pages, final
+
+
+def test_right_answer_scores_one_and_wrong_or_missing_zero() -> None:
+    async def go() -> None:
+        env = LongRecall(turns=3)
+        pages, final = await _play(env, 11)
+        assert len(pages) == 4 and all(p.startswith("Facts: ") and len(p.split()) == 5 for p in pages[:3])
+        assert final.done and final.reward == 1.0 and final.info["outcome"] == "correct"
+        assert final.info["turns"] == 3 and final.info["level"] == 0
+        json.dumps(final.info)
+        expected = final.info["expected"]
+        _, wrong = await _play(env, 11, str(expected % 9 + 1))
+        assert wrong.reward == 0.0 and wrong.info["outcome"] == "wrong"
+        _, none = await _play(env, 11, "no idea")
+        assert none.reward == 0.0 and none.info["outcome"] == "no_answer"
+        with pytest.raises(EnvError):
+            await env_step(env, "1")
+
+    asyncio.run(go())
+
+
+def test_curriculum_grows_per_new_seed_and_replays_a_seen_seed() -> None:
+    async def go() -> None:
+        params = {"turns": 2, "max_turns": 5, "grow_every": 2, "facts_per_turn": 3}
+        seeds = [1000 + i for i in range(10)]
+        levels = []
+        for seed in seeds:
+            members = [LongRecall(**params) for _ in range(4)]  # a GRPO group: same seed, same episode
+            firsts = {await env_reset(m, seed) for m in members}
+            assert len(firsts) == 1
+            _, final = await _play(members[0], seed)
+            levels.append(final.info["level"])
+            assert final.info["turns"] == min(5, 2 + final.info["level"])
+        assert levels == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+        replay, _ = await _play(LongRecall(**params), seeds[3])
+        again, _ = await _play(LongRecall(**params), seeds[3])
+        assert replay == again and len(replay) == 1 + 3  # 3 fact turns at level 1, then the question
+
+    asyncio.run(go())
+
+
+def test_default_is_a_pure_function_of_the_seed_and_registered() -> None:
+    async def go() -> None:
+        env = make_env("envs.long_recall:LongRecall", {"turns": "4"})  # --param passes strings
+        assert env_options(env).max_turn_tokens == 3
+        a, _ = await _play(env, 5)
+        b, _ = await _play(LongRecall(turns=4), 5)
+        assert a == b and len(a) == 5
+
+    asyncio.run(go())
+    for bad in ({"turns": 0}, {"turns": 9, "max_turns": 8}, {"max_turns": 80, "facts_per_turn": 4},
+                {"grow_every": -1}):
+        with pytest.raises(EnvError, match="LongRecall needs"):
+            LongRecall(**bad)
+
+
+def test_context_grows_from_about_100_to_about_900_tokens(tiny_model_dir) -> None:
+    from earl_stream.modeling import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+
+    async def tokens(turns: int) -> int:
+        env = LongRecall(turns=turns)
+        msgs = [{"role": "system", "content": env.system_prompt}]
+        pages, _ = await _play(env, 3)
+        for page in pages:
+            msgs += [{"role": "user", "content": page}, {"role": "assistant", "content": "7"}]
+        ids = tok.apply_chat_template(msgs, tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    short, long = asyncio.run(tokens(2)), asyncio.run(tokens(24))
+    assert 80 <= short <= 160 and 750 <= long <= 1000, (short, long)

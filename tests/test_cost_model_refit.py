@@ -1,0 +1,116 @@
+"""Live calibration of the step cost model: `StepCostModel.fit_steps` on whole training steps, the
+Planner's refit from the trainer's reported step times (claims in, PublishVersion metrics in), the
+calibration written to `<run_dir>/cost_model.json` and read back through `selector.cost_model_path`."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from earl_stream.config import ModelConfig, RunConfig, SelectorConfig, TrainerConfig
+from earl_stream.errors import ConfigError
+from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, metas_to_table, table_to_ipc
+from earl_stream.supervisor.cost_model import StepCostModel
+from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, TrainPlan
+from earl_stream.supervisor.planning import Planner, load_cost_model
+
+CONFIG = {"model_type": "qwen2", "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": False}
+TRUTH = StepCostModel(seconds_per_flop=1 / 4e9, seconds_per_byte=1e-11, seconds_per_score=1 / 3e8, fixed_seconds=0.01)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _planner(tmp_path: Path, **selector: object) -> Planner:
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
+    cfg = RunConfig(model=ModelConfig(path=str(tmp_path / "model")), run_dir=str(tmp_path / "run"),
+                    trainer=TrainerConfig(nproc=1, groups_per_step=2, group_size=4),
+                    selector=SelectorConfig(context_window=16, initial_seq_len=256, trainer_memory_bytes=1 << 30,
+                                            reserve_bytes=0, **selector))
+    return Planner(cfg)
+
+
+def _claim(step: int, lengths: list[int]) -> bytes:
+    metas = [SampleMeta(schema_version=SCHEMA_VERSION, sample_id=f"s{step}-{i}", prompt_ordinal=step * 2 + i // 4,
+                        episode_id=f"s{step}-{i}", group_id=f"g{step}-{i // 4}", env="long_recall", turns=3,
+                        prompt_tokens=40, response_tokens=n - 40, total_tokens=n, reward=0.0, advantage=None,
+                        policy_version_min=step, policy_version_max=step, producer_id="p", producer_address="x",
+                        checksum=0, created_at=0.0, info_json="{}")
+             for i, n in enumerate(lengths)]
+    return table_to_ipc(metas_to_table(metas))
+
+
+def test_fit_steps_recovers_the_coefficients_of_whole_steps() -> None:
+    shape = ModelShape.from_hf(CONFIG)
+    rng = random.Random(0)
+    steps = []
+    for _ in range(12):
+        mbs = [TrainPlan(rng.randint(1, 4), rng.choice((64, 128, 256, 512, 1024)), attention=Attention.EAGER,
+                         logit_copies=LOGIT_COPIES_EARL_GRPO) for _ in range(rng.randint(1, 4))]
+        steps.append((shape, mbs, TRUTH.predict_step(shape, mbs)))
+    fitted = StepCostModel.fit_steps(steps)
+    for name in ("seconds_per_flop", "seconds_per_score", "fixed_seconds"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
+    assert fitted.seconds_per_byte == StepCostModel().seconds_per_byte  # no communication on one rank: kept
+    assert fitted.relative_error(steps) < 1e-6 < StepCostModel().relative_error(steps)
+    # a single micro-batch per step is what `calibrate` fits: the two agree
+    single = [(shape, p, TRUTH.step_seconds(shape, p)) for _, mbs, _ in steps for p in mbs[:1]]
+    assert StepCostModel.calibrate(single).seconds_per_flop == pytest.approx(TRUTH.seconds_per_flop, rel=1e-6)
+    with pytest.raises(ConfigError, match=">= 2 measured steps"):
+        StepCostModel.fit_steps(steps[:1])
+
+
+def test_planner_refits_from_the_trainers_step_times_and_stores_it(tmp_path: Path) -> None:
+    planner = _planner(tmp_path, cost_model_min_steps=4)
+    assert planner.status()["cost_model"]["source"] == "defaults"
+    rng = random.Random(1)
+    adopted = []
+    for step in range(9):
+        lengths = [rng.randint(60, 240) + 20 * step for _ in range(8)]  # growing contexts, as in a run
+        planner.stats.add_many(lengths)
+        planner.on_step(step, _claim(step, lengths))
+        mbs = planner.micro_batches(lengths)
+        assert sum(p.micro_batch for p in mbs) == 8 and all(p.seq_len <= 240 + 20 * step for p in mbs)
+        pull = 0.002
+        seconds = TRUTH.predict_step(planner.shape, mbs) * (3.0 if step == 0 else 1.0)  # step 0: warm-up
+        adopted.append(planner.on_trained(step, {"step_seconds": seconds + pull, "pull_seconds": pull}))
+        assert planner.on_trained(step, {"step_seconds": 1.0}) is None  # a repeated report is ignored
+    # warm-up step skipped, refit after 4 measured steps (step 4) and 4 more (step 8, where the exact
+    # model of step 4 may be kept: a refit is adopted only if it predicts the steps at least as well)
+    assert adopted[4] is not None and all(m is None for m in adopted[:4] + adopted[5:8])
+    model = planner.cost_model
+    assert planner.trainer.cost_model is model
+    assert model.seconds_per_flop == pytest.approx(TRUTH.seconds_per_flop, rel=1e-3)
+    calibration = planner.status()["cost_model"]
+    assert calibration["source"] == "live" and calibration["steps"] == 8 and calibration["step"] == 8
+    assert calibration["relative_error"] < 1e-6
+
+    stored = tmp_path / "run" / "cost_model.json"
+    assert load_cost_model(stored) == model
+    (tmp_path / "again").mkdir()
+    again = _planner(tmp_path / "again", cost_model_path=str(stored))
+    assert again.trainer.cost_model == model and again.status()["cost_model"]["source"] == str(stored)
+
+
+def test_cost_model_path_reads_the_benchmark_json_and_refuses_bad_files(tmp_path: Path) -> None:
+    bench = REPO / "bench" / "results" / "selector.json"
+    if bench.is_file():
+        expected = StepCostModel.from_dict(json.loads(bench.read_text())["cost_model"])
+        assert _planner(tmp_path, cost_model_path=str(bench)).trainer.cost_model == expected
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"seconds_per_flop": 1e-9, "seconds_per_parsec": 1.0}))
+    with pytest.raises(ConfigError, match="seconds_per_parsec"):
+        _planner(tmp_path, cost_model_path=str(bad))
+    with pytest.raises(ConfigError, match="cannot read"):
+        _planner(tmp_path, cost_model_path=str(tmp_path / "missing.json"))
+
+
+def test_refit_off_with_zero_min_steps(tmp_path: Path) -> None:
+    planner = _planner(tmp_path, cost_model_min_steps=0)
+    for step in range(6):
+        planner.on_step(step, _claim(step, [100] * 8))
+        assert planner.on_trained(step, {"step_seconds": 0.5, "pull_seconds": 0.0}) is None
+    assert planner.cost_model == StepCostModel()
