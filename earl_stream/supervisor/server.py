@@ -229,7 +229,9 @@ class Supervisor:
         self.envs.version, self.env_episodes = state.envs_version, dict(state.env_episodes)
         self.ledger.envs = self.envs.usable_specs()
         self.policy_version, self.weights_address = state.policy_version, state.weights_address
-        self.finished, self._ids, self.trainer_metrics = state.finished, state.next_id, state.trainer_metrics
+        self._ids, self.trainer_metrics = state.next_id, state.trainer_metrics
+        # A finished run resumed with more steps (`up --resume --steps M`) goes on training.
+        self.finished = state.finished and not (self.cfg.steps == 0 or state.policy_version < self.cfg.steps)
         for w in state.workers:
             w.last_seen = now
             self.workers[w.worker_id] = w

@@ -31,6 +31,7 @@ from earl_stream.store.layout import Layout
 from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.store.weights import drop_weights, publish_weights
+from earl_stream.workers import checkpoint as ckpt
 from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.parallel import RankPlan, SequenceParallelGroups, apply_plan
 from earl_stream.workers.train_step import StepResult, train_step
@@ -75,6 +76,7 @@ class TrainerRank:
         self.unreleased: list[tuple[int, list[str]]] = []  # (step, lost ids) trained, released at a checkpoint
         self.phase = "start-up"  # what a failed collective was part of, for its error message
         self.version = self._resume(reg.policy_version)
+        self.checkpointed_step = self.version if self.version > 0 else -1
         self.published_version = -1
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
         self._hb.start()
@@ -102,8 +104,8 @@ class TrainerRank:
                 self.unreleased.append((step - 1, lost))
             self._report(result)
             self._observe_staleness(step, metas)
-            if self.rank == 0 and step % t.checkpoint_every == 0:
-                self.save_checkpoint(step)
+            if step % t.checkpoint_every == 0:
+                self.save_checkpoint(step)  # every rank: DCP writes collectively
             if self.world_size > 1:
                 dist.barrier()  # every rank has pulled: the producers may free the step's shards
             if self.rank == 0:
@@ -111,8 +113,12 @@ class TrainerRank:
                 self._call(P.Release(worker_id=self.worker_id, step=step - 1, lost_sample_ids=lost, checkpointed=False))
                 if step % t.checkpoint_every == 0:
                     self._release_checkpointed()
+        # a pool that reached the end agrees on the step (every step ends in an all-reduce); a stopped one
+        # may not, so then rank 0 writes alone (it holds a full replica of model and optimizer)
+        together = self.world_size > 1 and step >= end
+        if step != self.checkpointed_step and (self.rank == 0 or together):
+            self.save_checkpoint(step, collective=together)
         if self.rank == 0:
-            self.save_checkpoint(step)
             self._release_checkpointed()
             if cfg.steps and step >= cfg.steps:
                 self._call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
@@ -227,32 +233,32 @@ class TrainerRank:
                 self.stop.set()
 
     def _resume(self, supervisor_version: int) -> int:
-        """Continue from the latest checkpoint when the run is already under way (version > 0)."""
-        latest = Path(self.cfg.run_dir) / "checkpoints" / "latest"
-        if supervisor_version == 0 or not latest.exists():
-            return 0
-        ckpt = latest.parent / latest.read_text().strip()
-        model, _ = load_model(ckpt)
-        self.model.load_state_dict(model.state_dict())
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        self.unreleased = [(int(s), list(ids)) for s, ids in state.get("unreleased", [])]
-        log.info("resumed from %s at step %d (the supervisor was at version %d)", ckpt, state["step"], supervisor_version)
-        return int(state["step"])
+        """Continue from the latest checkpoint when the run is already under way (version > 0).
 
-    def save_checkpoint(self, step: int) -> Path:
-        out = Path(self.cfg.run_dir) / "checkpoints" / f"step_{step:06d}"
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
-        torch.save({"optimizer": self.optimizer.state_dict(), "step": step, "policy_version": self.version,
-                    "rng": torch.get_rng_state(), "unreleased": self.unreleased}, out / "trainer_state.pt")
-        latest = Path(self.cfg.run_dir) / "checkpoints" / "latest"
-        tmp = latest.with_suffix(".tmp")
-        tmp.write_text(out.name)
-        os.replace(tmp, latest)
-        log.info("checkpoint written to %s", out)
+        Every rank loads the checkpoint rank 0 names, together: DCP reshards, so the pool may have a
+        different size from the one that wrote it.
+        """
+        found = ckpt.latest_checkpoint(self.cfg.run_dir) if supervisor_version > 0 and self.rank == 0 else None
+        name = _broadcast_str(found.name if found else "", self.world_size)
+        if not name:
+            return 0
+        path = ckpt.checkpoints_dir(self.cfg.run_dir) / name
+        self.phase = f"loading checkpoint {path}"
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, collective=self.world_size > 1)
+        torch.set_rng_state(state.rng)
+        self.unreleased = state.unreleased
+        log.info("resumed from %s at step %d (the supervisor was at version %d)", path, state.step, supervisor_version)
+        return state.step
+
+    def save_checkpoint(self, step: int, *, collective: bool = True) -> Path:
+        """Write the checkpoint of `step` (`checkpoint.save_checkpoint`): every rank together, or rank 0
+        alone with collective=False."""
+        self.phase = f"checkpoint of step {step}"
+        state = ckpt.RunState(step=step, policy_version=self.version, rng=torch.get_rng_state(),
+                              unreleased=list(self.unreleased), world_size=self.world_size)
+        out = ckpt.save_checkpoint(self.cfg.run_dir, state, self.model, self.optimizer, self.tokenizer,
+                                   rank=self.rank, collective=collective and self.world_size > 1)
+        self.checkpointed_step = step
         return out
 
     def close(self) -> None:
