@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1:5555", metavar="HOST:PORT", help="address to listen on")
     p.add_argument("--state-dir", metavar="DIR", help="where the supervisor keeps its state (default RUN_DIR)")
     p.add_argument("--ready-file", metavar="PATH", help="write {address, metrics_address} here once listening")
+    p.add_argument("--forget-workers", action="store_true",
+                   help="on restoring state, declare the saved run's workers dead at once (their unpulled samples "
+                        "lost, their prompts re-issued) instead of waiting for them to reconnect; for when every "
+                        "process of that run is known to be gone, as `up --resume` knows")
     _add_secret_arg(p)
 
     p = sub.add_parser("worker", help="run a rollout worker or a trainer pool against a supervisor")
@@ -156,7 +160,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.security import load_secret
 
         cfg = load_config(args.config, args.overrides)
-        serve(cfg, args.bind, ready_file=args.ready_file, secret=load_secret(), state_dir=args.state_dir)
+        serve(cfg, args.bind, ready_file=args.ready_file, secret=load_secret(), state_dir=args.state_dir,
+              forget_workers=args.forget_workers)
         return 0
     if args.command == "worker":
         return _worker(args)

@@ -83,8 +83,10 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     status: dict[str, Any] = {}
     view = LiveView(cfg)
     try:
+        # On --resume every process of the earlier `up` is gone: the supervisor need not wait out their leases.
         sup = group.start("supervisor", ["supervisor", "--config", str(config_file), "--bind", bind,
-                                         "--ready-file", str(ready)], log_path=str(logs / "supervisor.log"))
+                                         "--ready-file", str(ready), *(["--forget-workers"] if resume else [])],
+                          log_path=str(logs / "supervisor.log"))
         address = _wait_ready(sup, ready, 60)["address"]
         view.message(f"supervisor at {address} — add workers with: earl-stream worker --role rollout --supervisor {address}")
         for i in range(cfg.rollout.workers):

@@ -56,3 +56,15 @@ def test_up_reports_bad_model_dir(tmp_path: Path) -> None:
                            f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr.splitlines()[-1]
+
+
+def test_resume_with_more_steps_trains_every_step_on_data(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`up --resume --steps M` after a finished run goes on; the earlier run's workers are declared dead at
+    once, so no step is spent on samples whose producers are gone."""
+    _up(tmp_path, tiny_model_dir, 2)
+    _, summary = _up(tmp_path, tiny_model_dir, 4, "--resume")
+    assert summary["policy_version"] == 4
+    assert summary["samples_trained"] == 4 * 2 * 4
+    assert "belongs to the earlier run: declared dead" in (tmp_path / "run" / "logs" / "supervisor.log").read_text()
+    trainer_log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
+    assert [int(n) for n in re.findall(r"\((\d+) samples", trainer_log)][-2:] == [8, 8]

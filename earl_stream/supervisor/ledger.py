@@ -19,15 +19,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import random
-
-import msgspec
 from collections import deque
 from typing import Iterable
+
+import msgspec
 
 from earl_stream.config import EnvSpec
 from earl_stream.protocol import Prompt
 from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
+
+log = logging.getLogger(__name__)
 
 
 class PromptState(enum.Enum):
@@ -61,6 +64,7 @@ class Counters:
     duplicates_detected: int = 0
     tokens_produced: int = 0
     requests_repeated: int = 0  # RequestPrompts retried after a lost reply, answered with the same prompts
+    prompts_dropped: int = 0  # queued prompts of an environment detached (or unloadable) before they were played
 
 
 class LedgerState(msgspec.Struct):
@@ -143,7 +147,11 @@ class Ledger:
     def _issue_new(self, worker_id: str, max_groups: int) -> list[Prompt]:
         limit = self.groups_per_step * (self.max_staleness + 1)
         out: list[Prompt] = []
+        usable = {e.display_name for e in self.envs}
         while len(out) < max_groups:
+            if self.queue and self.groups[self.queue[0]].prompt.env not in usable:
+                self._drop(self.queue.popleft())
+                continue
             if self.queue:
                 ordinal = self.queue[0]
             elif self.envs and self.outstanding_groups() < limit:
@@ -161,6 +169,14 @@ class Ledger:
             group.prompt, group.state, group.worker_id, group.rows = prompt, PromptState.INFLIGHT, worker_id, []
             out.append(prompt)
         return out
+
+    def _drop(self, ordinal: int) -> None:
+        """A queued prompt whose environment is gone (detached, or no worker can load it): never played."""
+        group = self.groups.pop(ordinal)
+        group.state = PromptState.DONE
+        self.counters.prompts_dropped += 1
+        log.warning("prompt %d of environment %r dropped: the environment is detached or cannot be loaded", ordinal,
+                    group.prompt.env)
 
     def _reissue(self, ordinal: int) -> None:
         group = self.groups[ordinal]

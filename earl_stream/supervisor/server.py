@@ -242,12 +242,20 @@ class Supervisor:
         lease = self.cfg.supervisor.lease_s
         for w in self.workers.values():
             if w.alive and w.role != P.Role.CLIENT and now - w.last_seen > lease:
-                w.alive = False
-                result = self.ledger.worker_lost(w.worker_id, w.shard_address)
-                self.pending_free.pop(w.shard_address, None)
-                log.warning("worker %s (pid %d) missed its lease of %.1fs: declared dead; %d samples lost, "
-                            "%d prompts re-issued", w.worker_id, w.pid, lease, result["samples_lost"],
-                            result["prompts_reissued"])
+                self._declare_dead(w, f"missed its lease of {lease:.1f}s")
+
+    def forget_workers(self) -> None:
+        """Every worker of a restored state is gone (a relaunched run): declare them dead now."""
+        for w in self.workers.values():
+            if w.alive and w.role != P.Role.CLIENT:
+                self._declare_dead(w, "belongs to the earlier run")
+
+    def _declare_dead(self, w: Worker, why: str) -> None:
+        w.alive = False
+        result = self.ledger.worker_lost(w.worker_id, w.shard_address)
+        self.pending_free.pop(w.shard_address, None)
+        log.warning("worker %s (pid %d) %s: declared dead; %d samples lost, %d prompts re-issued", w.worker_id, w.pid,
+                    why, result["samples_lost"], result["prompts_reissued"])
 
     # -- status -------------------------------------------------------------------------------
 
@@ -327,7 +335,7 @@ MUTATING = (P.Register, P.RequestPrompts, P.PutMeta, P.Claim, P.Release, P.Publi
 
 
 def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
-          state_dir: str | None = None) -> None:
+          state_dir: str | None = None, forget_workers: bool = False) -> None:
     """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
@@ -354,6 +362,8 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
                               "earl_stream or is damaged: move it away to start a fresh run") from None
         log.info("restored state from %s: policy version %d, %d prompts issued, %d samples waiting", state_path,
                  sup.policy_version, sup.ledger.next_ordinal, sup.ledger.samples_waiting())
+        if forget_workers:
+            sup.forget_workers()
     M.register_supervisor_metrics()
     metrics_address = M.start_metrics_server(host or "127.0.0.1")
     sup.metrics_address = metrics_address

@@ -92,6 +92,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         # run the same rows, and no rank may train part of a group that the ledger re-issues.
         pulled, lost = agree_on_lost(metas, pulled, lost)
     pull_seconds = time.monotonic() - pull_start
+    if len(lost) == len(metas):
+        # Every group was lost (its producers died): no optimizer step, which with Adam's momentum would
+        # still move the weights without any data. Every rank knows the agreed lost set, so all skip.
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss=0.0, grad_norm=0.0, mismatch=0.0, clip_frac=0.0, entropy=0.0,
+                          mean_reward=float(np.mean([m.reward for m in metas])) if metas else 0.0, samples=0, tokens=0,
+                          step_seconds=time.monotonic() - start, pull_seconds=pull_seconds, pull_bytes=0,
+                          lost_sample_ids=lost)
     sums = {"pg_loss": 0.0, "mismatch_abs": 0.0, "clip_frac": 0.0, "entropy": 0.0}
     for mb, window in zip(part.micro_batches, windows):
         rows = [i for i in mb if i in pulled]

@@ -117,3 +117,19 @@ def test_snapshot_restore_round_trip() -> None:
     assert copy.counters == led.counters and copy.ready == led.ready and copy.next_ordinal == 4
     assert copy.groups.keys() == led.groups.keys()
     assert copy.issue("w", 9) == led.issue("w", 9)
+
+
+def test_prompts_of_a_detached_environment_are_dropped_not_replayed_forever() -> None:
+    led = Ledger([EnvSpec(), EnvSpec(spec="broken.py:Broken", name="broken", weight=50.0)], seed=0, group_size=2,
+                 groups_per_step=2, max_staleness=1)
+    prompts = led.issue("w", 10)
+    broken = [p for p in prompts if p.env == "broken"]
+    assert broken, "the heavy environment got no prompt"
+    # the worker cannot load it: its groups fail and go back to the queue; then the environment is dropped
+    led.fail_groups([p.group_id for p in broken])
+    led.envs = [EnvSpec()]
+    again = led.issue("w", 10)
+    assert again and all(p.env == "tictactoe" for p in again)
+    assert led.counters.prompts_dropped == len(broken)
+    assert not {p.prompt_ordinal for p in broken} & set(led.groups)  # gone from the ledger, not queued
+    _check_accounting(led)
