@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -131,6 +132,7 @@ def test_three_hosts_train_across_the_network(hosts: Hosts, tmp_path: Path, tiny
     # and the rollout worker pulled the trainer's weights back across the bridge
     shard = workers["rollout"]["shard_address"]
     assert f"connected to shard node {shard} over TCP" in (tmp_path / "trainer.log").read_text()
-    assert "loaded policy version 1" in (tmp_path / "rollout.log").read_text()
+    # whichever version the heartbeat saw first (a fast trainer may have published several by then)
+    assert re.search(r"loaded policy version [1-9]", (tmp_path / "rollout.log").read_text())
     print(f"3 namespaces: {steps} steps; produced {s['samples_produced']}, consumed {s['samples_consumed']}, "
           f"lost {s['samples_lost']}, stale {s['samples_stale']}, waiting {s['samples_in_store']}")
