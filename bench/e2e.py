@@ -60,7 +60,9 @@ def run_earl(mode: str, model_dir: Path, seconds: float, target: float, work: Pa
     overrides = [f"model.path={model_dir}", f"run_dir={run_dir}", f"seed={SEED}", "rollout.workers=1",
                  "rollout.cpus=0", "trainer.cpus=1", f"trainer.group_size={GROUP_SIZE}",
                  f"trainer.groups_per_step={GROUPS_PER_STEP}", f"trainer.lr={LR}", f"supervisor.stats_window={WINDOW}",
-                 f"supervisor.heartbeat_s={HEARTBEAT_S}"]
+                 f"supervisor.heartbeat_s={HEARTBEAT_S}",
+                 # the objective TRL's GRPOTrainer optimises: no entropy bonus (earl_stream's default has one)
+                 "trainer.entropy_coef=0"]
     if mode == "sync":
         overrides.append("trainer.max_staleness=0")
     secret_file = create_secret_file(run_dir / "secret")
