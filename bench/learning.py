@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -67,7 +68,7 @@ def main() -> int:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    result = summarize(curve, args.target, args.minutes)
+    result = {**summarize(curve, args.target, args.minutes), "overrides": args.overrides}
     out.write_text(json.dumps(result, indent=2))
     plot(curve, out.with_suffix(".png"), args.target)
     print(json.dumps({k: v for k, v in result.items() if k != "curve"}, indent=2))
@@ -82,6 +83,10 @@ def summarize(curve: list[dict], target: float, minutes: float) -> dict:
         "final_win_rate": curve[-1]["win"] if curve else None,
         "max_win_rate": max((p["win"] for p in curve), default=None),
         "time_to_target_s": reached["t"] if reached else None,
+        # how well the win rate holds once learnt, not only its peak
+        "mean_win_rate_second_half": round(statistics.mean(p["win"] for p in curve[len(curve) // 2:]), 4)
+        if curve else None,
+        "min_win_rate_second_half": min((p["win"] for p in curve[len(curve) // 2:]), default=None),
         "steps": curve[-1]["step"] if curve else 0,
         "curve": curve,
     }

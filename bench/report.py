@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,8 +104,11 @@ def render_memory_model(d: dict[str, Any]) -> list[str]:
 
 
 def render_learning(d: dict[str, Any]) -> list[str]:
-    rows = [[k, d.get(k)] for k in ("budget_minutes", "target_win_rate", "start_win_rate", "max_win_rate",
-                                     "final_win_rate", "time_to_target_s", "steps")]
+    keys = ("budget_minutes", "target_win_rate", "start_win_rate", "max_win_rate", "final_win_rate",
+            "mean_win_rate_second_half", "min_win_rate_second_half", "time_to_target_s", "steps")
+    rows = [[k, d.get(k)] for k in keys if k in d]
+    if "overrides" in d:
+        rows.append(["overrides", " ".join(d["overrides"]) or "none (the embedded default)"])
     return _table(["result", "value"], rows)
 
 
@@ -183,6 +187,18 @@ MACHINE_KEYS = ("cpus", "cores", "threads", "torch_threads", "load_avg_before", 
                 "loadavg_1m_before", "loadavg_1m_after", "platform", "cpu", "torch")
 
 
+def _written(path: Path) -> dt.datetime:
+    """When a results file was written: its commit time while it is unchanged since (a checkout sets every
+    file's mtime to the checkout time), else its mtime."""
+    git = ["git", "-C", str(path.parent)]
+    unchanged = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", path.name], capture_output=True)
+    if unchanged.returncode == 0:
+        out = subprocess.run([*git, "log", "-1", "--format=%cI", "--", path.name], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            return dt.datetime.fromisoformat(out.stdout.strip()).astimezone(dt.timezone.utc)
+    return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc)
+
+
 def machine_of(d: dict[str, Any], path: Path) -> str:
     """What the results file says about its machine, plus when it was written."""
     found: dict[str, Any] = {}
@@ -201,7 +217,7 @@ def machine_of(d: dict[str, Any], path: Path) -> str:
     if isinstance(d.get("machine"), dict) and d["machine"].get("note"):
         found["note"] = d["machine"]["note"]
     walk(d.get("config", {}), 1)
-    when = dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = _written(path).strftime("%Y-%m-%d %H:%M UTC")
     parts = [f"{k.replace('_', ' ')} {_fmt(v, 2)}" for k, v in found.items()]
     return f"written {when}" + ("; " + "; ".join(parts) if parts else "")
 
