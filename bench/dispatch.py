@@ -90,7 +90,8 @@ def row_fields(row: int, n: int) -> dict[str, np.ndarray]:
     }
 
 
-def check_rows(rows: list[int], got: list[dict[str, np.ndarray]], lengths: list[int], ranges: dict[int, list[tuple[int, int]]] | None) -> None:
+def check_rows(rows: list[int], got: list[dict[str, np.ndarray]], lengths: list[int],
+               ranges: dict[int, list[tuple[int, int]]] | None) -> None:
     for pos, (row, data) in enumerate(zip(rows, got)):
         want = row_fields(row, lengths[row])
         spans = [(0, lengths[row])] if ranges is None else ranges[pos]

@@ -498,7 +498,7 @@ def print_table(result: dict[str, Any]) -> None:
             continue
         ttt = r.get("time_to_target_s")
         print(f"{r['system']:<32} {r['samples_per_s']:>10.1f} {r['generated_tokens_per_s']:>10.0f} "
-              f"{r['trained_tokens_per_s']:>11.0f} {r['steps_per_s']:>8.3f} {('%.0f s' % ttt) if ttt else 'not reached':>10}"
+              f"{r['trained_tokens_per_s']:>11.0f} {r['steps_per_s']:>8.3f} {f'{ttt:.0f} s' if ttt else 'not reached':>10}"
               f"  {CORES[name]}")
     print(f"async/sync {_fmt(result['async_vs_sync'])} (ceiling for this core split "
           f"{_fmt(result.get('async_vs_sync_ceiling'))}), async/trl {_fmt(result['async_vs_trl'])}; targets missed: "

@@ -231,9 +231,7 @@ def calibrate() -> tuple[dict, list[dict]]:
 
 def static_plans(budget_bytes: int, reserve: int) -> list[dict]:
     """Every (micro-batch budget, recompute) whose phase-1 micro-batch the memory model says fits."""
-    from earl_stream.supervisor.memory_model import (
-        LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, Recompute, TrainPlan, check_fit,
-    )
+    from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, Recompute, TrainPlan, check_fit
 
     shape = ModelShape.from_hf({**MODEL, "model_type": "qwen2"})
     out = []

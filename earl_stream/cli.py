@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from earl_stream.errors import EarlError
 
@@ -155,9 +155,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return up(load_config(args.config, overrides), bind=args.bind, summary_path=args.summary, resume=args.resume,
                   restart=args.restart)
     if args.command == "supervisor":
-        from earl_stream.supervisor.server import serve
-
         from earl_stream.security import load_secret
+        from earl_stream.supervisor.server import serve
 
         cfg = load_config(args.config, args.overrides)
         serve(cfg, args.bind, ready_file=args.ready_file, secret=load_secret(), state_dir=args.state_dir,
@@ -274,7 +273,6 @@ def _run_pool(args: argparse.Namespace, stopping: list[int]) -> str | None:
 def _status(args: argparse.Namespace) -> int:
     from earl_stream import protocol as P
     from earl_stream.live import status_line
-
     from earl_stream.security import load_secret
 
     client = P.ControlClient(args.supervisor, timeout_s=5, secret=load_secret())

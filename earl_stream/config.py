@@ -217,7 +217,7 @@ def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str]]
     for f in dataclasses.fields(cls):
         name = prefix + f.name
         hint = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             out.extend(field_help(hint, name + "."))
         elif typing.get_origin(hint) is tuple:
             out.extend(field_help(typing.get_args(hint)[0], name + ".N."))
@@ -285,7 +285,7 @@ def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
 
 def _convert(hint: Any, value: Any, name: str, meta: Any, errors: list[str]) -> Any:
     origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, name + ".", errors)
     if origin is tuple:
         item_cls = typing.get_args(hint)[0]

@@ -308,7 +308,7 @@ def _check_factory(factory: Any, where: str) -> EnvFactory:
         raise EnvError(f"{where} is {type(factory).__name__}, not a class or factory")
     if inspect.isclass(factory) and not all(callable(getattr(factory, m, None)) for m in ("reset", "step")):
         raise EnvError(f"{where}: class {factory.__name__} lacks reset() and step(); it is not an Environment")
-    return factory  # type: ignore[no-any-return]
+    return factory
 
 
 def make_env(spec: str, params: dict[str, Any] | None = None) -> Environment:

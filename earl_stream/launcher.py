@@ -17,8 +17,8 @@ from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_yaml, replace
 from earl_stream.errors import ChildProcessFailed, EarlError
 from earl_stream.live import LiveView
-from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
 from earl_stream.procs import Child, ProcessGroup, describe_exit
+from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",

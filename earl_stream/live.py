@@ -119,7 +119,7 @@ class LiveView:
         self._last_plain = 0.0
         self._started = time.monotonic()
 
-    def __enter__(self) -> "LiveView":
+    def __enter__(self) -> LiveView:
         if self.tty:
             self._live = Live(Text("starting…"), console=self.console, refresh_per_second=4, transient=False)
             self._live.__enter__()

@@ -78,4 +78,4 @@ def start_metrics_server(host: str = "127.0.0.1", port: int = 0) -> str:
     """Serve this process's metrics over HTTP (read-only); returns "host:port"."""
     server, _thread = start_http_server(port, addr=host)
     bound_host, bound_port = server.server_address[:2]
-    return f"{bound_host}:{bound_port}"
+    return f"{bound_host!s}:{bound_port}"

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1

@@ -11,7 +11,7 @@ import enum
 import logging
 import threading
 import time
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import zmq
@@ -36,7 +36,7 @@ class Msg(msgspec.Struct, tag_field="type", frozen=True):
     v: int = PROTOCOL_VERSION
 
 
-class Register(Msg, tag="register"):
+class Register(Msg, tag="register", frozen=True):
     role: Role = Role.CLIENT
     host: str = ""
     pid: int = 0
@@ -46,21 +46,21 @@ class Register(Msg, tag="register"):
     worker_id: str = ""  # set when re-registering after a reconnect
 
 
-class Registered(Msg, tag="registered"):
+class Registered(Msg, tag="registered", frozen=True):
     worker_id: str = ""
     config_json: str = ""
     policy_version: int = 0
     weights_address: str = ""
 
 
-class Heartbeat(Msg, tag="heartbeat"):
+class Heartbeat(Msg, tag="heartbeat", frozen=True):
     worker_id: str = ""
     stats: dict[str, float] = {}
     envs_version: int = -1  # the environment set this worker has loaded
     env_errors: dict[str, str] = {}  # environment name -> why this worker cannot load it
 
 
-class HeartbeatReply(Msg, tag="heartbeat_reply"):
+class HeartbeatReply(Msg, tag="heartbeat_reply", frozen=True):
     policy_version: int = 0
     weights_address: str = ""
     stop: bool = False
@@ -71,31 +71,31 @@ class HeartbeatReply(Msg, tag="heartbeat_reply"):
     plan_json: str = ""  # the rollout pool's current plan (RolloutDecision.to_dict)
 
 
-class RecentEpisodes(Msg, tag="recent_episodes"):
+class RecentEpisodes(Msg, tag="recent_episodes", frozen=True):
     since: int = 0  # return rows the supervisor received after this cursor
 
 
-class RecentEpisodesReply(Msg, tag="recent_episodes_reply"):
+class RecentEpisodesReply(Msg, tag="recent_episodes_reply", frozen=True):
     cursor: int = 0
     table_ipc: bytes = b""  # metadata rows (Arrow IPC); transcripts live with the producers
 
 
-class EnvAttach(Msg, tag="env_attach"):
+class EnvAttach(Msg, tag="env_attach", frozen=True):
     spec: str = ""
     name: str = ""
     weight: float = 1.0
     params: dict[str, Any] = {}
 
 
-class EnvDetach(Msg, tag="env_detach"):
+class EnvDetach(Msg, tag="env_detach", frozen=True):
     name: str = ""
 
 
-class EnvList(Msg, tag="env_list"):
+class EnvList(Msg, tag="env_list", frozen=True):
     pass
 
 
-class EnvListReply(Msg, tag="env_list_reply"):
+class EnvListReply(Msg, tag="env_list_reply", frozen=True):
     envs_json: str = "[]"  # [{name, spec, weight, params, active, errors: {worker: message}, episodes}]
 
 
@@ -110,37 +110,37 @@ class Prompt(msgspec.Struct, frozen=True):
     min_policy_version: int = 0  # play it with weights at least this new
 
 
-class RequestPrompts(Msg, tag="request_prompts"):
+class RequestPrompts(Msg, tag="request_prompts", frozen=True):
     worker_id: str = ""
     max_groups: int = 1
     request_id: str = ""  # unique per request of this worker; a retry re-sends it and gets the same prompts
 
 
-class Prompts(Msg, tag="prompts"):
+class Prompts(Msg, tag="prompts", frozen=True):
     prompts: list[Prompt] = []
 
 
-class PutMeta(Msg, tag="put_meta"):
+class PutMeta(Msg, tag="put_meta", frozen=True):
     worker_id: str = ""
     rows: list[SampleMeta] = []
     failed_groups: list[str] = []  # groups the worker could not finish (env crash): re-issue
 
 
-class Claim(Msg, tag="claim"):
+class Claim(Msg, tag="claim", frozen=True):
     worker_id: str = ""
     step: int = 0
     num_groups: int = 1
     min_policy_version: int = 0
 
 
-class Claimed(Msg, tag="claimed"):
+class Claimed(Msg, tag="claimed", frozen=True):
     step: int = 0
     ready: bool = False
     table_ipc: bytes = b""
     plan_json: str = ""  # the trainer pool's plan for this step (PlanDecision.to_dict), "" = keep yours
 
 
-class Release(Msg, tag="release"):
+class Release(Msg, tag="release", frozen=True):
     worker_id: str = ""
     step: int = 0
     lost_sample_ids: list[str] = []  # samples that could not be pulled (producer gone)
@@ -149,39 +149,39 @@ class Release(Msg, tag="release"):
     checkpointed: bool = True
 
 
-class PublishVersion(Msg, tag="publish_version"):
+class PublishVersion(Msg, tag="publish_version", frozen=True):
     worker_id: str = ""
     version: int = 0
     weights_address: str = ""
     metrics: dict[str, float] = {}
 
 
-class Finished(Msg, tag="finished"):
+class Finished(Msg, tag="finished", frozen=True):
     worker_id: str = ""
     reason: str = ""
 
 
-class StatusRequest(Msg, tag="status"):
+class StatusRequest(Msg, tag="status", frozen=True):
     pass
 
 
-class StatusReply(Msg, tag="status_reply"):
+class StatusReply(Msg, tag="status_reply", frozen=True):
     status_json: str = "{}"
 
 
-class Ack(Msg, tag="ack"):
+class Ack(Msg, tag="ack", frozen=True):
     pass
 
 
-class ErrorReply(Msg, tag="error"):
+class ErrorReply(Msg, tag="error", frozen=True):
     message: str = ""
 
 
-AnyMsg = Union[
-    Register, Registered, Heartbeat, HeartbeatReply, RequestPrompts, Prompts, PutMeta, Claim, Claimed,
-    Release, PublishVersion, Finished, StatusRequest, StatusReply, Ack, ErrorReply, EnvAttach, EnvDetach, EnvList,
-    EnvListReply, RecentEpisodes, RecentEpisodesReply,
-]
+AnyMsg = (
+    Register | Registered | Heartbeat | HeartbeatReply | RequestPrompts | Prompts | PutMeta | Claim | Claimed
+    | Release | PublishVersion | Finished | StatusRequest | StatusReply | Ack | ErrorReply | EnvAttach | EnvDetach
+    | EnvList | EnvListReply | RecentEpisodes | RecentEpisodesReply
+)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)
 
@@ -217,7 +217,7 @@ class ControlClient:
         self.address = normalize_address(address)
         self.secret = secret
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = None
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from earl_stream.env import StepResult, env_options, env_reset, env_step
+from earl_stream.env import Environment, StepResult, env_options, env_reset, env_step
 from earl_stream.errors import EnvError
 
 __all__ = [
@@ -354,7 +354,7 @@ class ToolEnv:
 ToolUsingEnv = ToolEnv
 
 
-def with_tools(env: object, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> object:
+def with_tools(env: Environment, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> Environment:
     """`env` itself if it declares no tools or handles them itself (`handles_tool_calls`), else ToolEnv(env)."""
     if getattr(env, "handles_tool_calls", False) or not getattr(env, "tools", None):
         return env

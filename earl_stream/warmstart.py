@@ -75,7 +75,7 @@ def _drive(coro: Coroutine[Any, Any, T]) -> T:
     try:
         coro.send(None)
     except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
+        return stop.value
     coro.close()
     raise RuntimeError("the environment suspended; warm start needs one that never awaits")
 

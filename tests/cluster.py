@@ -8,8 +8,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from earl_stream import protocol as P
 from earl_stream.errors import EarlError

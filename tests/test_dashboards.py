@@ -17,8 +17,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -85,10 +86,10 @@ class RunningUp:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as exc:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the group we created; children die with their parent
                 self.proc.wait(10)
-                raise AssertionError(f"`up` ignored SIGTERM for {timeout_s}s\n{self.log_tail()}")
+                raise AssertionError(f"`up` ignored SIGTERM for {timeout_s}s\n{self.log_tail()}") from exc
         deadline = time.monotonic() + 10
         alive = set(self.seen)
         while alive and time.monotonic() < deadline:

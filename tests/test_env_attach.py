@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.slow

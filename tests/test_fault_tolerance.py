@@ -13,14 +13,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from cluster import Cluster, wait_for
 
 from earl_stream import protocol as P
 from earl_stream.errors import ProtocolError
 from earl_stream.security import create_secret_file, load_secret
 from earl_stream.supervisor.ledger import Ledger
 from earl_stream.supervisor.server import SupervisorState
-
-from cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,11 @@ import secrets
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.slow

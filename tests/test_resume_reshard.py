@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cluster import wait_for
 from safetensors.torch import load_file
 
 from earl_stream.errors import ModelError
 from earl_stream.modeling import load_model
 from earl_stream.workers import checkpoint as ckpt
-
-from cluster import wait_for
 
 pytestmark = pytest.mark.slow
 

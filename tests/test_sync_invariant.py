@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cluster import Cluster, wait_for
+
 from earl_stream.config import load_config
 from earl_stream.sync_loop import run_sync_loop
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

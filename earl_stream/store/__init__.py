@@ -11,13 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from earl_stream.store.central import (
-    CentralClient,
-    CentralDispatcher,
-    DispatcherProcess,
-    pull_samples_central,
-    start_dispatcher_process,
-)
+from earl_stream.store.central import CentralClient, CentralDispatcher, DispatcherProcess, pull_samples_central, start_dispatcher_process
 from earl_stream.store.client import PeerUnreachable, RemoteError, ShardClient
 from earl_stream.store.experience import ExperienceWriter, Puller, SamplesUnavailable, pull_samples, record_checksum
 from earl_stream.store.layout import Layout, Partition, partition

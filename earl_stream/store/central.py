@@ -17,17 +17,18 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from earl_stream.errors import StoreError
 from earl_stream.store import wire
-from earl_stream.store.client import Piece, PeerUnreachable, RemoteError, ShardClient
+from earl_stream.store.client import PeerUnreachable, Piece, RemoteError, ShardClient
 from earl_stream.store.experience import pull_samples
 from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import SampleMeta, sample_key
@@ -76,7 +77,8 @@ class CentralDispatcher:
         self._keep = keep_steps
         self._steps: dict[int, _Step] = {}
         self._lock = threading.Lock()
-        handlers = {wire.GatherRequest: self._gather, wire.DropRequest: self._drop}
+        handlers: dict[type[msgspec.Struct], Callable[[Any], msgspec.Struct]] = {
+            wire.GatherRequest: self._gather, wire.DropRequest: self._drop}
         self.node = ShardNode(host, port, secret=secret, shm=shm, shm_max_bytes=shm_max_bytes, handlers=handlers)
         self.address = self.node.address
 
@@ -209,7 +211,7 @@ class CentralClient:
         merge_runs: bool = False,
     ) -> dict[str, Any]:
         """As `ShardClient.pull_many`; sample pieces come from the dispatcher, one request for all."""
-        opts = {"timeout_s": timeout_s, "zero_copy": zero_copy, "merge_runs": merge_runs}
+        opts: dict[str, Any] = {"timeout_s": timeout_s, "zero_copy": zero_copy, "merge_runs": merge_runs}
         if not any(key.startswith("s/") for pieces in requests.values() for key, _, _ in pieces):
             return self._client.pull_many(requests, return_exceptions=return_exceptions, **opts)
         fields = {key.rsplit("/", 1)[1] for pieces in requests.values() for key, _, _ in pieces}
@@ -297,7 +299,8 @@ class DispatcherProcess:
         self._conn.close()
 
 
-def start_dispatcher_process(host: str = "127.0.0.1", *, secret: bytes | None = None, timeout_s: float = 60.0, **kwargs: Any) -> DispatcherProcess:
+def start_dispatcher_process(host: str = "127.0.0.1", *, secret: bytes | None = None, timeout_s: float = 60.0,
+                             **kwargs: Any) -> DispatcherProcess:
     """Start a dispatcher in its own process and return once it serves (kwargs: `CentralDispatcher`'s)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -6,20 +6,21 @@ authentication it asks the node for a shared-memory offer and, if this process c
 probe file (same host, same /dev/shm), pulls with PULL_SHM (the reply says where the bytes lie and
 the client copies them out of the mapped segment); otherwise, when `ucxx` is installed and the
 node offers it, PULL_UCX (the piece table over the socket, the bytes over UCX, `ucx.py`); otherwise,
-or with `shm=False` / `transport='tcp'`, plain PULL over TCP. Turning replies into arrays is `receive.py`'s. It knows nothing about what keys mean (see
-`experience.py`, `weights.py`).
+or with `shm=False` / `transport='tcp'`, plain PULL over TCP. Turning replies into arrays is
+`receive.py`'s. It knows nothing about what keys mean (see `experience.py`, `weights.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -182,7 +183,7 @@ class ShardClient:
             return results
         pool = self._get_pool()
         futures = {
-            address: pool.submit(self._guarded, return_exceptions, self.pull, address, pieces, **kwargs)
+            address: pool.submit(functools.partial(self._guarded, return_exceptions, self.pull, address, pieces, **kwargs))
             for address, pieces in requests.items()
         }
         for address, fut in futures.items():
@@ -268,7 +269,7 @@ class ShardClient:
                     result = op(conn, deadline)
                     conn.flush_released()  # leases whose arrays died while we held the connection
                     return result
-                except socket.timeout:
+                except TimeoutError:
                     conn.close()
                     raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for {what} from peer {address}") from None
                 except RemoteError as exc:
@@ -301,7 +302,7 @@ class ShardClient:
             self._handshake(sock, address, deadline)
             shm = self._maps is not None and self._negotiate_shm(sock, address, deadline)
             endpoint = None if shm else self._negotiate_ucx(sock, address, deadline)
-        except socket.timeout:
+        except TimeoutError:
             sock.close()
             raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for the handshake of peer {address}") from None
         except StoreError:

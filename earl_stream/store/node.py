@@ -204,7 +204,7 @@ class ShardNode:
         except wire.PeerClosed as exc:
             if not self._stopping.is_set():
                 log.warning("%s: disconnected mid-frame (%s)", where, exc)
-        except socket.timeout:
+        except TimeoutError:
             log.warning("%s: frame or reply stalled for over %.0fs; closing the connection", where, self._frame_timeout_s)
         except OSError as exc:
             if not self._stopping.is_set():
@@ -286,7 +286,7 @@ class ShardNode:
             self._answer_pull_ucx(sock, header, leases)
         elif isinstance(header, wire.Hello):
             sock.sendall(wire.encode_frame(wire.HelloOk()))  # harmless: already authenticated or no secret
-        elif type(header) in self._handlers:
+        elif isinstance(header, msgspec.Struct) and type(header) in self._handlers:
             sock.sendall(_encode_reply(self._handlers[type(header)](header)))
         else:
             raise RequestError(ErrorCode.UNKNOWN_KIND, f"{Kind(kind).name} is not a request this node serves")
@@ -320,7 +320,9 @@ class ShardNode:
             pool = self._store.pool
             segments = [wire.ShmSegment(*pool.segment(s)) for s in found.segments] if pool is not None else []
             lease_id = leases.next_id() if request.hold and segments else 0
-            prefix = _encode_reply(wire.PullShmReply(segments, infos, lease_id), payload_len=total)
+            complete = [i for i in infos if i is not None]
+            assert len(complete) == len(infos), "every inline piece was described above"
+            prefix = _encode_reply(wire.PullShmReply(segments, complete, lease_id), payload_len=total)
             wire.send_buffers(sock, [prefix, *(memoryview(a.view(np.uint8)) for a in inline)])
         except BaseException:
             lease.release()
@@ -329,7 +331,8 @@ class ShardNode:
 
     def _answer_ucx_hello(self, sock: socket.socket, hello: wire.UcxHello, leases: _ConnLeases) -> None:
         if not self._ucx:
-            reason = "UCX is turned off on this node" if ucx_transport.ucx_available() else f"no ucxx here ({ucx_transport.ucx_import_error()})"
+            reason = ("UCX is turned off on this node" if ucx_transport.ucx_available()
+                      else f"no ucxx here ({ucx_transport.ucx_import_error()})")
             sock.sendall(wire.encode_frame(wire.UcxOffer(False, b"", reason)))
             return
         try:

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import socket
 import weakref
-from typing import Callable
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,7 +125,8 @@ def receive_pieces(
     if ucx_receive is None:
         _receive_inline(sock, deadline, buf, infos, offsets, sizes)
     else:
-        ucx_receive([(i, buf[off : off + size]) for i, (info, off, size) in enumerate(zip(infos, offsets, sizes)) if info.segment < 0 and size])
+        ucx_receive([(i, buf[off : off + size]) for i, (info, off, size) in enumerate(zip(infos, offsets, sizes))
+                     if info.segment < 0 and size])
     segs = _map_segments(address, segments, maps, fresh=zero_copy)
     _copy_and_verify(address, pieces, infos, offsets, sizes, buf, segs)
     out = []

@@ -67,7 +67,7 @@ class Piece(NamedTuple):
     key: str
     array: np.ndarray | None
     dtype: str
-    count: int
+    count: int  # type: ignore[assignment]  # the wire's name for it; shadows tuple.count, which no caller uses
     sum64: int | None
     segment: int
     offset: int
@@ -123,11 +123,12 @@ class ShardStore:
         need = sum(s.array.nbytes for s in shards.values())
         with self._cond:
             self._refuse_existing(shards)
-            if self._max_bytes is not None and need > 0:
-                if need > self._max_bytes:
-                    raise StoreError(f"{need} bytes can never fit in a node capped at max_bytes={self._max_bytes}")
+            cap = self._max_bytes
+            if cap is not None and need > 0:
+                if need > cap:
+                    raise StoreError(f"{need} bytes can never fit in a node capped at max_bytes={cap}")
                 fits = self._cond.wait_for(
-                    lambda: self._closed or self._held + need <= self._max_bytes, timeout=self._put_timeout_s
+                    lambda: self._closed or self._held + need <= cap, timeout=self._put_timeout_s
                 )
                 if not fits:
                     raise StoreError(

@@ -55,7 +55,7 @@ def _start_time(pid: int) -> int | None:
 
 def cleanup_stale_segments() -> list[str]:
     """Remove this user's segments whose creating process is gone; returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

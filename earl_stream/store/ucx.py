@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -144,7 +143,7 @@ def wait_all(worker: UcxWorker, requests: Sequence[Any], deadline: float, what: 
         if not still:
             break
         if time.monotonic() > deadline:
-            raise socket.timeout(f"UCX transfer of {what} did not complete in time")
+            raise TimeoutError(f"UCX transfer of {what} did not complete in time")
         if len(still) == len(pending):
             time.sleep(pause)
             pause = min(pause * 2, 0.001)

@@ -259,8 +259,8 @@ def pull_weights_tp(
     out = {}
     for entry, (_, shape, _) in zip(wanted, plans):
         data = raw.get(entry.name)
-        data = torch.from_numpy(data) if data is not None and data.size else torch.empty(0, dtype=torch.uint8)
-        out[entry.name] = data.view(_dtype_from_name(entry.dtype)).reshape(shape)
+        tensor = torch.from_numpy(data) if data is not None and data.size else torch.empty(0, dtype=torch.uint8)
+        out[entry.name] = tensor.view(_dtype_from_name(entry.dtype)).reshape(shape)
     return out
 
 

@@ -402,7 +402,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
         if deadline is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise socket.timeout("deadline passed")
+                raise TimeoutError("deadline passed")
             sock.settimeout(remaining)
         n = sock.recv_into(view[got:])
         if n == 0:

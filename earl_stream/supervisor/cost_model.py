@@ -28,13 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from earl_stream.errors import ConfigError
-from earl_stream.supervisor.memory_model import (
-    Attention,
-    FitCheck,
-    ModelShape,
-    Recompute,
-    TrainPlan,
-)
+from earl_stream.supervisor.memory_model import Attention, FitCheck, ModelShape, Recompute, TrainPlan
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from earl_stream.config import EnvSpec, config_to_dict
 from earl_stream.errors import ConfigError

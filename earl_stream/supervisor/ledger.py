@@ -22,7 +22,7 @@ import json
 import logging
 import random
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 import msgspec
 
@@ -318,7 +318,7 @@ class Ledger:
         state = LedgerState(
             next_ordinal=self.next_ordinal, next_claim_step=self.next_claim_step,
             counters=dataclasses.asdict(self.counters), groups=list(self.groups.values()), queue=list(self.queue),
-            ready=self.ready, claims={k: list(v) for k, v in self.claims.items()}, attempts=self._attempts,
+            ready=self.ready, claims={k: (ipc, list(o)) for k, (ipc, o) in self.claims.items()}, attempts=self._attempts,
             requests={w: list(r.items()) for w, r in self.requests.items()}, trained_steps=self.trained_steps)
         return msgspec.msgpack.encode(state)
 

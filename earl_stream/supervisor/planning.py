@@ -15,10 +15,10 @@ shown in the status ("plans" -> "cost_model") and written to `<run_dir>/cost_mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-import dataclasses
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,13 @@ from earl_stream.supervisor.context_stats import ContextStats, Percentile
 from earl_stream.supervisor.cost_model import StepCostModel
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, TrainPlan
 from earl_stream.supervisor.selector import (
-    Infeasible, PlanDecision, PoolBudget, RolloutDecision, RolloutSelector, Thresholds, TrainerSelector,
+    Infeasible,
+    PlanDecision,
+    PoolBudget,
+    RolloutDecision,
+    RolloutSelector,
+    Thresholds,
+    TrainerSelector,
 )
 
 log = logging.getLogger(__name__)

@@ -128,7 +128,8 @@ def plan_from_dict(d: dict[str, Any]) -> TrainPlan:
     known = {f.name for f in dataclasses.fields(TrainPlan)}
     if unknown := sorted(set(d) - known):
         raise ConfigError(f"unknown training-plan fields {unknown}; known: {sorted(known)}")
-    return TrainPlan(**{k: (_PLAN_ENUMS[k](v) if k in _PLAN_ENUMS else v) for k, v in d.items()})
+    fields: dict[str, Any] = {k: (_PLAN_ENUMS[k](v) if k in _PLAN_ENUMS else v) for k, v in d.items()}
+    return TrainPlan(**fields)
 
 
 _PLAN_ENUMS: dict[str, type[enum.Enum]] = {"recompute": Recompute, "attention": Attention, "precision": Precision}

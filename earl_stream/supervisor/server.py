@@ -24,11 +24,11 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
 from earl_stream.errors import ConfigError, ProtocolError
-from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
-from earl_stream.supervisor.planning import Planner
-from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.security import sign, verify
+from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
+from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
+from earl_stream.supervisor.planning import Planner
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ MUTATING = (P.Register, P.RequestPrompts, P.PutMeta, P.Claim, P.Release, P.Publi
 def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
           state_dir: str | None = None, forget_workers: bool = False) -> None:
     """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     host, _, port = bind.rpartition(":")

@@ -12,7 +12,8 @@ import asyncio
 import dataclasses
 import json
 import uuid
-from typing import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +76,7 @@ async def play_episode(
     group_id: str,
     sampling: Sampling,
     policy_version: Callable[[], int],
-    decode: Callable[[list[int]], str],
+    decode: Callable[[list[int]], object],
     step_timeout_s: float = 30.0,
     sample_seed: int | None = None,
 ) -> SampleRecord:
@@ -102,6 +103,7 @@ async def play_episode(
             trace.add_context([chat.end_token_id])  # close the turn so the next one renders right
         turns += 1
         reply = decode([t for t in result.token_ids if t not in chat.stop_token_ids])
+        assert isinstance(reply, str), "one sequence decodes to one string"
         step: StepResult = await _guard(env_step(env, reply), step_timeout_s, "step")
         reward += float(step.reward)
         info = step.info
@@ -122,7 +124,7 @@ async def play_episode(
     )
 
 
-async def _guard(coro, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
+async def _guard(coro: Awaitable[Any], timeout_s: float, what: str) -> Any:
     try:
         return await asyncio.wait_for(coro, timeout_s)
     except asyncio.TimeoutError:

@@ -124,7 +124,7 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if raw.get("format", 0) > FORMAT_VERSION:
         raise ModelError(f"{ckpt} has checkpoint format {raw['format']}; this version reads up to {FORMAT_VERSION}")
     model_sd, optim_sd = get_state_dict(model, optimizer)  # initialises Adam state so DCP has targets
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     no_dist = not collective or not dist.is_initialized()
     with _quiet(no_dist):
         dcp.load(state, checkpoint_id=ckpt / DCP_DIR, no_dist=no_dist)

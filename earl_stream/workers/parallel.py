@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import PreTrainedModel
 
 from earl_stream.errors import ConfigError
 
@@ -108,12 +109,12 @@ class SequenceParallelGroups:
         return self._groups[sp]
 
 
-def set_sequence_parallel(models: Iterable[torch.nn.Module], group: Any, size: int, rank: int) -> None:
+def set_sequence_parallel(models: Iterable[PreTrainedModel], group: Any, size: int, rank: int) -> None:
     """Route the models' attention through Ulysses over `group` (size > 1), or back to their own
     attention (size 1). Stays in force for forward and backward (recomputation re-runs attention)."""
     _STATE.group, _STATE.size, _STATE.rank = (group, size, rank) if size > 1 else (None, 1, 0)
     for model in models:
-        config = model.config
+        config: Any = model.config  # _attn_implementation is set on the instance
         if not hasattr(config, _BASE_ATTR):
             setattr(config, _BASE_ATTR, config._attn_implementation or "eager")
         if size > 1:
@@ -125,8 +126,8 @@ def set_sequence_parallel(models: Iterable[torch.nn.Module], group: Any, size: i
             config._attn_implementation = getattr(config, _BASE_ATTR)
 
 
-def apply_plan(model: torch.nn.Module, plan: RankPlan, *, groups: SequenceParallelGroups | None = None,
-               rank: int = 0, extra_models: Iterable[torch.nn.Module] = ()) -> None:
+def apply_plan(model: PreTrainedModel, plan: RankPlan, *, groups: SequenceParallelGroups | None = None,
+               rank: int = 0, extra_models: Iterable[PreTrainedModel] = ()) -> None:
     """Adopt `plan` on this rank between two steps: recomputation on/off and the sp group.
 
     The micro-batch budget is the caller's (it goes into the step's `partition`).
@@ -145,7 +146,7 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single over dim 0 ([sp, ...]: chunk i goes to rank i); its own adjoint."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         x = x.contiguous()  # empty_like would copy a permuted view's strides, which the collective ignores
         out = torch.empty_like(x)
@@ -153,7 +154,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         out = torch.empty_like(grad)
         dist.all_to_all_single(out, grad, group=ctx.group)

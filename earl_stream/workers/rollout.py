@@ -13,33 +13,34 @@ import asyncio
 import contextlib
 import itertools
 import json
-import threading
-from collections.abc import Iterator
-from collections import deque
 import logging
+import threading
 import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.chat import ChatFormat
-from earl_stream.config import EnvSpec, RunConfig
+from earl_stream.config import EnvSpec
 from earl_stream.env import env_options, make_env, resolve_env
+from earl_stream.episodes import TRANSCRIPTS_KEPT, transcript_key
 from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
 from earl_stream.modeling import load_model, load_tokenizer
-from earl_stream.tools import with_tools
 from earl_stream.records import SampleRecord
 from earl_stream.security import load_secret
 from earl_stream.store.client import ShardClient
 from earl_stream.store.experience import ExperienceWriter
-from earl_stream.episodes import TRANSCRIPTS_KEPT, transcript_key
 from earl_stream.store.node import ShardNode
 from earl_stream.store.weights import pull_weights
+from earl_stream.tools import with_tools
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_sample_seed, play_episode
 from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
-from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.base import Engine, EngineCapacity
+from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.registry import make_engine
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class RolloutWorker:
             for task in self._slots:
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
-            stats = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
+            stats: dict[str, float] = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
                      "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held}
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
@@ -182,6 +183,7 @@ class RolloutWorker:
         """Readable transcripts of the last episodes, for `earl-stream episodes` (bounded)."""
         for r in records:
             text = self.tokenizer.decode(r.input_ids.tolist(), skip_special_tokens=False)
+            assert isinstance(text, str), "one sequence decodes to one string"
             key = transcript_key(r.sample_id)
             self.node.put(key, np.frombuffer(text.encode(), dtype=np.uint8).copy())
             self.transcripts.append(key)
@@ -231,9 +233,12 @@ class RolloutWorker:
                 await asyncio.sleep(0.05)
                 continue
             prompt = reply.prompts[0]
+
+            def ready(version: int = prompt.min_policy_version) -> bool:
+                return self.engine.policy_version >= version or bool(self.stop)
+
             async with self.version_changed:
-                await self.version_changed.wait_for(
-                    lambda: self.engine.policy_version >= prompt.min_policy_version or bool(self.stop))
+                await self.version_changed.wait_for(ready)
             records = await self._play_group(prompt)
             if records is None:
                 await self._call(P.PutMeta(worker_id=self.worker_id, failed_groups=[prompt.group_id]))
@@ -242,7 +247,7 @@ class RolloutWorker:
             await asyncio.to_thread(self._keep_transcripts, records)
             await self._call(P.PutMeta(worker_id=self.worker_id, rows=rows))
 
-    async def _call(self, msg: P.Msg):  # type: ignore[no-untyped-def]
+    async def _call(self, msg: P.Msg) -> Any:
         """A control call that waits out a supervisor restart (up to the lease of a few minutes)."""
         return await asyncio.to_thread(self.client.call_retry, msg, deadline_s=300, what=type(msg).__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,13 +20,10 @@ import torch.distributed as dist
 from earl_stream.algo.grpo import clipped_pg_loss, group_advantages
 from earl_stream.config import TrainerConfig
 from earl_stream.errors import ConfigError
-from earl_stream.store.experience import Puller
-from earl_stream.store.experience import SamplesUnavailable, pull_samples
+from earl_stream.store.experience import Puller, SamplesUnavailable, pull_samples
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta
-from earl_stream.workers.parallel import (
-    agree_on_lost, entropy, forward_logprobs, local_batch, sp_state, sp_token_ranges, sp_windows,
-)
+from earl_stream.workers.parallel import agree_on_lost, entropy, forward_logprobs, local_batch, sp_state, sp_token_ranges, sp_windows
 
 FIELDS = ("input_ids", "loss_mask", "behaviour_logprobs")
 

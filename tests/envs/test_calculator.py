@@ -15,15 +15,7 @@ import pytest
 
 from earl_stream.env import StepResult, env_options
 from earl_stream.errors import EnvError
-from envs.calculator import (
-    MAX_EXPRESSION_CHARS,
-    Calculator,
-    CalculatorError,
-    format_number,
-    make_problem,
-    parse_answer,
-    safe_eval,
-)
+from envs.calculator import MAX_EXPRESSION_CHARS, Calculator, CalculatorError, format_number, make_problem, parse_answer, safe_eval
 
 T = TypeVar("T")
 

@@ -12,8 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from earl_stream.store import ErrorCode, ShardClient, ShardNode
-from earl_stream.store import wire
+from earl_stream.store import ErrorCode, ShardClient, ShardNode, wire
 
 DATA = np.arange(1000, dtype=np.int32)
 

@@ -24,8 +24,8 @@ from earl_stream.store import (
     pull_samples,
     pull_samples_central,
     start_dispatcher_process,
+    wire,
 )
-from earl_stream.store import wire
 from earl_stream.store.wire import Kind
 
 FIELDS = list(TOKEN_FIELDS)

@@ -32,8 +32,8 @@ from earl_stream.store import (
     partition,
     pull_samples,
     shm_supported,
+    wire,
 )
-from earl_stream.store import wire
 from earl_stream.store.shm import SHM_DIR, ShmPool
 
 pytestmark = pytest.mark.skipif(not shm_supported(), reason="needs a writable /dev/shm")

@@ -8,16 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 
 from earl_stream.chat import ChatFormat
 from earl_stream.env import StepResult, env_options
 from earl_stream.modeling import load_model
-from envs.tictactoe import TicTacToe
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine
+from envs.tictactoe import TicTacToe
 
 
 class Raises:

@@ -19,6 +19,7 @@ It leaves everything else to the HF forward: `FastDecoder.supports(model)` says 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -154,12 +155,13 @@ class FastDecoder:
         self._fused_key = key
 
     @staticmethod
-    def _fuse(layer: torch.nn.Module) -> _Layer:
+    def _fuse(layer: Any) -> _Layer:
+        """`layer`: a Hugging Face decoder layer (its submodules are dynamic attributes, hence Any)."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         gate_up = (mlp.gate_proj, mlp.up_proj)
 
-        def bias(lins: tuple[torch.nn.Module, ...]) -> torch.Tensor | None:
+        def bias(lins: tuple[Any, ...]) -> torch.Tensor | None:
             if all(lin.bias is None for lin in lins):
                 return None
             return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])

@@ -39,9 +39,9 @@ import torch
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
 from earl_stream.workers.engines.vllm_engine import (
-    clamp_capacity,
     _shm_root,
     check_request,
+    clamp_capacity,
     read_model_shape,
     state_problems,
     write_checkpoint,

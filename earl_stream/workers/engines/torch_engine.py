@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -309,7 +310,7 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- forward passes
 
-    def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+    def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, DynamicCache | StaticKV, torch.Tensor]:
         """One forward over the new prompt tokens of every row.
 
         Returns next-token logits [B, V] float32, the batch cache, and the mask [B, C + N] int64.
@@ -393,7 +394,8 @@ class TorchEngine:
                 done = set(finished)
                 stay = [j for j in range(len(live)) if j not in done]
                 idx = torch.tensor(stay, dtype=torch.long, device=mask.device)
-                for layer in cache.layers:
+                layers: list[Any] = list(cache.layers)  # DynamicLayer and _StaticLayer both select rows
+                for layer in layers:
                     layer.batch_select_indices(idx)
                 mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
                 params = params.select(idx)
@@ -429,8 +431,9 @@ class TorchEngine:
         sel = mask[j].nonzero().squeeze(1)
         tokens = row.prompt + row.tokens[:-1]
         assert sel.numel() == len(tokens), (sel.numel(), len(tokens))
+        layers: list[Any] = list(cache.layers)  # DynamicLayer and _StaticLayer both hold keys/values
         kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel))
-              for layer in cache.layers]
+              for layer in layers]
         self._kv.put(row.keep_key, _Kept(tokens, kv))
 
 

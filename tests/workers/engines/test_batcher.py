@@ -13,13 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from earl_stream.errors import EngineError
-from earl_stream.workers.engines import (
-    AsyncBatcher,
-    EngineCapacity,
-    GenerateRequest,
-    GenerateResult,
-    TorchEngine,
-)
+from earl_stream.workers.engines import AsyncBatcher, EngineCapacity, GenerateRequest, GenerateResult, TorchEngine
 
 torch.set_num_threads(1)
 
