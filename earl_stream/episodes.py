@@ -28,9 +28,15 @@ def transcript_key(sample_id: str) -> str:
     return f"t/{sample_id}"
 
 
-def fetch(client: P.ControlClient, store: ShardClient, since: int) -> tuple[int, list[SampleMeta], list[str | None]]:
+def fetch(client: P.ControlClient, store: ShardClient, since: int,
+          limit: int | None = None) -> tuple[int, list[SampleMeta], list[str | None]]:
+    """Episodes finished after cursor `since` (at most the first `limit`), their transcripts, and the
+    cursor to ask from next."""
     reply = client.call(P.RecentEpisodes(since=since))
     metas = table_to_metas(table_from_ipc(reply.table_ipc)) if reply.table_ipc else []
+    cursor = reply.cursor
+    if limit is not None and len(metas) > limit:  # more finished since `since` was chosen (a live run)
+        metas, cursor = metas[:limit], since + limit
     texts: list[str | None] = []
     for m in metas:
         key = transcript_key(m.sample_id)
@@ -43,7 +49,7 @@ def fetch(client: P.ControlClient, store: ShardClient, since: int) -> tuple[int,
             texts.append(bytes(arr).decode(errors="replace"))
         except StoreError:
             texts.append(None)
-    return reply.cursor, metas, texts
+    return cursor, metas, texts
 
 
 def run_episodes_command(args: argparse.Namespace) -> int:
@@ -53,9 +59,11 @@ def run_episodes_command(args: argparse.Namespace) -> int:
     try:
         if args.episodes_command == "export":
             return _export(client, store, Path(args.path), args.format)
-        cursor = 0 if args.all else client.call(P.RecentEpisodes(since=1 << 62)).cursor - args.last
+        cursor = 0 if args.all else max(0, client.call(P.RecentEpisodes(since=1 << 62)).cursor - args.last)
+        limit = None if args.all else args.last  # `--last N` shows N, however many finish meanwhile
         while True:
-            cursor, metas, texts = fetch(client, store, max(0, cursor))
+            cursor, metas, texts = fetch(client, store, cursor, limit)
+            limit = None
             for m, text in zip(metas, texts):
                 _show(m, text)
             if not args.follow:
