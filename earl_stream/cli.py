@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", metavar="PATH", help="write the JSON summary here (default RUN_DIR/summary.json)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in run_dir: the supervisor's ledger and the trainer's latest checkpoint")
-    p.add_argument("--restart", type=int, default=0, metavar="N", help=RESTART_HELP)
+    p.add_argument("--restart", type=int, default=0, metavar="N",
+                   help=RESTART_HELP + ". `up` also starts a rollout worker or the supervisor that dies again, up to N "
+                   "times in all (the supervisor on the same address, from the run's state: nothing is lost)")
     _add_secret_arg(p)
 
     p = sub.add_parser("supervisor", help="run the supervisor (control plane) of a run")

@@ -62,7 +62,8 @@ def _tail(path: str | None, lines: int = 12) -> str:
 def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = None, resume: bool = False,
        restart: int = 0) -> int:
     """Run until `steps` (or a signal). `restart`: times the trainer pool is restarted from its latest
-    checkpoint when one of its ranks dies (0 = the run stops with an error)."""
+    checkpoint when one of its ranks dies, and times a rollout worker or the supervisor that dies is
+    started again (0 = the run stops with an error naming the process)."""
     cfg, config_file = prepare(cfg)
     run_dir = Path(cfg.run_dir)
     if not resume:  # a fresh run: forget the ledger of an earlier run in the same directory
@@ -96,11 +97,17 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
                                           str(cfg.trainer.nproc), "--restart", str(restart)],
                               log_path=str(logs / "trainer.log"))
         client = P.ControlClient(address, timeout_s=10, secret=secret)
+        revivals = 0
         with view:
             while not stopping and trainer.proc.poll() is None:
                 failed = group.failed()
                 if failed is not None:
-                    raise ChildProcessFailed(describe_exit(failed) + _tail(failed.log_path))
+                    if failed is trainer or revivals >= restart:
+                        raise ChildProcessFailed(describe_exit(failed) + _tail(failed.log_path))
+                    revivals += 1
+                    view.message(f"{describe_exit(failed)}; starting it again ({revivals} of {restart} restarts)")
+                    _revive(group, failed, sup, address, ready)
+                    continue
                 status = _status(client) or status
                 view.update(status)
                 write_targets(run_dir / "prometheus_targets.json", status)
@@ -117,6 +124,21 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     summary["learning_curve_png"] = str(curve) if curve else None
     out.write_text(json.dumps(summary, indent=2))
     return 130 if stopping else 0
+
+
+def _revive(group: ProcessGroup, child: Child, sup: Child, address: str, ready: Path) -> None:
+    """Start a dead child of `up` again. The supervisor comes back on its address from the run's state
+    (`supervisor.state` in run_dir), so the live workers reconnect to it; a rollout worker re-registers
+    and the supervisor has re-issued the prompts its predecessor held."""
+    if child is not sup:
+        group.restart(child)
+        return
+    args = list(child.args)
+    args[args.index("--bind") + 1] = address.removeprefix("tcp://")
+    args = [a for a in args if a != "--forget-workers"]  # the workers of this run are alive
+    ready.unlink(missing_ok=True)
+    group.restart(child, args)
+    _wait_ready(child, ready, 60)
 
 
 def _status(client: P.ControlClient) -> dict[str, Any] | None:

@@ -33,6 +33,8 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: str | None = None
+    args: Sequence[str] = ()  # `earl-stream` arguments, for `ProcessGroup.restart`
+    env: dict[str, str] | None = None
 
 
 class ProcessGroup:
@@ -41,16 +43,19 @@ class ProcessGroup:
 
     def start(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
               log_path: str | None = None) -> Child:
-        out = open(log_path, "ab") if log_path else None
-        proc = subprocess.Popen([sys.executable, "-m", "earl_stream", *args], env={**os.environ, **(env or {})},
-                                stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-        if out:
-            out.close()
-        child = Child(name, proc, log_path)
+        child = Child(name, _spawn(args, env, log_path), log_path, list(args), env)
         self.children.append(child)
-        log.debug("started %s (pid %d)", name, proc.pid)
+        log.debug("started %s (pid %d)", name, child.proc.pid)
         return child
+
+    def restart(self, child: Child, args: Sequence[str] | None = None) -> None:
+        """Start an exited child again in its place (same log, appended), with `args` if given."""
+        if child.proc.poll() is None:
+            raise RuntimeError(f"{child.name} (pid {child.proc.pid}) is still running")
+        if args is not None:
+            child.args = list(args)
+        child.proc = _spawn(child.args, child.env, child.log_path)
+        log.debug("restarted %s (pid %d)", child.name, child.proc.pid)
 
     def failed(self) -> Child | None:
         """The first child that exited with a non-zero code, if any."""
@@ -81,6 +86,17 @@ class ProcessGroup:
                     log.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.proc.pid, timeout_s)
                     c.proc.kill()
                     c.proc.wait()
+
+
+def _spawn(args: Sequence[str], env: dict[str, str] | None, log_path: str | None) -> subprocess.Popen:
+    out = open(log_path, "ab") if log_path else None  # the child keeps its own copy of the descriptor
+    try:
+        return subprocess.Popen([sys.executable, "-m", "earl_stream", *args], env={**os.environ, **(env or {})},
+                                stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    finally:
+        if out:
+            out.close()
 
 
 def describe_exit(child: Child) -> str:

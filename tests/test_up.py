@@ -4,12 +4,18 @@ trainer, and the policy version reaches the rollout workers."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cluster import wait_for
+
+from earl_stream import protocol as P
+from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +74,63 @@ def test_resume_with_more_steps_trains_every_step_on_data(tmp_path: Path, tiny_m
     assert "belongs to the earlier run: declared dead" in (tmp_path / "run" / "logs" / "supervisor.log").read_text()
     trainer_log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
     assert [int(n) for n in re.findall(r"\((\d+) samples", trainer_log)][-2:] == [8, 8]
+
+
+def _pid_of(role: str, run_dir: Path) -> int:
+    """The pid of this run's `earl-stream ROLE` process (its command line names the run's config)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if role.encode() in cmd and any(str(run_dir).encode() in part for part in cmd):
+            return int(proc.name)
+    raise AssertionError(f"no {role} process of {run_dir}")
+
+
+def test_up_survives_kill_9_of_a_rollout_worker_and_of_the_supervisor(tmp_path: Path, tiny_model_dir: Path) -> None:
+    steps, run = 12, tmp_path / "run"
+    secret = create_secret_file(tmp_path / "secret")
+    summary_path = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", str(steps), "--restart", "2",
+           "--summary", str(summary_path), f"model.path={tiny_model_dir}", f"run_dir={run}",
+           "trainer.groups_per_step=2", "trainer.group_size=4", "rollout.groups_in_flight=2",
+           "supervisor.heartbeat_s=0.2", "supervisor.lease_s=3"]
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, SECRET_ENV: str(secret)})
+
+    def status() -> dict:
+        ready = run / "supervisor.json"
+        if not ready.exists():
+            return {}
+        client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=5, secret=load_secret(str(secret)))
+        try:
+            return json.loads(client.call(P.StatusRequest()).status_json)
+        finally:
+            client.close()
+
+    try:
+        s = wait_for(lambda: (st := status()) and st["policy_version"] >= 2 and st, 240, "two training steps")
+        victim = next(w["pid"] for w in s["workers"] if w["role"] == "rollout" and w["alive"])
+        os.kill(victim, signal.SIGKILL)
+        version = s["policy_version"]
+        s = wait_for(lambda: (st := status()) and st["policy_version"] >= version + 2 and st, 240,
+                     "training to go on after a rollout worker was killed")
+        os.kill(_pid_of("supervisor", run), signal.SIGKILL)
+        version = s["policy_version"]
+        wait_for(lambda: (st := status()) and st["policy_version"] >= version + 2, 240,
+                 "training to go on after the supervisor was killed")
+        assert up.wait(300) == 0, log.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.terminate()
+            up.wait(60)
+    text = log.read_text()
+    for who in (r"rollout worker \d", "supervisor"):
+        assert re.search(who + r" \(pid \d+\) was killed by SIGKILL; its log: \S+; starting it again", text), text[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["policy_version"] == steps
+    # nothing counted twice: what was trained, lost or refused as stale all came from what was produced
+    assert summary["samples_trained"] + summary["samples_lost"] + summary["samples_stale"] <= summary["samples_produced"]
+    assert summary["samples_trained"] >= (steps - 2) * 2 * 4  # at most the steps around the kills lose groups
