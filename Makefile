@@ -41,7 +41,7 @@ bench: $(BENCH_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BPY) bench/memory_model.py $(BENCH_ARGS) --json bench/results/memory_model.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/selector.py $(BENCH_ARGS) --json bench/results/selector.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/engine.py $(BENCH_ARGS) --json bench/results/engine.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/learning.py --json bench/results/learning.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/learning.py $(BENCH_ARGS) --json bench/results/learning.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/e2e.py $(BENCH_ARGS) --json bench/results/e2e.json
 	$(BPY) bench/report.py
 

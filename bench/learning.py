@@ -27,11 +27,14 @@ from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=20.0, help="time budget of the run")
+    ap.add_argument("--quick", action="store_true", help="a 2-minute pass (checks the pipeline, not the target)")
     ap.add_argument("--json", default="bench/results/learning.json", help="where to write the curve")
     ap.add_argument("--every", type=float, default=10.0, help="seconds between curve points")
     ap.add_argument("--target", type=float, default=0.85, help="win rate to report the time to")
     ap.add_argument("overrides", nargs="*", help="config overrides passed to `earl-stream up`")
     args = ap.parse_args()
+    if args.quick:
+        args.minutes = min(args.minutes, 2.0)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_dir = out.parent / "learning_run"
