@@ -2,8 +2,8 @@
 
 It owns: packing requests into forward batches (left padding with an explicit attention mask and
 position ids derived from it, so padding does not change results), per-row sampling with each
-request's own parameters and generator, and the KV caches kept between the turns of an episode
-(`cache_key`; LRU, bounded by the KV budget). It leaves scheduling across asyncio episodes to
+request's own parameters and generator, and reusing the KV caches kept between the turns of an
+episode (`cache_key`; held by `kv_store.KVStore`, LRU, bounded by the KV budget). It leaves scheduling across asyncio episodes to
 `AsyncBatcher` and tokenisation to the agent loop. CPU/fp32 is the tested configuration.
 
 Forward passes go through `fast_decoder.FastDecoder` (the engine's own Llama-family forward with a
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
+from earl_stream.workers.engines.kv_store import KeptKV, KVStore
 from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
 
 _LOG = logging.getLogger(__name__)
@@ -50,90 +50,6 @@ class EngineStats:
 
 
 @dataclass
-class _Kept:
-    """KV of one episode's prefix: per layer (keys, values), each [1, kv_heads, len(tokens), head_dim]."""
-
-    tokens: list[int]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-
-    def prefix(self, n: int) -> _Kept:
-        return _Kept(self.tokens[:n], [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv])
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-class _KVStore:
-    """Kept caches by episode key, least recently used first; thread-safe, bounded in tokens."""
-
-    def __init__(self, budget_tokens: int) -> None:
-        self._entries: OrderedDict[str, _Kept] = OrderedDict()
-        self._tokens = 0
-        self._budget = budget_tokens
-        self._lock = threading.Lock()
-
-    @property
-    def tokens(self) -> int:
-        return self._tokens
-
-    def take(self, key: str, prompt: list[int]) -> _Kept | None:
-        """Remove the entry and return its part that is a prefix of `prompt` (None if unusable)."""
-        with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
-                return None
-            self._tokens -= len(entry.tokens)
-        # At least one prompt token must run through the model to produce next-token logits.
-        n = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
-        if n <= 0:
-            return None
-        return entry if n == len(entry.tokens) else entry.prefix(n)
-
-    def put(self, key: str, entry: _Kept) -> None:
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._tokens -= len(old.tokens)
-            if len(entry.tokens) > self._budget:
-                return
-            self._entries[key] = entry
-            self._tokens += len(entry.tokens)
-            self._evict_locked(self._budget)
-
-    def evict_to(self, limit: int) -> None:
-        with self._lock:
-            self._evict_locked(limit)
-
-    def _evict_locked(self, limit: int) -> None:
-        while self._tokens > limit and self._entries:
-            _, old = self._entries.popitem(last=False)
-            self._tokens -= len(old.tokens)
-
-    def set_budget(self, budget_tokens: int) -> None:
-        with self._lock:
-            self._budget = budget_tokens
-            self._evict_locked(budget_tokens)
-
-    def release(self, key: str) -> None:
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._tokens -= len(old.tokens)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._tokens = 0
-
-
-@dataclass
 class _Row:
     """Decode state of one request within a batch."""
 
@@ -141,7 +57,7 @@ class _Row:
     prompt: list[int]
     generator: torch.Generator | None
     keep_key: str | None
-    kept: _Kept | None
+    kept: KeptKV | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: FinishReason | None = None
@@ -168,7 +84,7 @@ class TorchEngine:
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
         self._rng = torch.Generator().manual_seed(seed)
-        self._kv = _KVStore(kv_budget_tokens)
+        self._kv = KVStore(kv_budget_tokens)
         self._lock = threading.Lock()
         self._version = 0
         self._device = next(model.parameters()).device
@@ -434,7 +350,7 @@ class TorchEngine:
         layers: list[Any] = list(cache.layers)  # DynamicLayer and _StaticLayer both hold keys/values
         kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel))
               for layer in layers]
-        self._kv.put(row.keep_key, _Kept(tokens, kv))
+        self._kv.put(row.keep_key, KeptKV(tokens, kv))
 
 
 def _check_capacity(capacity: EngineCapacity) -> None:
