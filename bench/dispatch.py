@@ -39,93 +39,23 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from earl_stream.store import (  # noqa: E402
-    CentralClient,
-    Layout,
-    SampleMeta,
-    ShardClient,
-    ShardNode,
-    partition,
-    pull_samples,
-    pull_samples_central,
-    sample_key,
-    start_dispatcher_process,
+from bench.dispatch_common import (  # noqa: E402
+    BYTES_PER_TOKEN,
+    FIELD_DTYPES,
+    FIELDS,
+    GIB,
+    LAYOUTS,
+    ROW_TOKENS,
+    check_rows,
+    deliver,
+    make_lengths,
+    producer_main,
+    row_fields,
 )
+from earl_stream.store import CentralClient, Layout, SampleMeta, ShardClient, partition, start_dispatcher_process  # noqa: E402
 from earl_stream.store.ucx import ucx_available, ucx_import_error  # noqa: E402
 
 log = logging.getLogger("bench.dispatch")
-GIB = float(1 << 30)
-FIELD_DTYPES: dict[str, Any] = {
-    "input_ids": np.int32,
-    "loss_mask": np.uint8,
-    "behaviour_logprobs": np.float32,
-    "advantages": np.float32,
-}
-FIELDS = list(FIELD_DTYPES)
-EXTRA_DTYPES = {"advantages": np.dtype(np.float32)}  # not a TOKEN_FIELD of the records: declared to pull_samples
-BYTES_PER_TOKEN = sum(np.dtype(d).itemsize for d in FIELD_DTYPES.values())
-LAYOUTS = {"dp4": {"dp": 4, "tp": 1, "cp": 1}, "dp2_tp2": {"dp": 2, "tp": 2, "cp": 1}, "dp2_cp2": {"dp": 2, "tp": 1, "cp": 2}}
-ROW_TOKENS = (4096, 28672)  # agentic contexts of 4K-28K tokens, uniform (mean 16K)
-
-
-# --- data -------------------------------------------------------------------------------------------
-
-
-def make_lengths(nbytes: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    lengths: list[int] = []
-    while sum(lengths) * BYTES_PER_TOKEN < nbytes:
-        lengths.append(int(rng.integers(ROW_TOKENS[0], ROW_TOKENS[1] + 1)))
-    return lengths
-
-
-def row_fields(row: int, n: int) -> dict[str, np.ndarray]:
-    """Deterministic content of claim row `row` ([n] per field), so any process can check what it got."""
-    t = np.arange(n, dtype=np.int64)
-    return {
-        "input_ids": ((t * 7 + row) % 50_000).astype(np.int32),
-        "loss_mask": ((t + row) % 3 != 0).astype(np.uint8),
-        "behaviour_logprobs": (-(t % 100) / 100.0 - row).astype(np.float32),
-        "advantages": np.full(n, row * 0.5, np.float32),
-    }
-
-
-def check_rows(rows: list[int], got: list[dict[str, np.ndarray]], lengths: list[int],
-               ranges: dict[int, list[tuple[int, int]]] | None) -> None:
-    for pos, (row, data) in enumerate(zip(rows, got)):
-        want = row_fields(row, lengths[row])
-        spans = [(0, lengths[row])] if ranges is None else ranges[pos]
-        for name in FIELDS:
-            expect = np.concatenate([want[name][s:e] for s, e in spans])
-            if not np.array_equal(data[name], expect):
-                raise AssertionError(f"row {row} field {name}: wrong bytes")
-
-
-def meta_for(row: int, n: int, address: str) -> SampleMeta:
-    return SampleMeta(
-        schema_version=1, sample_id=f"r{row}", prompt_ordinal=row, episode_id=f"e{row}", group_id=f"g{row // 8}",
-        env="bench", turns=1, prompt_tokens=0, response_tokens=n, total_tokens=n, reward=0.0, advantage=None,
-        policy_version_min=0, policy_version_max=0, producer_id=address, producer_address=address, checksum=0,
-        created_at=0.0, info_json="{}",
-    )
-
-
-# --- processes ----------------------------------------------------------------------------------------
-
-
-def producer_main(conn: Any, index: int, rows: list[int], lengths: list[int]) -> None:
-    node = ShardNode(shm_max_bytes=4 << 30, ucx=True)  # no secret here: UCX offered explicitly
-    put = 0.0
-    metas = []
-    for row, n in zip(rows, lengths):
-        fields = row_fields(row, n)
-        t0 = time.perf_counter()
-        node.put_many({sample_key(f"r{row}", name): arr for name, arr in fields.items()})
-        put += time.perf_counter() - t0
-        metas.append(meta_for(row, n, node.address))
-    conn.send({"metas": metas, "put_seconds": put})
-    conn.recv()
-    node.close()
 
 
 def consumer_main(conn: Any, index: int, claim: list[SampleMeta], dispatcher: str) -> None:
@@ -133,7 +63,6 @@ def consumer_main(conn: Any, index: int, claim: list[SampleMeta], dispatcher: st
     if ucx_available():
         clients["ucx"] = ShardClient(timeout_s=300, transport="ucx")
     central = CentralClient(ShardClient(timeout_s=300), dispatcher)
-    lengths = [m.total_tokens for m in claim]
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -141,20 +70,8 @@ def consumer_main(conn: Any, index: int, claim: list[SampleMeta], dispatcher: st
             break
         _, mode, lay, rank, step, verify = msg
         try:
-            layout = Layout.from_rank(rank, dp=lay["dp"], tp=lay["tp"], cp=lay["cp"])
-            part = partition(lengths, layout)
-            mine = [claim[i] for i in part.rows]
-            ranges = part.ranges_by_position() if layout.cp_size > 1 else None
-            if mode == "central":
-                got = pull_samples_central(central, step, claim, mine, FIELDS, ranges, dtypes=EXTRA_DTYPES)
-            elif mode == "pull_zc":
-                got = pull_samples(clients["pull"], mine, FIELDS, ranges, dtypes=EXTRA_DTYPES, zero_copy=True)
-            else:
-                got = pull_samples(clients[mode], mine, FIELDS, ranges, dtypes=EXTRA_DTYPES)
-            if verify:
-                check_rows(part.rows, got, lengths, ranges)
-            moved = sum(a.nbytes for r in got for a in r.values())
-            del got  # zero-copy views: their producers may reuse the bytes once they are gone
+            client = None if mode == "central" else clients["pull" if mode == "pull_zc" else mode]
+            moved = deliver(client, central, claim, mode, lay, rank, step, verify)
             conn.send(("ok", moved))
         except Exception as exc:  # reported to the driver, which stops the run
             conn.send(("error", repr(exc)))

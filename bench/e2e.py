@@ -62,7 +62,7 @@ def run_earl(mode: str, model_dir: Path, seconds: float, target: float, work: Pa
                  f"trainer.groups_per_step={GROUPS_PER_STEP}", f"trainer.lr={LR}", f"supervisor.stats_window={WINDOW}",
                  f"supervisor.heartbeat_s={HEARTBEAT_S}",
                  # the objective TRL's GRPOTrainer optimises: no entropy bonus (earl_stream's default has one)
-                 "trainer.entropy_coef=0"]
+                 "algo.entropy_coef=0"]
     if mode == "sync":
         overrides.append("trainer.max_staleness=0")
     secret_file = create_secret_file(run_dir / "secret")
@@ -402,7 +402,7 @@ def main() -> int:
         return trl_child(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
-    from earl_stream.modeling import ensure_default_model
+    from earl_stream.model import ensure_default_model
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
     seconds = args.seconds or (60.0 if args.quick else 200.0)

@@ -14,6 +14,20 @@
     run with MALLOC_MMAP_THRESHOLD_=65536 so that glibc returns every freed tensor to the OS and RSS
     follows live tensors; with glibc's default dynamic threshold, freed blocks stay in its heaps and
     the peak RSS is higher (one configuration is also measured that way and reported).
+(c) The same per rank under sharded plans: 2 gloo ranks under fsdp2, tp2 and sp2, 4 ranks under
+    fsdp2_tp2, the model laid out by `workers.sharding.shard_model` and stepped by the real
+    `workers.train_step.train_step` (GRPO loss, vocab-parallel log-probs, FSDP2 / DTensor / Ulysses
+    collectives; entropy bonus off). Each rank is a fresh process measured as in (b) (its gradients
+    made zero tensors before the measured step, like zero_grad(set_to_none=False)); predicted:
+    `TrainPlan(dp=fsdp*dp, tp, sp, fsdp=fsdp>1, shard_logits=True, logit_copies=6)`.`dynamic_bytes`
+    (6: `LOGIT_COPIES_EARL_VOCAB_PARALLEL`, the vocab-parallel log-prob path train_step runs). Reported:
+    `max_relative_error_sharded` over every rank of every plan.
+(d) A real model's shape: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, 9/3 heads, a tied 49,152-token
+    vocabulary, so the [b, s, V] logits buffers matter), one process measured as in (b) with the GRPO loss of
+    (b), in fp32 and under bf16 autocast with fp32 weights, gradients and AdamW states (as trainer.dtype=bf16
+    runs the forward); predicted with Precision.FP32 and Precision.MIXED_BF16 (2-byte activations;
+    `dynamic_bytes` leaves the states out, so their layout does not matter). Random weights: memory does not
+    depend on them.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from earl_stream.supervisor.memory_model import (  # noqa: E402
     GIB,
     LOGIT_COPIES_EARL_GRPO,
+    LOGIT_COPIES_EARL_VOCAB_PARALLEL,
     LOGIT_COPIES_HF_CROSS_ENTROPY,
     Attention,
     ModelShape,
@@ -65,6 +80,12 @@ FULL_GRID = [  # (model, attention, loss, seq_len, micro_batch, gradient checkpo
 ]
 QUICK_GRID = [("vocab", "eager", "ce", 256, 2, False), ("wide", "eager", "ce", 512, 1, True),
               ("wide", "sdpa", "ce", 512, 2, False)]
+SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+           "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}
+# (seq_len, micro_batch, dtype); bf16 autocast steps are slow on these CPUs (376 s for 128 tokens, loaded machine)
+SMOLLM2_GRID = [(128, 1, "fp32"), (512, 1, "fp32"), (128, 1, "bf16")]
+SMOLLM2_QUICK = [(128, 1, "fp32")]
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
@@ -110,7 +131,13 @@ def child(spec: dict) -> dict:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
     rss0 = status("VmRSS:")
-    model = Qwen2ForCausalLM(Qwen2Config(**spec["config"], attn_implementation=spec["attn"], use_cache=False))
+    if spec.get("arch") == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**spec["config"], attn_implementation=spec["attn"], use_cache=False))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**spec["config"], attn_implementation=spec["attn"], use_cache=False))
+    autocast = spec.get("dtype") == "bf16"
     model.train()
     if spec["ckpt"]:
         model.gradient_checkpointing_enable()
@@ -122,12 +149,14 @@ def child(spec: dict) -> dict:
         if spec["loss"] == "ce":
             model(input_ids=ids, labels=ids).loss.backward()
         else:  # the inner loop of earl_stream.workers.train_step (GRPO, entropy_coef = 0)
-            from earl_stream.algo.grpo import clipped_pg_loss, token_entropy, token_logprobs
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
-            logp = token_logprobs(out.logits, ids)
+            from earl_stream.algo.losses import policy_loss, token_entropy, token_logprobs
+            from earl_stream.config import AlgoConfig
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as train_step does for bf16
+                out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+                logp = token_logprobs(out.logits, ids)
             ent = token_entropy(out.logits.detach())
-            terms = clipped_pg_loss(logp, logp.detach() - 0.01, torch.linspace(-1, 1, b), torch.ones(b, s),
-                                    clip_eps=0.2, normalizer=float(b * s), entropy=ent)
+            terms = policy_loss(logp, logp.detach() - 0.01, torch.linspace(-1, 1, b), torch.ones(b, s),
+                                torch.full((b,), 1.0 / (b * s)), AlgoConfig(entropy_coef=0.0), entropy=ent)
             terms.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -196,16 +225,190 @@ def part_b(grid: list, *, default_malloc_check: bool) -> dict:
     return out
 
 
+def part_d(grid: list) -> dict:
+    from transformers import LlamaConfig
+
+    shape = ModelShape.from_hf(LlamaConfig(**SMOLLM2))
+    rows = []
+    for s, b, dtype in grid:
+        spec = {"model": "smollm2", "arch": "llama", "config": SMOLLM2, "attn": "sdpa", "loss": "grpo", "seq_len": s,
+                "micro_batch": b, "ckpt": False, "dtype": dtype}
+        got = run_child(spec)
+        plan = TrainPlan(micro_batch=b, seq_len=s, attention=Attention.FLASH, logit_copies=LOGIT_COPIES_EARL_GRPO,
+                         precision=Precision.MIXED_BF16 if dtype == "bf16" else Precision.FP32)
+        bd = predict_train_memory(shape, plan)
+        rel = (bd.dynamic_bytes - got["measured_bytes"]) / got["measured_bytes"]
+        rows.append({**{k: v for k, v in spec.items() if k != "config"}, "predicted_bytes": bd.dynamic_bytes, **got,
+                     "relative_error": rel, "predicted_peak_phase": bd.peak_phase.value})
+        print(f"  smollm2 {dtype} s={s:4d} b={b} predicted {bd.dynamic_bytes / 2**20:7.1f} MiB measured "
+              f"{got['measured_bytes'] / 2**20:7.1f} MiB {rel:+.3f} ({got['step_seconds']:.1f} s step)", flush=True)
+    return {"model": "SmolLM2-135M-Instruct shape", "config": SMOLLM2, "params": shape.num_params(), "configs": rows,
+            "max_relative_error": max(abs(r["relative_error"]) for r in rows)}
+
+
+# (plan, model, attention, seq_len, rows per data rank): 2 ranks under fsdp2, tp2, sp2; 4 under fsdp2_tp2;
+# dp1: one rank, the control
+SHARDED_FULL = [("fsdp2", "vocab", "sdpa", 1024, 1), ("fsdp2", "wide", "eager", 1024, 1),
+                ("tp2", "vocab", "sdpa", 1024, 1), ("tp2", "wide", "eager", 1024, 1),
+                ("sp2", "vocab", "sdpa", 1024, 1), ("sp2", "wide", "eager", 1024, 1),
+                ("fsdp2_tp2", "vocab", "sdpa", 1024, 1), ("dp1", "vocab", "sdpa", 1024, 1)]
+SHARDED_QUICK = [("fsdp2", "vocab", "sdpa", 512, 1), ("tp2", "vocab", "sdpa", 512, 1), ("sp2", "vocab", "sdpa", 512, 1),
+                 ("fsdp2_tp2", "vocab", "sdpa", 512, 1)]
+
+
+class _Rows:
+    """The store's Puller interface over rows held in this process (the producers' network edge)."""
+
+    def __init__(self, rows: dict) -> None:
+        self.rows = rows
+
+    def pull(self, address: str, pieces: list, **_: object) -> list:
+        import numpy as np
+
+        out: list = []
+        last = None
+        for key, start, end in pieces:  # merge_runs: ranges of one key back to back
+            part = self.rows[key][start:end]
+            if key == last:
+                out[-1] = np.concatenate([out[-1], part])
+            else:
+                out.append(part.copy())
+            last = key
+        return out
+
+    def pull_many(self, requests: dict, **_: object) -> dict:
+        return {addr: self.pull(addr, pieces) for addr, pieces in requests.items()}
+
+
+def _claim(n_rows: int, length: int, vocab: int, tag: str) -> tuple[list, _Rows]:
+    """`n_rows` rows of `length` tokens (two GRPO groups), random ids, every response token in the loss."""
+    import numpy as np
+
+    from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, sample_key
+
+    rng = np.random.default_rng(0)
+    rows, metas = {}, []
+    for i in range(n_rows):
+        sid, prompt = f"{tag}{i}", min(8, length - 1)
+        mask = np.zeros(length, np.uint8)
+        mask[prompt:] = 1
+        rows[sample_key(sid, "input_ids")] = rng.integers(5, vocab, length).astype(np.int32)
+        rows[sample_key(sid, "loss_mask")] = mask
+        rows[sample_key(sid, "behaviour_logprobs")] = np.full(length, -np.log(vocab), np.float32) * mask
+        metas.append(SampleMeta(schema_version=SCHEMA_VERSION, sample_id=sid, prompt_ordinal=i % 2, episode_id=sid,
+                                group_id=f"g{i % 2}", env="bench", turns=1, prompt_tokens=prompt,
+                                response_tokens=length - prompt, total_tokens=length, reward=float(i % 3),
+                                advantage=None, policy_version_min=0, policy_version_max=0, producer_id="p",
+                                producer_address="local", checksum=0, created_at=0.0, info_json="{}"))
+    return metas, _Rows(rows)
+
+
+def rank_child(spec: dict, rank: int, world: int, port: int) -> dict:
+    """One trainer rank of a sharded configuration: warm up, then measure one step's peak RSS delta."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from bench.ranks import join, laid_out_model
+    from earl_stream.config import AlgoConfig, TrainerConfig
+    from earl_stream.workers.train_step import train_step
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    join(rank, world, port)
+    rss0 = status("VmRSS:")
+    model, placement = laid_out_model(MODELS[spec["model"]], spec["attn"], spec["plan"], rank, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cfg, algo = TrainerConfig(micro_batch_tokens=1 << 20), AlgoConfig(entropy_coef=0.0)
+    vocab, data_ranks = MODELS[spec["model"]]["vocab_size"], placement.plan.data_ranks
+    metas, rows = _claim(data_ranks, 32, vocab, "warm")
+    train_step(model, opt, metas, placement.layout, rows, cfg, algo=algo, placement=placement)
+    for p in model.parameters():  # allocated states, as zero_grad(set_to_none=False) leaves them
+        p.grad = torch.zeros_like(p)
+    metas, rows = _claim(data_ranks * spec["rows"], spec["seq_len"], vocab, "big")
+    gc.collect()
+    dist.barrier()
+    base = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = time.monotonic()
+    train_step(model, opt, metas, placement.layout, rows, cfg, algo=algo, placement=placement)
+    out = {"rank": rank, "measured_bytes": status("VmHWM:") - base, "baseline_rss_bytes": base,
+           "states_rss_bytes": base - rss0, "step_seconds": time.monotonic() - start}
+    dist.destroy_process_group()
+    return out
+
+
+def predict_sharded(spec: dict) -> tuple[int, int, str]:
+    from bench.ranks import rank_plan
+
+    rp = rank_plan(spec["plan"])
+    shape = ModelShape.from_hf({**MODELS[spec["model"]], "model_type": "qwen2"})
+    plan = TrainPlan(micro_batch=spec["rows"], seq_len=spec["seq_len"], dp=rp.dp * rp.fsdp, tp=rp.tp, sp=rp.sp,
+                     fsdp=rp.fsdp > 1, shard_logits=True, logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL,
+                     attention=Attention.EAGER if spec["attn"] == "eager" else Attention.FLASH)
+    bd = predict_train_memory(shape, plan)
+    return bd.dynamic_bytes, bd.static_bytes, bd.peak_phase.value
+
+
+def part_c(grid: list) -> dict:
+    from bench.ranks import launch, rank_plan
+
+    rows = []
+    print(f"  {'plan':10s} {'model':5s} {'attn':5s} {'seq':>5s} {'mb':>2s} {'predicted':>10s}  measured per rank "
+          "(error)   peak phase")
+    for plan, name, attn, s, b in grid:
+        spec = {"plan": plan, "model": name, "attn": attn, "seq_len": s, "rows": b}
+        ranks = launch(__file__, ["--rank-child", json.dumps(spec)], rank_plan(plan).world, env=MALLOC_ENV)
+        pred, static, phase = predict_sharded(spec)
+        for r in ranks:
+            r["relative_error"] = (pred - r["measured_bytes"]) / r["measured_bytes"]
+        rows.append({**spec, "predicted_bytes": pred, "predicted_static_bytes": static, "predicted_peak_phase": phase,
+                     "ranks": ranks, "max_abs_relative_error": max(abs(r["relative_error"]) for r in ranks)})
+        per_rank = " ".join(f"{r['measured_bytes'] / 2**20:6.1f} ({r['relative_error']:+.3f})" for r in ranks)
+        print(f"  {plan:10s} {name:5s} {attn:5s} {s:5d} {b:2d} {pred / 2**20:6.1f} MiB  {per_rank}  {phase} "
+              f"({max(r['step_seconds'] for r in ranks):.1f} s step)", flush=True)
+    # dp1 (one rank, same train_step) is the control: it is not a sharded plan
+    return {"configs": rows, "max_relative_error_sharded": max(r["max_abs_relative_error"] for r in rows
+                                                               if r["plan"] != "dp1")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="bench/results/memory_model.json", help="where to write the results")
     ap.add_argument("--quick", action="store_true", help="three small configurations (~1 minute)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--rank-child", help=argparse.SUPPRESS)
+    for flag in ("--rank", "--world", "--port"):
+        ap.add_argument(flag, type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--only-sharded", action="store_true", help="skip (a) and (b): the sharded plans only")
+    ap.add_argument("--only-smollm2", action="store_true", help="refresh (d), the SmolLM2 rows, in an existing file")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
+    if args.rank_child:
+        print(json.dumps(rank_child(json.loads(args.rank_child), args.rank, args.world, args.port)))
+        return 0
     start = time.monotonic()
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only_smollm2:  # refresh (d) in an existing results file
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result["smollm2"] = part_d(SMOLLM2_QUICK if args.quick else SMOLLM2_GRID)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"  smollm2 max_relative_error = {result['smollm2']['max_relative_error']:.3f}; wrote {out}")
+        return 0
+    if args.only_sharded:  # refresh (c) in an existing results file
+        result = json.loads(out.read_text()) if out.exists() else {}
+        c = part_c(SHARDED_QUICK if args.quick else SHARDED_FULL)
+        result.update(sharded=c, max_relative_error_sharded=c["max_relative_error_sharded"])
+        out.write_text(json.dumps(result, indent=2))
+        print(f"  max_relative_error_sharded = {c['max_relative_error_sharded']:.3f} (goal <= 0.05); wrote {out}")
+        return 0
     a = part_a()
     print("(a) Llama-3.1-70B activations per layer, b=1 (GiB): 4,096 -> 8,192 tokens")
     for name in ("korthikanti", "hf_bf16"):
@@ -223,10 +426,14 @@ def main() -> int:
         c = b["default_malloc_check"]
         print(f"  default glibc malloc, vocab eager s=512 b=2: measured {c['measured_bytes'] / 2**20:.1f} MiB "
               f"vs predicted {c['predicted_bytes'] / 2**20:.1f} MiB")
-    result = {"llama70b": a, "measured": b, "max_relative_error": b["max_relative_error"], "quick": args.quick,
+    print(f"(c) per rank under sharded plans, predicted vs measured step peak ({'quick' if args.quick else 'full'})")
+    c = part_c(SHARDED_QUICK if args.quick else SHARDED_FULL)
+    print(f"  max_relative_error_sharded = {c['max_relative_error_sharded']:.3f} (goal <= 0.05)")
+    print(f"(d) SmolLM2-135M shape, fp32 and bf16 autocast ({'quick' if args.quick else 'full'})")
+    d = part_d(SMOLLM2_QUICK if args.quick else SMOLLM2_GRID)
+    result = {"llama70b": a, "measured": b, "max_relative_error": b["max_relative_error"], "sharded": c, "smollm2": d,
+              "max_relative_error_sharded": c["max_relative_error_sharded"], "quick": args.quick,
               "seconds": round(time.monotonic() - start, 1)}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out} in {result['seconds']} s")
     return 0

@@ -64,7 +64,9 @@ def _scalars(d: dict[str, Any], prefix: str = "", depth: int = 2) -> list[list[A
 
 def render_generic(d: dict[str, Any]) -> list[str]:
     rows = _scalars(d)
-    return _table(["result", "value"], rows[:60]) if rows else ["(no scalar results)", ""]
+    said = [f"**{k.capitalize()}:** {d[k]}" for k in ("finding", "note") if isinstance(d.get(k), str)]
+    return (_table(["result", "value"], rows[:60]) if rows else ["(no scalar results)", ""]) + \
+        [line for text in said for line in (text, "")]
 
 
 def render_dispatch(d: dict[str, Any]) -> list[str]:
@@ -80,6 +82,46 @@ def render_dispatch(d: dict[str, Any]) -> list[str]:
                f"out) {_fmt(c.get('shm_gibps'))} GiB/s. Medians over {_fmt(d.get('config', {}).get('repetitions'))} "
                "repetitions.")
     return out + [""]
+
+
+def render_dispatch_cluster(d: dict[str, Any]) -> list[str]:
+    """Per N and layout: pull vs central over rate-limited links, the link-bound ideal; then weight sync."""
+    rows = []
+    for n, e in d.get("experience", {}).items():
+        for lay, x in e.get("layouts", {}).items():
+            rows.append([n, lay, x.get("pull_seconds"), x.get("central_seconds"), x.get("speedup_vs_central"),
+                         x.get("ideal_speedup"), d.get("fraction_of_ideal", {}).get(n, {}).get(lay),
+                         x.get("pull_fraction_of_link_bound"), x.get("link_utilisation", {}).get("pull", {}).get("busiest"),
+                         x.get("link_utilisation", {}).get("central", {}).get("hosts", {}).get("controller", {}).get("rx")])
+    out = [f"{d.get('scaling', '')}. Netem delay applied: {d.get('config', {}).get('delay_applied')}.", ""]
+    out += _table(["hosts", "layout", "pull s", "central s", "speedup", "ideal", "of ideal", "pull of its link bound",
+                   "busiest link (pull)", "controller rx (central)"], rows)
+    w, b = d.get("worst_fraction_of_ideal", {}), d.get("best_fraction_of_ideal", {})
+    out += [f"Fraction of the link-bound ideal: worst **{_fmt(w.get('fraction'))}** (N={w.get('hosts')}, {w.get('layout')}), "
+            f"best {_fmt(b.get('fraction'))} (N={b.get('hosts')}, {b.get('layout')}); goal >= {d.get('goal_fraction_of_ideal')}.", ""]
+    sync = d.get("weight_sync_seconds", {})
+    hosts = [str(h) for h in d.get("hosts", [])]
+    out += _table(["weight sync s", *[f"{h} hosts" for h in hosts]], [[m, *(v.get(h) for h in hosts)] for m, v in sync.items()])
+    flat = ", ".join(f"{m} {_fmt(v)}x" for m, v in d.get("weight_sync_max_over_min_2_to_8_hosts", {}).items())
+    out += [f"Weight sync, slowest / fastest over 2-8 rollout hosts: {flat} (goal <= {d.get('goal_weight_sync_flat')}x). "
+            f"Medians over {_fmt(d.get('config', {}).get('repetitions'))} repetitions.", ""]
+    cfg = d.get("config", {})
+    out += ["- *ideal*: the central controller's link-bound seconds (it gathers every row whole, then scatters each "
+            "rank's part: step + delivered bytes through its one link) over the pull's (the bytes of its busiest link); "
+            "a controller that overlapped gathering and scattering would be bound by the larger of the two, giving "
+            "the issue's N/2 for dp (`ideal_speedup_pipelined_controller` in the JSON). *pull of its link bound*: the "
+            "pull's own efficiency, independent of how slow central is.",
+            "- Weights: `rank0` every rollout host pulls rank 0's full copy; `sharded` each trainer rank's own "
+            f"half ({cfg.get('trainer_hosts_for_weights')} trainer hosts); `relay` a chain "
+            f"(`store/relay.py`, {cfg.get('relay_chunk_kib')} KiB chunks): each host pulls from the previous one while "
+            "that one is still pulling, the first from the trainer ranks.",
+            f"- Every simulated host's processes share this machine's {cfg.get('cpus')} cores with other jobs (load "
+            f"average at the end {_fmt(cfg.get('load_average_at_end'), 2)}): where the links are idle and a step is "
+            "still slow, round trips waiting for a core are the cause, and that grows with N and with requests per "
+            "byte (dp x sp pulls two token ranges per row; the relay one request per few chunks)."
+            + ("" if cfg.get("delay_applied") else " This kernel has no netem: the links are rate-limited without "
+               "the extra delay."), ""]
+    return out
 
 
 def render_memory_model(d: dict[str, Any]) -> list[str]:
@@ -101,16 +143,70 @@ def render_memory_model(d: dict[str, Any]) -> list[str]:
         out += _table(["model", "attention", "loss", "seq", "micro-batch", "recompute", "predicted", "measured",
                        "error"], rows)
     out.append(f"Largest relative error: **{_fmt(100 * (d.get('max_relative_error') or 0), 2)}%**.")
+    out.append("")
+    sh = d.get("sharded", {})
+    rows = [[c["plan"], c["model"], c["attn"], c["seq_len"], c["rows"], c["predicted_bytes"] / 2**20,
+             ", ".join(f"{r['measured_bytes'] / 2**20:.1f}" for r in c["ranks"]),
+             ", ".join(f"{100 * r['relative_error']:+.1f}%" for r in c["ranks"])] for c in sh.get("configs", [])]
+    if rows:
+        out.append("(c) per rank under sharded plans (gloo ranks, real `train_step`), predicted vs measured (MiB):")
+        out.append("")
+        out += _table(["plan", "model", "attention", "seq", "rows/rank", "predicted", "measured per rank",
+                       "error per rank"], rows)
+        out.append(f"Largest relative error over the sharded plans: "
+                   f"**{_fmt(100 * (d.get('max_relative_error_sharded') or 0), 2)}%** (goal <= 5%).")
+    return out + [""]
+
+
+def render_weight_sync(d: dict[str, Any]) -> list[str]:
+    rows = [[c["size"], c["plan"], c["method"], c["bytes"] / 2**20, c["publish_seconds"], c["pull_seconds"],
+             c["total_seconds"], c["transport"]] for c in d.get("configs", [])]
+    out = _table(["model", "plan", "method", "MiB", "publish s", "pull s", "publish + pull s", "transport"], rows)
+    ratios = ", ".join(f"{k}: {_fmt(v)}x" for k, v in d.get("full_over_sharded_total_seconds", {}).items())
+    out.append(f"Full copy / sharded, publish + pull: {ratios}. Medians over {_fmt(d.get('repetitions'))} "
+               "repetitions, 2 trainer ranks.")
+    return out + [""]
+
+
+def render_selector(d: dict[str, Any]) -> list[str]:
+    """Per phase: the adaptive run's plan, throughput and peak vs the per-rank budget, the oracle; then
+    which static plans crashed and which plans the adaptive run adopted (`plans_used`)."""
+    phases = d.get("adaptive_phases")
+    if not phases:  # results of the single-process bench (before plans_used)
+        return render_generic(d)
+    oracle, plan = d.get("oracle_per_phase", []), d.get("oracle_plan_per_phase", [])
+    ratio = d.get("adaptive_vs_oracle_per_phase", [])
+    rows = [[ph["max_len"], "/".join(ph["plans"]), ", ".join(str(r).lower() for r in ph["recompute"]),
+             ph["tokens_per_cpu_second"], ph["peak_bytes"] / 2**20, ph["budget_bytes"] / 2**20,
+             oracle[i] if i < len(oracle) else None, plan[i] if i < len(plan) else None,
+             ratio[i] if i < len(ratio) else None] for i, ph in enumerate(phases)]
+    out = _table(["episodes up to (tokens)", "adaptive plan", "recompute", "tokens/rank-CPU-s", "peak MiB/rank",
+                  "cap MiB/rank", "oracle tokens/s", "oracle plan", "adaptive / oracle"], rows)
+    out.append(f"Static plans that ran out of memory: {d.get('static_crashes')} of {len(d.get('static_plans', []))} "
+               f"({', '.join(d.get('static_crashed', [])) or 'none'}); adaptive crashed: "
+               f"{_fmt(d.get('adaptive_crashed'))}; `adaptive_vs_oracle_throughput` = "
+               f"**{_fmt(d.get('adaptive_vs_oracle_throughput'))}**; `plans_used`: "
+               f"{', '.join(f'`{p}`' for p in d.get('plans_used', []))}.")
     return out + [""]
 
 
 def render_learning(d: dict[str, Any]) -> list[str]:
-    keys = ("budget_minutes", "target_win_rate", "start_win_rate", "max_win_rate", "final_win_rate",
-            "mean_win_rate_second_half", "min_win_rate_second_half", "time_to_target_s", "steps")
+    keys = ("env", "budget_minutes", "window_games", "target_win_rate", "start_win_rate", "max_win_rate",
+            "final_win_rate", "mean_win_rate_second_half", "min_win_rate_second_half", "time_to_target_s", "steps")
     rows = [[k, d.get(k)] for k in keys if k in d]
     if "overrides" in d:
         rows.append(["overrides", " ".join(d["overrides"]) or "none (the embedded default)"])
     return _table(["result", "value"], rows)
+
+
+def render_algorithms(d: dict[str, Any]) -> list[str]:
+    out = [f"{_fmt(d.get('budget_minutes'))} minutes per run, seeds {_fmt(d.get('seeds'))}, win rate over the last "
+           f"{d.get('window_games')} games; spread = max - min over the seeds of the second-half mean.", ""]
+    rows = [[c["config"], c["seeds"], c["final_win_rate"], c["mean_win_rate_second_half"],
+             c["min_win_rate_second_half"], c["spread_second_half_mean"], c["time_to_target_s"], c["steps"]]
+            for c in d.get("configs", [])]
+    return out + _table(["configuration", "seeds", "final", "2nd-half mean", "2nd-half min", "spread",
+                         f"to {d.get('target_win_rate')} (s)", "steps"], rows)
 
 
 def render_e2e(d: dict[str, Any]) -> list[str]:
@@ -155,20 +251,46 @@ def render_e2e(d: dict[str, Any]) -> list[str]:
 
 BENCHMARKS: list[dict[str, Any]] = [
     {"name": "dispatch", "title": "Dispatch: layout-aware pull vs central vs Ray", "script": "bench/dispatch.py",
-     "command": "python bench/dispatch.py --json bench/results/dispatch.json", "files": ["dispatch.json", "dispatch_*.json"],
+     "command": "python bench/dispatch.py --json bench/results/dispatch.json", "files": ["dispatch.json", "dispatch_ucx.json"],
      "render": render_dispatch},
+    {"name": "dispatch_cluster", "title": "Dispatch at cluster shape: rate-limited hosts, experience and weights",
+     "script": "bench/dispatch_cluster.py",
+     "command": "sudo python bench/dispatch_cluster.py --json bench/results/dispatch_cluster.json",
+     "files": ["dispatch_cluster.json"], "render": render_dispatch_cluster},
     {"name": "memory_model", "title": "Memory model: predicted vs measured peak memory",
      "script": "bench/memory_model.py", "command": "python bench/memory_model.py --json bench/results/memory_model.json",
      "files": ["memory_model.json"], "render": render_memory_model},
+    {"name": "weight_sync", "title": "Weight sync: sharded publish + pull vs the rank-0 full copy",
+     "script": "bench/weight_sync.py", "command": "python bench/weight_sync.py --json bench/results/weight_sync.json",
+     "files": ["weight_sync.json"], "render": render_weight_sync},
     {"name": "selector", "title": "Parallelism selector: static plans vs the adaptive selector",
      "script": "bench/selector.py", "command": "python bench/selector.py --json bench/results/selector.json",
-     "files": ["selector.json"], "render": render_generic},
+     "files": ["selector.json"], "render": render_selector},
     {"name": "engine", "title": "Engine: built-in engine vs `model.generate` on multi-turn episodes",
      "script": "bench/engine.py", "command": "python bench/engine.py --json bench/results/engine.json",
      "files": ["engine.json"], "render": render_generic},
     {"name": "learning", "title": "Learning: win rate against the random opponent over time",
-     "script": "bench/learning.py", "command": "python bench/learning.py --minutes 20 --json bench/results/learning.json",
+     "script": "bench/learning.py", "command": "python bench/learning.py --minutes 15 --json bench/results/learning.json",
      "files": ["learning.json", "learning_*.json"], "render": render_learning},
+    {"name": "algorithms", "title": "Algorithms: estimators and loss options on the same budget and seeds",
+     "script": "bench/algorithms.py", "command": "python bench/algorithms.py --minutes 5 --seeds 0 1",
+     "files": ["algorithms.json"], "render": render_algorithms},
+    {"name": "context_growth", "title": "Growing contexts: a static context limit vs the selector (EARL's Figure 1)",
+     "script": "bench/context_growth.py",
+     "command": "python bench/context_growth.py --json bench/results/context_growth.json", "files": ["context_growth.json"],
+     "render": render_generic},
+    {"name": "data_mac", "title": "Authenticated data-plane frames: the cost of the MAC on TCP pulls",
+     "script": "bench/data_mac.py", "command": "python bench/data_mac.py --json bench/results/data_mac.json",
+     "files": ["data_mac.json"], "render": render_generic},
+    {"name": "supervisor_load", "title": "The control plane under load: one supervisor, thousands of workers",
+     "script": "bench/supervisor_load.py",
+     "command": "python bench/supervisor_load.py --json bench/results/supervisor_load.json",
+     "files": ["supervisor_load.json"], "render": render_generic},
+    {"name": "fuzz", "title": "Fuzzing every port of a live run", "script": "bench/fuzz.py",
+     "command": "python bench/fuzz.py --json bench/results/fuzz.json", "files": ["fuzz.json"], "render": render_generic},
+    {"name": "chaos", "title": "Chaos: kill -9 of workers, trainer ranks and the supervisor during a run",
+     "script": "bench/chaos.py", "command": "python bench/chaos.py --minutes 10 --json bench/results/chaos.json",
+     "files": ["chaos.json"], "render": render_generic},
     {"name": "e2e", "title": "End-to-end: asynchronous vs synchronous vs TRL", "script": "bench/e2e.py",
      "command": "python bench/e2e.py --json bench/results/e2e.json", "files": ["e2e.json"], "render": render_e2e},
 ]

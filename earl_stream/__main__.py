@@ -1,3 +1,3 @@
-from earl_stream.cli import main
+from earl_stream.cli.main import main
 
 raise SystemExit(main())

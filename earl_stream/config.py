@@ -9,29 +9,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
+import os
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from earl_stream.config_fields import apply_override, build, parse_cpus
+from earl_stream.config_fields import field as _f
+from earl_stream.config_fields import field_help as _field_help
+from earl_stream.config_fields import to_dict as config_to_dict
 from earl_stream.errors import ConfigError
-
-
-def _f(default: Any, help: str, *, choices: tuple[Any, ...] = (), minimum: float | None = None) -> Any:
-    """A config field with its one-line help and its validation rule."""
-    meta = {"help": help, "choices": choices, "min": minimum}
-    if isinstance(default, (list, dict, tuple)) and not isinstance(default, tuple):
-        return dataclasses.field(default_factory=lambda: default, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    path: str = _f("", "directory of a Hugging Face causal LM + tokenizer; empty = the embedded tiny model")
+    path: str = _f("", "directory of a Hugging Face causal LM + tokenizer (~ and $VARS expanded when the config is "
+                   "loaded); empty = the embedded tiny model")
     warm_start_steps: int = _f(450, "supervised warm-start steps of the embedded model (built once)", minimum=0)
     warm_start_seconds: float = _f(900.0, "upper bound on the warm start's wall time", minimum=0)
+
+    def __post_init__(self) -> None:
+        # expanded once, where the config is loaded, so every process gets the same absolute path
+        if isinstance(self.path, str) and self.path:
+            object.__setattr__(self, "path", os.path.expanduser(os.path.expandvars(self.path)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +54,22 @@ class RolloutConfig:
     engine: str = _f("torch", "inference engine backend", choices=("torch", "vllm", "sglang"))
     groups_in_flight: int = _f(8, "prompt groups each worker plays concurrently", minimum=1)
     max_batch_size: int = _f(64, "sequences per engine forward pass", minimum=1)
+    join_running_batch: bool = _f(True, "the built-in engine admits a request into a batch already decoding "
+                                  "(continuous batching); false: each batch runs to completion, so a seeded "
+                                  "sample does not depend on when its request arrived (padding changes logits "
+                                  "by ~1e-6, enough to flip a rare sampled token)")
     temperature: float = _f(1.0, "sampling temperature", minimum=0)
     top_p: float = _f(1.0, "nucleus sampling threshold", minimum=0)
     top_k: int = _f(0, "top-k sampling (0 = off)", minimum=0)
     threads: int = _f(1, "torch threads per rollout worker", minimum=1)
     cpus: str = _f("", "CPU ids each rollout worker is pinned to, e.g. '0' or '0,2-3' (torch threads = their "
                    "count); empty = no pinning")
+    dtype: str = _f("fp32", "weights and compute of the built-in engine (bf16 works on CPU too; the trainer's "
+                    "fp32 weights are cast on load); vllm and sglang choose their own", choices=("fp32", "bf16"))
+    openai_bind: str = _f("127.0.0.1:0", "HOST:PORT of each worker's OpenAI-compatible endpoint (port 0 = any free "
+                          "port; bearer token = the cluster secret); empty = no endpoint")
+    openai_model: str = _f("policy", "model id the OpenAI endpoint serves (requests must name it)")
+    openai_max_tokens: int = _f(256, "max_tokens of an OpenAI request that gives none", minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +78,70 @@ class TrainerConfig:
     lr: float = _f(5e-4, "AdamW learning rate", minimum=0)
     weight_decay: float = _f(0.0, "AdamW weight decay", minimum=0)
     groups_per_step: int = _f(8, "prompt groups per training step", minimum=1)
-    group_size: int = _f(8, "episodes per prompt group (GRPO)", minimum=2)
-    max_staleness: int = _f(1, "refuse samples older than this many policy versions", minimum=0)
-    clip_eps: float = _f(0.2, "PPO clip range of the importance ratio", minimum=0)
-    tis_cap: float = _f(2.0, "truncated importance weight cap C: each token's policy gradient is weighted by "
-                        "min(exp(trainer - engine log-prob), C) (off-policy correction); 0 = off", minimum=0)
-    kl_coef: float = _f(0.0, "weight of the KL penalty to the initial (reference) policy", minimum=0)
-    # 0.01 with lr 5e-4: Tic-Tac-Toe win rate holds ~0.9 instead of collapsing (bench/results/learning.json)
-    entropy_coef: float = _f(0.01, "weight of the entropy bonus (keeps GRPO groups from collapsing to one "
-                             "answer, which zeroes their advantages)", minimum=0)
-    grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", minimum=0)
+    group_size: int = _f(8, "episodes per prompt group (estimators with a group baseline need >= 2)", minimum=1)
+    max_staleness: int = _f(1, "train no token sampled by a policy more than this many versions older than the "
+                            "one being trained (older tokens are masked; a group with none left is played again)",
+                            minimum=0)
     micro_batch_tokens: int = _f(8192, "token budget of one micro-batch", minimum=1)
     threads: int = _f(1, "torch threads per trainer rank", minimum=1)
     cpus: str = _f("", "CPU ids each trainer rank is pinned to, e.g. '1' or '0-1' (torch threads = their count); "
                    "empty = no pinning")
     checkpoint_every: int = _f(100, "write a checkpoint every this many steps (and at the end)", minimum=1)
     claim_timeout_s: float = _f(600.0, "give up waiting for a step's samples after this long", minimum=1)
+    device: str = _f("auto", "where the trainer computes: auto = cuda when available, else cpu (the collective "
+                     "backend follows: nccl on cuda, gloo on cpu)", choices=("auto", "cpu", "cuda"))
+    dtype: str = _f("fp32", "compute precision: bf16 = bf16 autocast with fp32 master weights and optimizer state",
+                    choices=("fp32", "bf16"))
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+    """The learning algorithm: advantage estimator, loss shape, off-policy handling, optimisation schedule
+    (`earl_stream.algo`). Cross-field rules (e.g. an estimator's smallest group): `earl_stream.algo.checks`."""
+
+    advantage: str = _f("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or "
+                        "one registered with earl_stream.algo.advantages.register_estimator")
+    std_scale: bool = _f(True, "grpo: divide each group's centred rewards by the group's std")
+    loss_agg: str = _f("token-mean", "how per-token losses sum to the step's loss, over the whole step (not per "
+                       "micro-batch or rank)", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
+    ppo_epochs: int = _f(1, "passes over each step's batch (ratios are against the log-probs before the first)",
+                         minimum=1)
+    mini_batches: int = _f(1, "optimizer updates per pass: the step's groups split into this many parts", minimum=1)
+    clip_eps_low: float = _f(0.2, "PPO clip: ratios below 1 - clip_eps_low stop pushing down", minimum=0)
+    clip_eps_high: float = _f(0.2, "PPO clip: ratios above 1 + clip_eps_high stop pushing up (DAPO clip-higher: "
+                              "larger than clip_eps_low)", minimum=0)
+    dual_clip_c: float = _f(0.0, "dual-clip bound c > 1 on the loss of negative-advantage tokens (-c * A); 0 = off",
+                            minimum=0)
+    is_correction: str = _f("tis", "engine/trainer mismatch correction per token: tis = weight by min(ratio, "
+                            "tis_cap); mask = weight by the ratio inside [is_mask_low, is_mask_high] and drop the "
+                            "token outside (IcePop); none = PPO ratio against the engine's log-probs",
+                            choices=("tis", "mask", "none"))
+    tis_cap: float = _f(2.0, "truncated importance weight cap C (is_correction=tis)", minimum=0)
+    is_mask_low: float = _f(0.5, "lowest trainer/engine probability ratio a token keeps (is_correction=mask)",
+                            minimum=0)
+    is_mask_high: float = _f(2.0, "highest trainer/engine probability ratio a token keeps (is_correction=mask)",
+                             minimum=0)
+    kl_coef: float = _f(0.0, "weight of the KL penalty to the initial (reference) policy; 0 = off", minimum=0)
+    kl_estimator: str = _f("k3", "KL estimator per token: k1 = log(pi/ref), k2 = (log(pi/ref))^2 / 2, k3 = "
+                           "ref/pi - log(ref/pi) - 1", choices=("k1", "k2", "k3"))
+    kl_in: str = _f("loss", "where the KL penalty goes: loss (a term with its own gradient) or reward (subtracted "
+                    "from each sample's reward before the advantages)", choices=("loss", "reward"))
+    # 0.01 with lr 5e-4: Tic-Tac-Toe win rate holds ~0.9 instead of collapsing (bench/results/learning.json)
+    entropy_coef: float = _f(0.01, "weight of the entropy bonus (keeps groups from collapsing to one answer, which "
+                             "zeroes their advantages)", minimum=0)
+    grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", minimum=0)
+    lr_schedule: str = _f("constant", "learning rate after warm-up: constant, or cosine down to min_lr_ratio x "
+                          "trainer.lr at lr_decay_steps", choices=("constant", "cosine"))
+    warmup_steps: int = _f(0, "steps of linear warm-up from 0 to trainer.lr", minimum=0)
+    lr_decay_steps: int = _f(0, "step at which the cosine schedule ends; 0 = the run's `steps`", minimum=0)
+    min_lr_ratio: float = _f(0.0, "cosine: the final learning rate as a fraction of trainer.lr", minimum=0)
+    dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (no signal) and fill the step with "
+                                "other groups; the dropped ones count as samples_filtered")
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates per training step."""
+        return self.ppo_epochs * self.mini_batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +150,15 @@ class StoreConfig:
     max_bytes_per_node: int = _f(1 << 30, "bytes a shard node holds before producers block", minimum=1 << 20)
     transport: str = _f("auto", "data-plane transport per peer: auto = shared memory on one host, else UCX when "
                         "both sides have ucxx, else TCP", choices=("auto", "shm", "ucx", "tcp"))
+    weight_sync: str = _f("auto", "how rollout workers get a new policy version: direct = each pulls it from the trainer "
+                          "ranks' shards; relay = a chain, each worker pulls chunks from the one that joined before "
+                          "it and serves them on (about one model's transfer time plus a lag per worker); auto = "
+                          "relay once the rollout pool spans more than twice as many hosts as the trainer pool "
+                          "(measured faster there, bench/dispatch_cluster.py), else direct",
+                          choices=("auto", "direct", "relay"))
+    durable_experience: bool = _f(True, "rollout workers persist the samples they hold in run_dir/experience at each "
+                                  "trainer checkpoint and on a clean stop; a resumed run (or a worker restarted on "
+                                  "the same host) trains them instead of playing their prompts again")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +187,60 @@ class SelectorConfig:
     cost_model_min_steps: int = _f(8, "refit the cost model from the trainer's measured step times after this many "
                                    "steps, and as often again after that; 0 = never", minimum=0)
     cost_model_window: int = _f(64, "most recent measured training steps the cost model is refit on", minimum=2)
+    allow_fsdp: bool = _f(True, "let trainer plans shard weights, gradients and optimizer state (FSDP2) when "
+                          "trainer.nproc > 1")
+    allow_tp: bool = _f(True, "let trainer plans use tensor parallelism when trainer.nproc > 1")
+    allow_sp: bool = _f(True, "let trainer plans use Ulysses sequence parallelism when trainer.nproc > 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RayRoleConfig:
+    num_cpus: float = _f(1.0, "Ray CPUs each process of this role reserves", minimum=0)
+    num_gpus: float = _f(0.0, "Ray GPUs each process of this role reserves (a trainer rank on cuda: 1)", minimum=0)
+    resources: dict[str, Any] = _f({}, "custom Ray resources each process of this role reserves, e.g. "
+                                   "{rollout_node: 1}: it runs only on nodes that declare them")
+
+
+@dataclasses.dataclass(frozen=True)
+class RayLauncherConfig:
+    address: str = _f("", "Ray cluster to join (HOST:6379, ray://HOST:10001 or auto); empty = this process's "
+                      "ray.init context, else $RAY_ADDRESS, else a new single-node Ray instance")
+    connect_timeout_s: float = _f(30.0, "give up joining the Ray cluster after this long", minimum=1)
+    placement_timeout_s: float = _f(120.0, "give up when a role's processes are not placed after this long "
+                                    "(resources the cluster lacks or holds for others)", minimum=1)
+    rollout_max_restarts: int = _f(3, "times Ray restarts a rollout worker that dies (it re-registers and "
+                                   "rejoins the run); -1 = without limit", minimum=-1)
+    supervisor: RayRoleConfig = dataclasses.field(default_factory=RayRoleConfig)
+    rollout: RayRoleConfig = dataclasses.field(default_factory=RayRoleConfig)
+    trainer: RayRoleConfig = dataclasses.field(default_factory=RayRoleConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmLauncherConfig:
+    srun: str = _f("srun", "how the launcher runs srun (a path, or a wrapper)")
+    trainer_nodes: int = _f(1, "nodes of the allocation the trainer pool spans (one torchrun per node, "
+                            "trainer.nproc / trainer_nodes ranks each); the last nodes of the allocation", minimum=1)
+    master_port: int = _f(29500, "port of the trainer pool's rendezvous on its first node", minimum=1)
+    step_args: str = _f("", "more srun options for every step, space-separated (e.g. --gpus-per-task=1)")
+    ready_timeout_s: float = _f(120.0, "give up when the supervisor's step does not listen within this long",
+                                minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherConfig:
+    kind: str = _f("local", "how `up` places the processes: local (child processes), ray (actors on a Ray "
+                   "cluster), slurm (srun steps inside a Slurm allocation), or a registered launcher "
+                   "(earl_stream.cli.launchers)")
+    ray: RayLauncherConfig = dataclasses.field(default_factory=RayLauncherConfig)
+    slurm: SlurmLauncherConfig = dataclasses.field(default_factory=SlurmLauncherConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    encrypt: bool = _f(False, "encrypt both planes with keys derived from the cluster secret: the control plane with "
+                       "ZMQ CURVE, data-plane frames with ChaCha20 under their MACs (earl_stream/encryption.py); "
+                       "shared memory and UCX bytes are not encrypted, so UCX is not used. Workers started by "
+                       "hand then need `--encrypt`")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,24 +252,20 @@ class RunConfig:
     envs: tuple[EnvSpec, ...] = dataclasses.field(default_factory=lambda: (EnvSpec(),))
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
     selector: SelectorConfig = dataclasses.field(default_factory=SelectorConfig)
+    launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
 
-def parse_cpus(text: str) -> list[int]:
-    """CPU ids from '0', '0,1' or '0-3,6' (a `cpus` field); [] for ''. Raises ConfigError."""
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in str(text).split(","))):
-        lo, _, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi or lo)
-        except ValueError:
-            raise ConfigError(f"cpus: {part!r} is not a CPU id or a range like 0-3") from None
-        if first < 0 or last < first:
-            raise ConfigError(f"cpus: {part!r} is not a valid CPU range")
-        out.extend(range(first, last + 1))
-    return sorted(set(out))
+# Keys that moved to another section: named in the error rather than silently dropped.
+_MOVED = {f"trainer.{k}": f"algo.{k}" for k in ("tis_cap", "kl_coef", "entropy_coef", "grad_clip")}
+_MOVED["trainer.clip_eps"] = "algo.clip_eps_low and algo.clip_eps_high"
+_LIST_DEFAULTS = {"envs": lambda: [config_to_dict(EnvSpec())]}  # `envs.0.spec=X` edits the default environment
+__all__ = ["RunConfig", "config_from_dict", "config_to_dict", "config_to_json", "config_to_yaml", "field_help",
+           "load_config", "parse_cpus", "replace", "apply_run_override"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,8 +288,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         raw = loaded or {}
     errors: list[str] = []
     for item in overrides:
-        _apply_override(raw, item, errors)
-    cfg = _build(RunConfig, raw, "", errors)
+        apply_run_override(raw, item, errors)
+    cfg = build(RunConfig, raw, "", errors, _MOVED)
+    errors.extend(_algo_problems(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return cfg
@@ -178,18 +298,16 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     errors: list[str] = []
-    cfg = _build(RunConfig, raw, "", errors)
+    cfg = build(RunConfig, raw, "", errors, _MOVED)
+    errors.extend(_algo_problems(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return cfg
 
 
-def config_to_dict(cfg: Any) -> Any:
-    if dataclasses.is_dataclass(cfg):
-        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, tuple):
-        return [config_to_dict(v) for v in cfg]
-    return cfg
+def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted name, help) for every leaf field, for `config show --fields`."""
+    return _field_help(cls, prefix)
 
 
 def config_to_json(cfg: RunConfig) -> str:
@@ -205,124 +323,21 @@ def replace(cfg: RunConfig, *overrides: str) -> RunConfig:
     raw = config_to_dict(cfg)
     errors: list[str] = []
     for item in overrides:
-        _apply_override(raw, item, errors)
+        apply_run_override(raw, item, errors)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return config_from_dict(raw)
 
 
-def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str]]:
-    """(dotted name, help) for every leaf field, for `config show --help-fields`."""
-    out: list[tuple[str, str]] = []
-    for f in dataclasses.fields(cls):
-        name = prefix + f.name
-        hint = typing.get_type_hints(cls)[f.name]
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            out.extend(field_help(hint, name + "."))
-        elif typing.get_origin(hint) is tuple:
-            out.extend(field_help(typing.get_args(hint)[0], name + ".N."))
-        else:
-            out.append((name, f.metadata.get("help", "")))
-    return out
+def apply_run_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
+    """One dotted override (`trainer.lr=3e-4`) of a run's raw config; `envs.0.spec=X` edits the default
+    environment when `raw` names none."""
+    apply_override(raw, item, errors, _LIST_DEFAULTS)
 
 
-def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
-    if "=" not in item:
-        errors.append(f"override {item!r} must look like section.field=value")
-        return
-    key, _, text = item.partition("=")
-    try:
-        value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
-        value = text
-    node: Any = raw
-    parts = key.strip().split(".")
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) > len(node):
-                errors.append(f"{key}: {part!r} is not an index of a list of {len(node)}")
-                return
-            idx = int(part)
-            if idx == len(node):
-                node.append({})
-            if last:
-                node[idx] = value
-            else:
-                node = node[idx]
-            continue
-        if not isinstance(node, dict):
-            errors.append(f"{key}: {'.'.join(parts[:i])} is not a section")
-            return
-        if last:
-            node[part] = value
-        else:
-            if part == "envs" and part not in node:
-                node[part] = [config_to_dict(EnvSpec())]
-            node = node.setdefault(part, {})
+def _algo_problems(cfg: RunConfig) -> list[str]:
+    from earl_stream.algo.checks import algo_problems  # it imports the estimator registry (numpy only)
+
+    return algo_problems(cfg)
 
 
-def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
-    if not isinstance(raw, dict):
-        errors.append(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in names:
-            errors.append(f"{prefix}{key}: unknown field; allowed: {', '.join(sorted(names))}")
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            continue
-        kwargs[f.name] = _convert(hints[f.name], raw[f.name], prefix + f.name, f.metadata, errors)
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        errors.append(f"{prefix.rstrip('.') or 'config'}: {exc}")
-        return cls()
-
-
-def _convert(hint: Any, value: Any, name: str, meta: Any, errors: list[str]) -> Any:
-    origin = typing.get_origin(hint)
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _build(hint, value, name + ".", errors)
-    if origin is tuple:
-        item_cls = typing.get_args(hint)[0]
-        if not isinstance(value, list) or not value:
-            errors.append(f"{name}: expected a non-empty list")
-            return ()
-        return tuple(_build(item_cls, v, f"{name}.{i}.", errors) for i, v in enumerate(value))
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            errors.append(f"{name}: expected a mapping, got {value!r}")
-            return {}
-        return dict(value)
-    if origin in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if hint in (int, float) and isinstance(value, str):
-        try:  # YAML 1.1 reads "3e-4" as a string
-            value = hint(value)
-        except ValueError:
-            pass
-    ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if hint is str and value is None:
-        value, ok = "", True
-    if name.endswith(".cpus") and isinstance(value, (int, list)) and not isinstance(value, bool):
-        value, ok = ",".join(str(v) for v in (value if isinstance(value, list) else [value])), True  # `cpus=1`, `[0,1]`
-    if name.endswith(".cpus") and isinstance(value, str):
-        try:
-            parse_cpus(value)
-        except ConfigError as exc:
-            errors.append(f"{name}: {str(exc).partition(': ')[2]}")
-    if not ok:
-        errors.append(f"{name}: expected {hint.__name__}, got {value!r}")
-        return None
-    choices, minimum = meta.get("choices") or (), meta.get("min")
-    if choices and value not in choices:
-        errors.append(f"{name}: {value!r} is not allowed; choose one of {', '.join(map(str, choices))}")
-    if minimum is not None and value < minimum:
-        errors.append(f"{name}: {value!r} is below the minimum {minimum}")
-    return value

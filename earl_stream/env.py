@@ -10,6 +10,10 @@ A spec is one of:
   * a registered name (`register_env`), or a name in the entry-point group `earl_stream.envs`;
   * `package.module:Class`;
   * `path/to/file.py:Class` (the file is imported once per resolved path).
+
+A spec may also name an agent environment (`earl_stream.agent_env`: `task(seed)` and `async run(client,
+task)`, played through the rollout worker's OpenAI endpoint) or an environment served by another
+process (`remote`, params {address}; see `earl_stream.env_server`).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import inspect
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from earl_stream.agent_env import is_agent_env
 from earl_stream.errors import EnvError
 
 __all__ = [
@@ -58,6 +64,13 @@ _BUILTIN_ENVS: dict[str, str] = {
     "reasoning_gym": "envs.reasoning_gym_env:ReasoningGymEnv",
     "textarena": "envs.textarena_env:TextArenaEnv",
     "long_recall": "envs.long_recall:LongRecall",
+    "agent": "earl_stream.agent_env:AgentFunction",
+    "env_agent": "earl_stream.agent_env:EnvAsAgent",
+    "calculator_agent": "envs.calculator_agent:CalculatorAgent",
+    "remote": "earl_stream.env_server:RemoteEnv",
+    "gymnasium": "envs.gymnasium_env:GymnasiumEnv",
+    "verifiers": "envs.verifiers_env:VerifiersEnv",
+    "openenv": "envs.openenv_env:OpenEnvEnv",
 }
 
 DEFAULT_MAX_TURN_TOKENS = 32
@@ -189,15 +202,26 @@ def unregister_env(name: str) -> None:
             raise EnvError(f"environment {name!r} is not registered in this process")
 
 
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+_ENTRY_POINTS_TTL_S = 10.0
+_entry_points_cache: tuple[float, dict[str, importlib.metadata.EntryPoint]] = (-_ENTRY_POINTS_TTL_S, {})
+
+
+def _entry_points(refresh: bool = False) -> dict[str, importlib.metadata.EntryPoint]:
+    """The group's entry points, re-read at most every 10 s unless `refresh`: scanning the installed
+    distributions takes ~10 ms, and a worker builds environments for every episode."""
+    global _entry_points_cache
+    read_at, found = _entry_points_cache
+    if refresh or time.monotonic() - read_at > _ENTRY_POINTS_TTL_S:
+        found = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        _entry_points_cache = (time.monotonic(), found)
+    return found
 
 
 def known_envs() -> list[str]:
     """Every name `resolve_env` accepts without a ':' (registered, entry points, built-ins), sorted."""
     with _registry_lock:
         names = set(_registry)
-    names.update(_entry_points())
+    names.update(_entry_points(refresh=True))
     names.update(_BUILTIN_ENVS)
     return sorted(names)
 
@@ -229,6 +253,8 @@ def resolve_env(spec: str) -> EnvFactory:
 
 def _resolve_name(name: str) -> EnvFactory:
     ep = _entry_points().get(name)
+    if ep is None and name not in _BUILTIN_ENVS:  # installed since the last read?
+        ep = _entry_points(refresh=True).get(name)
     if ep is not None:
         try:
             factory = ep.load()
@@ -306,8 +332,10 @@ def _get_factory(module: Any, attr: str, spec: str) -> EnvFactory:
 def _check_factory(factory: Any, where: str) -> EnvFactory:
     if not callable(factory):
         raise EnvError(f"{where} is {type(factory).__name__}, not a class or factory")
-    if inspect.isclass(factory) and not all(callable(getattr(factory, m, None)) for m in ("reset", "step")):
-        raise EnvError(f"{where}: class {factory.__name__} lacks reset() and step(); it is not an Environment")
+    if inspect.isclass(factory) and not (all(callable(getattr(factory, m, None)) for m in ("reset", "step"))
+                                         or is_agent_env(factory)):
+        raise EnvError(f"{where}: class {factory.__name__} lacks reset() and step() (or task() and run() of an "
+                       "agent environment); it is not an Environment")
     return factory
 
 
@@ -328,6 +356,7 @@ def make_env(spec: str, params: dict[str, Any] | None = None) -> Environment:
             f"environment {spec!r} could not be created with params {sorted(kwargs)}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    if not isinstance(env, Environment):
-        raise EnvError(f"environment {spec!r} built a {type(env).__name__}, which lacks reset()/step()")
+    if not isinstance(env, Environment) and not is_agent_env(env):
+        raise EnvError(f"environment {spec!r} built a {type(env).__name__}, which lacks reset()/step() "
+                       "(or task()/run() of an agent environment)")
     return env

@@ -42,3 +42,7 @@ class ControlPlaneTimeout(EarlError):
 
 class ChildProcessFailed(EarlError):
     """A process started by `earl-stream up` exited unexpectedly."""
+
+
+class SlurmError(EarlError):
+    """Slurm refused a job (or is not there); the message gives sbatch's reason."""

@@ -7,6 +7,8 @@ registration so that `up` can write a Prometheus file_sd targets file.
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 # Rollout
@@ -25,6 +27,8 @@ ROLLOUT_CONTEXT_TOKENS = Histogram("earl_rollout_context_tokens", "Context lengt
 # Store
 STORE_PULL_SECONDS = Histogram("earl_store_pull_seconds", "Time of one step's pull by a trainer rank", ["rank"])
 STORE_PULL_BYTES = Counter("earl_store_pull_bytes_total", "Bytes pulled from producers", ["rank"])
+STORE_STEP_PULL_BYTES = Gauge("earl_store_step_pull_bytes", "Bytes this trainer rank pulled for its last step (its "
+                              "layout's share: its rows, or its token slices under sequence parallelism)", ["rank"])
 STORE_BYTES_HELD = Gauge("earl_store_bytes_held", "Bytes held by this process's shard node", ["worker"])
 STORE_SHARDS_HELD = Gauge("earl_store_shards_held", "Sample shards held by this process's shard node", ["worker"])
 
@@ -34,11 +38,19 @@ TRAINER_STEP_SECONDS = Histogram("earl_trainer_step_seconds", "Wall time of one 
 TRAINER_LOSS = Gauge("earl_trainer_loss", "Policy loss of the last step", ["rank"])
 TRAINER_GRAD_NORM = Gauge("earl_trainer_grad_norm", "Global gradient norm of the last step", ["rank"])
 TRAINER_MISMATCH = Gauge("earl_trainer_logprob_mismatch", "Mean |trainer - engine| log-prob on loss tokens", ["rank"])
+TRAINER_MASKED = Gauge("earl_trainer_masked_token_fraction", "Fraction of the last step's loss tokens masked out of "
+                       "the loss: sampled by a too-stale policy, or outside algo.is_mask_low/high", ["rank"])
+TRAINER_CLIP_FRAC = Gauge("earl_trainer_clipped_token_fraction", "Fraction of the last step's loss tokens (over its "
+                          "updates) whose PPO or dual clip was active", ["rank"])
 TRAINER_STEPS = Counter("earl_trainer_steps_total", "Training steps done", ["rank"])
 TRAINER_REWARD = Gauge("earl_trainer_reward_mean", "Mean reward of the last step's batch", ["rank"])
 TRAINER_STALENESS = Histogram("earl_trainer_staleness_versions",
                               "Policy versions between a trained sample's behaviour policy and the trained policy",
                               ["rank"], buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+
+# Security: signed messages and frames refused, by plane (control, data, env) and reason (security.Refusal)
+SECURITY_REFUSED = Counter("earl_security_refused_total", "Messages refused: unsigned, stale or replayed",
+                           ["plane", "reason"])
 
 # Supervisor
 # Unlabelled gauges would be exported (as 0) by every process that imports this module, so the
@@ -58,6 +70,10 @@ SUP_PLAN_VERSION = Gauge("earl_plan_version", "Version of the pool's current par
                          ["pool"])
 SUP_PLAN_DESIGN_LENGTH = Gauge("earl_plan_design_length_tokens", "Context length the pool's current plan is sized for",
                                ["pool"])
+SUP_STATE_BYTES = Counter("earl_supervisor_state_bytes_total", "Bytes of write-ahead state written, by kind (log "
+                          "records, snapshots)", ["kind"])
+SUP_STATE_FSYNCS = Counter("earl_supervisor_state_fsyncs_total", "fsyncs of the supervisor's write-ahead log and snapshots")
+SUP_MESSAGES = Counter("earl_supervisor_messages_total", "Control messages the supervisor answered")
 SUP_MEMORY_PREDICTED = Gauge("earl_memory_predicted_bytes", "Peak bytes per device the memory model predicts for the pool's plan",
                              ["pool"])
 
@@ -74,8 +90,16 @@ def register_supervisor_metrics() -> None:
         _supervisor_registered = True
 
 
+METRICS_PORT_ENV = "EARL_STREAM_METRICS_PORT"
+
+
 def start_metrics_server(host: str = "127.0.0.1", port: int = 0) -> str:
-    """Serve this process's metrics over HTTP (read-only); returns "host:port"."""
+    """Serve this process's metrics over HTTP (read-only); returns "host:port".
+
+    Port 0 takes $EARL_STREAM_METRICS_PORT (+ LOCAL_RANK, so the ranks of one host differ) where it is set:
+    a fixed port that Prometheus' pod annotations can name (deploy/k8s); else any free port."""
+    if not port and os.environ.get(METRICS_PORT_ENV):
+        port = int(os.environ[METRICS_PORT_ENV]) + int(os.environ.get("LOCAL_RANK", "0"))
     server, _thread = start_http_server(port, addr=host)
     bound_host, bound_port = server.server_address[:2]
     return f"{bound_host!s}:{bound_port}"

@@ -16,11 +16,16 @@ from typing import Any
 import msgspec
 import zmq
 
+from earl_stream import encryption
 from earl_stream.errors import ControlPlaneTimeout, ProtocolError
-from earl_stream.security import sign, verify
+from earl_stream.security import ReplayGuard, sign, verify
 from earl_stream.store.schema import SampleMeta
 
-PROTOCOL_VERSION = 1
+# 2: plans travel as typed structs (TrainerPlan with a claim, RolloutPlan with a heartbeat), PlanAdopted
+# 3: Scale/ScaleReply (the elastic rollout pool), HeartbeatReply.drain/drained; later, additive (defaults, so
+#    still 3): RecoverSamples/Recovered, HeartbeatReply.checkpoint_version, Registered.run_id (durable experience)
+PROTOCOL_VERSION = 3
+TRAINER_DTYPES = ("fp32", "bf16")
 log = logging.getLogger(__name__)
 
 
@@ -28,6 +33,98 @@ class Role(str, enum.Enum):
     ROLLOUT = "rollout"
     TRAINER = "trainer"
     CLIENT = "client"  # status / env CLI
+
+
+def plan_name(dp: int, fsdp: int, tp: int, sp: int) -> str:
+    """`dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`, ...: the degrees > 1 in the order dp, fsdp, tp, sp;
+    `dp1` for a single rank."""
+    parts = [f"{k}{n}" for k, n in (("dp", dp), ("fsdp", fsdp), ("tp", tp), ("sp", sp)) if n > 1]
+    return "_".join(parts) or "dp1"
+
+
+class TrainerPlan(msgspec.Struct, frozen=True):
+    """The trainer pool's parallel plan, version `version`, sized for `design_seq_len`-token episodes.
+
+    A pool of `world` = dp x fsdp x tp x sp ranks. `dp`: data-parallel replicas (weights replicated,
+    gradients all-reduced); `fsdp`: FSDP2 shard degree over data ranks (1 = no FSDP; under FSDP the
+    parameters, gradients and optimizer states are sharded over fsdp x sp ranks, torchtitan's
+    dp_shard x cp); `tp`: tensor parallel; `sp`: Ulysses sequence parallel. The `data_ranks` (dp x fsdp)
+    get different rows; the tp x sp ranks of one data rank get the same rows (sp ranks their token
+    slices). `micro_batch_tokens`: summed full-sequence tokens of one micro-batch, padding included
+    (the memory model's b x s); `predicted_peak_bytes`: the memory model's per-device peak for the
+    worst micro-batch under that bound. `dtype`: "fp32", or "bf16" (bf16 compute, fp32 master
+    weights and optimizer state). `step`: the step at which the supervisor made the plan.
+    """
+
+    version: int
+    dp: int
+    fsdp: int
+    tp: int
+    sp: int
+    micro_batch_tokens: int
+    recompute: bool
+    dtype: str
+    design_seq_len: int
+    predicted_peak_bytes: int
+    reason: str
+    step: int
+
+    def __post_init__(self) -> None:  # msgspec turns a ValueError into a decode error: bad plans never arrive
+        bad = [f"{k}={getattr(self, k)}" for k in ("version", "dp", "fsdp", "tp", "sp", "design_seq_len")
+               if getattr(self, k) < 1]
+        if self.micro_batch_tokens < self.sp:
+            bad.append(f"micro_batch_tokens={self.micro_batch_tokens} < sp={self.sp}")
+        if self.dtype not in TRAINER_DTYPES:
+            bad.append(f"dtype={self.dtype!r} (choose one of {list(TRAINER_DTYPES)})")
+        if bad:
+            raise ValueError("invalid trainer plan: " + ", ".join(bad))
+
+    @property
+    def world(self) -> int:
+        """Ranks the plan runs on."""
+        return self.dp * self.fsdp * self.tp * self.sp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that get different rows of a claim (the layout's dp size)."""
+        return self.dp * self.fsdp
+
+    @property
+    def rank_micro_batch_tokens(self) -> int:
+        """The micro-batch budget in `store.layout.partition`'s units (ceil(length / sp) per row)."""
+        return self.micro_batch_tokens // self.sp
+
+    @property
+    def name(self) -> str:
+        """`dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`, ...: the degrees > 1 in the order dp, fsdp,
+        tp, sp; `dp1` for a single rank."""
+        return plan_name(self.dp, self.fsdp, self.tp, self.sp)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields plus `name`, `world` and `rank_micro_batch_tokens` (status, logs)."""
+        return {**msgspec.structs.asdict(self), "name": self.name, "world": self.world,
+                "rank_micro_batch_tokens": self.rank_micro_batch_tokens}
+
+
+class RolloutPlan(msgspec.Struct, frozen=True):
+    """A rollout engine's capacity, version `version`, sized for `design_seq_len`-token episodes: per
+    engine of `engine_tp` devices (`replicas` engines fill the pool's devices) at most
+    `max_concurrent_sequences` sequences and `kv_budget_tokens` tokens of KV cache at once."""
+
+    version: int
+    max_concurrent_sequences: int
+    kv_budget_tokens: int
+    design_seq_len: int
+    engine_tp: int
+    replicas: int
+    reason: str
+    step: int
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}={getattr(self, k)}" for k in ("version", "max_concurrent_sequences", "kv_budget_tokens",
+                                                    "design_seq_len", "engine_tp", "replicas") if getattr(self, k) < 1]
+        if bad:
+            raise ValueError("invalid rollout plan: " + ", ".join(bad))
 
 
 class Msg(msgspec.Struct, tag_field="type", frozen=True):
@@ -44,6 +141,8 @@ class Register(Msg, tag="register", frozen=True):
     shard_address: str = ""
     metrics_address: str = ""
     worker_id: str = ""  # set when re-registering after a reconnect
+    ray_node_id: str = ""  # the Ray node it runs on (`up --launcher ray`); "" elsewhere
+    openai_url: str = ""  # a rollout worker's OpenAI-compatible endpoint (http://HOST:PORT/v1); "" if none
 
 
 class Registered(Msg, tag="registered", frozen=True):
@@ -51,6 +150,7 @@ class Registered(Msg, tag="registered", frozen=True):
     config_json: str = ""
     policy_version: int = 0
     weights_address: str = ""
+    run_id: str = ""  # names the run (its ledger) for as long as its state lives: persisted samples must match it
 
 
 class Heartbeat(Msg, tag="heartbeat", frozen=True):
@@ -58,6 +158,7 @@ class Heartbeat(Msg, tag="heartbeat", frozen=True):
     stats: dict[str, float] = {}
     envs_version: int = -1  # the environment set this worker has loaded
     env_errors: dict[str, str] = {}  # environment name -> why this worker cannot load it
+    leaving: bool = False  # its host stopped it (SIGTERM with --drain-on-term): drain it, then let it leave
 
 
 class HeartbeatReply(Msg, tag="heartbeat_reply", frozen=True):
@@ -68,7 +169,16 @@ class HeartbeatReply(Msg, tag="heartbeat_reply", frozen=True):
     known: bool = True  # False: the supervisor does not know this worker; register again
     envs_version: int = 0
     envs_json: str = ""  # the environment set, sent only when the worker's is older
-    plan_json: str = ""  # the rollout pool's current plan (RolloutDecision.to_dict)
+    plan: RolloutPlan | None = None  # the rollout pool's current plan (None: the selector is off)
+    drain: bool = False  # take no new prompts; finish the groups held and keep serving their samples
+    drained: bool = False  # (with stop) every sample of this worker is trained and released: exit now
+    # store.weight_sync (store/weight_route.py): relay = pull the version with store.relay.sync_weights and
+    # serve it onwards; weights_via = the rollout worker's shard node to pull it from ("" = the trainer)
+    weights_relay: bool = False
+    weights_via: str = ""
+    # the step of the trainer's latest checkpoint (-1: none yet): a rollout worker persists the samples it
+    # holds (store/durable.py) each time it grows
+    checkpoint_version: int = -1
 
 
 class RecentEpisodes(Msg, tag="recent_episodes", frozen=True):
@@ -126,6 +236,20 @@ class PutMeta(Msg, tag="put_meta", frozen=True):
     failed_groups: list[str] = []  # groups the worker could not finish (env crash): re-issue
 
 
+class RecoverSamples(Msg, tag="recover_samples", frozen=True):
+    """A restarted rollout worker serves samples it had persisted (store/durable.py); `rows` point at
+    its new shard node, `source` names the file they came from (for the log)."""
+
+    worker_id: str = ""
+    rows: list[SampleMeta] = []
+    source: str = ""
+
+
+class Recovered(Msg, tag="recovered", frozen=True):
+    accepted: list[str] = []  # sample ids the ledger takes back (trained instead of re-played)
+    refused: list[str] = []  # the others: no longer wanted (trained, re-played, unknown); free them
+
+
 class Claim(Msg, tag="claim", frozen=True):
     worker_id: str = ""
     step: int = 0
@@ -137,7 +261,15 @@ class Claimed(Msg, tag="claimed", frozen=True):
     step: int = 0
     ready: bool = False
     table_ipc: bytes = b""
-    plan_json: str = ""  # the trainer pool's plan for this step (PlanDecision.to_dict), "" = keep yours
+    plan: TrainerPlan | None = None  # the trainer pool's plan for this step; None = keep yours
+
+
+class PlanAdopted(Msg, tag="plan_adopted", frozen=True):
+    """Trainer rank 0, once the pool adopted plan `version` at the boundary before training `step`."""
+
+    worker_id: str = ""
+    version: int = 0
+    step: int = 0
 
 
 class Release(Msg, tag="release", frozen=True):
@@ -161,6 +293,23 @@ class Finished(Msg, tag="finished", frozen=True):
     reason: str = ""
 
 
+class Scale(Msg, tag="scale", frozen=True):
+    """Set the desired size of a pool (only the rollout pool scales live). Scaling down drains the
+    surplus workers (no new prompts; each exits once its samples are trained and released); scaling
+    up first cancels drains, then leaves `to_start` workers for a launcher to start."""
+
+    role: Role = Role.ROLLOUT
+    replicas: int = 0
+
+
+class ScaleReply(Msg, tag="scale_reply", frozen=True):
+    replicas: int = 0  # the desired size now held by the supervisor
+    active: int = 0  # live workers of the pool that are not draining (after this request)
+    draining: list[str] = []  # worker ids draining now
+    undrained: list[str] = []  # worker ids whose drain this request cancelled
+    to_start: int = 0  # workers a launcher should start to reach `replicas`
+
+
 class StatusRequest(Msg, tag="status", frozen=True):
     pass
 
@@ -179,8 +328,8 @@ class ErrorReply(Msg, tag="error", frozen=True):
 
 AnyMsg = (
     Register | Registered | Heartbeat | HeartbeatReply | RequestPrompts | Prompts | PutMeta | Claim | Claimed
-    | Release | PublishVersion | Finished | StatusRequest | StatusReply | Ack | ErrorReply | EnvAttach | EnvDetach
-    | EnvList | EnvListReply | RecentEpisodes | RecentEpisodesReply
+    | Release | PlanAdopted | PublishVersion | Finished | StatusRequest | StatusReply | Ack | ErrorReply | EnvAttach | EnvDetach
+    | EnvList | EnvListReply | RecentEpisodes | RecentEpisodesReply | Scale | ScaleReply | RecoverSamples | Recovered
 )
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)
@@ -213,10 +362,14 @@ class ControlClient:
     the next request.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0, secret: bytes | None = None) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 5.0, secret: bytes | None = None,
+                 encrypt: bool | None = None) -> None:
+        """`encrypt`: CURVE to the server (None: $EARL_STREAM_ENCRYPT; `earl_stream.encryption`)."""
         self.address = normalize_address(address)
         self.secret = secret
+        self.encrypt = encryption.encrypt_enabled(encrypt)
         self.timeout_s = timeout_s
+        self._guard = ReplayGuard()  # a reply must be fresh and never seen before
         self._ctx: zmq.Context = zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = None
@@ -225,6 +378,8 @@ class ControlClient:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.encrypt:
+                encryption.curve_client(sock, self.secret)
             sock.connect(self.address)
             self._sock = sock
         return self._sock
@@ -240,9 +395,10 @@ class ControlClient:
                 raise ControlPlaneTimeout(
                     f"no answer from the supervisor at {self.address} within {timeout:.0f}s "
                     f"(waiting for the reply to {what or type(msg).__name__})"
+                    + ("" if self.encrypt else f"; {encryption.HINT}")
                 )
             frames = sock.recv_multipart()
-        payload = verify(self.secret, frames[-1])
+        payload = verify(self.secret, frames[-1], self._guard)
         if payload is None:
             try:
                 refused = decode(frames[-1])

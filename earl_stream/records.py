@@ -66,3 +66,12 @@ class SampleRecord:
 
     def token_fields(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in TOKEN_FIELDS}
+
+
+# A rollout worker keeps the readable transcripts of its last TRANSCRIPTS_KEPT episodes in its shard
+# node, under transcript_key(sample_id), for `earl-stream episodes` to pull.
+TRANSCRIPTS_KEPT = 512
+
+
+def transcript_key(sample_id: str) -> str:
+    return f"t/{sample_id}"

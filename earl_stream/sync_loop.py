@@ -20,7 +20,8 @@ import torch
 from earl_stream.chat import ChatFormat
 from earl_stream.config import RunConfig
 from earl_stream.env import env_options, make_env
-from earl_stream.modeling import load_model
+from earl_stream.errors import EarlError
+from earl_stream.model.loading import load_model, torch_dtype
 from earl_stream.protocol import Prompt
 from earl_stream.records import SampleRecord
 from earl_stream.store.client import ShardClient
@@ -65,16 +66,20 @@ class SyncLoop:
         torch.manual_seed(cfg.seed)
         self.model, self.tokenizer = load_model(path)
         self.model.train()
-        engine_model, _ = load_model(path)
+        engine_model, _ = load_model(path, dtype=torch_dtype(cfg.rollout.dtype))
         engine_model.eval()
         self.engine = make_engine("torch", path, engine_model, max_batch_size=cfg.rollout.max_batch_size,
                                   seed=cfg.seed)
+        self.ref_model = None
+        if cfg.algo.kl_coef > 0:  # the reference policy: the initial weights, as a trainer rank loads it
+            self.ref_model, _ = load_model(path)
+            self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
         self.chat = ChatFormat(self.tokenizer)
         t = cfg.trainer
         self.ledger = Ledger(cfg.envs, seed=cfg.seed, group_size=t.group_size, groups_per_step=t.groups_per_step,
-                             max_staleness=0)
+                             max_staleness=0, dynamic_sampling=cfg.algo.dynamic_sampling)
         self.node = ShardNode("127.0.0.1")
         self.writer = ExperienceWriter(self.node, _WORKER)
         self.client = ShardClient()
@@ -89,21 +94,30 @@ class SyncLoop:
             self.close()
 
     async def _run(self, steps: int) -> list[SyncStep]:
-        batcher = AsyncBatcher(self.engine, max_batch_size=self.cfg.rollout.max_batch_size)
+        batcher = AsyncBatcher(self.engine, max_batch_size=self.cfg.rollout.max_batch_size,
+                               join_running=self.cfg.rollout.join_running_batch)
         out: list[SyncStep] = []
         try:
             for step in range(steps):
                 start = time.monotonic()
-                prompts = self.ledger.issue(_WORKER, self.cfg.trainer.groups_per_step)
-                groups = await asyncio.gather(*[self._play_group(batcher, p) for p in prompts])
-                for records in groups:
-                    self.ledger.add_rows(_WORKER, self.writer.put(records))
+                ipc: bytes | None = None
+                groups: list[list[SampleRecord]] = []
+                while ipc is None:  # more than one round only when dynamic sampling dropped groups
+                    if len(groups) > 100 * self.cfg.trainer.groups_per_step:
+                        raise EarlError(f"step {step}: {len(groups)} groups played and every one had equal rewards, "
+                                        "which algo.dynamic_sampling drops: nothing to learn from")
+                    prompts = self.ledger.issue(_WORKER, self.cfg.trainer.groups_per_step)
+                    played = await asyncio.gather(*[self._play_group(batcher, p) for p in prompts])
+                    for records in played:
+                        self.ledger.add_rows(_WORKER, self.writer.put(records))
+                    groups.extend(played)
+                    ipc, dropped = self.ledger.claim(step, self.cfg.trainer.groups_per_step, min_policy_version=step)
+                    self.writer.free([sid for ids in dropped.values() for sid in ids])
                 generated = time.monotonic()
-                ipc, _ = self.ledger.claim(step, self.cfg.trainer.groups_per_step, min_policy_version=step)
-                assert ipc is not None, "every issued group was played, so the claim is complete"
                 metas = table_to_metas(table_from_ipc(ipc))
                 result = train_step(self.model, self.optimizer, metas, Layout(dp_size=1, dp_rank=0), self.client,
-                                    self.cfg.trainer)
+                                    self.cfg.trainer, algo=self.cfg.algo, step=step, run_steps=self.cfg.steps,
+                                    ref_model=self.ref_model)
                 self.writer.free([m.sample_id for m in metas])
                 self.ledger.release(step)
                 state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}

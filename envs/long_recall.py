@@ -63,11 +63,17 @@ class LongRecall:
     """Remember the facts of every turn; answer one question at the end. See the module docstring."""
 
     max_turn_tokens: int = 3
+    max_episode_tokens: int | None = None  # no limit unless given (the static-limit runs of bench/context_growth.py)
     system_prompt: str = "Remember every fact. At the end, reply with the value of the key asked for."
 
-    def __init__(self, turns: int = 2, max_turns: int = 24, facts_per_turn: int = 4, grow_every: int = 0) -> None:
+    def __init__(self, turns: int = 2, max_turns: int = 24, facts_per_turn: int = 4, grow_every: int = 0,
+                 max_episode_tokens: int | None = None) -> None:
         # int() because `env attach --param k=v` may pass strings
         turns, max_turns, facts, grow_every = int(turns), int(max_turns), int(facts_per_turn), int(grow_every)
+        if max_episode_tokens is not None:  # a hard context limit: longer episodes end "truncated", reward 0
+            if int(max_episode_tokens) < 1:
+                raise EnvError(f"LongRecall max_episode_tokens must be >= 1 or None, got {max_episode_tokens!r}")
+            self.max_episode_tokens = int(max_episode_tokens)
         if not 1 <= turns <= max_turns or not 1 <= facts or max_turns * facts > len(_KEYS) or grow_every < 0:
             raise EnvError(f"LongRecall needs 1 <= turns ({turns}) <= max_turns ({max_turns}), facts_per_turn "
                            f"({facts}) >= 1, max_turns x facts_per_turn <= {len(_KEYS)} distinct keys and "

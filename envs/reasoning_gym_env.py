@@ -9,6 +9,9 @@ distinct questions. Everything is generated locally; nothing is downloaded.
 The reply's answer is the text inside the last `<answer>...</answer>` (reasoning-gym's own
 convention and system prompt), or the whole stripped reply when there is no such tag (lenient, so a
 small model that answers bare is still scored); with `answer_tag=None` the whole reply is the answer.
+With `answer_from="last_number"` the answer is the last number in that text instead (for numeric tasks
+and a model that explains before it answers, e.g. "7 + 5 = 12, so the answer is 12."): still checked
+exactly, but a correct number at the end of an explanation counts.
 It is scored by the dataset's own `score_answer` (a float in [0, 1]), which is the reward. With
 `max_attempts > 1` the episode is multi-turn: an answer scoring below 1 is answered with feedback and
 another try, and the episode's reward is the last attempt's score. `info` on the terminal step:
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -36,6 +40,8 @@ _datasets: OrderedDict[tuple[str, str, int, int], Any] = OrderedDict()
 _datasets_lock = threading.Lock()
 
 _BARE_PROMPT = "Answer the question. Reply with the final answer only."
+_ANSWER_FROM = ("tag", "last_number")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _reasoning_gym() -> Any:
@@ -72,7 +78,7 @@ class ReasoningGymEnv:
     def __init__(self, task: str = "basic_arithmetic", config: dict[str, Any] | str | None = None,
                  size: int = 10_000, dataset_seed: int = 0, max_attempts: int = 1,
                  answer_tag: str | None = "answer", system_prompt: str | None = None,
-                 max_turn_tokens: int = 256) -> None:
+                 max_turn_tokens: int = 256, answer_from: str = "tag") -> None:
         rg = _reasoning_gym()
         if task not in rg.factory.DATASETS:
             raise EnvError(f"unknown reasoning-gym task {task!r}; known tasks: {', '.join(sorted(rg.factory.DATASETS))}")
@@ -90,6 +96,9 @@ class ReasoningGymEnv:
         if self.size < 1 or self.max_attempts < 1:
             raise EnvError(f"ReasoningGymEnv needs size >= 1 and max_attempts >= 1, got {size}, {max_attempts}")
         self.answer_tag = answer_tag or None
+        if answer_from not in _ANSWER_FROM:
+            raise EnvError(f"ReasoningGymEnv answer_from must be one of {', '.join(_ANSWER_FROM)}, got {answer_from!r}")
+        self.answer_from = answer_from
         if system_prompt is None:
             system_prompt = rg.utils.SYSTEM_PROMPTS["default"] if self.answer_tag == "answer" else _BARE_PROMPT
         self.system_prompt: str = system_prompt
@@ -113,11 +122,15 @@ class ReasoningGymEnv:
 
     def answer_of(self, text: str) -> str:
         """The answer part of a reply (see the module docstring)."""
+        answer = text.strip()
         if self.answer_tag is not None:
             tagged = self._extract(text, tag_name=self.answer_tag)
             if tagged is not None:
-                return str(tagged)
-        return text.strip()
+                answer = str(tagged)
+        if self.answer_from == "last_number":
+            numbers = _NUMBER.findall(answer)
+            return numbers[-1] if numbers else ""
+        return answer
 
     async def step(self, action_text: str) -> StepResult:
         """Score the reply's answer; finish, or ask again while attempts remain."""

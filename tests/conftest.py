@@ -13,6 +13,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from earl_stream.modeling import init_model
+    from earl_stream.model import init_model
 
     return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)

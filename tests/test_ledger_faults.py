@@ -13,7 +13,8 @@ from earl_stream import protocol as P
 from earl_stream.config import EnvSpec, RunConfig, replace
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, table_from_ipc, table_to_metas
 from earl_stream.supervisor.ledger import Ledger
-from earl_stream.supervisor.server import Supervisor, _write_journal
+from earl_stream.supervisor.serve import _write_journal
+from earl_stream.supervisor.server import Supervisor
 
 
 def _ledger() -> Ledger:

@@ -6,14 +6,14 @@ from pathlib import Path
 
 from rich.console import Console
 
+from earl_stream.cli.live import CurvePoint, LiveView, dashboard, plot_learning_curve, status_line
 from earl_stream.config import load_config
-from earl_stream.live import CurvePoint, LiveView, dashboard, plot_learning_curve, status_line
 
 STATUS = {
     "policy_version": 7, "mean_reward_last": 0.25, "win_rate_last": 0.5, "draw_rate_last": 0.125,
     "tokens_per_second": 410.0, "samples_in_store": 16, "samples_produced": 80, "samples_consumed": 56,
     "samples_lost": 1, "samples_stale": 0, "context_length": {"p50": 114.0, "p99": 136.0, "max": 140.0},
-    "plans": {"trainer": {"version": 2, "design_seq_len": 256, "micro_batch_tokens": 7156}},
+    "plans": {"trainer": {"version": 2, "name": "fsdp2", "design_seq_len": 256, "micro_batch_tokens": 7156}},
     "trainer": {"loss": -0.012, "step_seconds": 1.5},
     "workers": [
         {"id": "rollout-1", "role": "rollout", "alive": True, "last_seen_s": 0.3, "groups_held": 2,
@@ -33,7 +33,7 @@ def _render(status: dict, steps: int) -> str:
 def test_dashboard_shows_progress_plan_store_and_worker_health() -> None:
     text = _render(STATUS, 20)
     assert "7/20" in text and "0.250" in text and "0.50 (draw 0.12)" in text
-    assert "v2 (256 tok, mb 7156)" in text and "16 waiting" in text and "1 lost" in text
+    assert "v2 fsdp2 (256 tok, mb 7156)" in text and "16 waiting" in text and "1 lost" in text
     assert "40 episodes, 8 in flight, 2 groups held" in text
     lines = {line.split()[0]: line for line in text.splitlines() if line.strip().startswith(("rollout-", "trainer-"))}
     assert "alive" in lines["rollout-1"] and "dead" in lines["rollout-2"] and "rank 0" in lines["trainer-0"]

@@ -12,9 +12,8 @@ import torch
 from transformers import ViTConfig
 
 from earl_stream.errors import ModelError
-from earl_stream.modeling import (
+from earl_stream.model import (
     SPECIAL_TOKENS,
-    _train_tokenizer,
     count_parameters,
     default_model_dir,
     ensure_default_model,
@@ -22,6 +21,7 @@ from earl_stream.modeling import (
     load_model,
     load_tokenizer,
 )
+from earl_stream.model.tiny import _train_tokenizer
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,9 @@ from earl_stream.errors import ConfigError
 from earl_stream.supervisor.cost_model import StepCostModel
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, TrainPlan
 from earl_stream.supervisor.planning import Planner
-from earl_stream.workers.parallel import RankPlan, apply_plan, shard_batch
+from earl_stream.workers.batches import shard_batch
+from earl_stream.workers.mesh import Placement, RankPlan
+from earl_stream.workers.sharding import apply_plan
 
 CONFIG = {"model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 16,
           "num_key_value_heads": 4, "intermediate_size": 688, "vocab_size": 512, "tie_word_embeddings": True}
@@ -39,7 +41,7 @@ def test_two_ranks_switch_to_sequence_parallel_when_data_parallel_no_longer_fits
     planner.on_step(1)
     decision = planner.trainer_plan
     assert decision.design_seq_len == 2048 and decision.plan.sp == 2 and decision.plan.dp == 1, decision
-    rank = RankPlan.from_plan_dict(json.loads(planner.trainer_plan_json()))
+    rank = RankPlan.from_wire(decision.to_wire())
     assert rank.sp == 2 and rank.micro_batch_tokens == decision.micro_batch_tokens // 2
     assert rank.recompute == (decision.plan.recompute.value == "full")
 
@@ -88,14 +90,14 @@ def test_sequence_parallel_shards_cover_every_next_token_once() -> None:
 
 
 def test_a_sequence_parallel_plan_needs_a_pool(tiny_model_dir: Path) -> None:
-    from earl_stream.modeling import load_model
+    from earl_stream.model import load_model
 
     model, _ = load_model(tiny_model_dir)
     with pytest.raises(ConfigError, match="sp=2"):
-        apply_plan(model, RankPlan(sp=2))
-    apply_plan(model, RankPlan(recompute=True))
+        apply_plan(model, Placement(plan=RankPlan(sp=2), layout=RankPlan(sp=2).layout(0)))
+    apply_plan(model, Placement(plan=RankPlan(recompute=True), layout=RankPlan().layout(0)))
     assert model.is_gradient_checkpointing
-    apply_plan(model, RankPlan(recompute=False))
+    apply_plan(model, Placement.single())
     assert not model.is_gradient_checkpointing
 
 
@@ -126,8 +128,7 @@ def test_pad_aware_budget_weighs_padding_against_per_pass_overhead() -> None:
 def test_a_sequence_parallel_rank_pulls_only_its_slice() -> None:
     import numpy as np
 
-    from earl_stream.workers.parallel import local_batch, sp_token_ranges, sp_windows
-    from earl_stream.workers.train_step import batch_tensors
+    from earl_stream.workers.batches import batch_tensors, local_batch, sp_token_ranges, sp_windows
 
     lengths = [11, 7, 3]
     rng = np.random.default_rng(0)

@@ -31,6 +31,11 @@ def _replanned(cluster: Cluster) -> dict[str, Any] | None:
     return s if trainer.get("version", 0) >= 3 else None
 
 
+def _history_covers(cluster: Cluster, adopted: list[tuple[str, str]]) -> list[dict[str, Any]] | None:
+    history = cluster.status()["plans"]["trainer_history"]
+    return history if len(history) >= len(adopted) else None
+
+
 def test_growing_contexts_replan_the_trainer_live(tmp_path: Path, tiny_model_dir: Path) -> None:
     # one more fact turn (~35 tokens) every 2 new prompt groups: ~120 tokens at first, past the
     # 256-token initial design length's upper threshold (0.9 x 256) after ~10 groups (~5 steps), past
@@ -52,12 +57,18 @@ def test_growing_contexts_replan_the_trainer_live(tmp_path: Path, tiny_model_dir
         wait_for(lambda: cluster.status()["policy_version"] >= replanned_at + 3, 150, "training after the re-plan")
         s = json.loads(_status_cli(cluster, "--json"))
         assert s["plans"]["trainer"]["version"] >= plan["version"] and s["context_length"]["p99"] > 230
-        line = _status_cli(cluster)  # the one-line view shows the plan in force
-        assert re.search(r"plan v(\d+) \(1024 tok", line) and int(re.search(r"plan v(\d+)", line)[1]) >= 3, line
+        line = _status_cli(cluster)  # the one-line view shows the plan in force, by name (one rank: dp1)
+        assert re.search(r"plan v(\d+) dp1 \(1024 tok", line) and int(re.search(r"plan v(\d+)", line)[1]) >= 3, line
         log = (tmp_path / "trainer.log").read_text()
         adopted = re.findall(r"step (\d+): adopted trainer plan v(\d+)", log)
         versions = [int(v) for _, v in adopted]
         assert versions[0] == 1 and 3 in versions and versions == sorted(versions), log[-3000:]
+        # every adoption reached the status (the trainer's PlanAdopted), with the plan it adopted, by name
+        history = wait_for(lambda: _history_covers(cluster, adopted), 30, "the adoptions in plans.trainer_history")
+        history = history[:len(adopted)]  # the run goes on: later adoptions may follow
+        assert [(h["version"], h["plan"]["name"]) for h in history] == [(int(v), "dp1") for _, v in adopted]
+        assert all(h["reason"] == h["plan"]["reason"] and h["step"] == int(step)
+                   for h, (step, _) in zip(history, adopted))
         step_of_v3 = next(int(step) for step, v in adopted if int(v) == 3)
         assert step_of_v3 > 0
         trained = [int(x) for x in re.findall(r"step (\d+): loss", log)]

@@ -1,6 +1,7 @@
 """Golden-trajectory invariant: at `trainer.max_staleness=0` and a fixed seed, the asynchronous
 pipeline (supervisor, rollout worker and trainer as real processes) trains on exactly the episodes
-the in-process synchronous loop (`earl_stream.sync_loop`) plays, and produces the same losses.
+the in-process synchronous loop (`earl_stream.sync_loop`) plays, and produces the same losses, for
+every advantage estimator (each with one more loss option, so the options reach the trainer too).
 
 Rollouts are deterministic because every episode samples with its own seed
 (`episode_sample_seed(prompt seed, index)`), whatever batch it shares in the engine. The environment
@@ -44,20 +45,37 @@ class ByteParity:
             return StepResult("Done.", reward, True, {"outcome": "win" if reward else "loss"})
         return StepResult(f"Round {self.turn + 1} of 3.", reward, False)
 '''
-LINE = re.compile(r"step (\d+): loss (-?[\d.]+) grad-norm ([\d.]+) reward (-?[\d.]+) \((\d+) samples, (\d+) tokens\)")
+LINE = re.compile(r"step (\d+): loss (-?[\d.]+) grad-norm ([\d.]+) reward (-?[\d.]+) \((\d+) samples, (\d+) tokens\)"
+                  r".*clipped ([\d.]+) \|ratio-1\| ([\d.]+)")
+# Several updates per step at lr 1e-2 move log-probs by ~1.4 nats, so the float rounding of another
+# micro-batching (the selector's plan: 256 tokens; the sync loop: 8,192) flips clip decisions and then
+# sampled tokens: those runs keep the configured micro-batching (no selector) on both sides.
+SAME_MICRO_BATCHES = "selector.enabled=false"
+# estimator -> (its steps, extra options): grpo is the reference run; the others run 2 steps to keep the cost down
+CASES = {
+    "grpo": (3, []),
+    "dr_grpo": (2, ["algo.loss_agg=seq-mean-token-sum"]),
+    "rloo": (2, ["algo.ppo_epochs=2", "algo.clip_eps_high=0.28", SAME_MICRO_BATCHES]),
+    "reinforce_pp": (2, ["algo.is_correction=mask", "algo.kl_coef=0.05", "algo.kl_estimator=k2"]),
+    "reinforce_pp_baseline": (2, ["algo.mini_batches=2", "algo.dual_clip_c=3", SAME_MICRO_BATCHES]),
+}
 
 
-def _overrides(tmp: Path) -> list[str]:
+def _overrides(tmp: Path, steps: int = STEPS) -> list[str]:
     env_file = tmp / "byte_parity.py"
     env_file.write_text(ENV_SOURCE)
-    return [f"envs.0.spec={env_file}:ByteParity", f"seed={SEED}", "trainer.max_staleness=0", f"steps={STEPS}",
-            "trainer.groups_per_step=2", "trainer.group_size=4", "trainer.lr=1e-2", "rollout.groups_in_flight=2"]
+    return [f"envs.0.spec={env_file}:ByteParity", f"seed={SEED}", "trainer.max_staleness=0", f"steps={steps}",
+            "trainer.groups_per_step=2", "trainer.group_size=4", "trainer.lr=1e-2", "rollout.groups_in_flight=2",
+            # token-for-token equality needs sampling independent of arrival timing (see the field's help)
+            "rollout.join_running_batch=false"]
 
 
 @pytest.mark.slow
-def test_async_at_staleness_zero_matches_the_sync_loop(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("advantage", sorted(CASES))
+def test_async_at_staleness_zero_matches_the_sync_loop(tmp_path: Path, tiny_model_dir: Path, advantage: str) -> None:
     torch.set_num_threads(1)
-    overrides = _overrides(tmp_path)
+    steps, options = CASES[advantage]
+    overrides = [*_overrides(tmp_path, steps), f"algo.advantage={advantage}", *options]
     cluster = Cluster(tmp_path, tiny_model_dir, *overrides)
     try:
         cluster.start_supervisor()
@@ -68,14 +86,14 @@ def test_async_at_staleness_zero_matches_the_sync_loop(tmp_path: Path, tiny_mode
     finally:
         cluster.stop()
     logged = [m.groups() for m in LINE.finditer((tmp_path / "trainer.log").read_text())]
-    assert [int(g[0]) for g in logged] == list(range(1, STEPS + 1))
+    assert [int(g[0]) for g in logged] == list(range(1, steps + 1))
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'sync'}", *overrides])
     sync = run_sync_loop(cfg)
-    assert len(sync) == STEPS
+    assert len(sync) == steps
     losses = [s.result.loss for s in sync]
     assert any(abs(x) > 1e-3 for x in losses), f"a degenerate run (all advantages zero?): {losses}"
-    for s, (_, loss, grad_norm, reward, samples, tokens) in zip(sync, logged):
+    for s, (_, loss, grad_norm, reward, samples, tokens, clipped, ratio_dev) in zip(sync, logged):
         r = s.result
         # token counts equal: both played exactly the same episodes, token for token
         assert (r.samples, r.tokens) == (int(samples), int(tokens))
@@ -83,3 +101,9 @@ def test_async_at_staleness_zero_matches_the_sync_loop(tmp_path: Path, tiny_mode
         # the trainer logs 4 decimals of the loss and 3 of the gradient norm
         assert r.loss == pytest.approx(float(loss), abs=2e-4), (losses, [g[1] for g in logged])
         assert r.grad_norm == pytest.approx(float(grad_norm), abs=2e-3)
+        # after two updates at lr 1e-2 ratios reach ~2-3: float rounding moves their mean in the 5th digit
+        # and may flip the clip of a token that sits on its bound (1/568 of the tokens)
+        assert r.clip_frac == pytest.approx(float(clipped), abs=4e-3)
+        assert r.ratio_dev == pytest.approx(float(ratio_dev), rel=1e-3, abs=1e-4)
+        if r.updates > 1:  # the later updates of a step move away from its old log-probs: the clip is real
+            assert r.ratio_dev > 1e-4 and r.clip_frac > 0, r

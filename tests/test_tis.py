@@ -1,6 +1,6 @@
 """Truncated importance sampling (TIS) in the GRPO loss: the weights are ~1 when the built-in engine
 and the trainer run the same weights (real model, real multi-turn generation, the trainer's
-recompute), the cap truncates, and `tis_cap=0` is exactly the loss without TIS."""
+recompute), the cap truncates, and `algo.is_correction=none` is exactly the loss without TIS."""
 
 from __future__ import annotations
 
@@ -11,18 +11,30 @@ import numpy as np
 import pytest
 import torch
 
-from earl_stream.algo.grpo import clipped_pg_loss, token_logprobs, truncated_is_weights
+from earl_stream.algo.losses import LossTerms, is_weights, policy_loss, token_logprobs
 from earl_stream.chat import ChatFormat
-from earl_stream.config import load_config
+from earl_stream.config import AlgoConfig, load_config
 from earl_stream.env import StepResult, env_options
-from earl_stream.modeling import load_model
+from earl_stream.errors import ConfigError
+from earl_stream.model import load_model
 from earl_stream.records import SampleRecord
 from earl_stream.workers.agent_loop import Sampling, episode_sample_seed, play_episode
+from earl_stream.workers.batches import batch_tensors
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine
-from earl_stream.workers.train_step import batch_tensors
 
 torch.set_num_threads(1)
+
+
+def _loss(lp: torch.Tensor, blp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, n: float, correction: str,
+          old: torch.Tensor | None = None) -> LossTerms:
+    """The token-mean loss over n loss tokens, clip 0.2, no entropy term."""
+    algo = AlgoConfig(entropy_coef=0.0, is_correction=correction, tis_cap=2.0)
+    return policy_loss(lp, blp, adv, mask, torch.full((lp.shape[0],), 1.0 / n), algo, old_logprobs=old)
+
+
+def _tis_weights(old: torch.Tensor, blp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    return is_weights(old, blp, mask, AlgoConfig(tis_cap=cap))[0]
 
 
 class FourTurns:
@@ -87,22 +99,19 @@ def test_tis_weights_are_one_for_the_builtin_engine_at_equal_weights(recomputed:
     m = b["loss_mask"] > 0
     assert int(m.sum()) >= 50
     gap = (b["trainer_logprobs"] - b["behaviour_logprobs"])[m].abs()
-    weights = truncated_is_weights(b["trainer_logprobs"], b["behaviour_logprobs"], b["loss_mask"], 2.0)[m]
+    weights = _tis_weights(b["trainer_logprobs"], b["behaviour_logprobs"], b["loss_mask"], 2.0)[m]
     assert float(gap.mean()) < 1e-5 and float(gap.max()) < 1e-4, (float(gap.mean()), float(gap.max()))
     assert float((weights - 1).abs().max()) < 1e-4
     # The loss with TIS is then the loss without it, value and gradient alike.
     lp = b["trainer_logprobs"].clone().requires_grad_(True)
-    with_tis = clipped_pg_loss(lp, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], clip_eps=0.2,
-                               normalizer=float(m.sum()), tis_cap=2.0)
+    with_tis = _loss(lp, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], float(m.sum()), "tis")
     with_tis.loss.backward()
     grad_tis = lp.grad.clone()
     lp.grad = None
-    plain = clipped_pg_loss(lp, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], clip_eps=0.2,
-                            normalizer=float(m.sum()))
+    plain = _loss(lp, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], float(m.sum()), "none")
     plain.loss.backward()
     assert with_tis.loss.item() == pytest.approx(plain.loss.item(), abs=1e-5)
     torch.testing.assert_close(grad_tis, lp.grad, atol=1e-6, rtol=1e-4)
-    assert with_tis.stats["tis_weight"] == pytest.approx(float(m.sum()), rel=1e-4)
     assert with_tis.stats["tis_truncated"] == 0
     assert with_tis.stats["mismatch_abs"] == pytest.approx(float(gap.sum()), abs=1e-4)
 
@@ -112,9 +121,9 @@ def test_cap_truncates_and_scales_the_gradient() -> None:
     lp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
     blp = torch.tensor([[0.0, -4.0, -1.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0]])
-    w = truncated_is_weights(lp, blp, mask, 2.0)
+    w = _tis_weights(lp, blp, mask, 2.0)
     torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, float(np.exp(-1.0))]]))
-    terms = clipped_pg_loss(lp, blp, torch.tensor([1.0]), mask, clip_eps=0.2, normalizer=2.0, tis_cap=2.0)
+    terms = _loss(lp, blp, torch.tensor([1.0]), mask, 2.0, "tis")
     terms.loss.backward()
     # one optimizer step per batch: the ratio to the trainer's old policy is 1, gradient = -A * w / normalizer
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1.0, -float(np.exp(-1.0)) / 2]]))
@@ -122,11 +131,10 @@ def test_cap_truncates_and_scales_the_gradient() -> None:
     assert terms.stats["mismatch_abs"] == pytest.approx(4.0)
     # explicit old log-probs (a second epoch over the batch): the PPO ratio is taken against them
     lp2 = torch.tensor([[0.0, -0.5, -2.0]], requires_grad=True)
-    terms = clipped_pg_loss(lp2, blp, torch.tensor([1.0]), mask, clip_eps=0.2, normalizer=2.0, tis_cap=2.0,
-                            old_logprobs=lp.detach())
+    terms = _loss(lp2, blp, torch.tensor([1.0]), mask, 2.0, "tis", old=lp.detach())
     assert terms.stats["clip_frac"] == 1  # exp(0.5) is outside 1 +- 0.2
     with pytest.raises(ValueError):
-        truncated_is_weights(lp, blp, mask, 0.0)
+        _tis_weights(lp, blp, mask, 0.0)
 
 
 def _old_loss(lp: torch.Tensor, blp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_eps: float,
@@ -146,21 +154,25 @@ def test_cap_zero_is_exactly_the_old_loss(recomputed: dict[str, torch.Tensor]) -
     lp0 = b["trainer_logprobs"] + 0.3 * torch.randn(b["trainer_logprobs"].shape, generator=gen)
     n = float(b["loss_mask"].sum())
     lp = lp0.clone().requires_grad_(True)
-    terms = clipped_pg_loss(lp, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], clip_eps=0.2, normalizer=n,
-                            tis_cap=0.0)
+    terms = _loss(lp, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], n, "none")
     terms.loss.backward()
     ref_lp = lp0.clone().requires_grad_(True)
     ref = _old_loss(ref_lp, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], 0.2, n)
     ref.backward()
-    assert torch.equal(terms.loss.detach(), ref.detach())
-    assert torch.equal(lp.grad, ref_lp.grad)
-    assert "tis_weight" not in terms.stats
+    # (the same sum, weighted by 1/n per token instead of divided by n once: equal to rounding)
+    torch.testing.assert_close(terms.loss.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(lp.grad, ref_lp.grad, rtol=1e-6, atol=1e-9)
+    assert "tis_truncated" not in terms.stats
     # ... and TIS on the same inputs is a different loss (the weights are far from 1 here)
-    other = clipped_pg_loss(lp0, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], clip_eps=0.2,
-                            normalizer=n, tis_cap=2.0)
+    other = _loss(lp0, b["behaviour_logprobs"], b["advantages"], b["loss_mask"], n, "tis")
     assert other.loss.item() != pytest.approx(terms.loss.item(), abs=1e-4)
 
 
-def test_config_field() -> None:
-    assert load_config(None, []).trainer.tis_cap == 2.0
-    assert load_config(None, ["trainer.tis_cap=0"]).trainer.tis_cap == 0.0
+def test_config_fields() -> None:
+    algo = load_config(None, []).algo
+    assert (algo.is_correction, algo.tis_cap) == ("tis", 2.0)
+    assert load_config(None, ["algo.is_correction=none"]).algo.is_correction == "none"
+    with pytest.raises(ConfigError, match="trainer.tis_cap: moved to algo.tis_cap"):
+        load_config(None, ["trainer.tis_cap=0"])
+    with pytest.raises(ConfigError, match="algo.tis_cap must be > 0"):
+        load_config(None, ["algo.tis_cap=0"])

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from cluster import wait_for
 
 from earl_stream import protocol as P
 from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
+from earl_stream.store.ucx import ucx_available
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +59,54 @@ def test_up_with_two_trainer_ranks(tmp_path: Path, tiny_model_dir: Path, dispatc
     assert summary["samples_trained"] >= 2 * 2 * 4
 
 
+def test_up_relays_weights_through_the_rollout_pool(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """store.weight_sync=relay: the first rollout worker pulls each version from the trainer and serves it
+    on; the second pulls it from the first (store/relay.py, routed by the supervisor). The run goes on until
+    both have loaded a version that way (a 4-step run could end before a late second worker pulled once)."""
+    logs_dir = tmp_path / "run" / "logs"
+    pattern = re.compile(r"loaded policy version (\d+) in \S+ \(relayed from ([^)]*)\)")
+
+    def relayed() -> dict[str, list[tuple[str, str]]]:
+        return {p.name: pattern.findall(p.read_text()) for p in logs_dir.glob("rollout-*.log")}
+
+    def chain_seen() -> bool:
+        found = relayed()
+        return (any(via.startswith("the trainer") for f in found.values() for _, via in f)
+                and any(re.fullmatch(r"[\d.]+:\d+", via) for f in found.values() for _, via in f))
+
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", "0", f"model.path={tiny_model_dir}",
+           f"run_dir={tmp_path / 'run'}", "trainer.groups_per_step=2", "trainer.group_size=4",
+           "rollout.groups_in_flight=2", "supervisor.heartbeat_s=0.2", "store.weight_sync=relay", "rollout.workers=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: proc.poll() is not None or chain_seen(), 240,
+                 "a version loaded from the trainer by one worker and relayed through it to the other")
+        stopped_at = time.strftime("%Y-%m-%d %H:%M:%S")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130 and chain_seen(), out[-3000:]
+    # no relayed pull fell back to the trainer while the run trained (other than for a version the run had
+    # moved past: a worker routed while it joined); once it stops, a worker may still be pulling the last
+    # version while the trainer and the other worker exit (refused or reset connections)
+    logs = [p.read_text() for p in logs_dir.glob("rollout-*.log")]
+    failures = [line for text in logs for line in text.splitlines()
+                if ("failed" in line or "instead" in line) and "superseded" not in line and line[:19] < stopped_at]
+    assert not failures, failures
+
+
+@pytest.mark.ucx
+@pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (make test-ucx runs this in .venv-ucx)")
+def test_up_pulls_samples_and_weights_over_ucx(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """store.transport=ucx: every pull (samples by the two trainer ranks, weights by the rollout worker, the
+    ranks' pieces from each other) goes over UCX, or the run fails saying why."""
+    _, summary = _up(tmp_path, tiny_model_dir, 3, "store.transport=ucx", "trainer.nproc=2", "rollout.workers=1")
+    assert summary["policy_version"] >= 3 and summary["samples_trained"] >= 3 * 2 * 4
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*.log"))
+    over = set(re.findall(r"pulling from shard node \S+ over (\w+)", logs))
+    assert over == {"ucx"}, over
+
+
 def test_up_reports_bad_model_dir(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "earl_stream", "up", "--steps", "1", f"model.path={tmp_path}/nope",
                            f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
@@ -64,6 +114,7 @@ def test_up_reports_bad_model_dir(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr.splitlines()[-1]
 
 
+@pytest.mark.faults
 def test_resume_with_more_steps_trains_every_step_on_data(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`up --resume --steps M` after a finished run goes on; the earlier run's workers are declared dead at
     once, so no step is spent on samples whose producers are gone."""
@@ -88,6 +139,7 @@ def _pid_of(role: str, run_dir: Path) -> int:
     raise AssertionError(f"no {role} process of {run_dir}")
 
 
+@pytest.mark.faults
 def test_up_survives_kill_9_of_a_rollout_worker_and_of_the_supervisor(tmp_path: Path, tiny_model_dir: Path) -> None:
     steps, run = 12, tmp_path / "run"
     secret = create_secret_file(tmp_path / "secret")

@@ -31,7 +31,10 @@ def test_up_trains_with_the_vllm_engine(tmp_path: Path, tiny_model_dir: Path) ->
     cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", str(STEPS), "--summary", str(summary_path),
            f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "rollout.engine=vllm", "rollout.workers=1",
            "rollout.max_batch_size=16", "trainer.groups_per_step=2", "trainer.group_size=4",
-           "rollout.groups_in_flight=2", "supervisor.heartbeat_s=0.5", "supervisor.lease_s=10"]
+           "rollout.groups_in_flight=2", "supervisor.heartbeat_s=0.5", "supervisor.lease_s=10",
+           # On-policy: step k's prompts carry min_policy_version k-1, so the worker must load v1 and v2 into
+           # vLLM before it plays them (at the default staleness 1 a fast trainer may finish on v1 samples).
+           "trainer.max_staleness=0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     logs = run_dir / "logs"
     rollout_log = (logs / "rollout-0.log").read_text() if (logs / "rollout-0.log").exists() else ""

@@ -1,4 +1,5 @@
-"""Warm start: synthetic transcripts match the agent loop's rendering, and a short run learns and saves."""
+"""Warm start: synthetic transcripts match the agent loop's rendering, and a short run learns and saves;
+the game is a parameter (an env spec or a factory), so the framework names no environment."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from earl_stream.chat import ChatFormat
-from earl_stream.modeling import init_model, load_model, load_tokenizer
-from earl_stream.warmstart import WarmStartReport, evaluate_tictactoe, synthetic_episode, warm_start
+from earl_stream.errors import EnvError
+from earl_stream.model import init_model, load_model, load_tokenizer
+from earl_stream.model.warmstart import WarmStartReport, evaluate_game, resolve_game, synthetic_episode, warm_start
+from envs.connect_four import ConnectFour
 from envs.tictactoe import TicTacToe
 
 torch.set_num_threads(1)
@@ -26,7 +29,7 @@ def test_synthetic_episode_is_the_chat_rendering_of_a_legal_game(model_dir: Path
     tok = load_tokenizer(model_dir)
     fmt = ChatFormat(tok)
     for seed in range(20):
-        ids, mask = synthetic_episode(fmt, tok, seed, random.Random(seed))
+        ids, mask = synthetic_episode(fmt, tok, seed, random.Random(seed), TicTacToe)
         assert len(ids) == len(mask)
         trained = [i for i, m in zip(ids, mask) if m]
         assert trained[1::2] == [fmt.end_token_id] * (len(trained) // 2)
@@ -50,7 +53,7 @@ def test_synthetic_episode_is_the_chat_rendering_of_a_legal_game(model_dir: Path
 
 def test_short_warm_start_lowers_loss_and_saves(model_dir: Path) -> None:
     before, _ = load_model(model_dir)
-    report = warm_start(model_dir, seconds=60, seed=0, batch_size=4, max_steps=24, eval_games=8)
+    report = warm_start(model_dir, "tictactoe", seconds=60, seed=0, batch_size=4, max_steps=24, eval_games=8)
     assert isinstance(report, WarmStartReport)
     assert report.steps == 24 and report.games_trained == 96
     assert report.final_loss < report.first_loss - 0.5
@@ -64,6 +67,27 @@ def test_short_warm_start_lowers_loss_and_saves(model_dir: Path) -> None:
 
 def test_evaluation_is_seeded(model_dir: Path) -> None:
     model, tok = load_model(model_dir)
-    first = evaluate_tictactoe(model, tok, games=6, seed=3)
-    assert first == evaluate_tictactoe(model, tok, games=6, seed=3)
+    first = evaluate_game(model, tok, TicTacToe, games=6, seed=3)
+    assert first == evaluate_game(model, tok, TicTacToe, games=6, seed=3)
     assert all(0.0 <= x <= 1.0 for x in first)
+
+
+def test_the_game_is_a_parameter(model_dir: Path) -> None:
+    tok = load_tokenizer(model_dir)
+    ids, mask = synthetic_episode(ChatFormat(tok), tok, 0, random.Random(0), resolve_game("connect_four"))
+    assert sum(mask) >= 8 and len(ids) == len(mask)  # at least 4 moves, each a column digit + end token
+    model, _ = load_model(model_dir)
+    legal, win, draw = evaluate_game(model, tok, ConnectFour, games=2, seed=0)
+    assert 0.0 <= legal <= 1.0 and 0.0 <= win + draw <= 1.0
+    with pytest.raises(EnvError, match="legal_moves"):
+        resolve_game("calculator")
+
+
+def test_the_framework_does_not_import_envs() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, earl_stream.model, earl_stream.modeling, earl_stream.model.warmstart; "
+            "print(sorted(m for m in sys.modules if m == 'envs' or m.startswith('envs.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,13 +1,10 @@
 """The pulling side of the shard data plane: connections, requests, and the choice of transport.
 
 Owns `ShardClient`: one persistent, authenticated connection per peer address, requests for element
-ranges of stored arrays, concurrent pulls from several peers, and, per peer, the transport: after
-authentication it asks the node for a shared-memory offer and, if this process can read the node's
-probe file (same host, same /dev/shm), pulls with PULL_SHM (the reply says where the bytes lie and
-the client copies them out of the mapped segment); otherwise, when `ucxx` is installed and the
-node offers it, PULL_UCX (the piece table over the socket, the bytes over UCX, `ucx.py`); otherwise,
-or with `shm=False` / `transport='tcp'`, plain PULL over TCP. Turning replies into arrays is
-`receive.py`'s. It knows nothing about what keys mean (see `experience.py`, `weights.py`).
+ranges of stored arrays, and concurrent pulls from several peers. After authentication each
+connection negotiates its `Transport` (`transport.py`: shared memory with a same-host node, UCX
+where both ends have it, else TCP) and every pull on it goes through that transport. Turning replies
+into arrays is `receive.py`'s. It knows nothing about what keys mean (see `experience.py`, `weights.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import logging
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -25,12 +21,15 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
+from earl_stream import encryption
 from earl_stream.errors import ProtocolError, StoreError
 from earl_stream.store import ucx as ucx_transport
 from earl_stream.store import wire
-from earl_stream.store.conn import LeaseToken, PeerConn
-from earl_stream.store.receive import ALIGN, BufferPool, Piece, SegmentGone, pieces_of_tcp_reply, receive_pieces
-from earl_stream.store.shm import SegmentCache, read_probe
+from earl_stream.store.conn import PeerConn
+from earl_stream.store.frame_mac import AuthedStream, session_key
+from earl_stream.store.receive import ALIGN, BufferPool, Piece, SegmentGone
+from earl_stream.store.shm import SegmentCache
+from earl_stream.store.transport import PullContext, RemoteError, Transport, negotiate, read_reply
 from earl_stream.store.wire import ErrorCode, Kind, ManifestEntry
 
 log = logging.getLogger(__name__)
@@ -47,15 +46,6 @@ class PeerUnreachable(StoreError):
     def __init__(self, address: str, message: str) -> None:
         super().__init__(message)
         self.address = address
-
-
-class RemoteError(StoreError):
-    """The peer answered with an ERROR frame."""
-
-    def __init__(self, address: str, code: ErrorCode, message: str) -> None:
-        super().__init__(f"peer {address} refused: {code.name}: {message}")
-        self.address = address
-        self.code = code
 
 
 def _normalized(pieces: Sequence[Piece]) -> list[Piece]:
@@ -88,7 +78,8 @@ class ShardClient:
     `recv_pool_bytes`: idle receive buffers kept for reuse (each is reused once the arrays viewing it
     are gone). `transport`: one of `ucx.TRANSPORTS` ('auto', 'shm', 'tcp', 'ucx'; None: 'auto' when
     `shm`, else 'tcp'); 'ucx' raises StoreError here when `ucxx` does not import, and at connect when
-    a peer does not offer UCX.
+    a peer does not offer UCX. `encrypt` (None: $EARL_STREAM_ENCRYPT): accept only nodes that encrypt their
+    frames (security.encrypt); a node that encrypts is followed either way.
     """
 
     def __init__(
@@ -101,11 +92,17 @@ class ShardClient:
         shm: bool = True,
         recv_pool_bytes: int = 512 << 20,
         transport: str | None = None,
+        encrypt: bool | None = None,
     ) -> None:
+        self._encrypt = encryption.encrypt_enabled(encrypt)
+        if self._encrypt and transport == "ucx":
+            raise StoreError("transport 'ucx' was asked for under security.encrypt, but UCX bytes are not encrypted; "
+                             "use transport auto, shm or tcp")
         self._transport = ucx_transport.check_transport(transport or ("auto" if shm else "tcp"))
         self._secret = secret
         self._maps = SegmentCache() if shm and self._transport in ("auto", "shm") else None
         self._buffers = BufferPool(recv_pool_bytes)
+        self._ctx = PullContext(self._buffers, max_payload, self._maps)
         self._timeout_s = timeout_s
         self._max_payload = max_payload
         self._max_parallel = max_parallel_peers
@@ -146,9 +143,9 @@ class ShardClient:
         """'shm', 'ucx' or 'tcp' for a peer this client is connected to, else None."""
         with self._lock:
             conn = self._conns.get(address)
-        if conn is None or conn.sock is None:
+        if conn is None or conn.sock is None or conn.transport is None:
             return None
-        return "shm" if conn.shm else "ucx" if conn.ucx_endpoint is not None else "tcp"
+        return conn.transport.name
 
     def manifest(self, address: str, prefix: str = "", *, timeout_s: float | None = None) -> list[ManifestEntry]:
         """Keys (sorted), dtypes and shapes of the arrays a peer holds under `prefix`."""
@@ -263,7 +260,7 @@ class ShardClient:
             for attempt in range(2):
                 fresh = conn.sock is None
                 if fresh:
-                    conn.sock, conn.shm, conn.ucx_endpoint = self._connect(address, deadline, timeout)
+                    conn.sock, conn.transport = self._connect(address, deadline, timeout)
                 try:
                     conn.flush_released()
                     result = op(conn, deadline)
@@ -289,9 +286,8 @@ class ShardClient:
                     raise StoreError(f"peer {address} broke the protocol while sending {what}: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def _connect(self, address: str, deadline: float, timeout: float) -> tuple[socket.socket, bool, object | None]:
-        """A connected, authenticated socket, whether pulls from this peer go through shared memory, and
-        else the UCX endpoint its bytes come through (None: over the socket)."""
+    def _connect(self, address: str, deadline: float, timeout: float) -> tuple[wire.Stream, Transport]:
+        """A connected, authenticated socket and the transport its pulls go through."""
         host, port = split_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
@@ -299,9 +295,8 @@ class ShardClient:
             raise PeerUnreachable(address, f"cannot connect to shard node {address}: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._handshake(sock, address, deadline)
-            shm = self._maps is not None and self._negotiate_shm(sock, address, deadline)
-            endpoint = None if shm else self._negotiate_ucx(sock, address, deadline)
+            stream = self._handshake(sock, address, deadline)
+            transport = negotiate(self._transport, stream, address, deadline, self._ctx)
         except TimeoutError:
             sock.close()
             raise PeerUnreachable(address, f"timed out after {timeout:g}s waiting for the handshake of peer {address}") from None
@@ -311,48 +306,18 @@ class ShardClient:
         except (OSError, ProtocolError) as exc:
             sock.close()
             raise PeerUnreachable(address, f"handshake with shard node {address} failed: {exc}") from exc
-        log.debug("connected to shard node %s over %s", address, "shm" if shm else "UCX" if endpoint is not None else "TCP")
-        return sock, shm, endpoint
+        log.info("pulling from shard node %s over %s", address, transport.name)  # once per connection
+        return stream, transport
 
-    def _negotiate_ucx(self, sock: socket.socket, address: str, deadline: float) -> object | None:
-        """Exchange UCX worker addresses with the node; its endpoint, or None (TCP) unless 'ucx' is required."""
-        if self._transport not in ("auto", "ucx") or not ucx_transport.ucx_available():
-            return None
-        try:
-            worker = ucx_transport.process_worker()
-        except StoreError as exc:
-            if self._transport == "ucx":
-                raise
-            log.warning("UCX is installed but unusable here (%s); pulling from %s over TCP", exc, address)
-            return None
-        sock.sendall(wire.encode_frame(wire.UcxHello(worker.address)))
-        try:
-            _, offer = self._read_reply(sock, deadline, address, Kind.UCX_OFFER_REPLY)
-        except RemoteError as exc:
-            if exc.code != ErrorCode.UNKNOWN_KIND or self._transport == "ucx":
-                raise
-            return None  # a node without the UCX transport
-        if offer.available:
-            return worker.endpoint(offer.worker_address)
-        if self._transport == "ucx":
-            raise StoreError(f"transport 'ucx' was asked for but shard node {address} does not offer it: {offer.reason}")
-        return None
-
-    def _negotiate_shm(self, sock: socket.socket, address: str, deadline: float) -> bool:
-        """Ask for the node's shared-memory offer; accept it only if we can read its probe here."""
-        sock.sendall(wire.encode_frame(wire.ShmOfferRequest()))
-        try:
-            _, offer = self._read_reply(sock, deadline, address, Kind.SHM_OFFER_REPLY)
-        except RemoteError as exc:
-            if exc.code == ErrorCode.UNKNOWN_KIND:
-                return False  # a node without the shared-memory transport
-            raise
-        return bool(offer.available) and read_probe(offer.probe, offer.token)
-
-    def _handshake(self, sock: socket.socket, address: str, deadline: float) -> None:
+    def _handshake(self, sock: socket.socket, address: str, deadline: float) -> wire.Stream:
+        """Answer the node's challenge; the connection to speak over from then on (frames with MACs
+        when the node asked for the secret, `frame_mac`)."""
         _, challenge = self._read_reply(sock, deadline, address, Kind.CHALLENGE)
+        if self._encrypt and not challenge.encrypt:
+            raise StoreError(f"shard node {address} does not encrypt its frames but this process does (security.encrypt): "
+                             "the whole run must use the same setting")
         if not challenge.auth_required:
-            return
+            return sock
         if self._secret is None:
             raise StoreError(f"shard node {address} requires the cluster secret; pass ShardClient(secret=...)")
         sock.sendall(wire.encode_frame(wire.Hello(wire.auth_mac(self._secret, challenge.nonce))))
@@ -360,68 +325,13 @@ class ShardClient:
             self._read_reply(sock, deadline, address, Kind.HELLO_OK)
         except RemoteError as exc:
             raise StoreError(f"shard node {address} refused our credentials: is the cluster secret the same?") from exc
+        return AuthedStream(sock, session_key(self._secret, challenge.nonce), server=False, encrypt=challenge.encrypt)
 
-    def _read_reply(self, sock: socket.socket, deadline: float, address: str, expect: Kind) -> tuple[wire.FramePrefix, Any]:
-        """Read one frame's prefix and header; an ERROR frame raises `RemoteError`."""
-        prefix = wire.recv_exact(sock, wire.PREFIX_SIZE, deadline)
-        head = wire.parse_prefix(prefix, self._max_payload)
-        header = wire.decode_header(head.kind, wire.recv_exact(sock, head.header_len, deadline))
-        if head.kind == Kind.ERROR:
-            if head.payload_len:
-                raise ProtocolError(f"ERROR frame with a {head.payload_len}-byte payload")
-            raise RemoteError(address, header.code, header.message)
-        if head.kind != expect:
-            raise ProtocolError(f"expected {expect.name}, got {Kind(head.kind).name}")
-        if expect not in (Kind.PULL_REPLY, Kind.PULL_SHM_REPLY) and head.payload_len:
-            raise ProtocolError(f"{expect.name} frame with an unexpected {head.payload_len}-byte payload")
-        return head, header
+    def _read_reply(self, sock: wire.Stream, deadline: float, address: str, expect: Kind) -> tuple[wire.FramePrefix, Any]:
+        return read_reply(sock, deadline, address, expect, self._max_payload)
 
     def _pull_on(
         self, conn: PeerConn, deadline: float, address: str, pieces: list[Piece], zero_copy: bool, merge_runs: bool
     ) -> list[np.ndarray]:
-        sock = conn.sock
-        assert sock is not None
-        if conn.ucx_endpoint is not None:
-            return self._pull_ucx(conn, deadline, address, pieces, merge_runs)
-        if not conn.shm:
-            sock.sendall(wire.encode_frame(wire.PullRequest(pieces)))
-            head, reply = self._read_reply(sock, deadline, address, Kind.PULL_REPLY)
-            infos, segments, lease = pieces_of_tcp_reply(reply), [], 0
-        else:
-            sock.sendall(wire.encode_frame(wire.PullShmRequest(pieces, hold=zero_copy)))
-            head, reply = self._read_reply(sock, deadline, address, Kind.PULL_SHM_REPLY)
-            infos, segments, lease = reply.pieces, reply.segments, reply.lease
-            if zero_copy and segments and not lease:
-                raise ProtocolError("zero-copy reply without a held lease")
-        got = receive_pieces(
-            sock, deadline, address, pieces, infos, segments, head.payload_len, self._maps, self._max_payload, zero_copy,
-            self._buffers, merge_runs,
-        )
-        if got.bases:
-            # The node keeps the regions until the last view of this reply is gone.
-            token = LeaseToken(conn, conn.generation, lease, len(got.bases))
-            for base in got.bases:
-                weakref.finalize(base, token.drop).atexit = False
-        elif got.used_shm:
-            # Lets the node reuse the regions now rather than at our next request; nothing to wait for.
-            sock.sendall(wire.encode_frame(wire.ShmDone()))
-        return got.arrays
-
-    def _pull_ucx(self, conn: PeerConn, deadline: float, address: str, pieces: list[Piece], merge_runs: bool) -> list[np.ndarray]:
-        """PULL_UCX: the piece table comes over the socket, the bytes over UCX into one receive buffer."""
-        sock, endpoint = conn.sock, conn.ucx_endpoint
-        assert sock is not None and endpoint is not None
-        if len(pieces) > ucx_transport.MAX_PIECES:
-            raise StoreError(f"{len(pieces)} pieces in one pull; at most {ucx_transport.MAX_PIECES} over UCX")
-        tag = ucx_transport.process_worker().new_tag()
-        sock.sendall(wire.encode_frame(wire.PullUcxRequest(pieces, tag)))
-        _, reply = self._read_reply(sock, deadline, address, Kind.PULL_UCX_REPLY)
-
-        def receive(views: list[tuple[int, np.ndarray]]) -> None:
-            ucx_transport.recv_pieces(endpoint, views, tag, deadline)
-
-        got = receive_pieces(
-            sock, deadline, address, pieces, pieces_of_tcp_reply(reply), [], reply.nbytes, None, self._max_payload, False,
-            self._buffers, merge_runs, ucx_receive=receive,
-        )
-        return got.arrays
+        assert conn.transport is not None
+        return conn.transport.pull(conn, deadline, pieces, zero_copy, merge_runs)

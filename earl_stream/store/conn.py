@@ -1,18 +1,21 @@
 """A `ShardClient`'s state per peer: the socket, its transport, and zero-copy leases to end.
 
-Owns `PeerConn` (one persistent connection: its lock, whether it pulls through shared memory, and
+Owns `PeerConn` (one persistent connection: its lock, the `Transport` its pulls go through, and
 the held leases whose arrays are gone and must be reported to the node) and `LeaseToken` (counts the
 live base arrays of one zero-copy reply). Requests and replies are `client.py`'s and `receive.py`'s.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from earl_stream.store import wire
+
+if TYPE_CHECKING:
+    from earl_stream.store.transport import Transport
 
 
 @dataclass
@@ -21,9 +24,8 @@ class PeerConn:
 
     address: str
     lock: threading.Lock = field(default_factory=threading.Lock)
-    sock: socket.socket | None = None
-    shm: bool = False  # this connection pulls through the peer's shared memory
-    ucx_endpoint: object | None = None  # or its bytes come over UCX (the socket stays the control channel)
+    sock: wire.Stream | None = None
+    transport: Transport | None = None  # how its pulls' bytes travel (shm, UCX, TCP), chosen at connect
     generation: int = 0  # bumped on close: held leases of an older connection died with it
     released: deque[int] = field(default_factory=deque)  # held leases whose arrays are gone, to tell the peer
 
@@ -33,8 +35,7 @@ class PeerConn:
                 self.sock.close()
             finally:
                 self.sock = None
-                self.shm = False
-                self.ucx_endpoint = None
+                self.transport = None
                 self.generation += 1
                 self.released.clear()
 

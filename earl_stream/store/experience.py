@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
 from earl_stream.errors import StoreError
@@ -58,7 +59,7 @@ class ExperienceWriter:
     def __init__(self, node: ShardNode, producer_id: str) -> None:
         self._node = node
         self._producer_id = producer_id
-        self._held: set[str] = set()
+        self._held: dict[str, SampleMeta] = {}  # sample id -> its metadata row, while stored
         self._lock = threading.Lock()
 
     def put(self, records: Sequence[SampleRecord]) -> list[SampleMeta]:
@@ -109,8 +110,29 @@ class ExperienceWriter:
         )
         self._node.put_many({sample_key(record.sample_id, name): arr for name, arr in fields.items()})
         with self._lock:
-            self._held.add(record.sample_id)
+            self._held[record.sample_id] = meta
         return meta
+
+    def restore(self, meta: SampleMeta, fields: Mapping[str, np.ndarray]) -> SampleMeta:
+        """Serve a sample persisted by an earlier producer (store/durable.py): stored here, its row now
+        names this producer and node."""
+        meta = msgspec.structs.replace(meta, producer_id=self._producer_id, producer_address=self._node.address)
+        self._node.put_many({sample_key(meta.sample_id, name): np.ascontiguousarray(fields[name]) for name in TOKEN_FIELDS})
+        with self._lock:
+            self._held[meta.sample_id] = meta
+        return meta
+
+    def held_samples(self) -> list[tuple[SampleMeta, dict[str, np.ndarray]]]:
+        """Copies of every sample held (metadata row, token fields), e.g. to persist them."""
+        with self._lock:
+            metas = list(self._held.values())
+        out = []
+        for meta in metas:
+            keys = {sample_key(meta.sample_id, name): name for name in TOKEN_FIELDS}
+            arrays = self._node.copy(keys)
+            if len(arrays) == len(keys):  # else freed meanwhile
+                out.append((meta, {keys[k]: a for k, a in arrays.items()}))
+        return out
 
     @property
     def samples_held(self) -> int:
@@ -124,7 +146,7 @@ class ExperienceWriter:
         for sid in sample_ids:
             freed += self._node.drop_prefix(sample_prefix(sid))
             with self._lock:
-                self._held.discard(sid)
+                self._held.pop(sid, None)
         return freed
 
     def held_sample_ids(self) -> list[str]:

@@ -19,14 +19,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
 
+from earl_stream import encryption
 from earl_stream.errors import ProtocolError, StoreError
 from earl_stream.store import ucx as ucx_transport
 from earl_stream.store import wire
+from earl_stream.store.frame_mac import AuthedStream, session_key
 from earl_stream.store.shards import Lease, RequestError, ShardStore
 from earl_stream.store.shm import ShmPool, shm_supported
 from earl_stream.store.wire import ErrorCode, FrameError, Kind
@@ -49,7 +51,8 @@ class ShardNode:
     `shm_segment_bytes`: largest segment (and largest array placed in shared memory);
     `handlers`: extra request kinds, header type -> function returning the reply header. `ucx`: offer
     the UCX transport to peers that ask (None: when `ucxx` imports and peers must prove `secret`, since
-    UCX aborts the process on a malformed worker address; its worker starts on first use).
+    UCX aborts the process on a malformed worker address; its worker starts on first use). `encrypt`:
+    encrypt the frames after the handshake (None: $EARL_STREAM_ENCRYPT; needs `secret`; no UCX then).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class ShardNode:
         shm_segment_bytes: int = 64 << 20,
         handlers: Mapping[type[msgspec.Struct], Handler] | None = None,
         ucx: bool | None = None,
+        encrypt: bool | None = None,
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise StoreError(f"max_bytes must be positive or None, got {max_bytes}")
@@ -78,7 +82,11 @@ class ShardNode:
             pool = ShmPool(max_bytes=cap, segment_bytes=shm_segment_bytes)
         self._store = ShardStore(max_bytes, put_timeout_s, pool)
         self._handlers = dict(handlers or {})
-        self._ucx = (ucx_transport.ucx_available() and secret is not None) if ucx is None else ucx
+        self._encrypt = encryption.encrypt_enabled(encrypt)
+        if self._encrypt and secret is None:
+            raise StoreError("an encrypting shard node (security.encrypt) needs the cluster secret: its keys come from it")
+        # UCX bytes are not encrypted: an encrypting node never offers UCX
+        self._ucx = False if self._encrypt else (ucx_transport.ucx_available() and secret is not None) if ucx is None else ucx
         self._secret = secret
         self._max_payload = max_payload
         self._frame_timeout_s = frame_timeout_s
@@ -132,6 +140,10 @@ class ShardNode:
 
     def keys(self) -> list[str]:
         return self._store.keys()
+
+    def copy(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
+        """Private copies of the arrays under `keys` that this node holds (e.g. to persist them)."""
+        return self._store.copy(keys)
 
     def _corrupt_for_test(self, key: str, byte_index: int = 0) -> None:
         """Test hook: flip one stored byte of `key` without updating its checksum."""
@@ -196,7 +208,7 @@ class ShardNode:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self._frame_timeout_s)
             nonce = os.urandom(wire.NONCE_BYTES)
-            sock.sendall(wire.encode_frame(wire.Challenge(nonce, self._secret is not None)))
+            sock.sendall(wire.encode_frame(wire.Challenge(nonce, self._secret is not None, self._encrypt)))
             self._conversation(sock, nonce, where, leases)
         except FrameError as exc:
             log.warning("%s: %s; closing the connection", where, exc)
@@ -217,7 +229,7 @@ class ShardNode:
                 self._conns.pop(sock, None)
             sock.close()
 
-    def _conversation(self, sock: socket.socket, nonce: bytes, where: str, leases: _ConnLeases) -> None:
+    def _conversation(self, sock: wire.Stream, nonce: bytes, where: str, leases: _ConnLeases) -> None:
         authed = self._secret is None
         while True:
             frame = self._read_request(sock)
@@ -234,6 +246,9 @@ class ShardNode:
                     return
                 authed = True
                 sock.sendall(wire.encode_frame(wire.HelloOk()))
+                assert self._secret is not None and isinstance(sock, socket.socket)
+                # frames carry MACs now (and are encrypted under security.encrypt)
+                sock = AuthedStream(sock, session_key(self._secret, nonce), server=True, encrypt=self._encrypt)
                 continue
             try:
                 self._answer(sock, kind, wire.decode_header(kind, raw_header), leases)
@@ -251,7 +266,7 @@ class ShardNode:
             return False
         return wire.check_mac(self._secret, nonce, hello.mac)
 
-    def _read_request(self, sock: socket.socket) -> tuple[int, bytes] | None:
+    def _read_request(self, sock: wire.Stream) -> tuple[int, bytes] | None:
         """Next request frame as (kind, raw header); None on a clean close between frames."""
         prefix = bytearray(wire.PREFIX_SIZE)
         view = memoryview(prefix)
@@ -266,7 +281,7 @@ class ShardNode:
         sock.settimeout(self._frame_timeout_s)
         return head.kind, bytes(raw_header)
 
-    def _answer(self, sock: socket.socket, kind: int, header: object, leases: _ConnLeases) -> None:
+    def _answer(self, sock: wire.Stream, kind: int, header: object, leases: _ConnLeases) -> None:
         """Answer one request (SHM_DONE is one-way: no answer)."""
         if isinstance(header, wire.PullRequest):
             self._answer_pull(sock, header)
@@ -291,7 +306,7 @@ class ShardNode:
         else:
             raise RequestError(ErrorCode.UNKNOWN_KIND, f"{Kind(kind).name} is not a request this node serves")
 
-    def _answer_pull(self, sock: socket.socket, request: wire.PullRequest) -> None:
+    def _answer_pull(self, sock: wire.Stream, request: wire.PullRequest) -> None:
         pieces, lease = self._store.resolve(request.pieces)
         try:
             arrays = [p.array for p in pieces if p.array is not None]
@@ -303,7 +318,7 @@ class ShardNode:
         finally:
             lease.release()
 
-    def _answer_pull_shm(self, sock: socket.socket, request: wire.PullShmRequest, leases: _ConnLeases) -> None:
+    def _answer_pull_shm(self, sock: wire.Stream, request: wire.PullShmRequest, leases: _ConnLeases) -> None:
         if request.hold and len(leases.held) >= _MAX_HELD_LEASES:
             raise RequestError(
                 ErrorCode.REPLY_TOO_LARGE, f"{_MAX_HELD_LEASES} zero-copy leases already held; drop pulled arrays first"
@@ -320,8 +335,8 @@ class ShardNode:
             pool = self._store.pool
             segments = [wire.ShmSegment(*pool.segment(s)) for s in found.segments] if pool is not None else []
             lease_id = leases.next_id() if request.hold and segments else 0
-            complete = [i for i in infos if i is not None]
-            assert len(complete) == len(infos), "every inline piece was described above"
+            # every inline piece was described just above: no None is left (no per-pull check on this path)
+            complete = cast("list[wire.ShmPiece]", infos)
             prefix = _encode_reply(wire.PullShmReply(segments, complete, lease_id), payload_len=total)
             wire.send_buffers(sock, [prefix, *(memoryview(a.view(np.uint8)) for a in inline)])
         except BaseException:
@@ -329,9 +344,10 @@ class ShardNode:
             raise
         leases.add(lease, lease_id)
 
-    def _answer_ucx_hello(self, sock: socket.socket, hello: wire.UcxHello, leases: _ConnLeases) -> None:
+    def _answer_ucx_hello(self, sock: wire.Stream, hello: wire.UcxHello, leases: _ConnLeases) -> None:
         if not self._ucx:
-            reason = ("UCX is turned off on this node" if ucx_transport.ucx_available()
+            reason = ("this node encrypts (security.encrypt) and UCX bytes would not be" if self._encrypt
+                      else "UCX is turned off on this node" if ucx_transport.ucx_available()
                       else f"no ucxx here ({ucx_transport.ucx_import_error()})")
             sock.sendall(wire.encode_frame(wire.UcxOffer(False, b"", reason)))
             return
@@ -346,7 +362,7 @@ class ShardNode:
             return
         sock.sendall(wire.encode_frame(wire.UcxOffer(True, worker.address)))
 
-    def _answer_pull_ucx(self, sock: socket.socket, request: wire.PullUcxRequest, leases: _ConnLeases) -> None:
+    def _answer_pull_ucx(self, sock: wire.Stream, request: wire.PullUcxRequest, leases: _ConnLeases) -> None:
         if leases.ucx_endpoint is None:
             raise RequestError(ErrorCode.MALFORMED, "PULL_UCX before a UCX_HELLO was accepted on this connection")
         if len(request.pieces) > ucx_transport.MAX_PIECES:
@@ -370,7 +386,7 @@ class ShardNode:
                 ErrorCode.REPLY_TOO_LARGE, f"reply of {total} bytes exceeds max_payload={self._max_payload}; split the pull"
             )
 
-    def _try_send_error(self, sock: socket.socket, code: ErrorCode, message: str) -> None:
+    def _try_send_error(self, sock: wire.Stream, code: ErrorCode, message: str) -> None:
         try:
             sock.settimeout(1.0)
             sock.sendall(wire.encode_frame(wire.ErrorReply(code, message)))

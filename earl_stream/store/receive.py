@@ -11,7 +11,6 @@ retries and timeouts are `client.py`'s.
 
 from __future__ import annotations
 
-import socket
 import weakref
 import zlib
 from collections import deque
@@ -91,7 +90,7 @@ class Received:
 
 
 def receive_pieces(
-    sock: socket.socket,
+    sock: wire.Stream,
     deadline: float,
     address: str,
     pieces: Sequence[Piece],
@@ -244,7 +243,7 @@ def _layout(
 
 
 def _receive_inline(
-    sock: socket.socket, deadline: float, buf: np.ndarray, infos: Sequence[wire.ShmPiece], offsets: list[int], sizes: list[int]
+    sock: wire.Stream, deadline: float, buf: np.ndarray, infos: Sequence[wire.ShmPiece], offsets: list[int], sizes: list[int]
 ) -> None:
     """Receive runs of inline pieces that are adjacent in the buffer with one recv loop each."""
     view = memoryview(buf)

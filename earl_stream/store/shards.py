@@ -205,6 +205,12 @@ class ShardStore:
         with self._cond:
             return list(self._shards)
 
+    def copy(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
+        """Private copies of the whole arrays held under `keys` (absent keys are left out): a dropped
+        key's region cannot be reused while the lock is held."""
+        with self._cond:
+            return {k: self._shards[k].array.copy() for k in keys if k in self._shards}
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

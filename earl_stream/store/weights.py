@@ -11,8 +11,11 @@ lm_head on the vocabulary, norms replicated), as byte ranges of the stored tenso
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -23,21 +26,31 @@ from earl_stream.store.client import ShardClient
 from earl_stream.store.node import ShardNode
 
 MANIFEST_NAME = ".manifest"
+_SUPERSEDED_CHECK_S = 1.0  # how often a wait for a version's manifest checks that no newer one is there
 _POLL_S = (0.01, 0.5)  # first and largest wait between polls for a version not yet published
+_S = TypeVar("_S", bound=msgspec.Struct)
 
 
 class WeightEntry(msgspec.Struct, frozen=True):
-    """One tensor: its name, torch dtype name (e.g. 'bfloat16'), shape, and size in bytes."""
+    """One tensor, or one block of it: its name, torch dtype name (e.g. 'bfloat16'), shape, and size in
+    bytes. A block (a trainer rank's shard) also names the whole tensor's `full_shape` and its `offset`
+    in it; both are empty for a whole tensor."""
 
     name: str
     dtype: str
     shape: list[int]
     nbytes: int
+    full_shape: list[int] = []
+    offset: list[int] = []
 
 
 class WeightsManifest(msgspec.Struct, frozen=True):
+    """What one node holds of a version; `peers`: the other nodes holding the rest of its blocks
+    (the version is complete once every block of every peer is added)."""
+
     version: int
     tensors: list[WeightEntry]
+    peers: list[str] = []
 
     @property
     def total_bytes(self) -> int:
@@ -59,19 +72,41 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def publish_weights(node: ShardNode, version: int, state: Mapping[str, torch.Tensor]) -> WeightsManifest:
-    """Snapshot `state` (any dtypes and shapes, CPU copies taken now) into `node` as version `version`."""
+@dataclasses.dataclass(frozen=True)
+class WeightPiece:
+    """A block of tensor `name` held by this process: `tensor` sits at `offset` in the whole tensor
+    of shape `full_shape` (a trainer rank's FSDP / tensor-parallel shard, or the whole tensor)."""
+
+    name: str
+    tensor: torch.Tensor
+    full_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return tuple(self.tensor.shape) == self.full_shape
+
+
+def publish_weights(node: ShardNode, version: int, state: Mapping[str, torch.Tensor] | Sequence[WeightPiece], *,
+                    peers: Sequence[str] = ()) -> WeightsManifest:
+    """Snapshot `state` (whole tensors by name, or this process's `WeightPiece`s) into `node` as version
+    `version` (CPU copies taken now). `peers`: the nodes holding the version's other pieces."""
+    pieces = ([WeightPiece(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in state.items()]
+              if isinstance(state, Mapping) else list(state))
     items: dict[str, np.ndarray] = {}
     entries = []
-    for name, tensor in state.items():
+    for piece in pieces:
+        name, tensor = piece.name, piece.tensor
         if not name or name == MANIFEST_NAME:
             raise StoreError(f"weight name {name!r} is empty or reserved")
         # A copy: the trainer keeps updating its parameters in place after publishing.
         flat = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
         items[weight_key(version, name)] = raw
-        entries.append(WeightEntry(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw.nbytes))
-    manifest = WeightsManifest(int(version), entries)
+        block = ([], []) if piece.whole else (list(piece.full_shape), list(piece.offset))
+        entries.append(WeightEntry(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw.nbytes,
+                                   *block))
+    manifest = WeightsManifest(int(version), entries, list(peers))
     items[weight_key(version, MANIFEST_NAME)] = np.frombuffer(msgspec.json.encode(manifest), np.uint8).copy()
     node.put_many(items)
     return manifest
@@ -91,27 +126,71 @@ def pull_weights(
     names: Iterable[str] | None = None,
     bucket_bytes: int = 64 << 20,
 ) -> dict[str, torch.Tensor]:
-    """Fetch version `version` (or only `names`) from the node at `address`, rebuilt with dtype and shape.
+    """Fetch version `version` (or only `names`) from the node at `address` and the peers its manifest
+    names (concurrently), rebuilt with dtype and shape; blocks of one tensor are assembled.
 
     Waits for the version to be published, then pulls several tensors per request up to
     `bucket_bytes` (larger tensors in chunks). Everything is bounded by `timeout_s`; running out
     raises StoreError naming the version and the peer.
     """
     deadline = time.monotonic() + timeout_s
+    wanted = None if names is None else set(names)
     where = f"weights version {version} from {address}"
     try:
         manifest = _await_manifest(client, address, version, deadline, where, timeout_s)
-        wanted = _select(manifest, names, where)
+    except StoreError as exc:
+        if where in str(exc):
+            raise
+        raise StoreError(f"pulling {where} failed: {exc}") from exc
+    # rank 0's pieces and every peer's at once: each trainer rank's link carries only its own share
+    with ThreadPoolExecutor(max_workers=min(16, 1 + len(manifest.peers))) as pool:
+        futures = [pool.submit(_fetch_node, client, node, version, wanted, bucket_bytes, deadline, timeout_s,
+                               manifest if node == address else None) for node in [address, *manifest.peers]]
+        fetched = [f.result()[1] for f in futures]
+    out = assemble_pieces(fetched)
+    missing = [n for n in (names or []) if n not in out]
+    if missing:
+        raise StoreError(f"weights version {version} from {address} and its peers has no tensors {missing[:5]}")
+    return out
+
+
+def assemble_pieces(fetched: Iterable[Iterable[tuple[WeightEntry, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Whole tensors by name from (entry, tensor) pairs: whole tensors as they are, blocks of a tensor
+    (`full_shape` set) copied into place in one new tensor of the full shape."""
+    out: dict[str, torch.Tensor] = {}
+    for pieces in fetched:
+        for entry, tensor in pieces:
+            if not entry.full_shape:
+                out[entry.name] = tensor
+                continue
+            full = out.get(entry.name)
+            if full is None:
+                full = out[entry.name] = torch.empty(entry.full_shape, dtype=tensor.dtype)
+            full[tuple(slice(o, o + n) for o, n in zip(entry.offset, entry.shape))] = tensor
+    return out
+
+
+def entry_tensor(entry: WeightEntry, raw: np.ndarray | None) -> torch.Tensor:
+    """The tensor (or block) `entry` describes, viewed over its raw uint8 bytes `raw` (no copy)."""
+    data = torch.from_numpy(raw) if entry.nbytes and raw is not None else torch.empty(0, dtype=torch.uint8)
+    return data.view(_dtype_from_name(entry.dtype)).reshape(entry.shape)
+
+
+def _fetch_node(client: ShardClient, address: str, version: int, names: set[str] | None, bucket_bytes: int,
+                deadline: float, timeout_s: float, known: WeightsManifest | None = None,
+                ) -> tuple[WeightsManifest, list[tuple[WeightEntry, torch.Tensor]]]:
+    """What one node holds of `version`: its manifest (`known` if already read) and (entry, tensor) for
+    each wanted tensor or block."""
+    where = f"weights version {version} from {address}"
+    try:
+        manifest = known or _await_manifest(client, address, version, deadline, where, timeout_s)
+        wanted = [e for e in manifest.tensors if names is None or e.name in names]
         raw = _pull_buckets(client, address, version, wanted, bucket_bytes, deadline, where, timeout_s)
     except StoreError as exc:
         if where in str(exc):
             raise
         raise StoreError(f"pulling {where} failed: {exc}") from exc
-    out = {}
-    for entry in wanted:
-        data = torch.from_numpy(raw[entry.name]) if entry.nbytes else torch.empty(0, dtype=torch.uint8)
-        out[entry.name] = data.view(_dtype_from_name(entry.dtype)).reshape(entry.shape)
-    return out
+    return manifest, [(entry, entry_tensor(entry, raw.get(entry.name))) for entry in wanted]
 
 
 def _remaining(deadline: float, where: str, timeout_s: float) -> float:
@@ -124,8 +203,19 @@ def _remaining(deadline: float, where: str, timeout_s: float) -> float:
 def _await_manifest(
     client: ShardClient, address: str, version: int, deadline: float, where: str, timeout_s: float
 ) -> WeightsManifest:
-    key = weight_key(version, MANIFEST_NAME)
-    wait = _POLL_S[0]
+    return await_json(client, address, weight_key(version, MANIFEST_NAME), WeightsManifest, deadline, where, timeout_s)
+
+
+def await_json(client: ShardClient, address: str, key: str, kind: type[_S], deadline: float, where: str,
+               timeout_s: float, poll_s: tuple[float, float] = _POLL_S) -> _S:
+    """Wait until the node at `address` holds `key` (polling its manifest), then decode it as JSON `kind`.
+
+    A versioned manifest key (`PREFIX{version}/.manifest`) is given up at once, not at the deadline, when
+    the node already serves a newer version's manifest under the same prefix: that version will never come
+    (a trainer keeps its last two; a worker that asked for an old one must ask for the current one)."""
+    wait = poll_s[0]
+    family = _version_family(key)
+    next_check = time.monotonic() + _SUPERSEDED_CHECK_S
     while True:
         entries = client.manifest(address, key, timeout_s=_remaining(deadline, where, timeout_s))
         match = [e for e in entries if e.key == key]
@@ -133,13 +223,31 @@ def _await_manifest(
             break
         if deadline - time.monotonic() <= wait:
             raise StoreError(f"timed out after {timeout_s:g}s waiting for {where}: not published there")
+        if family is not None and time.monotonic() >= next_check:
+            newest = _newest_version(client, address, family[0], _remaining(deadline, where, timeout_s))
+            if newest is not None and newest > family[1]:
+                raise StoreError(f"superseded: version {newest} of it is published at {address} already")
+            next_check = time.monotonic() + _SUPERSEDED_CHECK_S
         time.sleep(wait)
-        wait = min(wait * 2, _POLL_S[1])
+        wait = min(wait * 2, poll_s[1])
     (blob,) = client.pull(address, [(key, 0, match[0].shape[0])], timeout_s=_remaining(deadline, where, timeout_s))
     try:
-        return msgspec.json.decode(blob.tobytes(), type=WeightsManifest)
+        return msgspec.json.decode(blob.tobytes(), type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise StoreError(f"{where}: unreadable weights manifest: {exc}") from exc
+        raise StoreError(f"{where}: unreadable manifest {key}: {exc}") from exc
+
+
+def _version_family(key: str) -> tuple[str, int] | None:
+    """('w/', 7) for 'w/7/.manifest': the prefix versions of the same kind share, and the version."""
+    prefix, _, rest = key.partition("/")
+    version, _, name = rest.partition("/")
+    return (prefix + "/", int(version)) if name == MANIFEST_NAME and version.isdigit() else None
+
+
+def _newest_version(client: ShardClient, address: str, prefix: str, timeout_s: float) -> int | None:
+    versions = [int(v) for e in client.manifest(address, prefix, timeout_s=timeout_s)
+                if (v := e.key[len(prefix):].partition("/")[0]).isdigit() and e.key.endswith("/" + MANIFEST_NAME)]
+    return max(versions, default=None)
 
 
 def _select(manifest: WeightsManifest, names: Iterable[str] | None, where: str) -> list[WeightEntry]:
@@ -249,6 +357,8 @@ def pull_weights_tp(
     where = f"weights version {version} (tp slice {tp_rank}/{tp_size}) from {address}"
     try:
         manifest = _await_manifest(client, address, version, deadline, where, timeout_s)
+        if manifest.peers or any(e.full_shape for e in manifest.tensors):
+            raise StoreError(f"{where} is published in blocks by several trainer ranks: pull it with pull_weights")
         wanted = _select(manifest, names, where)
         plans = [_slice_plan(e, split_dim(e.name, list(e.shape)), tp_rank, tp_size, where) for e in wanted]
         raw = _pull_ranges(client, address, version, plans, bucket_bytes, deadline, where, timeout_s)

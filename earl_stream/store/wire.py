@@ -9,7 +9,9 @@ of `node.py` and `client.py` share. Storage and connection handling live in thos
 Conversation: on connect the server sends CHALLENGE (nonce, auth_required). If auth is required, the
 client's first frame must be HELLO with HMAC-SHA256(secret, context || nonce); the server answers
 HELLO_OK, or ERROR and closes. Then any number of PULL / MANIFEST requests, each answered by one reply
-(PULL_REPLY / MANIFEST_REPLY) or by ERROR.
+(PULL_REPLY / MANIFEST_REPLY) or by ERROR. After HELLO_OK every frame, both ways, is followed by a
+16-byte Poly1305 tag under a key of that connection and a per-direction sequence number
+(`frame_mac.AuthedStream`): frames are authenticated, not only checksummed.
 
 Same-host peers (only after authentication): SHM_OFFER is answered by SHM_OFFER_REPLY naming a probe
 file under /dev/shm and a random token; a client that can read the token there sees this node's
@@ -33,12 +35,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import socket
 import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -102,6 +103,7 @@ class ErrorCode(enum.IntEnum):
 class Challenge(msgspec.Struct, frozen=True):
     nonce: bytes
     auth_required: bool
+    encrypt: bool = False  # frames after HELLO_OK are encrypted (security.encrypt; store/frame_mac.py)
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -395,7 +397,20 @@ def storable_dtype(text: str) -> np.dtype:
 _IOV_MAX = 1024
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+class Stream(Protocol):
+    """A connection the shard node and client speak frames over: a socket, or a socket whose frames
+    carry MACs after the handshake (`frame_mac.AuthedStream`)."""
+
+    def recv_into(self, view: memoryview | bytearray, nbytes: int = ..., /) -> int: ...
+    def sendall(self, data: bytes | bytearray | memoryview, /) -> None: ...
+    def sendmsg(self, buffers: Sequence[bytes | bytearray | memoryview], /) -> int: ...
+    def settimeout(self, value: float | None, /) -> None: ...
+    def setblocking(self, flag: bool, /) -> None: ...
+    def shutdown(self, how: int, /) -> None: ...
+    def close(self) -> None: ...
+
+
+def recv_exact_into(sock: Stream, view: memoryview, deadline: float | None) -> None:
     """Fill `view` from `sock`; `deadline` (time.monotonic) bounds the whole read (socket.timeout)."""
     got, size = 0, len(view)
     while got < size:
@@ -410,13 +425,13 @@ def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | Non
         got += n
 
 
-def recv_exact(sock: socket.socket, size: int, deadline: float | None) -> bytearray:
+def recv_exact(sock: Stream, size: int, deadline: float | None) -> bytearray:
     buf = bytearray(size)
     recv_exact_into(sock, memoryview(buf), deadline)
     return buf
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+def send_buffers(sock: Stream, buffers: Sequence[bytes | memoryview]) -> None:
     """Send buffers back to back with vectored `sendmsg`, no joining copies; handles partial sends."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     i = 0

@@ -14,7 +14,8 @@ Per micro-batch on one device (n = b s / sp tokens outside attention, N = matrix
 * tensor parallel: 4 all-reduces (or all-gather + reduce-scatter with sequence parallelism) of
   n h e bytes per layer, ring cost 2 (tp-1)/tp each; Ulysses sp: 8 all-to-alls of n h e bytes per
   layer, (sp-1)/sp each; FSDP: weights gathered twice and grads reduce-scattered once per step,
-  3 P (dp sp - 1)/(dp sp) bytes; DDP: one all-reduce of the grads, 2 P (dp - 1)/dp bytes;
+  3 P (dp sp - 1)/(dp sp) bytes; DDP: one all-reduce of the grads over the dp x sp ranks that hold a
+  replica (sp ranks train different tokens of the same weights), 2 P (dp sp - 1)/(dp sp) bytes;
 * eager attention also pays memory-bound passes over the a s^2 b scores (softmax, mask, grads).
 Time = seconds_per_flop * flops + seconds_per_byte * bytes + seconds_per_score * scores + fixed.
 """
@@ -58,12 +59,11 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
         comm += L * 4 * n * h * e * 2 * (t - 1) / t
     if p > 1:
         comm += L * 8 * n * h * e * (p - 1) / p
-    params = shape.num_params() / t
-    if plan.fsdp and plan.dp * p > 1:
-        world = plan.dp * p
-        comm += params * (2 * w_bytes + g_bytes) * (world - 1) / world / accumulation_steps
-    elif plan.dp > 1:
-        comm += params * g_bytes * 2 * (plan.dp - 1) / plan.dp / accumulation_steps
+    params, replicas = shape.num_params() / t, plan.dp * p
+    if plan.fsdp and replicas > 1:
+        comm += params * (2 * w_bytes + g_bytes) * (replicas - 1) / replicas / accumulation_steps
+    elif replicas > 1:
+        comm += params * g_bytes * 2 * (replicas - 1) / replicas / accumulation_steps
     scores = b * a * s * s / (t * p) if plan.attention is Attention.EAGER else 0.0
     return PlanFeatures(flops=flops, comm_bytes=comm, score_elements=scores, tokens=plan.dp * b * s)
 

@@ -1,8 +1,10 @@
 """The versioned decisions of the parallelism selector, as they travel and are stored.
 
 Owns `PlanDecision` (a trainer pool's plan), `RolloutDecision` (a rollout engine's capacity),
-`Infeasible` (nothing fits; says what would be needed) and the JSON form of a `TrainPlan`
-(`plan_to_dict` / `plan_from_dict`). Making the decisions is `selector`'s job.
+`Infeasible` (nothing fits; says what would be needed), `Refusal` (a layout the model or the pool
+cannot take), the JSON form of a `TrainPlan` (`plan_to_dict` / `plan_from_dict`), and the one place
+where a decision becomes the typed plan that travels to the workers (`to_wire`: `protocol.TrainerPlan`,
+`protocol.RolloutPlan`). Making the decisions is `selector`'s job.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import enum
 from typing import Any
 
 from earl_stream.errors import ConfigError
+from earl_stream.protocol import RolloutPlan, TrainerPlan
 from earl_stream.supervisor.memory_model import Attention, Precision, Recompute, TrainPlan
 
 
@@ -30,6 +33,23 @@ def plan_from_dict(d: dict[str, Any]) -> TrainPlan:
 
 
 _PLAN_ENUMS: dict[str, type[enum.Enum]] = {"recompute": Recompute, "attention": Attention, "precision": Precision}
+# the trainer's dtype (trainer.dtype) -> the memory model's precision the selector sizes plans with: bf16
+# compute under autocast with fp32 parameters, gradients and optimizer state (FSDP2's mixed-precision
+# policy under FSDP); a plan sized for the ZeRO paper's mixed precision (16 bytes per parameter) also
+# runs as trainer dtype bf16
+DTYPE_PRECISION = {"fp32": Precision.FP32, "bf16": Precision.AUTOCAST_BF16}
+_WIRE_DTYPE = {Precision.FP32: "fp32", Precision.AUTOCAST_BF16: "bf16", Precision.MIXED_BF16: "bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A layout the selector did not consider: `plan` (a `TrainerPlan.name`-style string) and why."""
+
+    plan: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +82,22 @@ class PlanDecision:
         return {**dataclasses.asdict(self), "plan": plan_to_dict(self.plan),
                 "rank_micro_batch_tokens": self.rank_micro_batch_tokens}
 
+    def to_wire(self) -> TrainerPlan:
+        """The plan as the trainer pool receives it. The memory model's dp counts every data rank and
+        `fsdp` shards the states over all of them (and sp): dp replicas, or one FSDP group of dp ranks."""
+        p = self.plan
+        if p.fsdp and p.dp == 1:
+            raise ConfigError(f"plan v{self.version} ({p.describe()}): FSDP over the sequence-parallel ranks alone "
+                              "is not a trainer plan (fsdp needs >= 2 data ranks)")
+        dtype = _WIRE_DTYPE.get(p.precision)
+        if dtype is None or p.recompute is Recompute.SELECTIVE:
+            raise ConfigError(f"plan v{self.version}: precision {p.precision.value} / recompute {p.recompute.value} "
+                              f"is not something the trainer runs (dtype {list(DTYPE_PRECISION)}, recompute none/full)")
+        return TrainerPlan(version=self.version, dp=1 if p.fsdp else p.dp, fsdp=p.dp if p.fsdp else 1, tp=p.tp,
+                           sp=p.sp, micro_batch_tokens=self.micro_batch_tokens, recompute=p.recompute is Recompute.FULL,
+                           dtype=dtype, design_seq_len=self.design_seq_len,
+                           predicted_peak_bytes=self.predicted_peak_bytes, reason=self.reason, step=self.step)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PlanDecision:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -89,6 +125,11 @@ class RolloutDecision:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_wire(self) -> RolloutPlan:
+        return RolloutPlan(version=self.version, max_concurrent_sequences=self.max_concurrent_sequences,
+                           kv_budget_tokens=self.kv_budget_tokens, design_seq_len=self.design_seq_len,
+                           engine_tp=self.engine_tp, replicas=self.replicas, reason=self.reason, step=self.step)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RolloutDecision:

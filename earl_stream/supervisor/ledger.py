@@ -1,6 +1,7 @@
 """The prompt ledger and layout index of the supervisor: which prompts are out, which finished
 samples wait in which producer's store, what each training step claimed, and the sample accounting
-(produced = consumed + lost + stale + waiting + claimed, where claimed = claimed but not trained yet).
+(produced = consumed + lost + stale + filtered + waiting + claimed, where claimed = claimed but not
+trained yet, and filtered = groups of equal rewards dropped by `algo.dynamic_sampling`, never replayed).
 
 Pure bookkeeping, no I/O: the server (`earl_stream.supervisor.server`) calls it. Each prompt carries
 a monotonic ordinal; a prompt whose samples are lost or stale is re-issued under the same ordinal,
@@ -12,6 +13,15 @@ re-sent rows are ignored; a repeated release is a no-op. A claimed step is first
 (its samples count as consumed) and released only once a checkpoint holds its update, so a trainer
 that resumes from its checkpoint is served the claims after it again, with the same rows; the
 producers keep them until then (see `earl_stream.workers.trainer`).
+
+Durable experience (`earl_stream.store.durable`): a rollout worker restarted from the run directory
+sends the samples it had persisted (`earl_stream.supervisor.recovery.recover`, which keeps `lost_rows`
+here to check them against). The ledger takes back only groups it still waits for:
+ready or claimed ones (their rows then point at the new producer), and groups counted lost with a
+dead producer whose prompt is not yet played again (they go back to ready under their original
+ordinal and attempt; `samples_lost` and `prompts_reissued` give them back, `samples_recovered`
+counts them). Anything else (trained and released, played again, unknown, another run's) is refused,
+so nothing is trained twice.
 """
 
 from __future__ import annotations
@@ -52,6 +62,16 @@ class Group:
     def min_version(self) -> int:
         return min((r.policy_version_min for r in self.rows), default=0)
 
+    @property
+    def max_version(self) -> int:
+        """The newest policy version of any of its tokens (the trainer masks the too-stale ones)."""
+        return max((r.policy_version_max for r in self.rows), default=0)
+
+    @property
+    def uniform(self) -> bool:
+        """All its rewards are equal: every group-baseline advantage is 0, no signal."""
+        return len({r.reward for r in self.rows}) <= 1
+
 
 @dataclasses.dataclass
 class Counters:
@@ -59,12 +79,14 @@ class Counters:
     samples_consumed: int = 0
     samples_lost: int = 0
     samples_stale: int = 0
+    samples_filtered: int = 0  # in groups of equal rewards, dropped by dynamic sampling (done, not replayed)
     prompts_issued: int = 0
     prompts_reissued: int = 0
     duplicates_detected: int = 0
     tokens_produced: int = 0
     requests_repeated: int = 0  # RequestPrompts retried after a lost reply, answered with the same prompts
     prompts_dropped: int = 0  # queued prompts of an environment detached (or unloadable) before they were played
+    samples_recovered: int = 0  # persisted by a producer, taken back after it restarted (not re-played)
 
 
 class LedgerState(msgspec.Struct):
@@ -78,16 +100,18 @@ class LedgerState(msgspec.Struct):
     attempts: dict[int, int]
     requests: dict[str, list[tuple[str, list[str]]]] = {}  # worker -> recent (request id, group ids)
     trained_steps: dict[int, list[int]] = {}  # trained, not checkpointed: step -> ordinals lost in it
+    lost_rows: dict[int, list[SampleMeta]] = {}  # lost groups not yet played again: their rows, for `recover`
 
 
 class Ledger:
     def __init__(self, envs: Iterable[EnvSpec], *, seed: int, group_size: int, groups_per_step: int,
-                 max_staleness: int) -> None:
+                 max_staleness: int, dynamic_sampling: bool = False) -> None:
         self.envs = list(envs)
         self.seed = seed
         self.group_size = group_size
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
+        self.dynamic_sampling = dynamic_sampling
         self.counters = Counters()
         self.groups: dict[int, Group] = {}  # by prompt ordinal
         self.queue: deque[int] = deque()  # ordinals to (re)issue, oldest first
@@ -99,6 +123,7 @@ class Ledger:
         self.requests: dict[str, dict[str, list[str]]] = {}  # worker -> request id -> group ids issued
         self.trained_steps: dict[int, list[int]] = {}  # claimed steps trained, not yet checkpointed -> lost ordinals
         self.journal: list[dict[str, object]] = []  # released steps not yet written out by the server
+        self.lost_rows: dict[int, list[SampleMeta]] = {}  # ordinal -> rows of a lost group still queued
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -163,6 +188,7 @@ class Ledger:
             step = self.next_claim_step + ahead // self.groups_per_step
             self.queue.popleft()
             group = self.groups[ordinal]
+            self.lost_rows.pop(ordinal, None)  # played again: a persisted copy may no longer come back
             attempt = self._attempts.get(ordinal, 0)
             prompt = msgspec.structs.replace(group.prompt, group_id=f"g{ordinal}.{attempt}",
                                          min_policy_version=max(0, step - self.max_staleness))
@@ -174,6 +200,7 @@ class Ledger:
         """A queued prompt whose environment is gone (detached, or no worker can load it): never played."""
         group = self.groups.pop(ordinal)
         group.state = PromptState.DONE
+        self.lost_rows.pop(ordinal, None)
         self.counters.prompts_dropped += 1
         log.warning("prompt %d of environment %r dropped: the environment is detached or cannot be loaded", ordinal,
                     group.prompt.env)
@@ -222,34 +249,48 @@ class Ledger:
             elif group.state == PromptState.READY and any(r.producer_address == producer_address for r in group.rows):
                 lost += len(group.rows)
                 self.ready.remove(ordinal)
+                self.lost_rows[ordinal] = list(group.rows)
                 self._reissue(ordinal)
                 reissued += 1
         self.counters.samples_lost += lost
         self.requests.pop(worker_id, None)  # what it asked for is re-issued; its retries get nothing
         return {"samples_lost": lost, "prompts_reissued": reissued}
 
+
     # -- claims -------------------------------------------------------------------------------
 
     def claim(self, step: int, num_groups: int, min_policy_version: int) -> tuple[bytes | None, dict[str, list[str]]]:
         """The step's metadata table (the same for every rank), or None while not enough is ready.
 
-        Also returns {producer address: sample ids} of stale samples to free.
+        Also returns {producer address: sample ids} of stale or filtered samples to free. A group is
+        stale when even its newest token is older than `min_policy_version` (older tokens of a newer
+        group are masked by the trainer); stale groups are played again. With dynamic sampling a group
+        whose rewards are all equal is dropped for good (`samples_filtered`), and the step waits for
+        other groups, which the freed room lets `issue` hand out.
         """
         if step in self.claims:
             return self.claims[step][0], {}
         to_free: dict[str, list[str]] = {}
         for ordinal in list(self.ready):
             group = self.groups[ordinal]
-            if group.min_version < min_policy_version:
+            if group.max_version < min_policy_version:
                 self.ready.remove(ordinal)
                 self.counters.samples_stale += len(group.rows)
                 for r in group.rows:
                     to_free.setdefault(r.producer_address, []).append(r.sample_id)
                 self._reissue(ordinal)
+            elif self.dynamic_sampling and group.uniform:
+                self.ready.remove(ordinal)
+                self.counters.samples_filtered += len(group.rows)
+                for r in group.rows:
+                    to_free.setdefault(r.producer_address, []).append(r.sample_id)
+                self.groups.pop(ordinal).state = PromptState.DONE
         if len(self.ready) < num_groups:
             return None, to_free
         taken, self.ready = self.ready[:num_groups], self.ready[num_groups:]
-        rows = [r for o in taken for r in sorted(self.groups[o].rows, key=lambda r: r.sample_id)]
+        # prompt order, not completion order: the step's math (its mini-batches, its float sums) then does
+        # not depend on which rollout finished first
+        rows = [r for o in sorted(taken) for r in sorted(self.groups[o].rows, key=lambda r: r.sample_id)]
         for o in taken:
             self.groups[o].state = PromptState.CLAIMED
         ipc = table_to_ipc(metas_to_table(rows))
@@ -288,6 +329,7 @@ class Ledger:
             for r in group.rows:
                 to_free.setdefault(r.producer_address, []).append(r.sample_id)
             self.trained_steps.setdefault(step, []).append(o)
+            self.lost_rows[o] = list(group.rows)
             self._reissue(o)
         self.trained_steps.setdefault(step, [])
         if len(kept) < len(ordinals):  # a replay pulls exactly what the first training used
@@ -306,6 +348,7 @@ class Ledger:
         for o in ordinals:
             group = self.groups.pop(o)
             group.state = PromptState.DONE
+            self.lost_rows.pop(o, None)
             for r in group.rows:
                 to_free.setdefault(r.producer_address, []).append(r.sample_id)
         self.journal.append({"step": step, "trained": ordinals, "lost": self.trained_steps.pop(step)})
@@ -319,7 +362,8 @@ class Ledger:
             next_ordinal=self.next_ordinal, next_claim_step=self.next_claim_step,
             counters=dataclasses.asdict(self.counters), groups=list(self.groups.values()), queue=list(self.queue),
             ready=self.ready, claims={k: (ipc, list(o)) for k, (ipc, o) in self.claims.items()}, attempts=self._attempts,
-            requests={w: list(r.items()) for w, r in self.requests.items()}, trained_steps=self.trained_steps)
+            requests={w: list(r.items()) for w, r in self.requests.items()}, trained_steps=self.trained_steps,
+            lost_rows=self.lost_rows)
         return msgspec.msgpack.encode(state)
 
     def restore(self, data: bytes) -> None:
@@ -333,6 +377,15 @@ class Ledger:
         self._attempts = dict(state.attempts)
         self.requests = {w: dict(r) for w, r in state.requests.items()}
         self.trained_steps = {k: list(v) for k, v in state.trained_steps.items()}
+        self.lost_rows = {k: list(v) for k, v in state.lost_rows.items()}
+
+    def held_by(self, worker_id: str, producer_address: str) -> int:
+        """Groups a worker still answers for: in flight on it, or with samples in its store that are not
+        yet released (ready, claimed, or trained but not checkpointed). 0: it may leave, losing nothing."""
+        return sum(1 for g in self.groups.values()
+                   if (g.state == PromptState.INFLIGHT and g.worker_id == worker_id)
+                   or (g.state in (PromptState.READY, PromptState.CLAIMED)
+                       and any(r.producer_address == producer_address for r in g.rows)))
 
     def samples_waiting(self) -> int:
         return sum(len(self.groups[o].rows) for o in self.ready)

@@ -48,6 +48,11 @@ GIB = 1 << 30
 # (log_softmax, exp, product) under no_grad (5).
 LOGIT_COPIES_HF_CROSS_ENTROPY = 3
 LOGIT_COPIES_EARL_GRPO = 5
+# `workers.train_step` computes log-probs and entropy with `workers.vocab_parallel` on every plan
+# (tp = 1 included): the logits, their max-shifted copy (gather's backward saves its input), its exp
+# (exp's backward saves its output), and the entropy's shifted copy, exp and product under no_grad
+# (6). Measured per rank under dp1/fsdp2/tp2/sp2/fsdp2_tp2 by bench/memory_model.py part (c).
+LOGIT_COPIES_EARL_VOCAB_PARALLEL = 6
 
 
 class Recompute(enum.Enum):
@@ -66,13 +71,18 @@ class Precision(enum.Enum):
     FP32 = "fp32"  # 4, 4, 8, 4
     MIXED_BF16 = "mixed_bf16"  # 2, 2, 12, 2 (ZeRO paper's 16 bytes/param)
     BF16 = "bf16"  # 2, 2, 4, 2 (bf16 everything, moments included)
+    # what earl_stream's trainer runs for trainer.dtype=bf16: fp32 parameters and gradients, bf16 compute
+    # under torch.autocast, whose bf16 copy of every weight is kept for the backward pass (4 + 2 bytes);
+    # under FSDP2 that copy is its per-layer bf16 all-gather instead, so this over-counts there (safe side)
+    AUTOCAST_BF16 = "autocast_bf16"  # 6, 4, 8, 2
 
     @property
     def element_bytes(self) -> tuple[int, int, int, int]:
         return _PRECISION_BYTES[self]
 
 
-_PRECISION_BYTES = {Precision.FP32: (4, 4, 8, 4), Precision.MIXED_BF16: (2, 2, 12, 2), Precision.BF16: (2, 2, 4, 2)}
+_PRECISION_BYTES = {Precision.FP32: (4, 4, 8, 4), Precision.MIXED_BF16: (2, 2, 12, 2), Precision.BF16: (2, 2, 4, 2),
+                    Precision.AUTOCAST_BF16: (6, 4, 8, 2)}
 
 
 class Phase(enum.Enum):
@@ -326,16 +336,19 @@ def check_fit(shape: ModelShape, plan: TrainPlan, budget_bytes: int, *, reserve_
 def fitting_plans(shape: ModelShape, base: TrainPlan, devices: int, budget_bytes: int, *, reserve_bytes: int = 0,
                   recomputes: Sequence[Recompute] = _ALL_RECOMPUTES, allow_tp: bool = True,
                   allow_sp: bool = True) -> list[FitCheck]:
-    """Every variant of `base` on exactly `devices` devices (tp, sp, fsdp, recompute) that fits."""
+    """Every variant of `base` on exactly `devices` devices (tp, sp, fsdp, recompute) that fits: layouts the
+    model can be split into (`ModelShape.layout_problems`), FSDP only over >= 2 data ranks (FSDP over the
+    sp ranks alone is not a plan the trainer runs)."""
     pow2 = [1 << i for i in range(devices.bit_length()) if devices % (1 << i) == 0]
     out = []
     for tp in pow2 if allow_tp else [1]:
         for sp in [x for x in pow2 if (devices // tp) % x == 0] if allow_sp else [1]:
-            if tp * sp > devices or shape.num_heads % (tp * sp) or base.seq_len % sp:
+            if tp * sp > devices or shape.layout_problems(tp, sp) or base.seq_len % sp:
                 continue
-            for fsdp in (False, True):
+            dp = devices // (tp * sp)
+            for fsdp in (False, True) if dp > 1 else (False,):
                 for rc in recomputes:
-                    plan = dataclasses.replace(base, tp=tp, sp=sp, dp=devices // (tp * sp), fsdp=fsdp, recompute=rc,
+                    plan = dataclasses.replace(base, tp=tp, sp=sp, dp=dp, fsdp=fsdp, recompute=rc,
                                                sequence_parallel=base.sequence_parallel and tp > 1)
                     fc = check_fit(shape, plan, budget_bytes, reserve_bytes=reserve_bytes)
                     if fc.fits:

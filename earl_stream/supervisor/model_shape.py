@@ -76,6 +76,18 @@ class ModelShape:
                    vocab_size=int(d["vocab_size"]), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                    qkv_bias=bias or d.get("model_type") == "qwen2", o_bias=bias, mlp_bias=bool(d.get("mlp_bias")))
 
+    def layout_problems(self, tp: int, sp: int = 1) -> list[str]:
+        """Why this model cannot be split `tp`-way by tensor parallelism (column-wise q/k/v/gate/up,
+        row-wise o/down, vocab-parallel embedding and LM head) and `sp`-way by Ulysses (heads
+        exchanged inside attention); [] if it can. kv heads are all-to-all'ed only when sp divides
+        them (else repeated), so only tp must divide them."""
+        out = [f"num_attention_heads={self.num_heads} is not divisible by tp*sp={tp * sp}"] if self.num_heads % (tp * sp) else []
+        for key, n in (("num_key_value_heads", self.num_kv_heads), ("vocab_size", self.vocab_size),
+                       ("intermediate_size", self.intermediate_size), ("hidden_size", self.hidden_size)):
+            if n % tp:
+                out.append(f"{key}={n} is not divisible by tp={tp}")
+        return out
+
     def layer_matrix_params(self) -> int:
         """Parameters of one layer's weight matrices (split by tensor parallelism)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

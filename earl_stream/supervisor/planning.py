@@ -1,9 +1,13 @@
 """The supervisor's planner: context-length statistics from the metadata rows, and the current plan
 of each pool from the parallelism selector (`earl_stream.supervisor.selector`).
 
-The trainer receives its plan with each claim and adopts it at that step boundary; rollout workers
-receive theirs with heartbeats and apply it between engine batches. Plans carry a version and the
-reason they were made; both are logged, exported as metrics and shown in the status.
+The trainer receives its plan with each claim (a `protocol.TrainerPlan`) and adopts it at that step
+boundary, then reports it (`protocol.PlanAdopted`: `trainer_history`); rollout workers receive theirs
+(`protocol.RolloutPlan`) with heartbeats and apply it between engine batches. Plans carry a version
+and the reason they were made; both are logged, exported as metrics and shown in the status, with the
+layouts the selector refused and why. The current plans, the plans sent and the adoption history are
+part of the supervisor's persisted state (`PlannerState`): a restarted supervisor continues their
+versions.
 
 The trainer selector ranks plans with a `StepCostModel`: the defaults, a stored calibration
 (`selector.cost_model_path`), and, once `selector.cost_model_min_steps` training steps were measured,
@@ -23,14 +27,18 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from earl_stream import metrics as M
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
+from earl_stream.protocol import RolloutPlan, TrainerPlan
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta, table_from_ipc
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
 from earl_stream.supervisor.cost_model import StepCostModel
-from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, TrainPlan
+from earl_stream.supervisor.decisions import DTYPE_PRECISION
+from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, ModelShape, TrainPlan
 from earl_stream.supervisor.selector import (
     Infeasible,
     PlanDecision,
@@ -43,6 +51,30 @@ from earl_stream.supervisor.selector import (
 
 log = logging.getLogger(__name__)
 _WARMUP_STEPS = 1  # the first measured steps pay one-off costs (allocator, lazy init): not calibrated on
+_ISSUED_KEPT = 32  # trainer plans sent, by version, to name the one a PlanAdopted reports
+
+
+class PlanAdoption(msgspec.Struct, frozen=True):
+    """The trainer pool adopted plan `version` at the boundary of `step` (`protocol.PlanAdopted`);
+    `plan` is None only for a version this supervisor never sent."""
+
+    version: int
+    step: int
+    plan: TrainerPlan | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "step": self.step, "plan": self.plan.to_dict() if self.plan else None,
+                "reason": self.reason}
+
+
+class PlannerState(msgspec.Struct):
+    """What a restarted supervisor keeps of its planner (written ahead with the supervisor's state)."""
+
+    trainer: PlanDecision | None = None
+    rollout: RolloutDecision | None = None
+    issued: list[TrainerPlan] = []
+    trainer_history: list[PlanAdoption] = []
 
 
 def load_cost_model(path: str | os.PathLike[str]) -> StepCostModel:
@@ -90,6 +122,10 @@ class Planner:
         self.rollout: RolloutSelector | None = None
         self.trainer_plan: PlanDecision | None = None
         self.rollout_plan: RolloutDecision | None = None
+        self.trainer_wire: TrainerPlan | None = None  # trainer_plan as the trainer receives it
+        self.rollout_wire: RolloutPlan | None = None
+        self._issued: dict[int, TrainerPlan] = {}
+        self.trainer_history: list[PlanAdoption] = []
         self.last_infeasible = ""
         config_file = Path(cfg.model.path) / "config.json" if cfg.model.path else None
         if not s.enabled or config_file is None or not config_file.is_file():
@@ -101,14 +137,16 @@ class Planner:
                                 lower_factor=s.lower_factor, headroom=s.headroom,
                                 min_episodes_between=s.min_episodes_between)
         memory = s.trainer_memory_bytes or _ram_bytes() // 4
-        # what the trainer implements: data parallel (DDP-style) and Ulysses sequence parallel over its
-        # ranks (`workers.parallel`), recomputation on/off; no tensor parallel or FSDP
+        # the trainer runs each plan on a mesh of its ranks: data parallel replicas or FSDP2 shards, tensor
+        # and Ulysses sequence parallel, recomputation on/off, in trainer.dtype
+        pool = cfg.trainer.nproc > 1
         self.trainer = TrainerSelector(
             shape, PoolBudget(cfg.trainer.nproc, memory, s.reserve_bytes),
             base=TrainPlan(micro_batch=1, seq_len=s.initial_seq_len, attention=Attention.EAGER,
-                           logit_copies=LOGIT_COPIES_EARL_GRPO),
-            thresholds=thresholds, cost_model=self.cost_model, allow_tp=False, allow_sp=cfg.trainer.nproc > 1,
-            allow_fsdp=False, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size, pad_aware=True)
+                           precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL),
+            thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
+            allow_fsdp=pool and s.allow_fsdp, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
+            pad_aware=True)
         self.rollout = RolloutSelector(shape, PoolBudget(1, memory, s.reserve_bytes), thresholds=thresholds,
                                        dtype_bytes=4, max_sequences=cfg.rollout.max_batch_size, allow_tp=False)
         for selector in (self.trainer, self.rollout):
@@ -148,7 +186,7 @@ class Planner:
         if decision is None:
             return []
         plan = decision.plan
-        layout = Layout.from_rank(0, dp=plan.dp, cp=plan.sp)
+        layout = Layout.from_rank(0, dp=plan.dp, tp=plan.tp, cp=plan.sp)
         part = partition(lengths, layout, micro_batch_tokens=decision.rank_micro_batch_tokens)
         return [dataclasses.replace(plan, micro_batch=len(mb), seq_len=max(lengths[i] for i in mb))
                 for mb in part.micro_batches if mb]
@@ -196,11 +234,15 @@ class Planner:
 
     def _adopt(self, decision: PlanDecision | RolloutDecision) -> None:
         if isinstance(decision, PlanDecision):
-            self.trainer_plan = decision
-            log.info("trainer plan v%d: %s, micro-batch %d tokens, design length %d (%s)", decision.version,
-                     decision.plan.describe(), decision.micro_batch_tokens, decision.design_seq_len, decision.reason)
+            self.trainer_plan, wire = decision, decision.to_wire()
+            self.trainer_wire = self._issued[wire.version] = wire
+            for old in sorted(self._issued)[:-_ISSUED_KEPT]:
+                del self._issued[old]
+            log.info("trainer plan v%d: %s (%s), micro-batch %d tokens, design length %d (%s)", decision.version,
+                     wire.name, decision.plan.describe(), decision.micro_batch_tokens, decision.design_seq_len,
+                     decision.reason)
         else:
-            self.rollout_plan = decision
+            self.rollout_plan, self.rollout_wire = decision, decision.to_wire()
             log.info("rollout plan v%d: %d concurrent sequences, KV budget %d tokens, design length %d (%s)",
                      decision.version, decision.max_concurrent_sequences, decision.kv_budget_tokens,
                      decision.design_seq_len, decision.reason)
@@ -208,13 +250,31 @@ class Planner:
         M.SUP_PLAN_DESIGN_LENGTH.labels(decision.pool).set(decision.design_seq_len)
         M.SUP_MEMORY_PREDICTED.labels(decision.pool).set(decision.predicted_peak_bytes)
 
-    def trainer_plan_json(self) -> str:
-        return json.dumps(self.trainer_plan.to_dict()) if self.trainer_plan else ""
+    def on_adopted(self, version: int, step: int) -> None:
+        """The trainer pool adopted plan `version` at the boundary of `step` (its PlanAdopted)."""
+        if any(h.version == version and h.step == step for h in self.trainer_history[-4:]):
+            return  # the same report again (a retry across a supervisor restart)
+        plan = self._issued.get(version)
+        self.trainer_history.append(PlanAdoption(version, step, plan, plan.reason if plan else ""))
+        log.info("trainer pool adopted plan v%d (%s) at step %d", version, plan.name if plan else "not sent by us", step)
 
-    def rollout_plan_json(self) -> str:
-        return json.dumps(self.rollout_plan.to_dict()) if self.rollout_plan else ""
+    def snapshot(self) -> PlannerState:
+        return PlannerState(trainer=self.trainer_plan, rollout=self.rollout_plan, issued=list(self._issued.values()),
+                            trainer_history=list(self.trainer_history))
+
+    def restore(self, state: PlannerState) -> None:
+        """Continue a restarted supervisor's plans: versions go on from the persisted ones."""
+        self.trainer_history = list(state.trainer_history)
+        self._issued.update({p.version: p for p in state.issued})
+        if self.trainer is not None and state.trainer is not None:
+            self._adopt(self.trainer.resume(state.trainer))
+        if self.rollout is not None and state.rollout is not None:
+            self._adopt(self.rollout.resume(state.rollout))
 
     def status(self) -> dict[str, Any]:
-        return {"trainer": self.trainer_plan.to_dict() if self.trainer_plan else None,
-                "rollout": self.rollout_plan.to_dict() if self.rollout_plan else None,
+        d, wire = self.trainer_plan, self.trainer_wire
+        trainer = {**wire.to_dict(), "predicted_tokens_per_s": d.predicted_tokens_per_s} if d and wire else None
+        return {"trainer": trainer, "rollout": self.rollout_plan.to_dict() if self.rollout_plan else None,
+                "trainer_history": [h.to_dict() for h in self.trainer_history],
+                "refused": [r.to_dict() for r in self.trainer.refused] if self.trainer else [],
                 "infeasible": self.last_infeasible or None, "cost_model": self.calibration}

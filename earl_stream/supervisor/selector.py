@@ -2,9 +2,10 @@
 
 Owns: a pool's memory budget (`PoolBudget`), the re-plan thresholds with hysteresis (`Thresholds`),
 the versioned decisions it makes (`decisions`: `PlanDecision`, `RolloutDecision`, `Infeasible`,
-re-exported here), the micro-batch token budget of a plan (`micro_batch_tokens`) and
-the two selectors. What a plan costs in memory is `memory_model`'s answer, how fast it runs
-`cost_model`'s; the statistics come from `context_stats`; applying a plan is the pools' job.
+`Refusal`, re-exported here), the micro-batch token budget of a plan (`micro_batch_tokens`) and
+the two selectors. Which layouts a pool can run (and which it refuses) is `layouts`' answer, what a
+plan costs in memory `memory_model`'s, how fast it runs `cost_model`'s; the statistics come from
+`context_stats`; applying a plan is the pools' job.
 
 Hysteresis: a plan is sized for a *design length* D = the next power of two >= headroom x the
 observed percentile x. It is replaced when x > upper_factor x D (contexts outgrew it) or
@@ -27,7 +28,8 @@ from typing import Any, Generic, TypeVar
 from earl_stream.errors import ConfigError
 from earl_stream.supervisor.context_stats import ContextSnapshot, Percentile
 from earl_stream.supervisor.cost_model import RankedPlan, StepCostModel, rank_plans
-from earl_stream.supervisor.decisions import Infeasible, PlanDecision, RolloutDecision
+from earl_stream.supervisor.decisions import Infeasible, PlanDecision, Refusal, RolloutDecision
+from earl_stream.supervisor.layouts import pool_layouts
 from earl_stream.supervisor.memory_model import (
     GIB,
     ModelShape,
@@ -191,6 +193,25 @@ class _Selector(Generic[_D]):
         """Continue from a persisted decision (e.g. after a supervisor restart)."""
         self._current, self._infeasible, self._last = decision, None, None
 
+    def resume(self, saved: _D) -> _D:
+        """Continue from a persisted decision so that versions never go back: kept if this selector
+        could still make it (same pool and model, an allowed layout that fits), else the current
+        (start-up) plan is renumbered to follow it."""
+        fresh = self._current
+        if fresh is None or self._admissible(saved):
+            self.restore(saved)
+            return saved
+        logger.warning("%s: plan v%d of the earlier run does not suit this pool or model; continuing with %s",
+                       self.pool, saved.version, fresh.reason)
+        self.restore(dataclasses.replace(fresh, version=saved.version + 1,
+                                         reason=f"resumed after plan v{saved.version} (not admissible here): "
+                                                f"{fresh.reason}"))
+        assert self._current is not None
+        return self._current
+
+    def _admissible(self, decision: _D) -> bool:
+        raise NotImplementedError
+
     def to_dict(self) -> dict[str, Any]:
         return {"pool": self.pool, "version": self.version,
                 "current": self._current.to_dict() if self._current else None,
@@ -235,6 +256,10 @@ class _Selector(Generic[_D]):
 class TrainerSelector(_Selector[PlanDecision]):
     """Chooses dp/tp/sp, FSDP, recomputation and the micro-batch token budget of a trainer pool.
 
+    Layouts are `layouts.pool_layouts`'s (tp x sp x dp, with and without FSDP over dp >= 2 data
+    ranks); the tp x sp sizes the model or the pool cannot take are refused: `refused` lists them with
+    the reason (status shows it), and each is logged once.
+
     `base` supplies what the selector does not choose (attention kind, precision, logit copies,
     vocab-parallel logits, Megatron sequence parallelism when tp > 1, the optimizer's foreach mode).
     `step_sequences` (episodes per training step) spreads the states sync of a plan over the
@@ -266,23 +291,28 @@ class TrainerSelector(_Selector[PlanDecision]):
         if not 0 < prior_fill <= 1:
             raise ConfigError(f"prior_fill={prior_fill} must be within (0, 1]")
         self.pad_aware, self.prior_fill = pad_aware, prior_fill
+        self.refused: list[Refusal] = []
+        self._logged: set[Refusal] = set()
 
     def layouts(self, design_seq_len: int) -> list[TrainPlan]:
-        """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence."""
-        n, h = self.budget.devices, self.shape.num_heads
-        pow2 = [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
-        out = []
-        for tp in pow2 if self.allow_tp else [1]:
-            for sp in [x for x in pow2 if (n // tp) % x == 0] if self.allow_sp else [1]:
-                if h % (tp * sp) or design_seq_len % sp:
-                    continue
-                dp = n // (tp * sp)
-                for fsdp in (False, True) if self.allow_fsdp and dp * sp > 1 else (False,):
-                    for rc in self.recomputes:
-                        out.append(dataclasses.replace(self.base, micro_batch=1, seq_len=design_seq_len, dp=dp, tp=tp,
-                                                       sp=sp, fsdp=fsdp, recompute=rc,
-                                                       sequence_parallel=self.base.sequence_parallel and tp > 1))
+        """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence
+        that the model and the pool can take; sets `refused` to those they cannot."""
+        out, refused = pool_layouts(self.shape, self.base, self.budget.devices, design_seq_len,
+                                    recomputes=self.recomputes, allow_tp=self.allow_tp, allow_sp=self.allow_sp,
+                                    allow_fsdp=self.allow_fsdp)
+        for r in refused:
+            if r not in self._logged:
+                self._logged.add(r)
+                logger.info("%s: layout %s refused: %s", self.pool, r.plan, r.reason)
+        self.refused = refused
         return out
+
+    def _admissible(self, decision: PlanDecision) -> bool:
+        plan, design = decision.plan, decision.design_seq_len
+        bound = dataclasses.replace(plan, micro_batch=1, seq_len=decision.micro_batch_tokens)
+        return (dataclasses.replace(plan, micro_batch=1, seq_len=design) in self.layouts(design)
+                and check_fit(self.shape, bound, self.budget.memory_bytes_per_device,
+                              reserve_bytes=self.budget.reserve_bytes).fits)
 
     def _plan(self, design: int, reason: str, step: int) -> PlanDecision | Infeasible:
         cap = max(self.max_micro_batch_tokens, design)
@@ -345,6 +375,10 @@ class RolloutSelector(_Selector[RolloutDecision]):
             raise ConfigError(f"dtype_bytes={dtype_bytes} must be >= 1 and max_sequences={max_sequences} >= 0")
         self.shape = shape
         self.dtype_bytes, self.max_sequences, self.allow_tp = dtype_bytes, max_sequences, allow_tp
+
+    def _admissible(self, decision: RolloutDecision) -> bool:
+        again = self._plan(decision.design_seq_len, decision.reason, decision.step)
+        return not isinstance(again, Infeasible) and dataclasses.replace(again, version=decision.version) == decision
 
     def kv_capacity_tokens(self, tp: int = 1) -> int:
         """Tokens of KV cache one engine of `tp` devices can hold within the budget (0 if none)."""

@@ -9,26 +9,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import signal
+import secrets
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
-import zmq
 
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
-from earl_stream.errors import ConfigError, ProtocolError
-from earl_stream.security import sign, verify
+from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
+from earl_stream.store.weight_route import WeightRoute, weight_route
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
-from earl_stream.supervisor.planning import Planner
+from earl_stream.supervisor.planning import Planner, PlannerState
+from earl_stream.supervisor.pools import Member, decide, order_of
+from earl_stream.supervisor.recovery import recover
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +45,10 @@ class Worker:
     alive: bool = True
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
     envs_version: int = -1
+    ray_node_id: str = ""  # the Ray node it runs on (the ray launcher)
+    openai_url: str = ""  # a rollout worker's OpenAI-compatible endpoint
+    draining: bool = False  # scaled down: no new prompts, leaves once its samples are released
+    drained: bool = False  # left after draining (not alive, nothing lost)
 
 
 class SupervisorState(msgspec.Struct):
@@ -59,6 +62,11 @@ class SupervisorState(msgspec.Struct):
     workers: list[Worker]
     next_id: int
     trainer_metrics: dict[str, float]
+    plans: PlannerState | None = None  # None in snapshots of earlier versions
+    rollout_replicas: int = -1  # the desired rollout pool size set by `scale` (-1: never set)
+    wal_seq: int = 0  # the last write-ahead log record this snapshot holds (supervisor/wal.py)
+    checkpoint_version: int = -1  # the step of the trainer's latest checkpoint (-1: none, or an older snapshot)
+    run_id: str = ""  # random, made when the run's state was first written ("" in older snapshots)
 
 
 class Supervisor:
@@ -74,7 +82,7 @@ class Supervisor:
         self.planner = Planner(cfg)
         self.env_episodes: dict[str, int] = {}
         self.ledger = Ledger(self.envs.usable_specs(), seed=cfg.seed, group_size=t.group_size, groups_per_step=t.groups_per_step,
-                             max_staleness=t.max_staleness)
+                             max_staleness=t.max_staleness, dynamic_sampling=cfg.algo.dynamic_sampling)
         self.workers: dict[str, Worker] = {}
         self.policy_version = 0
         self.weights_address = ""
@@ -85,6 +93,13 @@ class Supervisor:
         self.recent_rows: deque[tuple[int, SampleMeta]] = deque(maxlen=cfg.supervisor.stats_window)
         self.rows_seen = 0
         self.pending_free: dict[str, list[str]] = {}  # producer address -> sample ids to drop
+        self.lost_before_resume = -1  # samples_lost when `up --resume` forgot the earlier run's workers (-1: not)
+        self.run_id = secrets.token_hex(8)  # names this run's ledger (kept across restarts and `up --resume`)
+        self.checkpoint_version = -1  # the latest checkpointed step: rollout workers persist their samples then
+        self.rollout_replicas = -1  # desired rollout workers (-1: not set; every worker that joins takes prompts)
+        self.expired: list[tuple[str, str]] = []  # (worker, why) declared dead by check_leases, for the log
+        self._membership = 0  # bumped when a worker joins, rejoins or leaves (the cache key of _weight_route)
+        self._route_pool: tuple[int, list[tuple[str, str]], int] | None = None
         self._ids = 0
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -102,15 +117,26 @@ class Supervisor:
         wid = msg.worker_id if msg.worker_id in self.workers else f"{msg.role.value}-{self._ids}"
         if wid not in self.workers:
             self._ids += 1
+        if wid in self.workers and self.workers[wid].drained:
+            # a worker that drained registering again (a late start-up call): it stays gone, and its next
+            # heartbeat tells it to leave
+            log.info("%s registered again after it drained: it leaves at its next heartbeat", wid)
+            return P.Registered(worker_id=wid, config_json=self.config_json, policy_version=self.policy_version,
+                                weights_address=self.weights_address, run_id=self.run_id)
+        draining = wid in self.workers and self.workers[wid].draining  # a reconnect keeps draining
+        self._membership += 1
         self.workers[wid] = Worker(wid, msg.role, msg.host, msg.pid, msg.rank, msg.shard_address,
-                                   msg.metrics_address, now)
+                                   msg.metrics_address, now, ray_node_id=msg.ray_node_id, draining=draining,
+                                   openai_url=msg.openai_url)
         if msg.role != P.Role.CLIENT:
             log.info("registered %s (pid %d on %s, shards at %s)", wid, msg.pid, msg.host, msg.shard_address or "-")
         return P.Registered(worker_id=wid, config_json=self.config_json, policy_version=self.policy_version,
-                            weights_address=self.weights_address)
+                            weights_address=self.weights_address, run_id=self.run_id)
 
     def _on_heartbeat(self, msg: P.Heartbeat, now: float) -> P.Msg:
         worker = self.workers.get(msg.worker_id)
+        if worker is not None and worker.drained:  # a retried heartbeat of a worker that left: leave again
+            return P.HeartbeatReply(policy_version=self.policy_version, stop=True, drained=True)
         if worker is None or not worker.alive:
             return P.HeartbeatReply(known=False, policy_version=self.policy_version)
         worker.stats = dict(msg.stats)
@@ -119,19 +145,47 @@ class Supervisor:
             log.warning("%s cannot load %s: those environments get no new prompts", worker.worker_id, msg.env_errors)
             self.ledger.envs = self.envs.usable_specs()
         published = int(msg.stats.get("published_version", -1))
-        if worker.role == P.Role.TRAINER and published >= 0 and published != self.policy_version:
+        if worker.role == P.Role.TRAINER and worker.rank == 0 and published >= 0 and published != self.policy_version:
             # the trainer is authoritative: after a supervisor restart from a slightly older snapshot,
-            # its heartbeat brings the policy version back in line
+            # its heartbeat brings the policy version back in line. Only rank 0's: its node holds the
+            # manifest that names the other ranks' pieces (a rank > 0 serves only its own pieces, and
+            # may be a version ahead of or behind rank 0 for a moment around a publish)
             log.info("policy version %d (from %s's heartbeat; was %d)", published, worker.worker_id, self.policy_version)
             self.policy_version, self.weights_address = published, worker.shard_address
+        if msg.leaving and worker.role == P.Role.ROLLOUT and not worker.draining:
+            # its host stops it (a pod scaled down, a preempted node): it drains, then leaves
+            worker.draining = True
+            log.info("%s is leaving (its host stopped it): draining: no new prompts; it leaves once its samples are "
+                     "trained and released", worker.worker_id)
         free = self.pending_free.pop(worker.shard_address, [])
         envs_json = self.envs.specs_json() if msg.envs_version < self.envs.version else ""
+        drained = worker.draining and self.ledger.held_by(worker.worker_id, worker.shard_address) == 0
+        if drained:  # its last frees go with this reply; it exits, nothing of it is needed any more
+            worker.alive, worker.draining, worker.drained = False, False, True
+            self._membership += 1
+            log.info("%s drained: every sample it produced is trained and released; it leaves", worker.worker_id)
+        route = self._weight_route(worker) if worker.role == P.Role.ROLLOUT and not drained else WeightRoute()
         return P.HeartbeatReply(policy_version=self.policy_version, weights_address=self.weights_address,
-                                stop=self.finished, free_sample_ids=free, envs_version=self.envs.version,
-                                envs_json=envs_json, plan_json=self.planner.rollout_plan_json())
+                                stop=self.finished or drained, free_sample_ids=free, envs_version=self.envs.version,
+                                envs_json=envs_json, plan=self.planner.rollout_wire, drain=worker.draining,
+                                drained=drained, weights_relay=route.relay, weights_via=route.via,
+                                checkpoint_version=self.checkpoint_version)
+
+    def _weight_route(self, worker: Worker) -> WeightRoute:
+        """How `worker` pulls new weights (store.weight_sync; store/weight_route.py). The pool it is routed
+        in (live rollout workers in join order, trainer hosts) is rebuilt only when the membership changed."""
+        if self.cfg.store.weight_sync == "direct":
+            return WeightRoute()
+        if self._route_pool is None or self._route_pool[0] != self._membership:
+            pool = [(w.host, w.shard_address) for w in self.workers.values()
+                    if w.role == P.Role.ROLLOUT and w.alive and w.shard_address]
+            trainer_hosts = len({w.host for w in self.workers.values() if w.role == P.Role.TRAINER and w.alive})
+            self._route_pool = (self._membership, pool, max(1, trainer_hosts))
+        _, pool, trainer_hosts = self._route_pool
+        return weight_route(self.cfg.store.weight_sync, pool, worker.shard_address, trainer_hosts=trainer_hosts)
 
     def _on_requestprompts(self, msg: P.RequestPrompts, now: float) -> P.Msg:
-        if self.finished or msg.worker_id not in self.workers:
+        if self.finished or msg.worker_id not in self.workers or self.workers[msg.worker_id].draining:
             return P.Prompts(prompts=[])
         return P.Prompts(prompts=self.ledger.issue(msg.worker_id, msg.max_groups, msg.request_id))
 
@@ -146,6 +200,14 @@ class Supervisor:
             self.recent.append((row.reward, outcome_of(row), row.total_tokens, row.env))
         return P.Ack()
 
+    def _on_recoversamples(self, msg: P.RecoverSamples, now: float) -> P.Msg:
+        accepted, refused = recover(self.ledger, msg.rows)
+        c = self.ledger.counters
+        log.info("resume: %d samples recovered from %s, %d refused there (no longer wanted); so far %d recovered, "
+                 "%d re-played (lost%s, their prompts re-issued)", len(accepted), msg.source or "-", len(refused),
+                 c.samples_recovered, self._replayed(), " since the resume" if self.lost_before_resume >= 0 else "")
+        return P.Recovered(accepted=accepted, refused=refused)
+
     def _on_claim(self, msg: P.Claim, now: float) -> P.Msg:
         first = msg.step not in self.ledger.claims
         ipc, stale = self.ledger.claim(msg.step, msg.num_groups, msg.min_policy_version)
@@ -153,11 +215,16 @@ class Supervisor:
         if ipc is not None and first:
             self.planner.on_step(msg.step, ipc)  # a step boundary: the pools may adopt a new plan here
         return P.Claimed(step=msg.step, ready=ipc is not None, table_ipc=ipc or b"",
-                         plan_json=self.planner.trainer_plan_json() if ipc is not None else "")
+                         plan=self.planner.trainer_wire if ipc is not None else None)
+
+    def _on_planadopted(self, msg: P.PlanAdopted, now: float) -> P.Msg:
+        self.planner.on_adopted(msg.version, msg.step)
+        return P.Ack()
 
     def _on_release(self, msg: P.Release, now: float) -> P.Msg:
         if msg.checkpointed:
             self._queue_free(self.ledger.release(msg.step, msg.lost_sample_ids))
+            self.checkpoint_version = max(self.checkpoint_version, msg.step + 1)
         else:
             self._queue_free(self.ledger.trained(msg.step, msg.lost_sample_ids))
         return P.Ack()
@@ -204,6 +271,26 @@ class Supervisor:
         loaded = {w.worker_id: w.envs_version for w in self.workers.values() if w.alive and w.role == P.Role.ROLLOUT}
         return self.envs.describe(loaded, self.env_episodes)
 
+    def _on_scale(self, msg: P.Scale, now: float) -> P.Msg:
+        if msg.role != P.Role.ROLLOUT:
+            return P.ErrorReply(message=f"only the rollout pool scales live, not {msg.role.value} (the trainer pool "
+                                        "changes its layout through plans, its size at a restart)")
+        if msg.replicas < 0:
+            return P.ErrorReply(message=f"replicas={msg.replicas}: a pool size is >= 0")
+        pool = [w for w in self.workers.values() if w.role == P.Role.ROLLOUT and w.alive]
+        decision = decide([Member(w.worker_id, w.draining, self.ledger.held_by(w.worker_id, w.shard_address),
+                                  order_of(w.worker_id)) for w in pool], msg.replicas)
+        for wid in decision.drain:
+            self.workers[wid].draining = True
+        for wid in decision.undrain:
+            self.workers[wid].draining = False
+        self.rollout_replicas = msg.replicas
+        log.info("rollout pool scaled to %d: draining %s, drain cancelled for %s, %d to start", msg.replicas,
+                 decision.drain or "none", decision.undrain or "none", decision.to_start)
+        return P.ScaleReply(replicas=msg.replicas, active=sum(not w.draining for w in pool),
+                            draining=[w.worker_id for w in pool if w.draining], undrained=decision.undrain,
+                            to_start=decision.to_start)
+
     def _on_statusrequest(self, msg: P.StatusRequest, now: float) -> P.Msg:
         return P.StatusReply(status_json=json.dumps(self.status(now)))
 
@@ -213,16 +300,19 @@ class Supervisor:
 
     # -- persistence --------------------------------------------------------------------------
 
-    def snapshot(self) -> bytes:
+    def snapshot(self, wal_seq: int = 0) -> bytes:
         state = SupervisorState(ledger=self.ledger.snapshot(), envs=list(self.envs.entries.values()),
                                 envs_version=self.envs.version, env_episodes=self.env_episodes, policy_version=self.policy_version,
                                 weights_address=self.weights_address, finished=self.finished,
                                 workers=list(self.workers.values()), next_id=self._ids,
-                                trainer_metrics=self.trainer_metrics)
+                                trainer_metrics=self.trainer_metrics, plans=self.planner.snapshot(),
+                                rollout_replicas=self.rollout_replicas, wal_seq=wal_seq,
+                                checkpoint_version=self.checkpoint_version, run_id=self.run_id)
         return msgspec.msgpack.encode(state)
 
-    def restore(self, data: bytes, now: float) -> None:
-        """Continue from a snapshot; known workers get a fresh lease to reconnect in."""
+    def restore(self, data: bytes, now: float) -> int:
+        """Continue from a snapshot; known workers get a fresh lease to reconnect in. Returns the
+        sequence number of the last write-ahead log record the snapshot holds."""
         state = msgspec.msgpack.decode(data, type=SupervisorState)
         self.ledger.restore(state.ledger)
         self.envs.entries = {e.spec.display_name: e for e in state.envs}
@@ -230,11 +320,17 @@ class Supervisor:
         self.ledger.envs = self.envs.usable_specs()
         self.policy_version, self.weights_address = state.policy_version, state.weights_address
         self._ids, self.trainer_metrics = state.next_id, state.trainer_metrics
+        self.rollout_replicas = state.rollout_replicas
+        self.checkpoint_version = state.checkpoint_version
+        self.run_id = state.run_id or self.run_id
+        if state.plans is not None:
+            self.planner.restore(state.plans)
         # A finished run resumed with more steps (`up --resume --steps M`) goes on training.
         self.finished = state.finished and not (self.cfg.steps == 0 or state.policy_version < self.cfg.steps)
         for w in state.workers:
             w.last_seen = now
             self.workers[w.worker_id] = w
+        return state.wal_seq
 
     # -- liveness -----------------------------------------------------------------------------
 
@@ -242,20 +338,30 @@ class Supervisor:
         lease = self.cfg.supervisor.lease_s
         for w in self.workers.values():
             if w.alive and w.role != P.Role.CLIENT and now - w.last_seen > lease:
-                self._declare_dead(w, f"missed its lease of {lease:.1f}s")
+                why = f"missed its lease of {lease:.1f}s"
+                self.declare_dead(w, why)
+                self.expired.append((w.worker_id, why))
+
+    def _replayed(self) -> int:
+        """Samples lost (their prompts played again) since `up --resume`, else in the whole run."""
+        return self.ledger.counters.samples_lost - max(0, self.lost_before_resume)
 
     def forget_workers(self) -> None:
         """Every worker of a restored state is gone (a relaunched run): declare them dead now."""
+        self.lost_before_resume = self.ledger.counters.samples_lost
         for w in self.workers.values():
             if w.alive and w.role != P.Role.CLIENT:
-                self._declare_dead(w, "belongs to the earlier run")
+                self.declare_dead(w, "belongs to the earlier run")
 
-    def _declare_dead(self, w: Worker, why: str) -> None:
+    def declare_dead(self, w: Worker, why: str) -> None:
         w.alive = False
+        self._membership += 1
         result = self.ledger.worker_lost(w.worker_id, w.shard_address)
         self.pending_free.pop(w.shard_address, None)
-        log.warning("worker %s (pid %d) %s: declared dead; %d samples lost, %d prompts re-issued", w.worker_id, w.pid,
-                    why, result["samples_lost"], result["prompts_reissued"])
+        log.warning("worker %s (pid %d) %s: declared dead; %d samples lost, %d prompts re-issued%s", w.worker_id, w.pid,
+                    why, result["samples_lost"], result["prompts_reissued"],
+                    " (a worker restarted on its host may still recover the samples it persisted)"
+                    if result["samples_lost"] and self.cfg.store.durable_experience else "")
 
     # -- status -------------------------------------------------------------------------------
 
@@ -288,12 +394,18 @@ class Supervisor:
             "samples_in_store": self.ledger.samples_waiting(),
             "samples_claimed": self.ledger.samples_claimed(),
             "samples_uncheckpointed": self.ledger.samples_uncheckpointed(),
+            # after `up --resume`: samples lost with the earlier run's workers (or since) and played again;
+            # None without a resume (samples_lost counts the whole run)
+            "samples_replayed_since_resume": self._replayed() if self.lost_before_resume >= 0 else None,
             "mean_reward_last": float(np.mean(rewards)) if rewards else None,
             "win_rate_last": outcomes.count("win") / len(outcomes) if outcomes else None,
+            # every outcome the environments report (win, correct, truncated, ...) over the statistics window
+            "outcomes_last": {o: round(outcomes.count(o) / len(outcomes), 4) for o in sorted(set(outcomes))},
             "draw_rate_last": outcomes.count("draw") / len(outcomes) if outcomes else None,
             "tokens_per_second": c.tokens_produced / wall,
             "context_length": pct,
             "plans": self.planner.status(),
+            "pools": {"rollout": self._rollout_pool()},
             "envs": {e["name"]: {**e, **({"episodes_window": per_env[e["name"]]["episodes"],
                                           "mean_reward": per_env[e["name"]]["reward_sum"] / per_env[e["name"]]["episodes"],
                                           "mean_context_tokens": per_env[e["name"]]["tokens_sum"] / per_env[e["name"]]["episodes"]}
@@ -301,22 +413,33 @@ class Supervisor:
                      for e in self._describe_envs()},
             "trainer": self.trainer_metrics,
             "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
+                         "ray_node_id": w.ray_node_id,
                          "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats,
-                         "groups_held": held.get(w.worker_id, 0),
-                         "shard_address": w.shard_address, "metrics_address": w.metrics_address}
+                         "groups_held": held.get(w.worker_id, 0), "draining": w.draining, "drained": w.drained,
+                         "shard_address": w.shard_address, "metrics_address": w.metrics_address,
+                         "openai_url": w.openai_url}
                         for w in self.workers.values() if w.role != P.Role.CLIENT],
         }
 
+    def _rollout_pool(self) -> dict[str, Any]:
+        """The elastic pool: `desired` (None until `scale` sets it), live `active` and `draining` workers."""
+        live = [w for w in self.workers.values() if w.role == P.Role.ROLLOUT and w.alive]
+        return {"desired": self.rollout_replicas if self.rollout_replicas >= 0 else None,
+                "active": sum(not w.draining for w in live), "draining": sum(w.draining for w in live),
+                "drained": sum(w.drained for w in self.workers.values() if w.role == P.Role.ROLLOUT)}
+
     def export_metrics(self, now: float) -> None:
         c = self.ledger.counters
-        for kind in ("samples_produced", "samples_consumed", "samples_lost", "samples_stale", "prompts_reissued",
-                     "duplicates_detected"):
+        for kind in ("samples_produced", "samples_consumed", "samples_lost", "samples_stale", "samples_filtered",
+                     "samples_recovered", "prompts_reissued", "duplicates_detected"):
             M.SUP_SAMPLES.labels(kind).set(getattr(c, kind))
         M.SUP_SAMPLES.labels("in_store").set(self.ledger.samples_waiting())
         for role in (P.Role.ROLLOUT, P.Role.TRAINER):
             ws = [w for w in self.workers.values() if w.role == role]
             M.SUP_WORKERS.labels(role.value, "alive").set(sum(w.alive for w in ws))
-            M.SUP_WORKERS.labels(role.value, "dead").set(sum(not w.alive for w in ws))
+            M.SUP_WORKERS.labels(role.value, "dead").set(sum(not w.alive and not w.drained for w in ws))
+            M.SUP_WORKERS.labels(role.value, "draining").set(sum(w.alive and w.draining for w in ws))
+            M.SUP_WORKERS.labels(role.value, "drained").set(sum(w.drained for w in ws))
         if self.recent:
             M.SUP_REWARD.set(float(np.mean([r for r, _, _, _ in self.recent])))
             lengths = [n for _, _, n, _ in self.recent]
@@ -328,103 +451,3 @@ class Supervisor:
                 by_env.setdefault(env, []).append(r)
             for env, rs in by_env.items():
                 M.SUP_ENV_REWARD.labels(env).set(float(np.mean(rs)))
-
-
-MUTATING = (P.Register, P.RequestPrompts, P.PutMeta, P.Claim, P.Release, P.PublishVersion, P.Finished, P.EnvAttach,
-            P.EnvDetach)
-
-
-def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
-          state_dir: str | None = None, forget_workers: bool = False) -> None:
-    """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
-    ctx: zmq.Context = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    host, _, port = bind.rpartition(":")
-    try:
-        if port in ("", "0"):
-            bound = sock.bind_to_random_port(f"tcp://{host or '127.0.0.1'}")
-        else:
-            sock.bind(f"tcp://{host}:{port}")
-            bound = int(port)
-    except zmq.ZMQError as exc:
-        raise ProtocolError(f"cannot bind the supervisor to {bind}: {exc.strerror}") from None
-    address = f"tcp://{host or '127.0.0.1'}:{bound}"
-    sup = Supervisor(cfg, address=address)
-    state_path = Path(state_dir or cfg.run_dir) / "supervisor.state"
-    state_path.parent.mkdir(parents=True, exist_ok=True)
-    journal_path = state_path.parent / "trained.jsonl"
-    if state_path.exists():
-        try:
-            sup.restore(state_path.read_bytes(), time.monotonic())
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ConfigError(f"cannot resume from {state_path} ({exc}); it was written by another version of "
-                              "earl_stream or is damaged: move it away to start a fresh run") from None
-        log.info("restored state from %s: policy version %d, %d prompts issued, %d samples waiting", state_path,
-                 sup.policy_version, sup.ledger.next_ordinal, sup.ledger.samples_waiting())
-        if forget_workers:
-            sup.forget_workers()
-    M.register_supervisor_metrics()
-    metrics_address = M.start_metrics_server(host or "127.0.0.1")
-    sup.metrics_address = metrics_address
-    log.info("supervisor listening on %s (metrics on http://%s/metrics)", address, metrics_address)
-    if ready_file:
-        Path(ready_file).write_text(json.dumps({"address": address, "metrics_address": metrics_address}))
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    last_tick = 0.0
-    saved = b""
-    while not stopping:
-        if sock.poll(100):
-            frames = sock.recv_multipart()
-            now = time.monotonic()
-            payload = verify(secret, frames[-1])
-            if payload is None:
-                log.warning("refused a control message without the cluster secret (peer %s)", frames[0].hex()[:16])
-                sock.send_multipart([frames[0], b"", P.encode(P.ErrorReply(message="authentication failed"))])
-                continue
-            try:
-                msg = P.decode(payload)
-                reply = sup.handle(msg, now)
-                if isinstance(msg, MUTATING):  # write-ahead: persisted before the peer hears back
-                    _write_journal(sup, journal_path)
-                    saved = _persist(sup, state_path, saved)
-            except ProtocolError as exc:
-                log.warning("bad control message from peer %s: %s", frames[0].hex()[:16], exc)
-                reply = P.ErrorReply(message=str(exc))
-            sock.send_multipart([frames[0], b"", sign(secret, P.encode(reply))])
-        now = time.monotonic()
-        if now - last_tick > 0.25:
-            sup.check_leases(now)
-            sup.export_metrics(now)
-            saved = _persist(sup, state_path, saved)
-            last_tick = now
-    _persist(sup, state_path, saved)
-    sock.close(0)
-    log.info("supervisor stopped")
-
-
-def _write_journal(sup: Supervisor, path: Path) -> None:
-    """Append each released step's prompt ordinals to `trained.jsonl` in the state directory.
-
-    One JSON line per step: {"step", "trained": [ordinals], "lost": [ordinals]}. A step released,
-    journaled and then lost from a crashed supervisor's snapshot is released again, so a step may
-    appear twice, with the same ordinals.
-    """
-    if not sup.ledger.journal:
-        return
-    with path.open("a") as f:
-        for entry in sup.ledger.journal:
-            f.write(json.dumps(entry) + "\n")
-    sup.ledger.journal.clear()
-
-
-def _persist(sup: Supervisor, path: Path, previous: bytes) -> bytes:
-    """Write the state atomically when it changed; returns what is on disk now."""
-    data = sup.snapshot()
-    if data != previous:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    return data

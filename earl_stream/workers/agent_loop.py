@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from earl_stream.chat import ChatFormat
-from earl_stream.env import Environment, EnvOptions, StepResult, env_reset, env_step
+from earl_stream.env import Environment, EnvOptions, StepResult, env_options, env_reset, env_step
 from earl_stream.errors import EnvError
 from earl_stream.records import SampleRecord
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest
@@ -43,7 +43,7 @@ def episode_sample_seed(prompt_seed: int, index: int) -> int:
 
 
 @dataclasses.dataclass
-class _Trace:
+class TokenTrace:
     """Token fields of an episode as it grows (lists, turned into arrays once at the end)."""
 
     ids: list[int] = dataclasses.field(default_factory=list)
@@ -66,7 +66,7 @@ class _Trace:
 
 async def play_episode(
     env: Environment,
-    options: EnvOptions,
+    options: EnvOptions | None,
     chat: ChatFormat,
     batcher: AsyncBatcher,
     *,
@@ -82,12 +82,19 @@ async def play_episode(
 ) -> SampleRecord:
     """Play one episode to its end. Raises EpisodeFailed if the environment misbehaves.
 
+    `options=None` reads the environment's options after its reset (see `earl_stream.env_server`).
+
     With `sample_seed`, turn k samples with the engine's per-request seed `sample_seed + k` (see
     `episode_sample_seed`); without, from the engine's shared generator.
     """
     episode_id = uuid.uuid4().hex[:16]
     observation = await _guard(env_reset(env, seed), step_timeout_s, "reset")
-    trace = _Trace()
+    if options is None:  # read after reset: a served environment's options arrive with its first observation
+        try:
+            options = env_options(env)
+        except EnvError as exc:
+            raise EpisodeFailed(str(exc)) from None
+    trace = TokenTrace()
     trace.add_context(chat.first_turn(options.system_prompt, observation))
     prompt_tokens = len(trace.ids)
     reward, turns, info = 0.0, 0, {}
@@ -114,6 +121,13 @@ async def play_episode(
             break
         trace.add_context(chat.next_turn(step.observation))
     batcher.release(episode_id)
+    return trace_record(trace, episode_id=episode_id, group_id=group_id, prompt_ordinal=prompt_ordinal, env_name=env_name,
+                        turns=turns, prompt_tokens=prompt_tokens, reward=reward, info=info)
+
+
+def trace_record(trace: TokenTrace, *, episode_id: str, group_id: str, prompt_ordinal: int, env_name: str, turns: int,
+                 prompt_tokens: int, reward: float, info: dict) -> SampleRecord:
+    """The sample of a finished episode whose tokens are `trace`."""
     return SampleRecord(
         sample_id=f"{group_id}-{episode_id}", prompt_ordinal=prompt_ordinal, episode_id=episode_id,
         group_id=group_id, env=env_name, turns=turns, prompt_tokens=prompt_tokens,

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from earl_stream.errors import ModelError
 
@@ -94,17 +95,22 @@ def save_checkpoint(run_dir: str | os.PathLike[str], state: RunState, model: tor
     no_dist = not collective or not dist.is_initialized()
     with _quiet(no_dist):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out / DCP_DIR, no_dist=no_dist)
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    # the Hugging Face export needs whole tensors: gathered from the shards (collective), kept on rank 0
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+        if sharded and tokenizer is not None else None
     if rank != 0:
         return out
     if tokenizer is not None:
-        model.save_pretrained(out)  # type: ignore[operator]
+        model.save_pretrained(out, state_dict=full)  # type: ignore[operator]
         tokenizer.save_pretrained(out)
     _atomic_torch_save(dataclasses.asdict(state), out / RUN_STATE)
     latest = checkpoints_dir(run_dir) / "latest"
     tmp = latest.with_suffix(".tmp")
     tmp.write_text(out.name)
     os.replace(tmp, latest)
-    log.info("checkpoint of step %d written to %s (%s)", state.step, out, state_fingerprint(model, optimizer))
+    summary = "sharded model" if sharded else state_fingerprint(model, optimizer)
+    log.info("checkpoint of step %d written to %s (%s)", state.step, out, summary)
     return out
 
 

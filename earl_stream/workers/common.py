@@ -14,14 +14,21 @@ from pathlib import Path
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_from_dict, parse_cpus
 
+# A trainer pool's rendezvous when it is not torchrun's env:// (MASTER_ADDR/PORT): `worker --nproc N` sets
+# a file:// URL, so that the ranks of one host never race another process for a port.
+RENDEZVOUS_ENV = "EARL_STREAM_RENDEZVOUS"
+
 log = logging.getLogger(__name__)
 
 
 def register(client: P.ControlClient, role: P.Role, *, host: str, rank: int = -1, shard_address: str = "",
-             metrics_address: str = "", worker_id: str = "", deadline_s: float = 60.0) -> tuple[P.Registered, RunConfig]:
+             metrics_address: str = "", worker_id: str = "", deadline_s: float = 60.0,
+             openai_url: str = "") -> tuple[P.Registered, RunConfig]:
     reply = client.call_retry(
         P.Register(role=role, host=host or socket.gethostname(), pid=os.getpid(), rank=rank,
-                   shard_address=shard_address, metrics_address=metrics_address, worker_id=worker_id),
+                   shard_address=shard_address, metrics_address=metrics_address, worker_id=worker_id,
+                   ray_node_id=os.environ.get("EARL_STREAM_RAY_NODE_ID", ""),  # set by the ray launcher
+                   openai_url=openai_url),
         deadline_s=deadline_s, what="registration")
     return reply, config_from_dict(json.loads(reply.config_json))
 
@@ -30,7 +37,7 @@ def model_path(cfg: RunConfig) -> Path:
     """The model directory of the run: the user's, or the embedded tiny model (built once)."""
     if cfg.model.path:
         return Path(cfg.model.path)
-    from earl_stream.modeling import ensure_default_model
+    from earl_stream.model import ensure_default_model
 
     return ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
                                                    warm_start_seconds=cfg.model.warm_start_seconds)
@@ -61,15 +68,26 @@ def pin_to_cpus(cpus: str, threads: int) -> list[int]:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT (or by the supervisor); loops check it at safe points."""
+    """Set by SIGTERM/SIGINT (or by the supervisor); loops check it at safe points.
 
-    def __init__(self, install_signals: bool = True) -> None:
+    With `drain_on_term` the first SIGTERM only sets `leaving`: the worker asks to be drained and stops
+    once the supervisor says it drained (how a Kubernetes pod or a preempted node hands its work back);
+    SIGINT, or a second SIGTERM, stops it as usual."""
+
+    def __init__(self, install_signals: bool = True, *, drain_on_term: bool = False) -> None:
         self._event = threading.Event()
+        self.drain_on_term = drain_on_term
+        self.leaving = False
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.drain_on_term and signum == signal.SIGTERM and not self.leaving and not self._event.is_set():
+            log.info("received SIGTERM: draining (no new prompts; leaving once the samples held are trained and "
+                     "released); a second SIGTERM stops at once")
+            self.leaving = True
+            return
         if self._event.is_set():  # a second signal: the user does not want to wait
             os._exit(128 + signum)
         log.info("received %s: stopping at the next safe point", signal.Signals(signum).name)

@@ -23,22 +23,27 @@ from typing import Any
 import numpy as np
 
 from earl_stream import metrics as M
+from earl_stream import openai_api
 from earl_stream import protocol as P
+from earl_stream.agent_env import is_agent_env
 from earl_stream.chat import ChatFormat
 from earl_stream.config import EnvSpec
-from earl_stream.env import env_options, make_env, resolve_env
-from earl_stream.episodes import TRANSCRIPTS_KEPT, transcript_key
+from earl_stream.env import make_env, resolve_env
 from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
-from earl_stream.modeling import load_model, load_tokenizer
-from earl_stream.records import SampleRecord
+from earl_stream.model.loading import load_model, load_tokenizer, torch_dtype
+from earl_stream.openai_api.http import bind_socket
+from earl_stream.records import TRANSCRIPTS_KEPT, SampleRecord, transcript_key
 from earl_stream.security import load_secret
 from earl_stream.store.client import ShardClient
 from earl_stream.store.experience import ExperienceWriter
 from earl_stream.store.node import ShardNode
-from earl_stream.store.weights import pull_weights
+from earl_stream.store.relay import sync_weights
+from earl_stream.store.weight_route import WeightRoute
 from earl_stream.tools import with_tools
+from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_sample_seed, play_episode
 from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
+from earl_stream.workers.durable import DurableSamples
 from earl_stream.workers.engines.base import Engine, EngineCapacity
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.registry import make_engine
@@ -47,10 +52,10 @@ log = logging.getLogger(__name__)
 
 
 class RolloutWorker:
-    def __init__(self, supervisor: str, *, host: str = "127.0.0.1") -> None:
+    def __init__(self, supervisor: str, *, host: str = "127.0.0.1", drain_on_term: bool = False) -> None:
         self.host = host
-        self.stop = StopFlag()
-        secret = load_secret()
+        self.stop = StopFlag(drain_on_term=drain_on_term)
+        secret = self.secret = load_secret()
         self.client = P.ControlClient(supervisor, secret=secret)
         self.hb_client = P.ControlClient(supervisor, secret=secret)  # heartbeats never wait behind other calls
         self.node = ShardNode(host, secret=secret)
@@ -60,11 +65,19 @@ class RolloutWorker:
         self.worker_id = reg.worker_id
         self.target_version, self.weights_address = reg.policy_version, reg.weights_address
         self.writer = ExperienceWriter(self.node, self.worker_id)
+        # samples persisted by this host's earlier worker are served again before any prompt is asked for
+        self.durable = DurableSamples.open(self.cfg, reg.run_id, self.writer)
+        if self.durable is not None:
+            self.durable.recover(self.client, self.worker_id)
         self.store_client = ShardClient(secret=secret, transport=self.cfg.store.transport)
         pin_to_cpus(self.cfg.rollout.cpus, self.cfg.rollout.threads)
         with self._heartbeats_during("engine start"):  # vLLM starts in 30-60 s on CPU, longer than a lease
             self.engine = self._make_engine()
         self.chat = ChatFormat(self.tokenizer)
+        self.openai_sock, self.openai_url = self._bind_endpoint()
+        if self.openai_url:  # the same worker id, now with its endpoint (bound once the run's config was known)
+            register(self.client, P.Role.ROLLOUT, host=host, shard_address=self.node.address,
+                     metrics_address=self.metrics_address, worker_id=self.worker_id, openai_url=self.openai_url)
         self.envs = {e.display_name: e for e in self.cfg.envs}
         self.envs_version = 0
         self.plan_version = 0
@@ -73,6 +86,7 @@ class RolloutWorker:
         self.episodes_done = 0
         self.tokens_generated = 0
         self.inflight = 0
+        self.draining = False  # scaled down: finish the groups held, take no new ones, leave when told
         log.info("%s ready: shards at %s, metrics at %s", self.worker_id, self.node.address, self.metrics_address)
 
     @contextlib.contextmanager
@@ -100,17 +114,43 @@ class RolloutWorker:
         model_dir = model_path(self.cfg)
         model = None
         if self.cfg.rollout.engine == "torch":
-            model, self.tokenizer = load_model(model_dir)
+            model, self.tokenizer = load_model(model_dir, dtype=torch_dtype(self.cfg.rollout.dtype))
             model.eval()
         else:
             self.tokenizer = load_tokenizer(model_dir)
         return make_engine(self.cfg.rollout.engine, model_dir, model, max_batch_size=self.cfg.rollout.max_batch_size,
                            seed=self.cfg.seed)
 
+    def _bind_endpoint(self) -> tuple[Any, str]:
+        """The OpenAI endpoint's listening socket (rollout.openai_bind) and its advertised URL."""
+        bind = self.cfg.rollout.openai_bind
+        if not bind:
+            return None, ""
+        try:
+            sock = bind_socket(bind)
+        except (OSError, ValueError) as exc:
+            raise EarlError(f"rollout.openai_bind={bind!r}: cannot listen there: {exc}") from exc
+        host, port = sock.getsockname()[:2]
+        advertise = self.host if host in ("0.0.0.0", "::") else host
+        return sock, f"http://{advertise}:{port}/v1"
+
+    def _max_context(self) -> int:
+        """The model's context length (the endpoint refuses longer requests)."""
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model_path(self.cfg))
+            return int(config.get_text_config().max_position_embeddings)
+        except (OSError, ValueError, AttributeError, TypeError):
+            return int(min(getattr(self.tokenizer, "model_max_length", 4096), 1 << 20))
+
     def run(self) -> None:
         try:
             asyncio.run(self._main())
         finally:
+            if self.durable is not None:  # a clean stop (a signal, the run's end): persist what is held
+                self.durable.persist(self.durable.version, "stop")
+                self.durable.close()
             self.node.close()
             self.store_client.close()
             self.client.close()
@@ -121,13 +161,24 @@ class RolloutWorker:
             log.info("%s stopped after %d episodes", self.worker_id, self.episodes_done)
 
     async def _main(self) -> None:
-        self.batcher = AsyncBatcher(self.engine, max_batch_size=self.cfg.rollout.max_batch_size)
+        self.batcher = AsyncBatcher(self.engine, max_batch_size=self.cfg.rollout.max_batch_size,
+                                    join_running=self.cfg.rollout.join_running_batch)
         self.version_changed = asyncio.Condition()
         slots = [asyncio.create_task(self._group_slot(i)) for i in range(self.cfg.rollout.groups_in_flight)]
         self._slots = slots
+        self.endpoint: openai_api.OpenAIEndpoint | None = None
+        if self.openai_sock is not None:
+            r = self.cfg.rollout
+            self.endpoint = openai_api.OpenAIEndpoint(
+                self.batcher, self.tokenizer, self.chat, model=r.openai_model, secret=self.secret,
+                max_context=self._max_context(), default_max_tokens=r.openai_max_tokens, temperature=r.temperature,
+                top_p=r.top_p, top_k=r.top_k, policy_version=lambda: self.engine.policy_version, worker=self.worker_id)
+            await self.endpoint.start(self.openai_sock, self.openai_url.split("//")[1].rsplit(":", 1)[0])
         try:
             await self._heartbeat_loop()
         finally:
+            if self.endpoint is not None:
+                await self.endpoint.close()
             for task in slots:
                 task.cancel()
             await asyncio.gather(*slots, return_exceptions=True)
@@ -135,6 +186,8 @@ class RolloutWorker:
 
     async def _heartbeat_loop(self) -> None:
         period = self.cfg.supervisor.heartbeat_s
+        self._persisting: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._persisting.set_result(None)
         while not self.stop:
             for task in self._slots:
                 if task.done() and not task.cancelled() and task.exception() is not None:
@@ -143,7 +196,8 @@ class RolloutWorker:
                      "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held}
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
-                    worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors))
+                    worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors,
+                    leaving=self.stop.leaving))
             except EarlError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 await asyncio.sleep(period)
@@ -151,33 +205,44 @@ class RolloutWorker:
             if not reply.known:
                 reg, _ = await asyncio.to_thread(register, self.hb_client, P.Role.ROLLOUT, host=self.host,
                                                  shard_address=self.node.address,
-                                                 metrics_address=self.metrics_address, worker_id=self.worker_id)
+                                                 metrics_address=self.metrics_address, worker_id=self.worker_id,
+                                                 openai_url=self.openai_url)
                 self.worker_id = reg.worker_id
                 continue
-            if reply.plan_json:
-                await self._apply_plan(reply.plan_json)
+            if reply.plan is not None:
+                await self._apply_plan(reply.plan)
             if reply.envs_json:
                 await asyncio.to_thread(self._update_envs, reply.envs_json, reply.envs_version)
             if reply.free_sample_ids:
                 self.writer.free(reply.free_sample_ids)
+            if self.durable is not None and reply.checkpoint_version > self.durable.version and self._persisting.done():
+                # in the background: a large store must not hold up the heartbeats (the lease)
+                self._persisting = asyncio.ensure_future(asyncio.to_thread(self.durable.persist, reply.checkpoint_version,
+                                                                           "checkpoint"))
+            if reply.drain != self.draining and not reply.stop:
+                self.draining = reply.drain
+                log.info("%s: %s", self.worker_id, "draining: no new prompts; staying until the samples held are "
+                         "trained and released" if reply.drain else "drain cancelled: taking prompts again")
             if reply.stop:
+                if reply.drained:
+                    log.info("%s drained: every sample it produced is trained and released; leaving", self.worker_id)
                 self.stop.set()
                 break
             if reply.policy_version != self.engine.policy_version and reply.weights_address:
-                await self._load_weights(reply.policy_version, reply.weights_address)
+                await self._load_weights(reply.policy_version, reply.weights_address,
+                                         WeightRoute(reply.weights_relay, reply.weights_via))
             M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
             M.STORE_SHARDS_HELD.labels(self.worker_id).set(self.writer.samples_held)
             await asyncio.sleep(period)
 
-    async def _apply_plan(self, plan_json: str) -> None:
-        plan = json.loads(plan_json)
-        if plan["version"] == self.plan_version:
+    async def _apply_plan(self, plan: P.RolloutPlan) -> None:
+        if plan.version == self.plan_version:
             return
-        self.plan_version = plan["version"]
-        capacity = EngineCapacity(int(plan["max_concurrent_sequences"]), int(plan["kv_budget_tokens"]))
+        self.plan_version = plan.version
+        capacity = EngineCapacity(plan.max_concurrent_sequences, plan.kv_budget_tokens)
         await self.batcher.run_exclusive(lambda: self.engine.set_capacity(capacity))
         log.info("adopted rollout plan v%d: %d concurrent sequences, KV budget %d tokens (%s)", self.plan_version,
-                 capacity.max_concurrent_sequences, capacity.kv_budget_tokens, plan["reason"])
+                 capacity.max_concurrent_sequences, capacity.kv_budget_tokens, plan.reason)
 
     def _keep_transcripts(self, records: list[SampleRecord]) -> None:
         """Readable transcripts of the last episodes, for `earl-stream episodes` (bounded)."""
@@ -208,16 +273,19 @@ class RolloutWorker:
             log.info("environment %s (%s) is ready", name, spec.spec)
         self.envs_version = version
 
-    async def _load_weights(self, version: int, address: str) -> None:
+    async def _load_weights(self, version: int, address: str, route: WeightRoute) -> None:
+        """Pull `version` as the supervisor routed it (store.weight_sync): from the trainer ranks, or relayed
+        through the rollout worker before this one (and served onwards from this worker's node)."""
         start = time.monotonic()
         try:
-            state = await asyncio.to_thread(pull_weights, self.store_client, address, version)
+            state = await asyncio.to_thread(sync_weights, self.store_client, self.node, address, version, route)
         except StoreError as exc:
             log.warning("could not pull policy version %d from %s: %s", version, address, exc)
             return
         await self.batcher.run_exclusive(lambda: self.engine.load_state_dict(state, version))
         M.ROLLOUT_WEIGHT_SYNC.labels(self.worker_id).observe(time.monotonic() - start)
-        log.info("loaded policy version %d in %.2fs", version, time.monotonic() - start)
+        relayed = f" (relayed from {route.via or 'the trainer: first in the chain'})" if route.relay else ""
+        log.info("loaded policy version %d in %.2fs%s", version, time.monotonic() - start, relayed)
         M.ROLLOUT_POLICY_VERSION.labels(self.worker_id).set(version)
         async with self.version_changed:
             self.version_changed.notify_all()
@@ -226,6 +294,9 @@ class RolloutWorker:
         for n in itertools.count():
             if self.stop:
                 break
+            if self.draining:
+                await asyncio.sleep(0.1)
+                continue
             # a retry after a lost reply re-sends this id and gets the same prompt, not a second one
             reply = await self._call(P.RequestPrompts(worker_id=self.worker_id, max_groups=1,
                                                       request_id=f"{slot}.{n}"))
@@ -265,12 +336,8 @@ class RolloutWorker:
         self.inflight += len(envs)
         M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)
         try:
-            results = await asyncio.gather(*[
-                play_episode(env, env_options(env), self.chat, self.batcher, env_name=prompt.env, seed=prompt.seed,
-                             prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
-                             policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
-                             sample_seed=episode_sample_seed(prompt.seed, i))
-                for i, env in enumerate(envs)], return_exceptions=True)
+            results = await asyncio.gather(*[self._play(env, prompt, i, sampling) for i, env in enumerate(envs)],
+                                           return_exceptions=True)
         finally:
             self.inflight -= len(envs)
             M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)
@@ -291,5 +358,19 @@ class RolloutWorker:
         return records
 
 
-def run_rollout_worker(supervisor: str, host: str = "127.0.0.1") -> None:
-    RolloutWorker(supervisor, host=host).run()
+    async def _play(self, env: Any, prompt: P.Prompt, index: int, sampling: Sampling) -> SampleRecord:
+        """One episode: an agent environment through the OpenAI endpoint, any other with the built-in loop."""
+        if is_agent_env(env):
+            if self.endpoint is None:
+                raise EpisodeFailed("agent environments need the OpenAI endpoint (rollout.openai_bind is empty)")
+            return await play_agent_episode(env, self.endpoint, api_key=self.secret.decode() if self.secret else "none",
+                                            env_name=prompt.env, seed=prompt.seed, prompt_ordinal=prompt.prompt_ordinal,
+                                            group_id=prompt.group_id)
+        return await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=prompt.seed,
+                                  prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
+                                  policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
+                                  sample_seed=episode_sample_seed(prompt.seed, index))
+
+
+def run_rollout_worker(supervisor: str, host: str = "127.0.0.1", drain_on_term: bool = False) -> None:
+    RolloutWorker(supervisor, host=host, drain_on_term=drain_on_term).run()

@@ -1,10 +1,16 @@
-"""One GRPO training step on one rank, given the step's claimed metadata.
+"""One training step on one rank, given the step's claimed metadata: `algo.ppo_epochs` passes over the
+claim, each split into `algo.mini_batches` optimizer updates (groups kept whole).
 
-Every rank computes the same partition of the claim (`earl_stream.store.layout.partition`) and
-pulls only its own rows from their producers. Advantages come from the metadata alone (rewards and
-groups), so no rank needs another rank's bytes. The loss is normalised by the number of loss tokens
-in the whole claim, and gradients are summed across ranks, so the update does not depend on how the
-batch was split.
+Every rank computes the same partition of each mini-batch (`earl_stream.store.layout.partition`) and
+pulls only its own rows from their producers, once per step. Advantages come from the metadata alone
+(rewards and groups; with `algo.kl_in=reward` plus one all-reduce of per-row KL sums), so no rank needs
+another rank's bytes. Each row's token weight comes from the claim's global counts
+(`algo.losses.row_weights`) and gradients are summed across ranks, so an update does not depend on how
+its batch was split. With more than one update per step, the trainer's log-probs of the step's
+starting weights are computed once, before the first update, and every ratio is taken against them.
+
+Tokens sampled by a policy older than `min_version` (the staleness bound, per token) are masked out
+of the loss; they stay in the context. The math of the loss is `earl_stream.algo.losses`.
 """
 
 from __future__ import annotations
@@ -12,28 +18,35 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from earl_stream.algo.grpo import clipped_pg_loss, group_advantages
-from earl_stream.config import TrainerConfig
+from earl_stream.algo.advantages import EstimatorOptions, compute_advantages
+from earl_stream.algo.losses import kl_estimate, policy_loss, row_weights
+from earl_stream.algo.schedule import apply_lr, lr_factor
+from earl_stream.config import AlgoConfig, TrainerConfig
 from earl_stream.errors import ConfigError
 from earl_stream.store.experience import Puller, SamplesUnavailable, pull_samples
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta
-from earl_stream.workers.parallel import agree_on_lost, entropy, forward_logprobs, local_batch, sp_state, sp_token_ranges, sp_windows
+from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, sp_token_ranges, sp_windows
+from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
+from earl_stream.workers.ulysses import sp_state
+from earl_stream.workers.vocab_parallel import forward_logprobs, vocab_entropy
 
 FIELDS = ("input_ids", "loss_mask", "behaviour_logprobs")
+VERSION = "policy_version"  # pulled only when a claimed sample holds a token older than the bound
 
 
 @dataclasses.dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
+    loss: float  # mean over the step's updates of the policy term of the loss
+    grad_norm: float  # mean over the step's updates, before clipping
     mismatch: float  # mean |trainer log-prob - engine log-prob| over loss tokens
-    clip_frac: float
+    clip_frac: float  # fraction of loss tokens whose PPO (or dual) clip was active, over all updates
     entropy: float
     mean_reward: float
     samples: int
@@ -42,104 +55,233 @@ class StepResult:
     pull_seconds: float
     pull_bytes: int
     lost_sample_ids: list[str]
+    ratio_dev: float = 0.0  # mean |ratio - 1| over loss tokens and updates (0 at one on-policy update)
+    masked_frac: float = 0.0  # fraction of loss tokens masked: too stale, or outside the IS band
+    stale_frac: float = 0.0  # the part of masked_frac that was too stale
+    kl: float = 0.0  # mean per-token KL estimate to the reference (when kl_coef > 0)
+    lr: float = 0.0
+    updates: int = 0
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in dataclasses.asdict(self).items() if isinstance(v, (int, float))}
 
 
-def batch_tensors(rows: Sequence[dict[str, np.ndarray]], advantages: np.ndarray) -> dict[str, torch.Tensor]:
-    """Right-pad rows into [B, T] tensors: input_ids int64, attention/loss masks, behaviour log-probs."""
-    width = max(len(r["input_ids"]) for r in rows)
-    b = len(rows)
-    ids = torch.zeros(b, width, dtype=torch.long)
-    attn = torch.zeros(b, width, dtype=torch.long)
-    mask = torch.zeros(b, width, dtype=torch.float32)
-    blp = torch.zeros(b, width, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n] = torch.from_numpy(r["input_ids"].astype(np.int64))
-        attn[i, :n] = 1
-        mask[i, :n] = torch.from_numpy(r["loss_mask"].astype(np.float32))
-        blp[i, :n] = torch.from_numpy(r["behaviour_logprobs"])
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "behaviour_logprobs": blp,
-            "advantages": torch.from_numpy(np.asarray(advantages, dtype=np.float32))}
+@dataclasses.dataclass(frozen=True)
+class _Mini:
+    """One optimizer update's share of the claim, as this rank runs it (claim row indices)."""
+
+    rows: list[int]
+    micro_batches: list[list[int]]
+    windows: list[tuple[int, int]]
+    ranges: dict[int, list[tuple[int, int]]] | None
+    passes: int  # micro-batch passes this rank runs (lockstep plans: the most any data rank has)
+    weights: dict[int, float]  # every row of the update (all ranks'): its per-token loss weight
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: Sequence[SampleMeta], layout: Layout,
-               client: Puller, cfg: TrainerConfig, *, ref_model: torch.nn.Module | None = None,
-               rank: int = 0) -> StepResult:
+               client: Puller, cfg: TrainerConfig, *, algo: AlgoConfig | None = None, step: int = 0,
+               run_steps: int = 0, min_version: int = 0, ref_model: torch.nn.Module | None = None, rank: int = 0,
+               placement: Placement | None = None) -> StepResult:
+    """Training step `step` (0-based; drives the lr schedule, which ends at `run_steps` if set) of this
+    rank. Tokens of policy versions below `min_version` are masked. `placement` says how the model is
+    laid out (default: replicated, with a DDP-style gradient all-reduce when the pool has several ranks)."""
     start = time.monotonic()
-    world = layout.world_size  # dp and sp ranks alike hold partial gradients of the same weights
+    algo = algo or AlgoConfig()
+    placement = placement or Placement.single(layout, micro_batch_tokens=cfg.micro_batch_tokens)
     if sp_state() != (layout.cp_size, layout.cp_rank):
         raise ConfigError(f"layout has sp={layout.cp_size} (rank {layout.cp_rank}) but the model runs sp={sp_state()}: "
-                          "apply the plan with earl_stream.workers.parallel.apply_plan first")
-    advantages = group_advantages([m.reward for m in metas], [m.group_id for m in metas])
-    normalizer = float(max(1, sum(m.response_tokens for m in metas)))
-    lengths = [m.total_tokens for m in metas]
-    part = partition(lengths, layout, micro_batch_tokens=cfg.micro_batch_tokens)
-    windows: list = [None] * len(part.micro_batches)
-    ranges = None
-    if layout.cp_size > 1:  # Ulysses: this rank pulls and runs only its slice of every micro-batch
-        windows = sp_windows(part.micro_batches, lengths, layout.cp_size, layout.cp_rank)
-        ranges = sp_token_ranges(part.micro_batches, lengths, windows)
+                          "apply the plan (workers.sharding / workers.ulysses.set_sequence_parallel) first")
+    minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo)
+    fields = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
     pull_start = time.monotonic()
-    pulled, lost = _pull(client, metas, part.rows, ranges)
-    if world > 1:
-        # Before any forward pass every rank drops the groups any rank lost: an sp group's ranks must
-        # run the same rows, and no rank may train part of a group that the ledger re-issues.
+    ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} if layout.cp_size > 1 else None
+    pulled, lost = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields)
+    if placement.world > 1:
+        # Before any forward pass every rank drops the groups any rank lost: an sp or tp group's ranks
+        # must run the same rows, and no rank may train part of a group that the ledger re-issues.
         pulled, lost = agree_on_lost(metas, pulled, lost)
     pull_seconds = time.monotonic() - pull_start
+    pull_bytes = sum(sum(a.nbytes for a in r.values()) for r in pulled.values())
+    mean_reward = float(np.mean([m.reward for m in metas])) if metas else 0.0
     if len(lost) == len(metas):
         # Every group was lost (its producers died): no optimizer step, which with Adam's momentum would
         # still move the weights without any data. Every rank knows the agreed lost set, so all skip.
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=0.0, grad_norm=0.0, mismatch=0.0, clip_frac=0.0, entropy=0.0,
-                          mean_reward=float(np.mean([m.reward for m in metas])) if metas else 0.0, samples=0, tokens=0,
-                          step_seconds=time.monotonic() - start, pull_seconds=pull_seconds, pull_bytes=0,
-                          lost_sample_ids=lost)
-    sums = {"pg_loss": 0.0, "mismatch_abs": 0.0, "clip_frac": 0.0, "entropy": 0.0}
-    for mb, window in zip(part.micro_batches, windows):
-        rows = [i for i in mb if i in pulled]
-        if not rows:
-            continue
-        if window is None:
-            batch = batch_tensors([pulled[i] for i in rows], advantages[rows])
-        else:  # this rank's token slice, loss tensors aligned to it
-            batch = local_batch([pulled[i] for i in rows], advantages[rows], window)
-        logits, logp = forward_logprobs(model, batch)
-        ref = None
-        if ref_model is not None:
-            with torch.no_grad():
-                ref = forward_logprobs(ref_model, batch)[1]
-        ent = entropy(logits.detach() if cfg.entropy_coef == 0 else logits, batch)
-        terms = clipped_pg_loss(logp, batch["behaviour_logprobs"], batch["advantages"], batch["loss_mask"],
-                                clip_eps=cfg.clip_eps, normalizer=normalizer, ref_logprobs=ref, kl_coef=cfg.kl_coef,
-                                entropy=ent, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap)
-        terms.loss.backward()
-        for k in sums:
-            sums[k] += terms.stats.get(k, 0.0)
-    stats = torch.tensor([sums["pg_loss"], sums["mismatch_abs"], sums["clip_frac"], sums["entropy"]], dtype=torch.float64)
-    if world > 1:
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-        dist.all_reduce(stats)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    pull_bytes = sum(sum(a.nbytes for a in r.values()) for r in pulled.values())
+        return StepResult(loss=0.0, grad_norm=0.0, mismatch=0.0, clip_frac=0.0, entropy=0.0, mean_reward=mean_reward,
+                          samples=0, tokens=0, step_seconds=time.monotonic() - start, pull_seconds=pull_seconds,
+                          pull_bytes=pull_bytes, lost_sample_ids=lost)
+    run = _MicroBatchRunner(model, ref_model, algo, placement)
+    batches = {(u, k): _batch(mini, k, pulled, layout.cp_rank, min_version) for u, mini in enumerate(minis)
+               for k in range(mini.passes)}
+    rewards = np.array([m.reward for m in metas], dtype=np.float64)
+    kl_in_reward = 0.0
+    if algo.updates > 1 or (run.kl_in_reward and ref_model is not None):
+        kl_rows = run.prepass(batches, len(metas))  # old (and reference) log-probs, before any update
+        if run.kl_in_reward:
+            rewards -= algo.kl_coef * kl_rows
+            kl_in_reward = float(kl_rows.sum()) * algo.ppo_epochs  # reported like the in-loss KL sums
+    advantages = _advantages(metas, rewards, set(lost), algo)
+    lr = apply_lr(optimizer, lr_factor(algo, step, run_steps)) if _scheduled(algo) else optimizer.param_groups[0]["lr"]
+    norms = [_update(model, optimizer, placement, run, [batches[u, k] for k in range(mini.passes)], advantages)
+             for _ in range(algo.ppo_epochs) for u, mini in enumerate(minis)]
+    stats = run.totals()
+    tokens = max(1.0, float(sum(m.response_tokens for m in metas))) * algo.ppo_epochs
     return StepResult(
-        loss=float(stats[0]) / normalizer, grad_norm=float(grad_norm), mismatch=float(stats[1]) / normalizer,
-        clip_frac=float(stats[2]) / normalizer, entropy=float(stats[3]) / normalizer,
-        mean_reward=float(np.mean([m.reward for m in metas])), samples=len(metas),
-        tokens=sum(m.total_tokens for m in metas), step_seconds=time.monotonic() - start,
-        pull_seconds=pull_seconds, pull_bytes=pull_bytes, lost_sample_ids=lost,
+        loss=stats["pg_loss"] / algo.updates, grad_norm=float(np.mean(norms)), mismatch=stats["mismatch_abs"] / tokens,
+        clip_frac=stats["clip_frac"] / tokens, entropy=stats["entropy"] / tokens, mean_reward=mean_reward,
+        samples=len(metas), tokens=sum(m.total_tokens for m in metas), step_seconds=time.monotonic() - start,
+        pull_seconds=pull_seconds, pull_bytes=pull_bytes, lost_sample_ids=lost, ratio_dev=stats["ratio_dev"] / tokens,
+        masked_frac=(stats["is_masked"] + stats["stale"]) / tokens, stale_frac=stats["stale"] / tokens,
+        kl=(stats["kl"] + kl_in_reward) / tokens, lr=float(lr), updates=algo.updates,
     )
 
 
+def _update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, placement: Placement, run: _MicroBatchRunner,
+            batches: list[dict[str, Any]], advantages: np.ndarray) -> float:
+    """One optimizer update over these micro-batches (this rank's share of a mini-batch); returns the
+    gradient norm before clipping."""
+    for batch in batches:
+        run(batch, advantages)
+    reduce_gradients(model, placement)
+    norm = clip_gradients(model, run.algo.grad_clip, placement)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def _scheduled(algo: AlgoConfig) -> bool:
+    return algo.warmup_steps > 0 or algo.lr_schedule != "constant"
+
+
+def _advantages(metas: Sequence[SampleMeta], rewards: np.ndarray, lost: set[str], algo: AlgoConfig) -> np.ndarray:
+    """[N] float32: the estimator over the rows that will train (a lost group is played again)."""
+    keep = [i for i, m in enumerate(metas) if m.sample_id not in lost]
+    out = np.zeros(len(metas), np.float32)
+    out[keep] = compute_advantages(algo.advantage, rewards[keep], [metas[i].group_id for i in keep],
+                                   options=EstimatorOptions(std_scale=algo.std_scale))
+    return out
+
+
+def _plan(metas: Sequence[SampleMeta], layout: Layout, placement: Placement, micro_batch_tokens: int,
+          algo: AlgoConfig) -> list[_Mini]:
+    """The step's updates: its groups, in prompt order, cut into `algo.mini_batches` contiguous parts,
+    each partitioned over the pool like a claim of its own. (Prompt order, not claim order: a claim
+    lists groups as they completed, which varies from run to run.)"""
+    groups = [g for _, g in sorted({(m.prompt_ordinal, m.group_id) for m in metas})]
+    k = max(1, min(algo.mini_batches, len(groups)))
+    parts = [set(groups[len(groups) * j // k: len(groups) * (j + 1) // k]) for j in range(k)]
+    out = []
+    for part in parts:
+        idx = [i for i, m in enumerate(metas) if m.group_id in part]
+        lengths = [metas[i].total_tokens for i in idx]
+        p = partition(lengths, layout, micro_batch_tokens=micro_batch_tokens)
+        windows = sp_windows(p.micro_batches, lengths, layout.cp_size, layout.cp_rank)
+        ranges = sp_token_ranges(p.micro_batches, lengths, windows) if layout.cp_size > 1 else None
+        weights = row_weights([metas[i].response_tokens for i in idx], algo.loss_agg)
+        out.append(_Mini(rows=[idx[j] for j in p.rows], micro_batches=[[idx[j] for j in mb] for mb in p.micro_batches],
+                         windows=windows, ranges=None if ranges is None else {idx[j]: r for j, r in ranges.items()},
+                         passes=p.max_micro_batches if placement.lockstep else len(p.micro_batches),
+                         weights=dict(zip(idx, weights))))
+    return out
+
+
+def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], cp_rank: int,
+           min_version: int) -> dict[str, Any]:
+    """Pass k's micro-batch of this rank (a zero-loss dummy when it has no rows there but must take
+    part), with `rows`, per-row `weights` and the too-stale tokens taken out of `loss_mask` (`stale`)."""
+    mb = mini.micro_batches[k] if k < len(mini.micro_batches) else []
+    rows = [i for i in mb if i in pulled]
+    if not rows:
+        batch: dict[str, Any] = dict(dummy_batch(cp_rank))
+        batch.update(rows=[], weights=torch.zeros(1), stale=0.0)
+        return batch
+    batch = dict(local_batch([pulled[i] for i in rows], np.zeros(len(rows), np.float32), mini.windows[k]))
+    stale = 0.0
+    if VERSION in pulled[rows[0]]:
+        a, n = mini.windows[k]
+        versions = torch.full((len(rows), n + 1), min_version, dtype=torch.int64)
+        for j, i in enumerate(rows):
+            v = pulled[i][VERSION]
+            versions[j, : len(v)] = torch.from_numpy(v.astype(np.int64))
+        old = (versions[:, 1:] < min_version) & (batch["loss_mask"] > 0)
+        stale = float(old.sum())
+        batch["loss_mask"] = batch["loss_mask"] * (~old).float()
+    batch.update(rows=rows, weights=torch.tensor([mini.weights[i] for i in rows], dtype=torch.float32), stale=stale)
+    return batch
+
+
+_STATS = ("pg_loss", "mismatch_abs", "clip_frac", "entropy", "ratio_dev", "is_masked", "kl", "stale")
+
+
+class _MicroBatchRunner:
+    """Forward, loss and backward of one micro-batch on this rank (its slice under sp, its vocabulary
+    shard under tp, under autocast for bf16), accumulating the loss statistics."""
+
+    def __init__(self, model: torch.nn.Module, ref_model: torch.nn.Module | None, algo: AlgoConfig,
+                 placement: Placement) -> None:
+        self.model, self.ref_model, self.algo, self.placement = model, ref_model, algo, placement
+        config: Any = model.config
+        self.vocab = {"group": placement.tp_group, "vocab_start": placement.vocab_start(int(config.vocab_size))}
+        self.sums = dict.fromkeys(_STATS, 0.0)
+        self.kl_in_reward = algo.kl_coef > 0 and algo.kl_in == "reward"
+
+    def _forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.placement.autocast_dtype
+        with torch.autocast(self.placement.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            return forward_logprobs(model, batch, **self.vocab)
+
+    def _on_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.placement.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+
+    def prepass(self, batches: dict[tuple[int, int], dict[str, Any]], n: int) -> np.ndarray:
+        """Store each micro-batch's `old_logprobs` (and `ref_logprobs`) from the current weights, before
+        the step's first update; returns each claim row's KL sum to the reference [n] (0 without one)."""
+        kl_rows = torch.zeros(n, dtype=torch.float64)
+        with torch.no_grad():
+            for batch in batches.values():
+                dev = self._on_device(batch)
+                batch["old_logprobs"] = self._forward(self.model, dev)[1].float()
+                if self.ref_model is not None and self.algo.kl_coef > 0:
+                    batch["ref_logprobs"] = self._forward(self.ref_model, dev)[1].float()
+                    if self.kl_in_reward and batch["rows"]:
+                        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], self.algo.kl_estimator)
+                        kl_rows[batch["rows"]] += (kl * dev["loss_mask"]).sum(-1).double().cpu()
+        if self.kl_in_reward and self.placement.world > 1:
+            dist.all_reduce(kl_rows)
+            kl_rows /= self.placement.plan.tp  # the ranks of a tp group computed the same sums
+        return kl_rows.numpy()
+
+    def __call__(self, batch: dict[str, Any], advantages: np.ndarray) -> None:
+        algo = self.algo
+        dev = self._on_device(batch)
+        logits, logp = self._forward(self.model, dev)
+        ref = dev.get("ref_logprobs")
+        if ref is None and self.ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
+            with torch.no_grad():
+                ref = self._forward(self.ref_model, dev)[1]
+        ent = vocab_entropy(logits.detach() if algo.entropy_coef == 0 else logits, group=self.vocab["group"])
+        adv = torch.from_numpy(advantages[batch["rows"]] if batch["rows"] else np.zeros(1, np.float32))
+        terms = policy_loss(logp, dev["behaviour_logprobs"], adv.to(logp.device), dev["loss_mask"], dev["weights"],
+                            algo, old_logprobs=dev.get("old_logprobs"), ref_logprobs=ref, entropy=ent)
+        terms.loss.backward()
+        for k, v in terms.stats.items():
+            if k in self.sums:
+                self.sums[k] += v
+        self.sums["stale"] += batch["stale"]
+
+    def totals(self) -> dict[str, float]:
+        """The sums of every rank (one all-reduce; a tp group's ranks computed the same terms)."""
+        stats = torch.tensor([self.sums[k] for k in _STATS], dtype=torch.float64, device=self.placement.device)
+        if self.placement.world > 1:
+            dist.all_reduce(stats)
+            stats /= self.placement.plan.tp
+        return dict(zip(_STATS, (float(x) for x in stats)))
+
+
 def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
-          ranges: dict[int, list[tuple[int, int]]] | None = None) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
+          ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...]
+          ) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
     """Pull this rank's rows (only `ranges[row]` of each when given); rows whose producer is gone are
     dropped with their whole group."""
     mine = [metas[i] for i in rows]
@@ -148,12 +290,12 @@ def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
         return None if ranges is None else {pos: ranges[i] for pos, i in enumerate(keep)}
 
     try:
-        data = pull_samples(client, mine, FIELDS, of(rows))
+        data = pull_samples(client, mine, fields, of(rows))
         return dict(zip(rows, data)), []
     except SamplesUnavailable as exc:
         missing = set(exc.sample_ids)
     lost_groups = {m.group_id for m in mine if m.sample_id in missing}
     keep = [i for i in rows if metas[i].group_id not in lost_groups]
-    data = pull_samples(client, [metas[i] for i in keep], FIELDS, of(keep))
+    data = pull_samples(client, [metas[i] for i in keep], fields, of(keep))
     lost = [m.sample_id for m in metas if m.group_id in lost_groups]
     return dict(zip(keep, data)), lost

@@ -1,8 +1,8 @@
 """A trainer rank: claims each step's batch by metadata, pulls exactly its own rows from the
-producers, runs the GRPO loss, all-reduces gradients across ranks, steps the optimizer and (rank 0)
+producers, runs the configured algorithm's updates (`cfg.algo`), all-reduces gradients across ranks, steps the optimizer and (rank 0)
 publishes the new policy version as weight shards in its own shard node.
 
-The loop reads top to bottom in `TrainerRank.run`; the math lives in `earl_stream.algo.grpo` and
+The loop reads top to bottom in `TrainerRank.run`; the math lives in `earl_stream.algo` and
 `earl_stream.workers.train_step`.
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import threading
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -27,13 +27,13 @@ from earl_stream.modeling import load_model
 from earl_stream.security import load_secret
 from earl_stream.store.central import CentralClient, start_dispatcher_process
 from earl_stream.store.client import ShardClient
-from earl_stream.store.layout import Layout
 from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.store.weights import drop_weights, publish_weights
 from earl_stream.workers import checkpoint as ckpt
-from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
-from earl_stream.workers.parallel import RankPlan, SequenceParallelGroups, apply_plan
+from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register
+from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend, resolve_device
+from earl_stream.workers.sharding import apply_plan, free_unused_memory, relayout, shard_pieces
 from earl_stream.workers.train_step import StepResult, train_step
 
 log = logging.getLogger(__name__)
@@ -53,17 +53,20 @@ class TrainerRank:
         self.worker_id = reg.worker_id
         pin_to_cpus(self.cfg.trainer.cpus, self.cfg.trainer.threads)
         torch.manual_seed(self.cfg.seed)
-        self.model, self.tokenizer = load_model(model_path(self.cfg))
-        self.model.train()
         t = self.cfg.trainer
+        device = resolve_device(t.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        self.model, self.tokenizer = load_model(model_path(self.cfg))
+        self.model.to(device).train()  # type: ignore[arg-type]
         self.ref_model = None
-        if t.kl_coef > 0:
+        if self.cfg.algo.kl_coef > 0:
             self.ref_model, _ = load_model(model_path(self.cfg))
-            self.ref_model.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.layout = Layout(dp_size=world_size, dp_rank=rank)
-        # collective: every rank creates the sp groups once, so a plan change needs no set-up
-        self.sp_groups = SequenceParallelGroups(world_size, rank) if world_size > 1 else None
+            self.ref_model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
+        self.optimizer = self._make_optimizer(self.model)
+        # every rank starts replicated (plain data parallel) until the first plan re-lays the model
+        self.mesh = TrainerMesh(world_size, rank, device)
+        self.placement = self.mesh.placement(RankPlan(dp=world_size, micro_batch_tokens=t.micro_batch_tokens,
+                                                      dtype=t.dtype))
+        self.peers = _all_gather_str(self.node.address, world_size)  # every rank's shard node, in rank order
         self.store_client: ShardClient | CentralClient = ShardClient(secret=secret, transport=self.cfg.store.transport)
         self.dispatcher = None
         if self.cfg.store.dispatch == "central":  # the single-controller pattern, kept for measurement
@@ -87,7 +90,7 @@ class TrainerRank:
         end = cfg.steps or float("inf")
         if self.rank == 0:
             self._release_checkpointed()  # releases a checkpoint we resumed from still owed the supervisor
-            self._publish(self.version, {})  # rollout pulls its first weights from the trainer
+        self._publish(self.version, {})  # rollout pulls its first weights from the trainer
         while step < end and not self.stop:
             self.phase = f"step {step}"
             metas = self._claim(step)
@@ -95,8 +98,10 @@ class TrainerRank:
                 break
             if isinstance(self.store_client, CentralClient):
                 self.store_client.set_step(step, metas)
-            result = train_step(self.model, self.optimizer, metas, self.layout, self.store_client, self.step_cfg,
-                                ref_model=self.ref_model, rank=self.rank)
+            result = train_step(self.model, self.optimizer, metas, self.placement.layout, self.store_client,
+                                self.step_cfg, algo=cfg.algo, step=step, run_steps=cfg.steps,
+                                min_version=max(0, step - t.max_staleness), ref_model=self.ref_model, rank=self.rank,
+                                placement=self.placement)
             step += 1
             self.version = step
             lost = result.lost_sample_ids  # every rank's: train_step agrees on them before training
@@ -106,17 +111,17 @@ class TrainerRank:
             self._observe_staleness(step, metas)
             if step % t.checkpoint_every == 0:
                 self.save_checkpoint(step)  # every rank: DCP writes collectively
-            if self.world_size > 1:
-                dist.barrier()  # every rank has pulled: the producers may free the step's shards
+            self._publish(step, result.metrics())  # collective: every rank has pulled, so producers may free
             if self.rank == 0:
-                self._publish(step, result.metrics())
                 self._call(P.Release(worker_id=self.worker_id, step=step - 1, lost_sample_ids=lost, checkpointed=False))
                 if step % t.checkpoint_every == 0:
                     self._release_checkpointed()
         # a pool that reached the end agrees on the step (every step ends in an all-reduce); a stopped one
-        # may not, so then rank 0 writes alone (it holds a full replica of model and optimizer)
+        # may not, so then rank 0 writes alone when it holds a full replica of model and optimizer (under
+        # a sharded plan no rank does: the last checkpoint stands and the steps after it are trained again)
         together = self.world_size > 1 and step >= end
-        if step != self.checkpointed_step and (self.rank == 0 or together):
+        alone = self.rank == 0 and not self.placement.plan.sharded
+        if step != self.checkpointed_step and (alone or together):
             self.save_checkpoint(step, collective=together)
         if self.rank == 0:
             self._release_checkpointed()
@@ -133,7 +138,7 @@ class TrainerRank:
         while not self.stop:
             reply = self.client.call_retry(msg, deadline_s=t.claim_timeout_s, what=f"claim of step {step}")
             if reply.ready:
-                self._apply_plan(reply.plan_json, step)
+                self._apply_plan(reply.plan, step)
                 return table_to_metas(table_from_ipc(reply.table_ipc))
             if time.monotonic() > deadline:
                 raise ControlPlaneTimeout(f"step {step}: fewer than {t.groups_per_step} complete prompt groups "
@@ -142,33 +147,49 @@ class TrainerRank:
             self.stop.wait(0.02)
         return None
 
-    def _apply_plan(self, plan_json: str, step: int) -> None:
-        """Adopt the selector's plan at this step boundary: sequence-parallel size (the rank's layout:
-        dp x sp over the pool), micro-batch token budget and recomputation.
+    def _apply_plan(self, wire: P.TrainerPlan | None, step: int) -> None:
+        """Adopt the selector's plan at this step boundary; every rank adopts rank 0's, together.
 
-        The math does not change (the loss is normalised by the claim's token count and gradients
-        are summed over the pool), only how the step is cut and what is kept for the backward pass.
-        Every rank adopts rank 0's plan, so all ranks switch at the same boundary.
+        A plan that moves the parameters (FSDP's mesh or the tp degree) re-lays model and optimizer
+        state onto the new mesh (`sharding.relayout`); sp, micro-batch budget and recomputation change
+        only how the step is cut and what is kept for the backward pass. The math does not change:
+        the loss is normalised by the claim's token count and gradients are summed over the pool.
         """
         if self.world_size > 1:
-            plan_json = _broadcast_bytes(plan_json.encode()).decode()
-        if not plan_json:
+            raw = _broadcast_bytes(msgspec.json.encode(wire) if wire is not None else b"")
+            wire = msgspec.json.decode(raw, type=P.TrainerPlan) if raw else None
+        if wire is None or wire.version == self.plan_version:
             return
-        plan = json.loads(plan_json)
-        if plan["version"] == self.plan_version:
+        self.plan_version = wire.version
+        plan = RankPlan.from_wire(wire, dtype=self.cfg.trainer.dtype)
+        if problems := plan.problems(self.world_size, self.model.config):
+            log.error("step %d: refusing trainer plan v%d (%s): %s; keeping %s", step, wire.version, plan.name,
+                      "; ".join(problems), self.placement.plan.name)
             return
-        self.plan_version = plan["version"]
-        new = RankPlan.from_plan_dict(plan)
-        if self.world_size % new.sp:
-            log.error("step %d: plan v%d has sp=%d, which does not divide %d ranks; keeping sp=%d", step,
-                      self.plan_version, new.sp, self.world_size, self.layout.cp_size)
-            new = dataclasses.replace(new, sp=self.layout.cp_size)
-        apply_plan(self.model, new, groups=self.sp_groups, rank=self.rank,
-                   extra_models=[self.ref_model] if self.ref_model is not None else [])
-        self.layout = Layout.from_rank(self.rank, dp=self.world_size // new.sp, cp=new.sp)
-        self.step_cfg = dataclasses.replace(self.step_cfg, micro_batch_tokens=new.micro_batch_tokens)
-        log.info("step %d: adopted trainer plan v%d: dp=%d sp=%d, micro-batch %d tokens, recompute %s (%s)", step,
-                 self.plan_version, self.layout.dp_size, new.sp, new.micro_batch_tokens, new.recompute, plan["reason"])
+        self.phase = f"re-shard to plan v{wire.version} ({plan.name}) before step {step}"
+        placement = self.mesh.placement(plan)
+        if plan.model_layout != self.placement.plan.model_layout:
+            start = time.monotonic()
+            relaid = relayout(self.model, self.optimizer, placement, self._make_optimizer)
+            self.model, self.optimizer = relaid.model, relaid.optimizer or self.optimizer
+            if self.ref_model is not None:
+                self.ref_model = relayout(self.ref_model, None, placement, self._make_optimizer).model
+            del relaid
+            free_unused_memory()  # the replaced model and optimizer, before the next step needs the room
+            log.info("step %d: re-laid the model from %s to %s in %.2fs", step, self.placement.plan.name, plan.name,
+                     time.monotonic() - start)
+        apply_plan(self.model, placement, extra_models=[self.ref_model] if self.ref_model is not None else [])
+        self.placement = placement
+        self.step_cfg = dataclasses.replace(self.step_cfg, micro_batch_tokens=plan.micro_batch_tokens)
+        log.info("step %d: adopted trainer plan v%d: %s (data ranks %d, tp %d, sp %d), micro-batch %d tokens, "
+                 "recompute %s, %s (%s)", step, wire.version, plan.name, plan.data_ranks, plan.tp, plan.sp,
+                 plan.micro_batch_tokens, plan.recompute, plan.dtype, wire.reason)
+        if self.rank == 0:
+            self._call(P.PlanAdopted(worker_id=self.worker_id, version=wire.version, step=step))
+
+    def _make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        t = self.cfg.trainer
+        return torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
 
     def _release_checkpointed(self) -> None:
         """Release the steps the latest checkpoint holds (rank 0, right after writing it).
@@ -184,13 +205,20 @@ class TrainerRank:
         self.unreleased = []
 
     def _publish(self, version: int, metrics: dict[str, float]) -> None:
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        publish_weights(self.node, version, state)
+        """Every rank publishes its own shard of the weights (no gather); rank 0's manifest names the
+        other ranks that hold pieces, and rank 0 announces the version. Collective."""
+        pieces = shard_pieces(self.model.state_dict(), self.placement)
+        holders = _all_gather_flags(bool(pieces), self.world_size)
+        peers = [a for r, a in enumerate(self.peers) if holders[r] and r != self.rank]
+        publish_weights(self.node, version, pieces, peers=peers if self.rank == 0 else [])
         self.published_version = version
         if version >= 2:
             drop_weights(self.node, version - 2)
-        self._call(P.PublishVersion(worker_id=self.worker_id, version=version, weights_address=self.node.address,
-                                    metrics=metrics))
+        if self.world_size > 1:
+            dist.barrier()  # every rank's pieces are in its node before the version is announced
+        if self.rank == 0:
+            self._call(P.PublishVersion(worker_id=self.worker_id, version=version,
+                                        weights_address=self.node.address, metrics=metrics))
 
     def _call(self, msg: P.Msg) -> object:
         """A call that survives a supervisor restart (the messages it is used for are idempotent)."""
@@ -211,16 +239,23 @@ class TrainerRank:
         M.TRAINER_LOSS.labels(rank).set(r.loss)
         M.TRAINER_GRAD_NORM.labels(rank).set(r.grad_norm)
         M.TRAINER_MISMATCH.labels(rank).set(r.mismatch)
+        M.TRAINER_MASKED.labels(rank).set(r.masked_frac)
+        M.TRAINER_CLIP_FRAC.labels(rank).set(r.clip_frac)
         M.TRAINER_STEPS.labels(rank).inc()
         M.STORE_PULL_SECONDS.labels(rank).observe(r.pull_seconds)
         M.STORE_PULL_BYTES.labels(rank).inc(r.pull_bytes)
-        log.info("step %d: loss %.4f grad-norm %.3f reward %.3f (%d samples, %d tokens) in %.2fs (pull %.3fs)",
-                 self.version, r.loss, r.grad_norm, r.mean_reward, r.samples, r.tokens, r.step_seconds, r.pull_seconds)
+        M.STORE_STEP_PULL_BYTES.labels(rank).set(r.pull_bytes)
+        log.info("step %d: loss %.4f grad-norm %.3f reward %.3f (%d samples, %d tokens) in %.2fs (pull %.3fs); "
+                 "clipped %.4f |ratio-1| %.4f masked %.4f (stale %.4f)", self.version, r.loss, r.grad_norm,
+                 r.mean_reward, r.samples, r.tokens, r.step_seconds, r.pull_seconds, r.clip_frac, r.ratio_dev,
+                 r.masked_frac, r.stale_frac)
 
     def _heartbeat_loop(self) -> None:
         while not self.stop.wait(self.cfg.supervisor.heartbeat_s):
             try:
-                reply = self.hb_client.call(P.Heartbeat(worker_id=self.worker_id, stats={"published_version": self.published_version}))
+                # rank 0 reports the version its node's manifest serves; the other ranks' nodes hold pieces only
+                published = self.published_version if self.rank == 0 else -1
+                reply = self.hb_client.call(P.Heartbeat(worker_id=self.worker_id, stats={"published_version": published}))
                 if not reply.known:  # the supervisor restarted without us, or declared us dead
                     register(self.hb_client, P.Role.TRAINER, host=self.host, rank=self.rank,
                              shard_address=self.node.address, metrics_address=self.metrics_address,
@@ -282,6 +317,26 @@ def _broadcast_str(text: str, world_size: int) -> str:
     return bytes(buf.tolist()).rstrip(b"\0").decode()
 
 
+def _all_gather_str(text: str, world_size: int) -> list[str]:
+    """Every rank's string (at most 256 bytes), in rank order (no pickling)."""
+    if world_size == 1:
+        return [text]
+    data = text.encode()
+    buf = torch.zeros(256, dtype=torch.uint8)
+    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    out = [torch.zeros_like(buf) for _ in range(world_size)]
+    dist.all_gather(out, buf)
+    return [bytes(b.tolist()).rstrip(b"\0").decode() for b in out]
+
+
+def _all_gather_flags(flag: bool, world_size: int) -> list[bool]:
+    if world_size == 1:
+        return [flag]
+    out = [torch.zeros(1, dtype=torch.int32) for _ in range(world_size)]
+    dist.all_gather(out, torch.tensor([int(flag)], dtype=torch.int32))
+    return [bool(t.item()) for t in out]
+
+
 def _broadcast_bytes(data: bytes) -> bytes:
     """Rank 0's bytes to every rank (length first, then the bytes; no pickling)."""
     size = torch.tensor([len(data)], dtype=torch.int64)
@@ -311,15 +366,15 @@ def run_trainer_rank(supervisor: str, host: str = "127.0.0.1", *, collective_tim
     trainer: TrainerRank | None = None
     try:
         if world_size > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=collective_timeout_s))
+            dist.init_process_group(pool_backend(), init_method=os.environ.get(RENDEZVOUS_ENV), rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s))
         trainer = TrainerRank(supervisor, rank=rank, world_size=world_size, host=host)
         return trainer.run()
     except RuntimeError as exc:
         if world_size == 1 or not (isinstance(exc, dist.DistError) or "gloo" in str(exc)):
             raise
         phase = trainer.phase if trainer is not None else "joining the pool"
-        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        where = os.environ.get(RENDEZVOUS_ENV) or f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise CollectiveFailed(
             f"trainer rank {rank} of {world_size}: a collective with the other ranks ({phase}; rendezvous at "
             f"{where}) failed or waited longer than {collective_timeout_s:.0f}s: another rank died or hangs "

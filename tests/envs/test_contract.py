@@ -33,6 +33,8 @@ LIBRARY: list[tuple[str, dict[str, Any], str | None]] = [
     ("reasoning_gym", {"task": "chain_sum", "size": 100, "max_attempts": 3}, "reasoning_gym"),
     ("textarena", {"game": "TicTacToe-v0"}, "textarena"),
     ("textarena", {"game": "ConnectFour-v0", "model_player": "random"}, "textarena"),
+    ("gymnasium", {"id": "Taxi-v3"}, "gymnasium"),
+    ("gymnasium", {"id": "FrozenLake-v1"}, "gymnasium"),
 ]
 
 # Replies that are moves, answers, tool calls (good and bad) and noise for the environments above.

@@ -84,7 +84,7 @@ def test_default_is_a_pure_function_of_the_seed_and_registered() -> None:
 
 
 def test_context_grows_from_about_100_to_about_900_tokens(tiny_model_dir) -> None:
-    from earl_stream.modeling import load_tokenizer
+    from earl_stream.model import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
 
@@ -99,3 +99,10 @@ def test_context_grows_from_about_100_to_about_900_tokens(tiny_model_dir) -> Non
 
     short, long = asyncio.run(tokens(2)), asyncio.run(tokens(24))
     assert 80 <= short <= 160 and 750 <= long <= 1000, (short, long)
+
+
+def test_a_context_limit_is_an_episode_option() -> None:
+    assert env_options(LongRecall()).max_episode_tokens is None
+    assert env_options(LongRecall(max_episode_tokens="300")).max_episode_tokens == 300  # `--param k=v` gives strings
+    with pytest.raises(EnvError, match="max_episode_tokens must be >= 1"):
+        LongRecall(max_episode_tokens=0)

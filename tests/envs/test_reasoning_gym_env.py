@@ -61,6 +61,23 @@ def test_bare_answers_and_no_tag_mode() -> None:
     assert run(bare.step(f"<answer>{dataset[2]['answer']}</answer>")).reward < 1.0  # tags are not stripped
 
 
+def test_last_number_answers() -> None:
+    dataset = rg.create_dataset("basic_arithmetic", seed=0, size=10)
+    answer = dataset[2]["answer"]
+    env = ReasoningGymEnv("basic_arithmetic", size=10, answer_tag=None, answer_from="last_number")
+    run(env.reset(2))
+    assert run(env.step(f"First 1 + 2 = 3, then the result is {answer}.")).reward == 1.0
+    run(env.reset(2))
+    assert run(env.step(f"It is {answer}, or 12345.")).info["outcome"] != "correct"  # the last number counts
+    run(env.reset(2))
+    assert run(env.step("no number at all")).info["outcome"] == "wrong"
+    tagged = ReasoningGymEnv("basic_arithmetic", size=10, answer_from="last_number")
+    run(tagged.reset(2))
+    assert run(tagged.step(f"<answer>so {answer}</answer> 7")).reward == 1.0
+    with pytest.raises(EnvError, match="answer_from"):
+        ReasoningGymEnv("basic_arithmetic", answer_from="first_word")
+
+
 def test_multi_turn_attempts() -> None:
     dataset = rg.create_dataset("basic_arithmetic", seed=0, size=10)
     env = ReasoningGymEnv("basic_arithmetic", size=10, max_attempts=3)

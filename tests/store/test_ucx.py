@@ -1,19 +1,20 @@
 """The UCX transport (through ucxx) and the choice of transport.
 
-The UCX tests need `ucxx` (the 'ucx' extra) and skip cleanly without it; the node runs in its own
-process (UCX between two processes, the real case). The transport-choice tests run everywhere.
+The UCX tests need `ucxx` (the 'ucx' extra; `make test-ucx` runs them in .venv-ucx) and skip cleanly
+without it; the remote node runs in its own process (UCX between two processes, the real case). What
+every transport must do (UCX included) is tests/store/test_transport_contract.py's.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import pytest
+from node_process import NodeProcess
 
 from earl_stream.errors import StoreError
 from earl_stream.store import ShardClient, ShardNode, wire
@@ -42,49 +43,15 @@ def test_asking_for_ucx_without_ucxx_fails_clearly() -> None:
         assert client.transport(node.address) == "tcp"
 
 
-def _serve(conn: Any, corrupt: bool) -> None:
-    with ShardNode(shm=False, frame_timeout_s=10.0, ucx=True) as node:
-        node.put("k", np.arange(3_000_000, dtype=np.int32))
-        node.put("m", np.arange(7, dtype=np.uint8))
-        node.put("bad", np.arange(1000, dtype=np.float64))
-        node._corrupt_for_test("bad", 17)
-        conn.send(node.address)
-        conn.recv()  # until the test is done
-
-
 @pytest.fixture
-def remote_node() -> Iterator[str]:
+def remote_node(tmp_path: Path) -> Iterator[str]:
+    """A node in its own process (UCX between two processes, the real case) without shared memory."""
     pytest.importorskip("ucxx")
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, False), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(60), "node process did not start"
-        yield parent.recv()
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    with NodeProcess(tmp_path, shm=False, ucx=True) as node:
+        yield node.address
 
 
-def test_ucx_pulls_ranges_with_worker_addresses_exchanged_on_the_connection(remote_node: str) -> None:
-    with ShardClient(transport="ucx", timeout_s=30.0) as client:
-        ranges = [("k", 0, 10), ("m", 2, 5), ("k", 5, 5), ("k", 100, 3_000_000)]
-        a, m, empty, big = client.pull(remote_node, ranges)
-        assert client.transport(remote_node) == "ucx"
-        np.testing.assert_array_equal(a, np.arange(10))
-        np.testing.assert_array_equal(m, [2, 3, 4])
-        assert empty.size == 0 and empty.dtype == np.int32
-        np.testing.assert_array_equal(big, np.arange(100, 3_000_000))
-        (merged,) = client.pull(remote_node, [("k", 0, 3), ("k", 10, 12)], merge_runs=True)
-        np.testing.assert_array_equal(merged, [0, 1, 2, 10, 11])
-        with pytest.raises(StoreError, match="checksum mismatch"):  # corrupt at rest: refused by the node
-            client.pull(remote_node, [("bad", 0, 1000)])
-        np.testing.assert_array_equal(client.pull(remote_node, [("m", 0, 2)])[0], [0, 1])  # the connection survives
-
-
+@pytest.mark.ucx
 def test_transport_choice_per_peer(remote_node: str) -> None:
     with ShardClient(transport="auto", timeout_s=30.0) as client, ShardNode() as local:
         local.put("x", np.arange(4))
@@ -100,6 +67,7 @@ def test_transport_choice_per_peer(remote_node: str) -> None:
         assert client.transport(remote_node) == "tcp"
 
 
+@pytest.mark.ucx
 def test_ucx_required_but_not_offered_is_an_explicit_error() -> None:
     pytest.importorskip("ucxx")
     with ShardNode(shm=False, ucx=False) as node, ShardClient(transport="ucx", timeout_s=10.0) as client:

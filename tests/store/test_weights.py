@@ -101,3 +101,30 @@ def test_unreachable_trainer_is_an_explicit_error(client: ShardClient) -> None:
 def test_reserved_names_are_refused(node: ShardNode) -> None:
     with pytest.raises(StoreError, match="reserved"):
         publish_weights(node, 1, {".manifest": torch.zeros(1)})
+
+
+def test_blocks_published_by_several_nodes_are_assembled(client: ShardClient) -> None:
+    """A sharded trainer: each rank's node holds its blocks (FSDP rows x tp columns), rank 0's
+    manifest names the peers; one pull gets whole tensors back, bit-equal."""
+    from earl_stream.store.weights import WeightPiece
+
+    g = torch.Generator().manual_seed(3)
+    whole = {"w": torch.randn(6, 8, generator=g), "b": torch.randn(5, generator=g), "n": torch.randn(4, generator=g)}
+    blocks = [[WeightPiece("w", whole["w"][:3, :4], (6, 8), (0, 0)), WeightPiece("b", whole["b"][:3], (5,), (0,)),
+               WeightPiece("n", whole["n"], (4,), (0,))],
+              [WeightPiece("w", whole["w"][:3, 4:], (6, 8), (0, 4)), WeightPiece("b", whole["b"][3:], (5,), (3,))],
+              [WeightPiece("w", whole["w"][3:, :4], (6, 8), (3, 0))],
+              [WeightPiece("w", whole["w"][3:, 4:], (6, 8), (3, 4)), WeightPiece("b", whole["b"][5:], (5,), (5,))]]
+    with ShardNode() as n0, ShardNode() as n1, ShardNode() as n2, ShardNode() as n3:
+        nodes = [n0, n1, n2, n3]
+        for i in (3, 2, 1):  # the peers first, as every rank publishes before rank 0 announces
+            publish_weights(nodes[i], 4, blocks[i])
+        manifest = publish_weights(n0, 4, blocks[0], peers=[n.address for n in nodes[1:]])
+        assert manifest.peers and manifest.tensors[0].full_shape == [6, 8]
+        got = pull_weights(client, n0.address, 4, timeout_s=10.0)
+        assert sorted(got) == sorted(whole)
+        for name, tensor in whole.items():
+            assert torch.equal(got[name], tensor), name
+        assert torch.equal(pull_weights(client, n0.address, 4, names=["b"], timeout_s=10.0)["b"], whole["b"])
+        with pytest.raises(StoreError, match="no tensors"):
+            pull_weights(client, n0.address, 4, names=["nope"], timeout_s=10.0)

@@ -66,3 +66,21 @@ def test_garbage_does_not_stop_the_supervisor(supervisor: str) -> None:
         P.decode(P.encode(P.StatusRequest(v=99)))
     client = P.ControlClient(supervisor, timeout_s=10)
     assert "policy_version" in json.loads(client.call(P.StatusRequest()).status_json)
+
+
+def test_only_trainer_rank_0_moves_the_policy_version_by_heartbeat(supervisor: str) -> None:
+    """Rank 0's node holds the weights manifest; a rank > 0 that reports a published version (a moment
+    ahead of or behind rank 0 around a publish) must not point the rollout workers at its own node, which
+    serves only its pieces (a 2-rank Ray run loaded an empty manifest that way)."""
+    client = P.ControlClient(supervisor, timeout_s=10)
+    rank0 = client.call(P.Register(role=P.Role.TRAINER, host="h", pid=2, rank=0, shard_address="127.0.0.1:10"))
+    rank1 = client.call(P.Register(role=P.Role.TRAINER, host="h", pid=3, rank=1, shard_address="127.0.0.1:11"))
+    rollout = client.call(P.Register(role=P.Role.ROLLOUT, host="h", pid=4, shard_address="127.0.0.1:12"))
+    client.call(P.Heartbeat(worker_id=rank1.worker_id, stats={"published_version": 3}))
+    hb = client.call(P.Heartbeat(worker_id=rollout.worker_id))
+    assert hb.policy_version == 0 and hb.weights_address != "127.0.0.1:11"
+    client.call(P.Heartbeat(worker_id=rank0.worker_id, stats={"published_version": 2}))
+    hb = client.call(P.Heartbeat(worker_id=rollout.worker_id))
+    assert (hb.policy_version, hb.weights_address) == (2, "127.0.0.1:10")
+    client.call(P.Heartbeat(worker_id=rank1.worker_id, stats={"published_version": 3}))
+    assert client.call(P.Heartbeat(worker_id=rollout.worker_id)).weights_address == "127.0.0.1:10"

@@ -3,9 +3,13 @@
 It owns the queue of waiting requests, the decision of when a batch starts (as soon as
 `max_batch_size` requests wait, or `max_wait_s` after the oldest one arrived), running the engine
 in a worker thread so that the event loop (environments, control-plane I/O) keeps running, and
-serialising "exclusive" work such as a weight load between batches. Batching is per request (a
-batch runs to completion; requests arriving meanwhile form the next one): agentic turns are short,
-so prefill, not decode, dominates. What happens inside a batch is the engine's business.
+serialising "exclusive" work such as a weight load between batches. With an engine that admits
+requests into a running batch (`admits_while_running` with `submit(requests, on_done)` and `drive()`:
+the built-in engine's continuous batching), each batch is handed to the engine's queue at once, one
+worker thread drives the engine while it has work, and every request resolves as soon as its own
+row finishes; exclusive work waits until the engine is idle. With any other engine a batch runs to
+completion and requests arriving meanwhile form the next one. What happens inside a batch is the
+engine's business.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ class _Waiting:
     request: GenerateRequest
     future: asyncio.Future[GenerateResult]
     arrived: float  # loop.time() at submission
+    gather_quiet_s: float = 0.0  # see AsyncBatcher.generate
+    gather_max_s: float = 0.0
+    all_here: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -45,7 +52,10 @@ class AsyncBatcher:
     batch that raised; later batches run normally.
     """
 
-    def __init__(self, engine: Engine, *, max_batch_size: int = 64, max_wait_s: float = 0.002) -> None:
+    def __init__(self, engine: Engine, *, max_batch_size: int = 64, max_wait_s: float = 0.002,
+                 join_running: bool = True) -> None:
+        """`join_running=False`: every batch runs to completion even on an engine that admits requests
+        while running (sampling then depends on no arrival timing: rollout.join_running_batch)."""
         if max_batch_size < 1 or max_wait_s < 0:
             raise EngineError(
                 f"AsyncBatcher needs max_batch_size >= 1 and max_wait_s >= 0, got {max_batch_size}, {max_wait_s}"
@@ -56,6 +66,9 @@ class AsyncBatcher:
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._exclusive: collections.deque[_Exclusive] = collections.deque()
         self._running: list[_Waiting] = []
+        self._continuous = join_running and bool(getattr(engine, "admits_while_running", False))
+        self._submitted: dict[int, _Waiting] = {}  # continuous: by id() of the engine's row
+        self._driver: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -79,11 +92,20 @@ class AsyncBatcher:
         """Requests queued and not yet in a batch."""
         return len(self._waiting)
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Extend one sequence; returns when the batch it joined has finished."""
+    async def generate(self, request: GenerateRequest, *, gather_quiet_s: float = 0.0, gather_max_s: float = 0.0,
+                       all_here: Callable[[], bool] | None = None) -> GenerateResult:
+        """Extend one sequence; returns when the batch it joined has finished (with a continuous engine:
+        as soon as its own row has).
+
+        With `gather_quiet_s > 0` the batch this request joins also waits while other requests keep
+        arriving (no gap longer than `gather_quiet_s`), for at most `gather_max_s` after this one
+        arrived, and not once `all_here()` says no more are expected: requests that come in one by
+        one (HTTP clients, each with its own per-call cost) then share one batch instead of
+        splitting into many small ones.
+        """
         loop = self._start()
         future: asyncio.Future[GenerateResult] = loop.create_future()
-        self._waiting.append(_Waiting(request, future, loop.time()))
+        self._waiting.append(_Waiting(request, future, loop.time(), gather_quiet_s, gather_max_s, all_here))
         self._wake()
         return await future
 
@@ -144,8 +166,8 @@ class AsyncBatcher:
         return loop
 
     def _wake(self) -> None:
-        assert self._wakeup is not None
-        self._wakeup.set()
+        if self._wakeup is not None:  # None: never started (an aclose before any request)
+            self._wakeup.set()
 
     async def _run(self) -> None:
         assert self._wakeup is not None
@@ -155,11 +177,13 @@ class AsyncBatcher:
                 self._wakeup.clear()
                 while (self._exclusive or self._waiting) and not self._stopping:
                     if self._exclusive:
+                        await self._drain()
                         await self._run_one_exclusive(self._exclusive.popleft())
                         continue
                     batch = await self._collect()
                     if batch:
-                        await self._run_batch(batch)
+                        await self._dispatch(batch)
+            await self._drain()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must not leave callers waiting forever
@@ -172,7 +196,7 @@ class AsyncBatcher:
         assert self._wakeup is not None and self._loop is not None
         self._drop_cancelled()
         while self._waiting and len(self._waiting) < self._max_batch and not self._exclusive:
-            remaining = self._waiting[0].arrived + self._max_wait - self._loop.time()
+            remaining = self._start_at() - self._loop.time()
             if remaining <= 0:
                 break
             self._wakeup.clear()
@@ -185,6 +209,88 @@ class AsyncBatcher:
             return []
         count = min(len(self._waiting), self._max_batch)
         return [self._waiting.popleft() for _ in range(count)]
+
+    def _start_at(self) -> float:
+        """When the next batch starts: max_wait_s after the oldest request, or later while requests
+        that asked to gather (`generate`'s gather_*) keep arriving, up to their limit."""
+        start = self._waiting[0].arrived + self._max_wait
+        gathering = [w for w in self._waiting if w.gather_quiet_s > 0]
+        if gathering and not any(w.all_here is not None and w.all_here() for w in gathering):
+            quiet = max(w.gather_quiet_s for w in gathering)
+            cap = min(w.arrived + w.gather_max_s for w in gathering)
+            start = max(start, min(cap, self._waiting[-1].arrived + quiet))
+        return start
+
+    async def _dispatch(self, batch: list[_Waiting]) -> None:
+        """Run the batch now, or (continuous engine) queue it in the engine and return to collecting."""
+        if not self._continuous:
+            await self._run_batch(batch)
+            return
+        loop = asyncio.get_running_loop()
+
+        def on_done(row: Any) -> None:  # in the driving thread
+            try:
+                loop.call_soon_threadsafe(self._deliver, row)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        self._batches += 1
+        self._requests += len(batch)
+        try:
+            rows = cast(Any, self._engine).submit([w.request for w in batch], on_done)
+        except Exception as exc:  # a rejected request fails exactly this batch's callers
+            for waiting in batch:
+                if not waiting.future.done():
+                    waiting.future.set_exception(exc)
+            return
+        for row, waiting in zip(rows, batch):
+            self._submitted[id(row)] = waiting
+            self._running.append(waiting)
+        self._ensure_driver()
+
+    def _ensure_driver(self) -> None:
+        """One worker thread drives the engine while rows are outstanding; restarted if it ended just
+        before rows came in (it saw an empty queue)."""
+        if self._driver is not None or not self._submitted or self._closed:
+            return
+        self._driver = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(cast(Any, self._engine).drive), name="earl-engine-driver")
+        self._driver.add_done_callback(self._driver_done)
+
+    def _driver_done(self, task: asyncio.Task[None]) -> None:
+        self._driver = None
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            _LOG.error("engine driver failed: %r", exc)
+            self._fail_submitted(exc if isinstance(exc, Exception) else EngineError(repr(exc)))
+            return
+        self._ensure_driver()
+
+    def _deliver(self, row: Any) -> None:
+        waiting = self._submitted.pop(id(row), None)
+        if waiting is None:
+            return
+        self._running = [w for w in self._running if w is not waiting]
+        if waiting.future.done():
+            return
+        if row.error is not None:
+            waiting.future.set_exception(row.error)
+        else:
+            waiting.future.set_result(row.result)
+
+    def _fail_submitted(self, exc: Exception) -> None:
+        for waiting in self._submitted.values():
+            if not waiting.future.done():
+                waiting.future.set_exception(exc)
+        self._submitted.clear()
+
+    async def _drain(self) -> None:
+        """Wait until the engine has no row of ours (continuous engines; a no-op otherwise)."""
+        while self._driver is not None or self._submitted:
+            if self._driver is not None:
+                await asyncio.wait({self._driver})
+            else:
+                await asyncio.sleep(0.001)  # deliveries scheduled by the driving thread are on their way
 
     async def _run_batch(self, batch: list[_Waiting]) -> None:
         self._running = batch

@@ -31,7 +31,7 @@ def _torch(model_dir: Path, model: PreTrainedModel | None, max_batch_size: int, 
     from earl_stream.workers.engines.torch_engine import TorchEngine
 
     if model is None:
-        from earl_stream.modeling import load_model
+        from earl_stream.model import load_model
 
         model, _ = load_model(model_dir)
     return TorchEngine(model, max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, seed=seed)

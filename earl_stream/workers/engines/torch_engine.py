@@ -1,29 +1,34 @@
-"""The built-in PyTorch inference engine: batched generation through the HF model's own forward.
+"""The built-in PyTorch inference engine: continuous batching through the model's own forward.
 
-It owns: packing requests into forward batches (left padding with an explicit attention mask and
-position ids derived from it, so padding does not change results), per-row sampling with each
-request's own parameters and generator, and reusing the KV caches kept between the turns of an
-episode (`cache_key`; held by `kv_store.KVStore`, LRU, bounded by the KV budget). It leaves scheduling across asyncio episodes to
-`AsyncBatcher` and tokenisation to the agent loop. CPU/fp32 is the tested configuration.
+It owns: a scheduler (`submit` queues requests, `step` advances the running batch by one token)
+that admits new requests at decode-step boundaries while other rows are still decoding, and lets
+finished rows leave at once (continuous batching; `continuous=False` gives batch-to-completion);
+prefilling a prompt that several admitted requests share (a GRPO group) once and copying its KV to
+each of them (`prefix_sharing`); per-row sampling with each request's own parameters and generator,
+so a seeded row's tokens and log-probs do not depend on which rows share its batch (to ~1e-5);
+reusing the KV caches kept between the turns of an episode (`cache_key`; `kv_store.KVStore`); and
+one KV bound: the running batch's KV storage plus the kept caches stay within `kv_budget_tokens`
+(admission waits while the batch is full; kept caches are evicted first). It leaves scheduling across
+asyncio episodes to `AsyncBatcher`, the batch layout to `running`, and tokenisation to the agent loop.
+CPU/fp32 is the tested configuration.
 
 Forward passes go through `fast_decoder.FastDecoder` (the engine's own Llama-family forward with a
-preallocated KV cache; 1.3-1.9x faster generation than the HF forward on the 1M-parameter default
-model) where the model qualifies, else through the HF model with a `DynamicCache`. Both give the
-same logits to ~1e-5 (log-probs to ~1e-6).
+preallocated KV cache reused across steps) where the model qualifies, else through the HF model with
+a `DynamicCache`; the latter runs batch-to-completion (no admission into a running batch). Both give
+the same logits to ~1e-5 (log-probs to ~1e-6).
 
-Batch layout (one row per request, T = C + N + generated):
-  mask [B, T]: | pad | kept KV of row (c_i) || pad | new prompt tokens of row (n_i) | generated ...
-  where C = max c_i and N = max n_i. Gaps are masked out; positions are cumsum(mask) - 1.
-Rows that finish are dropped from the batch (their KV is kept first if they have a cache_key).
+Threads: any thread calling `generate` queues its requests and then drives `step` under one lock
+until its own rows are done; rows submitted by other threads are admitted by whichever thread is
+driving, so a request arriving mid-batch joins it instead of waiting for the batch to finish.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -31,43 +36,37 @@ from transformers import DynamicCache, PreTrainedModel
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
-from earl_stream.workers.engines.kv_store import KeptKV, KVStore
+from earl_stream.workers.engines.kv_store import KVStore
+from earl_stream.workers.engines.running import Row, RunningBatch, draw_uniforms, fill_kept, kept_kv, merged_kept, select_rows
 from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
 
 _LOG = logging.getLogger(__name__)
+_HANDOFF_S = 0.002  # how often a thread whose rows another thread is driving checks whether to take over
+_COUNTERS = ("batches", "forward_calls", "prefill_tokens", "reused_tokens", "generated", "shared_prefix_tokens",
+             "admitted_while_running", "peak_kv_tokens")
 
 
 @dataclass(frozen=True)
 class EngineStats:
     """Cumulative counters of one engine (for metrics and tests)."""
 
-    batches: int  # forward batches run
+    batches: int  # admissions: prefill forwards that started rows (into a new or a running batch)
     forward_calls: int  # model forward passes (prefill + decode steps)
     prefill_tokens: int  # prompt tokens run through the model
     reused_tokens: int  # prompt tokens whose KV came from a cache kept between turns
     generated_tokens: int
     kept_cache_tokens: int  # tokens currently held in kept caches
-
-
-@dataclass
-class _Row:
-    """Decode state of one request within a batch."""
-
-    req: GenerateRequest
-    prompt: list[int]
-    generator: torch.Generator | None
-    keep_key: str | None
-    kept: KeptKV | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    reason: FinishReason | None = None
+    shared_prefix_tokens: int = 0  # prompt tokens not run because an identical prompt was admitted with them
+    admitted_while_running: int = 0  # rows that joined a batch that was already decoding
+    running_kv_tokens: int = 0  # KV positions the running batch holds now (rows x positions of its storage)
+    peak_kv_tokens: int = 0  # most KV positions held at once (running batch + kept caches), after each step
 
 
 class TorchEngine:
-    """Generates with a Hugging Face causal LM (`past_key_values` KV cache), batching requests.
+    """Generates with a Hugging Face causal LM, batching requests continuously (see the module docstring).
 
-    Thread-safe: `generate` and `load_state_dict` serialise on one lock; `release` and
-    `set_capacity` do not wait for a running batch.
+    Thread-safe: `generate`, `step` and `load_state_dict` serialise on one lock; `submit`, `release`
+    and `set_capacity` do not wait for a running step.
     """
 
     def __init__(
@@ -78,14 +77,23 @@ class TorchEngine:
         kv_budget_tokens: int = 65536,
         seed: int = 0,
         fast_forward: bool = True,
+        continuous: bool = True,
+        prefix_sharing: bool = True,
     ) -> None:
-        """`fast_forward=False` always uses the HF model's forward (for comparisons and debugging)."""
+        """`fast_forward=False` always uses the HF model's forward (for comparisons and debugging);
+        `continuous=False` admits requests only into an empty batch (batch-to-completion);
+        `prefix_sharing=False` prefills every row's prompt separately."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
         self._rng = torch.Generator().manual_seed(seed)
         self._kv = KVStore(kv_budget_tokens)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the thread driving a step, or loading weights
+        self._intake_lock = threading.Lock()
+        self._intake: collections.deque[Row] = collections.deque()
+        self._batch: RunningBatch | None = None
+        self._live_keys: set[str] = set()
+        self._admitting = True
         self._version = 0
         self._device = next(model.parameters()).device
         config = model.config.get_text_config(decoder=True)
@@ -99,7 +107,9 @@ class TorchEngine:
         if not self._can_keep:
             _LOG.warning("model has non-full-attention layers %s: KV caches are not kept between turns", layer_types)
         self._fast = FastDecoder(model) if fast_forward and self._can_keep and FastDecoder.supports(model) else None
-        self._counts = {"batches": 0, "forward_calls": 0, "prefill_tokens": 0, "reused_tokens": 0, "generated": 0}
+        self._continuous = continuous and self._fast is not None
+        self._sharing = prefix_sharing
+        self._counts = dict.fromkeys(_COUNTERS, 0)
 
     # ---------------------------------------------------------------- Engine protocol
 
@@ -111,8 +121,13 @@ class TorchEngine:
     def capacity(self) -> EngineCapacity:
         return self._capacity
 
+    @property
+    def admits_while_running(self) -> bool:
+        """True when requests submitted during a batch join it (the batcher then overlaps `generate` calls)."""
+        return self._continuous
+
     def set_capacity(self, capacity: EngineCapacity) -> None:
-        """Takes effect at the next `generate` call; shrinks the kept caches at once."""
+        """Takes effect at the next admission; shrinks the kept caches at once."""
         _check_capacity(capacity)
         self._capacity = capacity
         self._kv.set_budget(capacity.kv_budget_tokens)
@@ -120,30 +135,78 @@ class TorchEngine:
     @property
     def stats(self) -> EngineStats:
         c = self._counts
+        batch = self._batch
         return EngineStats(
-            c["batches"], c["forward_calls"], c["prefill_tokens"], c["reused_tokens"], c["generated"], self._kv.tokens
+            c["batches"], c["forward_calls"], c["prefill_tokens"], c["reused_tokens"], c["generated"], self._kv.tokens,
+            c["shared_prefix_tokens"], c["admitted_while_running"], batch.held_tokens if batch else 0,
+            c["peak_kv_tokens"],
         )
 
     def release(self, cache_key: str) -> None:
         self._kv.release(cache_key)
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        """Extend every request; results in input order. Raises EngineError on a bad request or a failed batch."""
+        """Extend every request; results in input order. Raises EngineError on a bad request or a failed step."""
+        rows = self.submit(requests)
+        while pending := [r for r in rows if not r.done.is_set()]:
+            # Drive if nobody does; else the driving thread advances these rows too: wait for them, and
+            # take over once it leaves (a blocking acquire could starve behind a driver re-acquiring).
+            if self._lock.acquire(blocking=False):
+                try:
+                    self.step()
+                finally:
+                    self._lock.release()
+            else:
+                pending[0].done.wait(_HANDOFF_S)
+        errors = [r.error for r in rows if r.error is not None]
+        if errors:
+            raise errors[0]
+        return [r.result for r in rows if r.result is not None]
+
+    def submit(self, requests: Sequence[GenerateRequest], on_done: Callable[[Row], None] | None = None) -> list[Row]:
+        """Validate and queue requests for admission at the next step; returns their rows (wait on `done`,
+        or pass `on_done`, called with each row as it finishes, from the driving thread).
+
+        Nothing runs until some thread calls `step` or `drive` (as `generate` does)."""
         reqs = list(requests)
         for i, req in enumerate(reqs):
             self._check_request(i, req)
-        results: list[GenerateResult | None] = [None] * len(reqs)
-        with self._lock, torch.inference_mode():
-            for batch in self._plan(reqs):
-                for i, res in zip(batch, self._run_batch([reqs[i] for i in batch])):
-                    results[i] = res
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
+        rows = [Row(req, list(req.prompt_ids), torch.Generator().manual_seed(req.seed) if req.seed is not None else None,
+                    on_done=on_done) for req in reqs]
+        with self._intake_lock:
+            self._intake.extend(rows)
+        return rows
+
+    def drive(self) -> None:
+        """Step until no row runs and none is queued (what `AsyncBatcher` runs in its worker thread)."""
+        with self._lock:
+            while self._batch is not None or self._intake:
+                self.step()
+
+    def step(self) -> None:
+        """One scheduler step: sample a token for every running row, let finished rows leave, feed the
+        rest one token, then admit queued requests that fit. Call it with the engine lock held (as
+        `generate` does) or from a single thread that owns the engine."""
+        with torch.inference_mode():
+            batch = self._batch
+            try:
+                if batch is not None:
+                    tokens = self._sample_and_retire(batch)
+                    if batch.rows:
+                        self._decode(batch, tokens)
+                    else:
+                        self._batch = None
+                self._admit()
+            except RuntimeError as exc:
+                self._fail_running(exc)
+        held = (self._batch.held_tokens if self._batch else 0) + self._kv.tokens
+        self._counts["peak_kv_tokens"] = max(self._counts["peak_kv_tokens"], held)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `state` into the live parameters (strict by name and shape), drop kept caches, set the version.
 
-        A name missing from `state` is accepted only when it aliases a provided tensor (tied weights).
+        Rows already decoding finish with the old weights first (no admissions meanwhile). A name
+        missing from `state` is accepted only when it aliases a provided tensor (tied weights).
         """
         with self._lock:
             own = self._model.state_dict()
@@ -151,6 +214,12 @@ class TorchEngine:
             if problems:
                 detail = "; ".join(problems)
                 raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded: {detail}")
+            self._admitting = False
+            try:
+                while self._batch is not None:
+                    self.step()
+            finally:
+                self._admitting = True
             with torch.no_grad():
                 for name, tensor in state.items():
                     own[name].copy_(tensor)
@@ -158,7 +227,7 @@ class TorchEngine:
             self._version = version
         _LOG.info("loaded policy version %d (%d tensors)", version, len(state))
 
-    # ---------------------------------------------------------------- batching
+    # ---------------------------------------------------------------- scheduling
 
     def _check_request(self, i: int, req: GenerateRequest) -> None:
         where = f"request {i}"
@@ -175,68 +244,93 @@ class TorchEngine:
         if lo < 0 or hi >= self._vocab:
             raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {self._vocab})")
 
-    def _plan(self, reqs: list[GenerateRequest]) -> list[list[int]]:
-        """Batches of request indices: similar prompt lengths together (less padding), within capacity."""
+    def _take_admissible(self) -> list[Row]:
+        """Queued rows, oldest first, that fit the running batch: at most max_concurrent_sequences rows,
+        and rows x (longest context + most tokens still to come) within the KV budget. A lone request
+        larger than the budget still runs (alone): refusing it would stall its caller forever."""
+        batch = self._batch
+        if not self._admitting or (batch is not None and not self._continuous):
+            return []
         cap = self._capacity
-        order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_ids))
-        batches: list[list[int]] = []
-        current: list[int] = []
-        widest = 0
-        for i in order:
-            need = len(reqs[i].prompt_ids) + reqs[i].max_new_tokens
-            fits = len(current) < cap.max_concurrent_sequences
-            fits = fits and (len(current) + 1) * max(widest, need) <= cap.kv_budget_tokens
-            if current and not fits:
-                batches.append(current)
-                current, widest = [], 0
-            current.append(i)
-            widest = max(widest, need)
-        if current:
-            batches.append(current)
-        return batches
+        running = batch.rows if batch is not None else []
+        length = batch.length if batch is not None else 0
+        room = max((r.remaining for r in running), default=0)
+        held_rows = batch.cache.row_capacity if batch is not None and isinstance(batch.cache, StaticKV) else 0
+        taken: list[Row] = []
+        with self._intake_lock:
+            while self._intake:
+                row = self._intake[0]
+                count = len(running) + len(taken) + 1
+                length_after = max(length, len(row.prompt))
+                room_after = max(room, row.req.max_new_tokens)
+                fits = count <= cap.max_concurrent_sequences
+                fits = fits and max(count, held_rows) * (length_after + room_after) <= cap.kv_budget_tokens
+                if not fits and (running or taken):
+                    break
+                taken.append(self._intake.popleft())
+                length, room = length_after, room_after
+            if taken:
+                self._kv.evict_to(max(0, cap.kv_budget_tokens - max(len(running) + len(taken), held_rows)
+                                      * (length + room)))
+        return taken
 
-    def _run_batch(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
-        rows = self._make_rows(reqs)
-        widest = max(len(r.prompt) + r.req.max_new_tokens for r in rows)
-        self._kv.evict_to(max(0, self._capacity.kv_budget_tokens - len(rows) * widest))
+    def _admit(self) -> None:
+        rows = self._take_admissible()
+        if not rows:
+            return
         try:
-            logits, cache, mask = self._prefill(rows)
-            self._decode(rows, logits, cache, mask)
+            for row in rows:
+                key = row.req.cache_key if self._can_keep and row.req.cache_key not in self._live_keys else None
+                row.keep_key = key
+                if key is not None:
+                    self._live_keys.add(key)
+                    row.kept = self._kv.take(key, row.prompt)
+            joining = self._prefill(rows)
         except RuntimeError as exc:
-            raise EngineError(
-                f"generation failed for a batch of {len(rows)} sequences (up to {widest} tokens each): {exc}. "
-                "If memory ran out, lower max_concurrent_sequences or kv_budget_tokens."
-            ) from exc
+            self._fail(rows, exc)
+            return
         self._counts["batches"] += 1
-        reasons = [r.reason or FinishReason.LENGTH for r in rows]
-        return [GenerateResult(r.tokens, r.logprobs, why, self._version) for r, why in zip(rows, reasons)]
+        if self._batch is None:
+            self._batch = joining
+            return
+        self._counts["admitted_while_running"] += len(rows)
+        try:
+            self._batch.join(joining, max(r.remaining for r in self._batch.rows + rows))
+        except RuntimeError as exc:  # the batch may be half-joined: neither side can go on
+            self._fail(rows, exc)
+            raise
 
-    def _make_rows(self, reqs: list[GenerateRequest]) -> list[_Row]:
-        rows = []
-        seen: set[str] = set()
-        for req in reqs:
-            prompt = list(req.prompt_ids)
-            key = req.cache_key if self._can_keep and req.cache_key not in seen else None
-            if key is not None:
-                seen.add(key)
-            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
-            kept = self._kv.take(key, prompt) if key is not None else None
-            rows.append(_Row(req, prompt, gen, key, kept))
-        return rows
+    def _fail_running(self, exc: RuntimeError) -> None:
+        rows = self._batch.rows if self._batch is not None else []
+        self._batch = None
+        self._fail(rows, exc)
+
+    def _fail(self, rows: list[Row], exc: RuntimeError) -> None:
+        widest = max((len(r.prompt) + r.req.max_new_tokens for r in rows), default=0)
+        error = EngineError(
+            f"generation failed for a batch of {len(rows)} sequences (up to {widest} tokens each): {exc}. "
+            "If memory ran out, lower max_concurrent_sequences or kv_budget_tokens."
+        )
+        error.__cause__ = exc
+        for row in rows:
+            self._live_keys.discard(row.keep_key or "")
+            row.finish(error=error)
 
     # ---------------------------------------------------------------- forward passes
 
-    def _prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, DynamicCache | StaticKV, torch.Tensor]:
-        """One forward over the new prompt tokens of every row.
+    def _prefill(self, rows: list[Row]) -> RunningBatch:
+        """One forward over the new prompt tokens of the admitted rows, each distinct prompt once.
 
-        Returns next-token logits [B, V] float32, the batch cache, and the mask [B, C + N] int64.
+        Rows that start from no kept cache and carry the same prompt (a GRPO group) share one source
+        row; its KV and logits are then copied to each of them.
         """
-        cached = [len(r.kept.tokens) if r.kept is not None else 0 for r in rows]
+        sources, index = self._sources(rows)
+        cached = [len(r.kept.tokens) if r.kept is not None else 0 for r in sources]
         width_c = max(cached)
-        width_n = max(len(r.prompt) - c for r, c in zip(rows, cached))
-        ids = torch.full((len(rows), width_n), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width_c + width_n), dtype=torch.long)
-        for b, (row, c) in enumerate(zip(rows, cached)):
+        width_n = max(len(r.prompt) - c for r, c in zip(sources, cached))
+        ids = torch.full((len(sources), width_n), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sources), width_c + width_n), dtype=torch.long)
+        for b, (row, c) in enumerate(zip(sources, cached)):
             new = row.prompt[c:]
             ids[b, width_n - len(new) :] = torch.tensor(new, dtype=torch.long)
             mask[b, width_c - c : width_c] = 1
@@ -246,112 +340,88 @@ class TorchEngine:
         cache: DynamicCache | StaticKV | None
         if self._fast is not None:
             capacity = width_c + width_n + max(r.req.max_new_tokens for r in rows)
-            cache = self._fast.new_cache(len(rows), capacity)
-            self._fill_kept(rows, cached, width_c, [(layer.k_buf, layer.v_buf) for layer in cache.layers])
+            cache = self._fast.new_cache(len(sources), capacity)
+            fill_kept(sources, cached, width_c, [(layer.k_buf, layer.v_buf) for layer in cache.layers])
             cache.length = width_c
             logits = self._fast.forward(ids, positions, mask, cache)
         else:
-            cache = self._merge_kept(rows, cached, width_c)
+            cache = merged_kept(sources, cached, width_c)
             out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                               use_cache=True, logits_to_keep=1)
             logits, cache = out.logits[:, -1, :], out.past_key_values
+        assert cache is not None
         self._counts["forward_calls"] += 1
-        self._counts["prefill_tokens"] += sum(len(r.prompt) - c for r, c in zip(rows, cached))
+        self._counts["prefill_tokens"] += sum(len(r.prompt) - c for r, c in zip(sources, cached))
         self._counts["reused_tokens"] += sum(cached)
         for row in rows:
             row.kept = None  # its tensors now live in the batch cache
-        return logits.float(), cache, mask
+        if len(sources) < len(rows):
+            self._counts["shared_prefix_tokens"] += sum(len(r.prompt) for r in rows) - sum(len(r.prompt) for r in sources)
+            idx = torch.tensor(index, dtype=torch.long, device=mask.device)
+            select_rows(cache, idx)
+            logits, mask = logits[idx], mask[idx]
+        return RunningBatch(rows, cache, mask, mask.sum(-1), logits.float())
 
-    def _merge_kept(self, rows: list[_Row], cached: list[int], width: int) -> DynamicCache | None:
-        """A DynamicCache holding every row's kept KV right-aligned in [B, kv_heads, width, head_dim] per layer."""
-        if width == 0:
-            return None
-        sample = next(r.kept for r in rows if r.kept is not None)
-        layers = []
-        for k0, _ in sample.kv:
-            shape = (len(rows), k0.shape[1], width, k0.shape[3])
-            layers.append((k0.new_zeros(shape), k0.new_zeros(shape)))
-        self._fill_kept(rows, cached, width, layers)
-        return DynamicCache(ddp_cache_data=layers)
+    def _sources(self, rows: list[Row]) -> tuple[list[Row], list[int]]:
+        """The rows to run through the model, and for each admitted row the index of its source."""
+        sources: list[Row] = []
+        index: list[int] = []
+        by_prompt: dict[tuple[int, ...], int] = {}
+        for row in rows:
+            key = tuple(row.prompt) if self._sharing and row.kept is None else None
+            if key is not None and key in by_prompt:
+                index.append(by_prompt[key])
+                continue
+            if key is not None:
+                by_prompt[key] = len(sources)
+            index.append(len(sources))
+            sources.append(row)
+        return sources, index
 
-    @staticmethod
-    def _fill_kept(rows: list[_Row], cached: list[int], width: int,
-                   layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy every row's kept KV into positions [width - c_i, width) of per-layer [B, kv_heads, >= width, head_dim]."""
-        for li, (keys, values) in enumerate(layers):
-            for b, (row, c) in enumerate(zip(rows, cached)):
-                if row.kept is not None:
-                    keys[b, :, width - c : width] = row.kept.kv[li][0][0]
-                    values[b, :, width - c : width] = row.kept.kv[li][1][0]
+    def _sample_and_retire(self, batch: RunningBatch) -> torch.Tensor:
+        """Sample one token per row; finished rows keep their KV (if keyed), get their result and leave.
+        Returns the sampled tokens [B'] int64 of the rows that stay."""
+        uniforms = draw_uniforms(batch.rows, self._rng).to(batch.logits.device)
+        tokens, logprobs = sample_tokens(batch.logits, SamplingParams.of([r.req for r in batch.rows]), uniforms)
+        stay = []
+        for j, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+            row = batch.rows[j]
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            if tok in row.req.stop_token_ids:
+                row.reason = FinishReason.STOP
+            elif len(row.tokens) >= row.req.max_new_tokens:
+                row.reason = FinishReason.LENGTH
+            if row.reason is None:
+                stay.append(j)
+                continue
+            if row.keep_key is not None:
+                self._kv.put(row.keep_key, kept_kv(row, batch.cache, batch.mask, j))
+            self._live_keys.discard(row.keep_key or "")
+            row.finish(GenerateResult(row.tokens, row.logprobs, row.reason, self._version))
+        self._counts["generated"] += len(batch.rows)
+        if len(stay) < len(batch.rows):
+            batch.keep_rows(stay)
+            tokens = tokens[stay]
+            if stay:  # else the batch ends and its storage is freed: the kept caches may use the whole budget
+                self._kv.evict_to(max(0, self._capacity.kv_budget_tokens - batch.held_tokens))
+        return tokens
 
-    def _decode(self, rows: list[_Row], logits: torch.Tensor, cache: DynamicCache | StaticKV, mask: torch.Tensor) -> None:
-        """Sample, append, drop finished rows, feed the rest one token; until every row finished."""
-        live = list(range(len(rows)))
-        params = SamplingParams.of([r.req for r in rows])
-        positions = mask.sum(-1)  # [B] position of the next fed token
-        while True:
-            tokens, logprobs = self._sample(logits, [rows[i] for i in live], params)
-            finished = []
-            for j, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-                row = rows[live[j]]
-                row.tokens.append(tok)
-                row.logprobs.append(lp)
-                if tok in row.req.stop_token_ids:
-                    row.reason = FinishReason.STOP
-                elif len(row.tokens) >= row.req.max_new_tokens:
-                    row.reason = FinishReason.LENGTH
-                if row.reason is not None:
-                    finished.append(j)
-                    self._keep(row, cache, mask, j)
-            self._counts["generated"] += len(live)
-            if len(finished) == len(live):
-                return
-            if finished:
-                done = set(finished)
-                stay = [j for j in range(len(live)) if j not in done]
-                idx = torch.tensor(stay, dtype=torch.long, device=mask.device)
-                layers: list[Any] = list(cache.layers)  # DynamicLayer and _StaticLayer both select rows
-                for layer in layers:
-                    layer.batch_select_indices(idx)
-                mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
-                params = params.select(idx)
-                live = [live[j] for j in stay]
-            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
-            if isinstance(cache, StaticKV):
-                assert self._fast is not None
-                logits = self._fast.forward(tokens[:, None].to(self._device), positions[:, None], mask, cache).float()
-            else:
-                out = self._model(input_ids=tokens[:, None].to(self._device), attention_mask=mask,
-                                  position_ids=positions[:, None], past_key_values=cache, use_cache=True)
-                logits = out.logits[:, -1, :].float()
-            self._counts["forward_calls"] += 1
-            positions = positions + 1
-
-    def _sample(
-        self, logits: torch.Tensor, rows: list[_Row], params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw one uniform per sampled row (its own generator if seeded, else the engine's), then sample."""
-        uniforms = torch.zeros(len(rows))
-        shared = [j for j, r in enumerate(rows) if r.generator is None and r.req.temperature > 0]
-        if shared:
-            uniforms[shared] = torch.rand(len(shared), generator=self._rng)
-        for j, row in enumerate(rows):
-            if row.generator is not None and row.req.temperature > 0:
-                uniforms[j] = torch.rand((), generator=row.generator)
-        return sample_tokens(logits, params, uniforms.to(logits.device))
-
-    def _keep(self, row: _Row, cache: DynamicCache | StaticKV, mask: torch.Tensor, j: int) -> None:
-        """Store the KV of a finished row (prompt + all generated tokens but the last, never fed)."""
-        if row.keep_key is None:
-            return
-        sel = mask[j].nonzero().squeeze(1)
-        tokens = row.prompt + row.tokens[:-1]
-        assert sel.numel() == len(tokens), (sel.numel(), len(tokens))
-        layers: list[Any] = list(cache.layers)  # DynamicLayer and _StaticLayer both hold keys/values
-        kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel))
-              for layer in layers]
-        self._kv.put(row.keep_key, KeptKV(tokens, kv))
-
+    def _decode(self, batch: RunningBatch, tokens: torch.Tensor) -> None:
+        """Feed every row its last sampled token: one forward, next-token logits into the batch."""
+        batch.trim()
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
+        ids, positions = tokens[:, None].to(self._device), batch.positions[:, None]
+        if isinstance(batch.cache, StaticKV):
+            assert self._fast is not None
+            logits = self._fast.forward(ids, positions, batch.mask, batch.cache)
+        else:
+            out = self._model(input_ids=ids, attention_mask=batch.mask, position_ids=positions,
+                              past_key_values=batch.cache, use_cache=True)
+            logits = out.logits[:, -1, :]
+        batch.logits = logits.float()
+        batch.positions = batch.positions + 1
+        self._counts["forward_calls"] += 1
 
 def _check_capacity(capacity: EngineCapacity) -> None:
     if capacity.max_concurrent_sequences < 1 or capacity.kv_budget_tokens < 1:

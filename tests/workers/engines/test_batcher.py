@@ -195,3 +195,31 @@ def test_event_loop_runs_during_a_batch_and_close_fails_waiters(model: Qwen2ForC
     ticks, results = asyncio.run(main())
     assert ticks >= 4
     assert all(isinstance(r, EngineError) for r in results)
+
+
+def test_requests_that_gather_share_one_batch_until_all_are_here(model: Qwen2ForCausalLM) -> None:
+    """Requests arriving one by one (as HTTP agents' do) share a batch when they ask to gather, and stop
+    waiting as soon as `all_here()` says no more are coming."""
+    reqs = requests(6)
+
+    async def run(gather: float, expected: int) -> int:
+        batcher = AsyncBatcher(TorchEngine(model), max_batch_size=16, max_wait_s=0.002)
+        arrived = 0
+
+        async def agent(i: int) -> GenerateResult:
+            nonlocal arrived
+            await asyncio.sleep(0.006 * i)  # 6 ms apart: more than max_wait_s, less than the quiet gap
+            arrived += 1
+            return await batcher.generate(reqs[i], gather_quiet_s=gather, gather_max_s=2.0,
+                                          all_here=lambda: arrived >= expected)
+
+        start = time.monotonic()
+        await asyncio.gather(*(agent(i) for i in range(6)))
+        elapsed = time.monotonic() - start
+        await batcher.aclose()
+        assert elapsed < 1.5, "gathering waited for its cap although every request was there"
+        return batcher.batches_run
+
+    assert asyncio.run(run(0.0, 6)) >= 2  # no gathering: the arrivals split into several batches
+    assert asyncio.run(run(0.05, 6)) == 1  # gathering: one batch, started once all six were here
+    assert asyncio.run(run(0.05, 99)) == 1  # more expected than come: the quiet gap ends the wait

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from earl_stream.errors import EngineError
-from earl_stream.modeling import load_model
+from earl_stream.model import load_model
 from earl_stream.workers.engines import AsyncBatcher, Engine, EngineCapacity, FinishReason, GenerateRequest
 from earl_stream.workers.engines.registry import engine_names, make_engine, unavailable_reason
 from earl_stream.workers.engines.sglang_engine import filtered_logprob

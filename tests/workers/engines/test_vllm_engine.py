@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from earl_stream.errors import EngineError
-from earl_stream.modeling import load_model
+from earl_stream.model import load_model
 from earl_stream.workers.engines import EngineCapacity, FinishReason, GenerateRequest
 from earl_stream.workers.engines.registry import unavailable_reason
 

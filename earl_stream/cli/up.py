@@ -1,0 +1,221 @@
+"""`earl-stream up`: a whole run. A launcher (cli/launchers/: local child processes by default, or
+Ray) places a supervisor, the rollout workers and the trainer pool, each running the same command a
+user runs by hand on other hosts (`earl-stream supervisor`, `earl-stream worker`); `up` watches them,
+restarts a dead one with --restart, shows a live view, and writes a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from earl_stream import protocol as P
+from earl_stream.cli.launchers import Launcher, Placed, RunSpec, make_launcher
+from earl_stream.cli.live import LiveView
+from earl_stream.config import RunConfig, config_to_yaml, replace
+from earl_stream.encryption import export_encrypt
+from earl_stream.errors import ChildProcessFailed, EarlError
+from earl_stream.security import RUN_SECRET, SECRET_ENV, create_secret_file, find_run_secret, load_secret
+from earl_stream.store.durable import EXPERIENCE_DIR
+
+log = logging.getLogger(__name__)
+SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",
+                "win_rate_last", "draw_rate_last", "tokens_per_second", "wall_seconds")
+
+
+def prepare(cfg: RunConfig) -> tuple[RunConfig, Path]:
+    """Resolve the model (building the embedded one once) and write the run's config file."""
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not cfg.model.path:
+        from earl_stream.modeling import ensure_default_model
+
+        log.info("preparing the embedded tiny model (built once, then cached)")
+        model_dir = ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
+                                         warm_start_seconds=cfg.model.warm_start_seconds)
+        cfg = replace(cfg, f"model.path={model_dir}")
+    path = run_dir / "config.yaml"
+    path.write_text(config_to_yaml(cfg))
+    return cfg, path
+
+
+def _run_secret(run_dir: Path) -> bytes:
+    """The run's secret: the one given ($EARL_STREAM_SECRET_FILE, `--secret-file`), else a new one in
+    RUN_DIR/secret. A given one gets a link there, so that RUN_DIR/secret is always the run's secret
+    and commands run in this directory find it (`security.find_run_secret`)."""
+    own = run_dir / RUN_SECRET
+    secret = load_secret()
+    if secret is None:
+        os.environ[SECRET_ENV] = str(create_secret_file(own).resolve())
+    else:
+        given = Path(os.environ[SECRET_ENV]).resolve()
+        if not (own.is_file() and own.resolve() == given):
+            own.unlink(missing_ok=True)
+            own.symlink_to(given)
+    secret = load_secret()
+    assert secret is not None
+    return secret
+
+
+def worker_commands(address: str, secret_file: str, encrypt: bool = False) -> list[str]:
+    """What `up` prints so that a rollout worker can be added by pasting one line: from this directory
+    (where the CLI finds the run's secret by the address), and from anywhere else (with --secret-file;
+    and --encrypt when the run encrypts its planes)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    base = f"earl-stream worker --role rollout --supervisor {address}" + (" --encrypt" if encrypt else "")
+    full = f"{base} --secret-file {Path(secret_file).resolve()}"
+    run = find_run_secret(address)
+    here = base if run is not None and run.secret_file.resolve() == Path(secret_file).resolve() else full
+    if host in ("0.0.0.0", "*", "::"):
+        full = full.replace(address, f"tcp://{socket.gethostname()}:{port}")
+        note = "(on another host: copy the secret file there and add --advertise ITS_ADDRESS)"
+    elif host == "localhost" or host.startswith("127."):
+        note = ("(another host also needs a copy of the secret file, --advertise ITS_ADDRESS, and a supervisor it "
+                "can reach: this one listens on loopback only; start `up --bind 0.0.0.0:PORT` for that)")
+    else:
+        note = "(on another host: copy the secret file there and add --advertise ITS_ADDRESS)"
+    return [f"supervisor at {address} — add a rollout worker from this directory with: {here}",
+            f"from another directory or host: {full}", note]
+
+
+def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = None, resume: bool = False,
+       restart: int = 0) -> int:
+    """Run until `steps` (or a signal), the processes placed by the launcher `launcher.kind` names.
+    `restart`: times the trainer pool is restarted from its latest checkpoint when one of its ranks
+    dies, and times a rollout worker or the supervisor that dies is started again (0 = the run stops
+    with an error naming the process)."""
+    cfg, config_file = prepare(cfg)
+    run_dir = Path(cfg.run_dir)
+    if not resume:  # a fresh run: forget the ledger of an earlier run in the same directory
+        (run_dir / "supervisor.state").unlink(missing_ok=True)
+        (run_dir / "supervisor.wal").unlink(missing_ok=True)
+        (run_dir / "trained.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / EXPERIENCE_DIR, ignore_errors=True)  # and the samples it had persisted
+    secret = _run_secret(run_dir)
+    export_encrypt(cfg.security.encrypt)  # for this process's own clients; the launcher passes it on
+    launcher = make_launcher(RunSpec(cfg, config_file, Path(os.environ[SECRET_ENV]), bind, resume, restart))
+    stopping: list[str] = []
+    signal.signal(signal.SIGINT, lambda s, f: stopping.append("interrupted"))
+    signal.signal(signal.SIGTERM, lambda s, f: stopping.append("terminated"))
+    started = time.time()
+    status: dict[str, Any] = {}
+    view = LiveView(cfg)
+    try:
+        sup, address = launcher.start_supervisor()
+        for line in worker_commands(address, os.environ[SECRET_ENV], encrypt=cfg.security.encrypt):
+            view.message(line)
+        rollout = [launcher.start_rollout_worker(i, address) for i in range(cfg.rollout.workers)]
+        placed = [sup] + rollout
+        trainer = launcher.start_trainer_pool(address)
+        client = P.ControlClient(address, timeout_s=10, secret=secret)
+        revivals = recovered = 0
+        with view:
+            while not stopping and trainer.poll() is None:
+                failed = next((p for p in placed if p.poll() not in (None, 0)), None)
+                if failed is not None:
+                    if revivals >= restart:
+                        raise ChildProcessFailed(failed.describe_exit())
+                    revivals += 1
+                    view.message(f"{failed.describe_exit().splitlines()[0]}; starting it again "
+                                 f"({revivals} of {restart} restarts)")
+                    launcher.revive(failed, address)
+                    continue
+                status = _status(client) or status
+                if resume and status.get("samples_recovered", 0) > recovered:
+                    recovered = status["samples_recovered"]
+                    view.message(f"resume: {recovered} samples recovered from {run_dir / EXPERIENCE_DIR}, "
+                                 f"{status.get('samples_replayed_since_resume') or 0} re-played")
+                for new in scale_up(launcher, status, rollout, address):  # `earl-stream scale` asked for more
+                    view.message(f"rollout pool below its size {status['pools']['rollout']['desired']}: "
+                                 f"started {new.name}")
+                    placed.append(new)
+                view.update(status)
+                write_targets(run_dir / "prometheus_targets.json", status)
+                time.sleep(0.5)
+        if trainer.poll() not in (None, 0):
+            raise ChildProcessFailed(trainer.describe_exit())
+        status = _status(client) or status
+    finally:
+        launcher.stop()
+    summary = make_summary(status, wall=time.time() - started)
+    view.finish(summary, stopping[0] if stopping else "")
+    out = Path(summary_path) if summary_path else run_dir / "summary.json"
+    curve = view.write_learning_curve(out.parent / "learning_curve.png")
+    summary["learning_curve_png"] = str(curve) if curve else None
+    out.write_text(json.dumps(summary, indent=2))
+    return 130 if stopping else 0
+
+
+def scale_up(launcher: Launcher, status: dict[str, Any], rollout: list[Placed], address: str) -> list[Placed]:
+    """Start the rollout workers the pool lacks to reach the size `earl-stream scale` set in the
+    supervisor (status pools.rollout.desired; None = never set, nothing to do). Appends them to `rollout`.
+
+    Counted as there: the supervisor's active workers, or this launcher's running ones less those
+    draining, whichever is more (a worker just started is running before it registers; one started
+    by hand is active without being ours). A drained worker exits 0 and is not revived."""
+    pool = status.get("pools", {}).get("rollout", {})
+    if pool.get("desired") is None:
+        return []
+    running = sum(p.poll() is None for p in rollout)
+    missing = pool["desired"] - max(pool.get("active", 0), running - pool.get("draining", 0))
+    new = [launcher.start_rollout_worker(len(rollout) + i, address) for i in range(max(0, missing))]
+    rollout.extend(new)
+    return new
+
+
+def _status(client: P.ControlClient) -> dict[str, Any] | None:
+    try:
+        return json.loads(client.call(P.StatusRequest(), timeout_s=5).status_json)
+    except EarlError:
+        return None
+
+
+def write_targets(path: Path, status: dict[str, Any]) -> None:
+    """A Prometheus file_sd targets file with every live process's metrics endpoint."""
+    if not status:
+        return
+    groups = [{"targets": [status["metrics_address"]], "labels": {"role": "supervisor", "instance_name": "supervisor"}}]
+    for w in status.get("workers", []):
+        if w["alive"] and w.get("metrics_address"):
+            groups.append({"targets": [w["metrics_address"]], "labels": {"role": w["role"], "instance_name": w["id"]}})
+    text = json.dumps(groups, indent=1)
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
+    trainer = status.get("trainer", {})
+    return {
+        "steps": status.get("policy_version", 0),
+        "policy_version": status.get("policy_version", 0),
+        "samples_trained": status.get("samples_consumed", 0),
+        "samples_produced": status.get("samples_produced", 0),
+        "mean_reward_last": status.get("mean_reward_last"),
+        "win_rate_last": status.get("win_rate_last"),
+        "draw_rate_last": status.get("draw_rate_last"),
+        "tokens_per_second": status.get("tokens_per_second", 0.0),
+        "wall_seconds": wall,
+        "samples_lost": status.get("samples_lost", 0),
+        "samples_recovered": status.get("samples_recovered", 0),  # persisted samples trained, not re-played
+        "samples_replayed_since_resume": status.get("samples_replayed_since_resume"),  # None: not resumed
+        "samples_stale": status.get("samples_stale", 0),
+        "samples_filtered": status.get("samples_filtered", 0),  # equal-reward groups dropped (algo.dynamic_sampling)
+        "prompts_reissued": status.get("prompts_reissued", 0),
+        "duplicates_detected": status.get("duplicates_detected", 0),
+        "samples_in_store": status.get("samples_in_store", 0),
+        "samples_claimed": status.get("samples_claimed", 0),
+        "last_loss": trainer.get("loss"),
+        # where each process ran (host, and ray_node_id under the ray launcher), a trainer's rank, and
+        # whether a rollout worker left by draining (`earl-stream scale`)
+        "workers": [{k: w.get(k) for k in ("id", "role", "rank", "alive", "host", "ray_node_id", "draining", "drained")}
+                    for w in status.get("workers", [])],
+    }

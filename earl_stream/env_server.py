@@ -1,0 +1,231 @@
+"""Environment servers: any registered environment run as a process of its own, and `RemoteEnv`, the
+environment a rollout worker plays in its place.
+
+`earl-stream env serve SPEC --bind HOST:PORT` runs `EnvServer`: a ZMQ ROUTER speaking the control
+plane's framing (msgspec messages signed with the cluster secret, `earl_stream.security`). Each episode
+is one environment instance on the server, opened by `EnvOpen` (reset), driven by `EnvStep`, closed by
+`EnvClose` or when it is done; instances idle for `idle_s` are dropped (their worker died). Requests
+run concurrently, so a slow episode does not hold the others up.
+
+`RemoteEnv` (registry name `remote`, params {address, timeout_s}) is the worker's side: every call has
+a timeout, so a server that dies or hangs fails only the episodes it serves (EnvError, which the agent
+loop turns into a failed episode, whose group the supervisor issues again). Attach one to a live run
+with `earl-stream env attach NAME --address HOST:PORT`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from earl_stream import encryption
+from earl_stream import metrics as M
+from earl_stream.env import Environment, StepResult, env_options, env_reset, env_step, make_env
+from earl_stream.errors import EnvError
+from earl_stream.protocol import Msg, normalize_address
+from earl_stream.security import Refusal, ReplayGuard, check, load_secret, refusal_text, sign, verify
+from earl_stream.tools import with_tools
+
+__all__ = ["EnvServer", "RemoteEnv"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class EnvOpen(Msg, tag="env_open", frozen=True):
+    episode: str = ""
+    seed: int = 0
+
+
+class EnvOpened(Msg, tag="env_opened", frozen=True):
+    observation: str = ""
+    system_prompt: str | None = None
+    max_turn_tokens: int = 32
+    max_episode_tokens: int | None = None
+
+
+class EnvStep(Msg, tag="env_step", frozen=True):
+    episode: str = ""
+    action: str = ""
+
+
+class EnvStepped(Msg, tag="env_stepped", frozen=True):
+    observation: str = ""
+    reward: float = 0.0
+    done: bool = False
+    info_json: str = "{}"
+
+
+class EnvClose(Msg, tag="env_close", frozen=True):
+    episode: str = ""
+
+
+class EnvClosed(Msg, tag="env_closed", frozen=True):
+    pass
+
+
+class EnvFailed(Msg, tag="env_failed", frozen=True):
+    message: str = ""
+
+
+_Any = EnvOpen | EnvOpened | EnvStep | EnvStepped | EnvClose | EnvClosed | EnvFailed
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Any)
+
+
+class EnvServer:
+    """Serves environment `spec` (built with `params`) on `bind` ("HOST:PORT")."""
+
+    def __init__(self, spec: str, params: dict[str, Any] | None = None, *, bind: str = "127.0.0.1:0",
+                 secret: bytes | None = None, idle_s: float = 600.0, encrypt: bool | None = None) -> None:
+        self.spec, self.params = spec, dict(params or {})
+        make_env(spec, self.params)  # fail now, at start, if it cannot be built
+        self.secret = secret
+        self.guard = ReplayGuard()  # a replayed or stale request is refused like an unsigned one
+        self.idle_s = idle_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if encryption.encrypt_enabled(encrypt):
+            encryption.curve_server(self._sock, secret)
+        endpoint = normalize_address(bind)
+        if endpoint.rsplit(":", 1)[1] == "0":
+            port = self._sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+            endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._sock.bind(endpoint)
+        self.address = endpoint.split("://", 1)[1]
+        self._envs: dict[str, tuple[Environment, float]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        """Answer requests until `stop` is set (forever without one)."""
+        stop = stop or asyncio.Event()
+        log.info("serving environment %s at %s", self.spec, self.address)
+        try:
+            while not stop.is_set():
+                if not await self._sock.poll(500):
+                    self._reap()
+                    continue
+                frames = await self._sock.recv_multipart()
+                task = asyncio.create_task(self._answer(frames[0], frames[-1]))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            self._sock.close(0)
+            self._ctx.term()
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (_, seen) in self._envs.items() if now - seen > self.idle_s]:
+            del self._envs[key]
+            log.info("dropped idle episode %s", key)
+
+    async def _answer(self, ident: bytes, frame: bytes) -> None:
+        payload = check(self.secret, frame, self.guard)
+        if isinstance(payload, Refusal):
+            M.SECURITY_REFUSED.labels("env", payload.value).inc()
+            reply: Msg = EnvFailed(message=refusal_text(payload, self.guard.window_s))
+            await self._sock.send_multipart([ident, b"", _encoder.encode(reply)])
+            return
+        try:
+            msg = _decoder.decode(payload)
+            reply = await self._handle(msg)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            reply = EnvFailed(message=f"not an environment-server message: {exc}")
+        except EnvError as exc:
+            reply = EnvFailed(message=str(exc))
+        except Exception as exc:  # the environment is user code: its failure is the episode's, not the server's
+            reply = EnvFailed(message=f"{type(exc).__name__}: {exc}")
+        await self._sock.send_multipart([ident, b"", sign(self.secret, _encoder.encode(reply))])
+
+    async def _handle(self, msg: Any) -> Msg:
+        if isinstance(msg, EnvOpen):
+            env = with_tools(make_env(self.spec, self.params))
+            options = env_options(env)
+            observation = await env_reset(env, msg.seed)
+            self._envs[msg.episode] = (env, time.monotonic())
+            return EnvOpened(observation=observation, system_prompt=options.system_prompt,
+                             max_turn_tokens=options.max_turn_tokens, max_episode_tokens=options.max_episode_tokens)
+        if isinstance(msg, EnvStep):
+            held = self._envs.get(msg.episode)
+            if held is None:
+                raise EnvError(f"episode {msg.episode!r} is not open on this server (dropped as idle, or never opened)")
+            self._envs[msg.episode] = (held[0], time.monotonic())
+            result = await env_step(held[0], msg.action)
+            if result.done:
+                self._envs.pop(msg.episode, None)
+            return EnvStepped(observation=result.observation, reward=float(result.reward), done=result.done,
+                              info_json=json.dumps(result.info, default=str))
+        if isinstance(msg, EnvClose):
+            self._envs.pop(msg.episode, None)
+            return EnvClosed()
+        raise EnvError(f"unexpected message {type(msg).__name__}")
+
+
+class RemoteEnv:
+    """An environment served by `earl-stream env serve` at `address` (see the module docstring).
+
+    Its options (system prompt, turn lengths) are the served environment's, known after `reset`.
+    """
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not isinstance(address, str) or ":" not in address:
+            raise EnvError(f"remote environment needs address HOST:PORT, got {address!r}")
+        self.address = normalize_address(address)
+        self.timeout_s = float(timeout_s)
+        self.secret = load_secret()
+        self.episode = uuid.uuid4().hex
+        self.system_prompt: str | None = None
+        self.max_turn_tokens = 32
+        self.max_episode_tokens: int | None = None
+
+    async def _call(self, msg: Msg) -> Any:
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if encryption.encrypt_enabled():
+                encryption.curve_client(sock, self.secret)
+            sock.connect(self.address)
+            await sock.send_multipart([b"", sign(self.secret, _encoder.encode(msg))])
+            if not await sock.poll(int(self.timeout_s * 1000)):
+                raise EnvError(f"environment server {self.address} did not answer within {self.timeout_s:.0f}s")
+            frame = (await sock.recv_multipart())[-1]
+        finally:
+            sock.close(0)
+        payload = verify(self.secret, frame)
+        try:
+            reply = _decoder.decode(payload if payload is not None else frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise EnvError(f"{self.address} is not an environment server, or not signed with our cluster secret") from None
+        if isinstance(reply, EnvFailed):
+            raise EnvError(f"environment server {self.address}: {reply.message}")
+        if payload is None:
+            raise EnvError(f"the reply of environment server {self.address} is not signed with our cluster secret")
+        return reply
+
+    async def reset(self, seed: int) -> str:
+        opened: EnvOpened = await self._call(EnvOpen(episode=self.episode, seed=seed))
+        self.system_prompt, self.max_turn_tokens = opened.system_prompt, opened.max_turn_tokens
+        self.max_episode_tokens = opened.max_episode_tokens
+        return opened.observation
+
+    async def step(self, action_text: str) -> StepResult:
+        stepped: EnvStepped = await self._call(EnvStep(episode=self.episode, action=action_text))
+        return StepResult(stepped.observation, stepped.reward, stepped.done, json.loads(stepped.info_json))
+
+    async def close(self) -> None:
+        """Tell the server the episode is over (it also drops idle ones by itself)."""
+        await self._call(EnvClose(episode=self.episode))

@@ -1,0 +1,87 @@
+"""The embedded default run's model: a tiny model warm-started on a game, built once per machine.
+
+This module owns where the cached build lives (`default_model_dir`) and building it exactly once
+under a file lock, so that concurrent callers wait for one build and never see a half-written model
+(`ensure_default_model`). What is built is `earl_stream.model.tiny.init_model` followed by
+`earl_stream.model.warmstart.warm_start` on the game, which is named by an environment spec and
+resolved through the environment registry, not imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_GAME", "DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "ensure_default_model"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GAME = "tictactoe"
+# Bump the version whenever the build recipe changes: a cached older build is never reused.
+_RECIPE = "warm-v3"
+DEFAULT_MODEL_NAME = f"{DEFAULT_GAME}-{_RECIPE}"
+
+
+def cache_dir() -> Path:
+    """`$EARL_STREAM_CACHE` (default `~/.cache/earl_stream`): built and imported models live under models/."""
+    root = os.environ.get("EARL_STREAM_CACHE") or Path.home() / ".cache" / "earl_stream"
+    return Path(root).expanduser()
+
+
+def default_model_dir(game: str = DEFAULT_GAME) -> Path:
+    """`cache_dir()/models/<game>-warm-v3`, e.g. `~/.cache/earl_stream/models/tictactoe-warm-v3`."""
+    return cache_dir() / "models" / f"{game}-{_RECIPE}"
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_default_model(*, game: str = DEFAULT_GAME, warm_start_steps: int = 450,
+                         warm_start_seconds: float = 900) -> Path:
+    """Return `default_model_dir(game)`, building it first (init + warm start on `game`) if it does not exist.
+
+    Built in a temporary sibling directory and renamed into place under an fcntl lock, so
+    concurrent callers wait for one build and no one ever sees a half-written model.
+    """
+    final = default_model_dir(game)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(final.parent / f".{final.name}.lock"):
+        if (final / "config.json").is_file():
+            return final
+        from earl_stream.model.tiny import init_model
+        from earl_stream.model.warmstart import warm_start
+
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
+        try:
+            started = time.monotonic()
+            init_model(tmp)
+            # a fixed number of steps (not a time budget): the same model on a busy or an idle machine
+            report = warm_start(tmp, game, seconds=warm_start_seconds, max_steps=warm_start_steps, batch_size=16)
+            meta: dict[str, Any] = {"name": final.name, "warm_start": report.as_dict(),
+                                    "build_seconds": round(time.monotonic() - started, 1)}
+            (tmp / "earl_stream_model.json").write_text(json.dumps(meta, indent=2) + "\n")
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cached model is meant to be shared
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    logger.info("built the default model in %s", final)
+    return final

@@ -1,0 +1,232 @@
+"""Importing a model into a standard Hugging Face directory: from a GGUF file or another HF directory.
+
+This module owns `import_model` (what `earl-stream model import SRC OUT_DIR` runs): it reads SRC,
+de-quantises a GGUF into float32, and writes OUT_DIR with safetensors weights, config, generation
+config, tokenizer and chat template, which `model.path=OUT_DIR` then loads like any other model.
+Any GGUF that transformers can read is accepted (it needs the optional `gguf` and `accelerate`
+packages: `pip install 'earl_stream[real-model]'`). One clear `ModelError` per bad input: a GGUF of
+an architecture transformers cannot load or that is not a causal LM, a source without a tokenizer or
+chat template, a model too large for the memory at hand. The output is written next to OUT_DIR and
+renamed into place, so a failed import leaves nothing half-written. Loading is `loading`'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from earl_stream.errors import ModelError
+from earl_stream.model.loading import check_model_dir, count_parameters, load_model, one_line
+
+__all__ = ["ImportReport", "available_memory_bytes", "import_model"]
+
+logger = logging.getLogger(__name__)
+
+# Peak bytes per parameter of a float32 import: the de-quantised model plus the plain copy that is saved.
+_IMPORT_BYTES_PER_PARAM = 8
+_EXTRA_HINT = "pip install 'earl_stream[real-model]' (the gguf and accelerate packages)"
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """What `import_model` wrote: source (path) and its format ("gguf" or "hf"), out_dir, the
+    config's model_type, parameters (count), vocab_size (tokenizer entries), seconds (wall time)."""
+
+    source: str
+    source_format: str
+    out_dir: str
+    model_type: str
+    parameters: int
+    vocab_size: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as a JSON-able dict."""
+        return asdict(self)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def import_model(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False,
+                 chat_template: str | None = None, memory_budget_bytes: int | None = None) -> ImportReport:
+    """Write the model at `src` (a .gguf file or an HF directory) to `out_dir` as a float32 HF directory.
+
+    `chat_template` (Jinja text) replaces or supplies the tokenizer's; without one the source must
+    carry its own. `memory_budget_bytes` bounds the import's peak memory (default: this machine's
+    available memory). An existing non-empty `out_dir` is replaced only with `overwrite`.
+    """
+    started = time.monotonic()
+    source = Path(src).expanduser()
+    out = Path(out_dir).expanduser()
+    if not source.exists():
+        raise ModelError(f"model source {source} does not exist (give a .gguf file or a Hugging Face model directory)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ModelError(f"{out} already exists and is not empty; pass --overwrite to replace it")
+    budget = memory_budget_bytes if memory_budget_bytes is not None else available_memory_bytes()
+    if source.is_dir():
+        fmt = "hf"
+        model, tokenizer = _read_hf_dir(source, budget)
+    else:
+        fmt = "gguf"
+        model, tokenizer = _read_gguf(source, budget)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        where = "tokenizer.chat_template metadata" if fmt == "gguf" else "chat template"
+        raise ModelError(f"{source} has no {where}; earl_stream renders every turn with one: pass --chat-template "
+                         "FILE (a Jinja template) to supply it")
+    _write(model, tokenizer, out, overwrite)
+    report = ImportReport(source=str(source), source_format=fmt, out_dir=str(out), model_type=model.config.model_type,
+                          parameters=count_parameters(model), vocab_size=len(tokenizer),
+                          seconds=round(time.monotonic() - started, 1))
+    (out / "earl_stream_model.json").write_text(json.dumps({"imported": report.as_dict()}, indent=2) + "\n")
+    logger.info("imported %s (%s, %d parameters) into %s in %.1f s", source, report.model_type, report.parameters,
+                out, report.seconds)
+    return report
+
+
+def _check_memory(source: Path, parameters: int, budget: int) -> None:
+    needed = parameters * _IMPORT_BYTES_PER_PARAM
+    if budget and needed > budget:
+        raise ModelError(f"{source} has {parameters / 1e9:.2f}B parameters: importing it in float32 needs about "
+                         f"{needed / 2**30:.1f} GiB of memory, but only {budget / 2**30:.1f} GiB are available")
+
+
+def _read_hf_dir(source: Path, budget: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    p = check_model_dir(source)
+    weights = list(p.glob("*.safetensors")) + list(p.glob("*.bin"))
+    # a float32 file holds 4 bytes per parameter; a half-precision one 2 (then this errs on the safe side)
+    _check_memory(source, sum(w.stat().st_size for w in weights) // 2, budget)
+    return load_model(p, dtype=torch.float32)
+
+
+def _gguf_parameters(source: Path) -> tuple[str, int]:
+    """(general.architecture, parameter count) from the GGUF header, without reading the weights."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelError(f"reading {source} needs the gguf package: {_EXTRA_HINT}") from None
+    try:
+        reader = GGUFReader(source)
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+        return arch, sum(int(t.n_elements) for t in reader.tensors)
+    except KeyError:
+        raise ModelError(f"{source} is a GGUF file without general.architecture") from None
+    except Exception as exc:
+        raise ModelError(f"{source} is not a readable GGUF file: {one_line(exc)}") from None
+
+
+def _read_gguf(source: Path, budget: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.utils import is_accelerate_available
+
+    if not is_accelerate_available():
+        raise ModelError(f"loading {source} needs the accelerate package: {_EXTRA_HINT}")
+    arch, parameters = _gguf_parameters(source)
+    try:
+        config = load_gguf_checkpoint(str(source), return_tensors=False)["config"]
+    except Exception as exc:  # transformers: "GGUF model with architecture X is not supported yet."
+        raise ModelError(f"{source} holds a {arch!r} model, which transformers cannot load from GGUF "
+                         f"({one_line(exc)})") from None
+    model_type = str(config.get("model_type", arch))
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(f"{source} holds a {arch!r} model (model_type {model_type!r}), which is not a causal "
+                         "language model")
+    _check_memory(source, parameters, budget)
+    folder, name = str(source.parent), source.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"cannot build a tokenizer from {source}: {one_line(exc)}") from None
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                         local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"cannot load the weights of {source}: {one_line(exc)}") from None
+    return _plain_copy(source, quantized), tokenizer
+
+
+def _plain_copy(source: Path, loaded: PreTrainedModel) -> PreTrainedModel:
+    """The same weights in a model without the GGUF quantization config, which save_pretrained refuses."""
+    config = loaded.config
+    # Drop the GGUF quantization config (save_pretrained refuses it) and what the GGUF reader added that the
+    # config class does not define (general.name as `_model_name_or_path`, `unk_token_id`): labels, not
+    # model properties, which consumers of config.json (the supervisor's memory model) would not know.
+    extras = set(config.to_dict()) - set(type(config)().to_dict())
+    for attr in {"quantization_config", *extras}:
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ModelError(f"the weights read from {source} do not fit a {type(plain).__name__}: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    plain.generation_config = loaded.generation_config
+    plain.eval()
+    return plain
+
+
+def _write(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, overwrite: bool) -> None:
+    """Save into a sibling temporary directory, check it loads back, then rename it into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _check_round_trip(model, tokenizer, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, safetensors writes 0600: the imported model is meant to be shared
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if out.exists():
+            if not overwrite and (not out.is_dir() or any(out.iterdir())):  # it appeared meanwhile
+                raise ModelError(f"{out} already exists and is not empty; pass --overwrite to replace it")
+            old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink()
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_round_trip(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, saved: Path) -> None:
+    """The saved directory loads back to the same tokens and the same logits (a short chat)."""
+    loaded, loaded_tok = load_model(saved)
+    chat = [{"role": "user", "content": "What is 12 + 30? Answer: 42."}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if loaded_tok.encode(text, add_special_tokens=False) != ids:
+        raise ModelError(f"the tokenizer saved in {saved} tokenizes differently from the source's")
+    with torch.no_grad():
+        batch = torch.tensor([ids])
+        diff = (loaded(input_ids=batch).logits - model(input_ids=batch).logits).abs().max().item()
+    if diff > 1e-3:
+        raise ModelError(f"the model saved in {saved} computes different logits from the source's (max diff {diff:.2e})")

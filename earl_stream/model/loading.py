@@ -1,0 +1,106 @@
+"""Loading a local Hugging Face causal-LM directory, with one clear error per thing that is wrong.
+
+This module owns what makes a directory usable as `model.path`: a config of a causal LM, a tokenizer
+with a chat template (the agent loop renders every turn through it), and readable weights. It never
+reaches a hub. Writing such a directory from a GGUF file or another directory is
+`earl_stream.model.importing`'s job.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from earl_stream.errors import ModelError
+
+__all__ = ["TOKENIZER_FILES", "check_model_dir", "count_parameters", "load_model", "load_tokenizer", "one_line",
+           "torch_dtype"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config's dtype name ("fp32" or "bf16")."""
+    if name not in _DTYPES:
+        raise ModelError(f"unknown dtype {name!r}; known: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, so a ModelError stays one line however chatty the cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def check_model_dir(path: str | os.PathLike[str]) -> Path:
+    """`path` as a Path (`~` expanded) if it is an existing directory; else ModelError."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelError(f"model directory {p} does not exist (create one with `earl-stream init-model DIR` or "
+                         "`earl-stream model import SRC DIR`)")
+    if not p.is_dir():
+        raise ModelError(f"model path {p} is not a directory")
+    return p
+
+
+def load_tokenizer(path: str | os.PathLike[str], *, require_chat_template: bool = True) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved in the local directory `path` (never from a hub).
+
+    With `require_chat_template` (the default: every role renders chats), a tokenizer without a chat
+    template (in tokenizer_config.json or chat_template.jinja) is a ModelError naming the directory.
+    A missing pad token becomes the eos token.
+    """
+    p = check_model_dir(path)
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(f"model directory {p} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"cannot load the tokenizer in {p}: {one_line(exc)}") from None
+    if require_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"the tokenizer in {p} has no chat template (neither chat_template.jinja nor a "
+                         "chat_template entry in tokenizer_config.json); earl_stream renders every turn with it")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the causal LM and tokenizer in the local directory `path`, model in eval mode.
+
+    Raises ModelError (one line) for a missing directory, a directory without config.json, a
+    config that is not a causal LM, a missing tokenizer or chat template, or unreadable weights.
+    """
+    p = check_model_dir(path)
+    if not (p / "config.json").is_file():
+        raise ModelError(f"model directory {p} has no config.json; it is not a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"cannot read {p / 'config.json'}: {one_line(exc)}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(
+            f"model in {p} has model_type {config.model_type!r}, which is not a causal language model"
+        )
+    tokenizer = load_tokenizer(p)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype)
+    except Exception as exc:
+        raise ModelError(f"cannot load the model weights in {p}: {one_line(exc)}") from None
+    model.eval()
+    return model, tokenizer
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of parameters of `model` (all of them, trainable or not)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,67 @@
+"""Plays one episode of an agent environment against the worker's OpenAI endpoint and makes it a sample.
+
+The agent gets an `openai.AsyncOpenAI` client whose every request carries the episode's id
+(`X-Episode-Id`), so the endpoint files its tokens under that episode. When `run` returns, the
+endpoint's trace (prompt tokens, generated tokens with their log-probs and policy versions, loss mask
+on generated tokens only) and the reward become a `SampleRecord` like the built-in loop's. An agent
+that raises, times out or never calls the model fails its own episode (`EpisodeFailed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from earl_stream.agent_env import DEFAULT_AGENT_TIMEOUT_S
+from earl_stream.openai_api import EPISODE_HEADER, OpenAIEndpoint
+from earl_stream.records import SampleRecord
+from earl_stream.workers.agent_loop import EpisodeFailed, trace_record
+
+_clients: dict[tuple[int, str, str], Any] = {}
+
+
+def agent_client(endpoint: OpenAIEndpoint, episode_key: str, api_key: str, timeout_s: float) -> Any:
+    """An `openai.AsyncOpenAI` client on the endpoint, its requests filed under `episode_key`.
+
+    Every episode's client is a copy of one client per endpoint, sharing its connection pool: a new
+    client builds an SSL context (~30 ms here), which would cost more than a short turn.
+    """
+    try:
+        import openai
+    except ImportError:
+        raise EpisodeFailed("agent environments need the openai package (pip install 'earl_stream[agents]')") from None
+    base = _clients.get((id(endpoint), endpoint.local_url, api_key))
+    if base is None or base.is_closed():
+        base = openai.AsyncOpenAI(base_url=endpoint.local_url, api_key=api_key, max_retries=0)
+        _clients[(id(endpoint), endpoint.local_url, api_key)] = base
+    return base.with_options(timeout=timeout_s, default_headers={EPISODE_HEADER: episode_key})
+
+
+async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, api_key: str, env_name: str, seed: int,
+                             prompt_ordinal: int, group_id: str) -> SampleRecord:
+    """Run `env.run(client, env.task(seed))` to its end and return the episode's sample."""
+    episode_id = uuid.uuid4().hex[:16]
+    key = f"{group_id}-{episode_id}"
+    timeout_s = float(getattr(env, "timeout_s", DEFAULT_AGENT_TIMEOUT_S))
+    try:
+        task = env.task(seed)
+    except Exception as exc:  # the environment's own code
+        raise EpisodeFailed(f"agent task({seed}) raised {type(exc).__name__}: {exc}") from None
+    client = agent_client(endpoint, key, api_key, timeout_s)
+    endpoint.expect(key)
+    try:
+        reward = float(await asyncio.wait_for(env.run(client, task), timeout_s))
+    except asyncio.TimeoutError:
+        raise EpisodeFailed(f"the agent ran longer than {timeout_s:.0f}s") from None
+    except Exception as exc:  # an agent is user code: any error fails only its episode
+        raise EpisodeFailed(f"the agent raised {type(exc).__name__}: {exc}") from None
+    finally:
+        episode = endpoint.take_episode(key)
+    if episode is None:
+        raise EpisodeFailed("the agent finished without a successful request to the model")
+    info = {"turns": episode.turns, "prefix_mismatches": episode.mismatches,
+            "dropped_model_tokens": episode.dropped_model_tokens}
+    return trace_record(episode.trace, episode_id=episode_id, group_id=group_id, prompt_ordinal=prompt_ordinal,
+                        env_name=env_name, turns=episode.turns, prompt_tokens=episode.prompt_tokens, reward=reward,
+                        info=info)

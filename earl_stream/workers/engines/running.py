@@ -1,0 +1,172 @@
+"""The built-in engine's running batch: the rows being decoded together and their shared KV layout.
+
+It owns `Row` (one request from submission to result: its sampling generator, the kept KV it starts
+from, the tokens so far, and the result or error the submitting thread waits for) and `RunningBatch`
+(the rows, their KV cache, attention mask, positions and next-token logits, kept aligned row by
+row), with the three layout changes continuous batching needs: admit rows (`join`), drop finished
+rows (`keep_rows`) and drop leading padding every remaining row shares (`trim`); and the row-wise KV
+and sampling helpers (kept KV in and out, per-row uniforms). Which rows to admit, the forward passes
+and the sampling itself are `torch_engine`'s and `sampling`'s job.
+
+Layout (one row per request, all rows share the cache length T):
+  mask [B, T]: | pad | row's tokens (kept KV, prompt, generated) |; positions are cumsum(mask) - 1.
+A row admitted into a longer batch is left-padded to T; when it is longer, the batch is left-padded.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.fast_decoder import StaticKV
+from earl_stream.workers.engines.kv_store import KeptKV
+
+
+@dataclass
+class Row:
+    """One request from `submit` to its result; `done` is set once `result` or `error` is, then `on_done`
+    is called (from the thread driving the engine: it must only hand the row over, e.g. to a loop)."""
+
+    req: GenerateRequest
+    prompt: list[int]
+    generator: torch.Generator | None
+    keep_key: str | None = None
+    kept: KeptKV | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: FinishReason | None = None
+    result: GenerateResult | None = None
+    error: Exception | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[[Row], None] | None = None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to generate at most (the last one is sampled but never fed)."""
+        return self.req.max_new_tokens - len(self.tokens)
+
+    def finish(self, result: GenerateResult | None = None, error: Exception | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
+
+
+@dataclass
+class RunningBatch:
+    """Rows decoding together: cache (StaticKV or DynamicCache) of length T, mask [B, T] int64,
+    positions [B] int64 (of the next fed token), logits [B, V] float32 (for the next sample)."""
+
+    rows: list[Row]
+    cache: StaticKV | DynamicCache
+    mask: torch.Tensor
+    positions: torch.Tensor
+    logits: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.mask.shape[1])
+
+    @property
+    def held_tokens(self) -> int:
+        """KV positions this batch holds in memory (rows x positions of its storage)."""
+        if isinstance(self.cache, StaticKV):
+            return self.cache.held_tokens
+        return len(self.rows) * self.length
+
+    def keep_rows(self, stay: list[int]) -> None:
+        """Keep only the rows `stay` (indices into `rows`, in order); the others leave and free their KV."""
+        idx = torch.tensor(stay, dtype=torch.long, device=self.mask.device)
+        select_rows(self.cache, idx)
+        self.rows = [self.rows[j] for j in stay]
+        self.mask, self.positions, self.logits = self.mask[idx], self.positions[idx], self.logits[idx]
+
+    def trim(self) -> int:
+        """Drop leading positions that are padding in every row, once they are at least half the batch
+        (so that the copy is amortised over many steps). StaticKV only. Returns the positions dropped."""
+        if not isinstance(self.cache, StaticKV) or not self.rows:
+            return 0
+        used = self.mask.any(dim=0).nonzero()
+        lead = int(used[0]) if used.numel() else self.length
+        if lead * 2 < self.length:
+            return 0
+        self.cache.trim_left(lead)
+        self.mask = self.mask[:, lead:]
+        return lead
+
+    def join(self, other: RunningBatch, room: int) -> None:
+        """Append `other`'s rows (a freshly prefilled StaticKV batch), right-aligned at the longer length,
+        with KV room for `room` more positions."""
+        assert isinstance(self.cache, StaticKV) and isinstance(other.cache, StaticKV)
+        shift = self.cache.append_rows(other.cache, room)
+        width = self.cache.length
+        self.mask = torch.cat([_pad_left(self.mask, shift), _pad_left(other.mask, width - other.length)])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.logits = torch.cat([self.logits, other.logits])
+        self.rows = self.rows + other.rows
+
+
+def select_rows(cache: StaticKV | DynamicCache, idx: torch.Tensor) -> None:
+    """Keep the rows `idx` [B'] int64 of a cache; repeats copy a row (a shared prompt's KV)."""
+    if isinstance(cache, StaticKV):
+        cache.select_rows(idx)
+        return
+    layers: list[Any] = list(cache.layers)  # DynamicLayer.batch_select_indices accepts repeated indices
+    for layer in layers:
+        layer.batch_select_indices(idx)
+
+
+def merged_kept(rows: list[Row], cached: list[int], width: int) -> DynamicCache | None:
+    """A DynamicCache holding every row's kept KV right-aligned in [B, kv_heads, width, head_dim] per layer."""
+    if width == 0:
+        return None
+    sample = next(r.kept for r in rows if r.kept is not None)
+    layers = []
+    for k0, _ in sample.kv:
+        shape = (len(rows), k0.shape[1], width, k0.shape[3])
+        layers.append((k0.new_zeros(shape), k0.new_zeros(shape)))
+    fill_kept(rows, cached, width, layers)
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def fill_kept(rows: list[Row], cached: list[int], width: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy every row's kept KV into positions [width - c_i, width) of per-layer [B, kv_heads, >= width, head_dim]."""
+    for li, (keys, values) in enumerate(layers):
+        for b, (row, c) in enumerate(zip(rows, cached)):
+            if row.kept is not None:
+                keys[b, :, width - c : width] = row.kept.kv[li][0][0]
+                values[b, :, width - c : width] = row.kept.kv[li][1][0]
+
+
+def kept_kv(row: Row, cache: StaticKV | DynamicCache, mask: torch.Tensor, j: int) -> KeptKV:
+    """The KV of finished row `j` to keep (prompt + all generated tokens but the last, never fed)."""
+    sel = mask[j].nonzero().squeeze(1)
+    tokens = row.prompt + row.tokens[:-1]
+    assert sel.numel() == len(tokens), (sel.numel(), len(tokens))
+    layers: list[Any] = list(cache.layers)  # DynamicLayer and _StaticLayer both hold keys/values
+    kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel))
+          for layer in layers]
+    return KeptKV(tokens, kv)
+
+
+def draw_uniforms(rows: list[Row], rng: torch.Generator) -> torch.Tensor:
+    """One uniform [B] float32 per row for `sample_tokens`: from the row's own generator if seeded (so its
+    samples do not depend on the batch), else from the engine's `rng`; 0 for greedy rows."""
+    uniforms = torch.zeros(len(rows))
+    shared = [j for j, r in enumerate(rows) if r.generator is None and r.req.temperature > 0]
+    if shared:
+        uniforms[shared] = torch.rand(len(shared), generator=rng)
+    for j, row in enumerate(rows):
+        if row.generator is not None and row.req.temperature > 0:
+            uniforms[j] = torch.rand((), generator=row.generator)
+    return uniforms
+
+
+def _pad_left(mask: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([mask.new_zeros((mask.shape[0], n)), mask], dim=1) if n else mask

@@ -1,0 +1,263 @@
+"""A trainer rank's place in its pool under a plan, and the model placement that plan implies.
+
+Owns `RankPlan` (the knobs a trainer rank applies at a step boundary: dp replicas x FSDP2 shards x
+tensor parallel x Ulysses sequence parallel, micro-batch budget, recomputation, precision) and
+`TrainerMesh`, which turns a plan into this rank's `Placement`: its store `Layout`, the process
+groups and `DeviceMesh` the plan needs (created once per shape, collectively, at the step boundary
+where every rank adopts the plan), and how gradients are reduced and clipped. Laying a model out
+under a placement (tensor parallel, FSDP2, re-sharding) is `workers.sharding`'s job.
+
+Rank order (the store's `Layout.from_rank(rank, dp=dp*fsdp, cp=sp, tp=tp)`): tp innermost, then sp,
+then the data ranks (dp replicas x fsdp shards). The model's DeviceMesh under FSDP is
+(replicate=dp, shard=fsdp*sp, tp): states are sharded over the fsdp and sp ranks together (as
+torchtitan's dp_shard x cp), so FSDP's reduce-scatter also sums the sp ranks' partial gradients.
+Without FSDP the gradients are all-reduced over every rank of the same tp rank (the data group).
+Gradients are summed, never averaged: the loss is normalised by the claim's token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement as DTensorPlacement
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from earl_stream.errors import ConfigError
+from earl_stream.protocol import plan_name
+from earl_stream.store.layout import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """What a trainer rank runs. Ranks = dp * fsdp * tp * sp.
+
+    `micro_batch_tokens` is in `store.layout.partition`'s units: tokens one rank holds per
+    micro-batch, counting ceil(length / sp) per row.
+    """
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    sp: int = 1
+    micro_batch_tokens: int = 8192
+    recompute: bool = False
+    dtype: str = "fp32"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.fsdp * self.tp * self.sp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that train different rows (the store layout's dp axis)."""
+        return self.dp * self.fsdp
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters are DTensors (FSDP2 or tensor parallel); no rank holds the whole model."""
+        return self.fsdp > 1 or self.tp > 1
+
+    @property
+    def model_layout(self) -> tuple[int, int, int]:
+        """What the parameters' placement depends on (FSDP's (replicate, shard) mesh and tp); a plan
+        change that keeps it re-lays nothing."""
+        return (self.dp, self.fsdp * self.sp, self.tp) if self.fsdp > 1 else (0, 0, self.tp)
+
+    @property
+    def name(self) -> str:
+        """e.g. `dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`; `dp1` for a single rank."""
+        return plan_name(self.dp, self.fsdp, self.tp, self.sp)
+
+    def layout(self, rank: int) -> Layout:
+        return Layout.from_rank(rank, dp=self.data_ranks, tp=self.tp, cp=self.sp)
+
+    @classmethod
+    def from_wire(cls, plan: Any, *, dtype: str = "fp32") -> RankPlan:
+        """From the control plane's `protocol.TrainerPlan` (or anything with the same attributes)."""
+        return cls(dp=int(plan.dp), fsdp=int(plan.fsdp), tp=int(plan.tp), sp=int(plan.sp),
+                   micro_batch_tokens=max(1, int(plan.micro_batch_tokens) // max(1, int(plan.sp))),
+                   recompute=bool(plan.recompute), dtype=str(getattr(plan, "dtype", "") or dtype))
+
+    def problems(self, world: int, config: Any) -> list[str]:
+        """Why this rank pool (of `world` ranks) cannot run the plan on a model with HF `config`."""
+        out = []
+        for axis in ("dp", "fsdp", "tp", "sp"):
+            if getattr(self, axis) < 1:
+                out.append(f"{axis}={getattr(self, axis)} must be >= 1")
+        if out:
+            return out
+        if self.world != world:
+            out.append(f"dp x fsdp x tp x sp = {self.world} but the pool has {world} ranks")
+        heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if heads % (self.tp * self.sp):
+            out.append(f"tp x sp = {self.tp * self.sp} does not divide the {heads} attention heads")
+        if self.tp > 1:
+            for what, size in (("key/value heads", kv), ("vocabulary", config.vocab_size),
+                               ("intermediate size", config.intermediate_size)):
+                if size % self.tp:
+                    out.append(f"tp={self.tp} does not divide the {what} ({size})")
+        if self.dtype not in ("fp32", "bf16"):
+            out.append(f"dtype={self.dtype!r}; choose fp32 or bf16")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """This rank under a plan: what `train_step` needs to cut, run and reduce its share of a step."""
+
+    plan: RankPlan
+    layout: Layout
+    device: torch.device = torch.device("cpu")
+    mesh: DeviceMesh | None = None  # the model's mesh (None: plain module, replicated)
+    tp_group: Any = None  # vocab-parallel reductions; None when tp == 1
+    sp_group: Any = None  # Ulysses all-to-alls; None when sp == 1
+    data_group: Any = None  # manual gradient all-reduce (FSDP reduces by itself); WORLD when None and world > 1
+
+    @property
+    def world(self) -> int:
+        return self.plan.world
+
+    @property
+    def manual_reduce(self) -> bool:
+        return self.world > 1 and self.plan.fsdp == 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Every data rank runs the same number of forward/backward passes (FSDP gathers in each)."""
+        return self.plan.fsdp > 1
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.plan.dtype == "bf16" else None
+
+    def vocab_start(self, vocab_size: int) -> int:
+        return self.layout.tp_rank * (vocab_size // self.plan.tp)
+
+    @classmethod
+    def single(cls, layout: Layout | None = None, *, device: torch.device | str = "cpu", dtype: str = "fp32",
+               micro_batch_tokens: int = 8192) -> Placement:
+        """A replicated model and a DDP-style all-reduce over the whole pool (when there is one):
+        the placement of a `layout` with tp = 1 and no FSDP."""
+        layout = layout or Layout()
+        if layout.tp_size != 1:
+            raise ConfigError("a tensor-parallel layout needs a TrainerMesh placement")
+        plan = RankPlan(dp=layout.dp_size, sp=layout.cp_size, micro_batch_tokens=micro_batch_tokens, dtype=dtype)
+        return cls(plan=plan, layout=layout, device=torch.device(device))
+
+
+def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
+    """`trainer.device`: auto = this rank's CUDA device when there is one, else cpu."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=cpu or auto")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def pool_backend() -> str:
+    """The collective backend of a trainer pool: gloo for CPU tensors and, where CUDA exists, NCCL for
+    CUDA tensors (torch routes each collective by its tensors' device), so `trainer.device` may be
+    either once the pool is up."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+class TrainerMesh:
+    """The meshes and process groups of a pool of `world` ranks, made on demand and kept.
+
+    Making a group is collective: every rank must ask for the same placements in the same order,
+    which holds because every rank adopts rank 0's plan at the same step boundary.
+    """
+
+    def __init__(self, world: int, rank: int, device: torch.device) -> None:
+        self.world, self.rank, self.device = world, rank, device
+        self._meshes: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
+        self._groups: dict[tuple[Any, ...], Any] = {}
+
+    def placement(self, plan: RankPlan) -> Placement:
+        layout = plan.layout(self.rank)
+        if self.world == 1:
+            return Placement(plan=plan, layout=layout, device=self.device)
+        mesh = tp_group = data_group = None
+        if plan.fsdp > 1:
+            mesh = self._mesh((plan.dp, plan.fsdp * plan.sp, plan.tp), ("replicate", "shard", "tp"))
+        elif plan.tp > 1:
+            mesh = self._mesh((plan.data_ranks * plan.sp, plan.tp), ("data", "tp"))
+            data_group = mesh.get_group("data")
+        if plan.tp > 1 and mesh is not None:
+            tp_group = mesh.get_group("tp")
+        sp_group = self._sp_group(plan) if plan.sp > 1 else None
+        return Placement(plan=plan, layout=layout, device=self.device, mesh=mesh, tp_group=tp_group,
+                         sp_group=sp_group, data_group=data_group)
+
+    def _mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+        key = (shape, names)
+        if key not in self._meshes:
+            self._meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self._meshes[key]
+
+    def _sp_group(self, plan: RankPlan) -> Any:
+        """The ranks that differ only in their sp coordinate (consecutive tp-strided ranks)."""
+        key = ("sp", plan.data_ranks, plan.sp, plan.tp)
+        if key not in self._groups:
+            mine = None
+            for data in range(plan.data_ranks):
+                for t in range(plan.tp):
+                    ranks = [(data * plan.sp + s) * plan.tp + t for s in range(plan.sp)]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        mine = group
+            self._groups[key] = mine
+        return self._groups[key]
+
+
+def is_shard(placement: DTensorPlacement) -> bool:
+    """A DTensor placement that splits the tensor: Shard, or FSDP's strided shard over a tp shard."""
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def reduce_gradients(model: torch.nn.Module, placement: Placement) -> None:
+    """Sum the partial gradients of the data (and sp) ranks where FSDP did not already."""
+    if not placement.manual_reduce:
+        return
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(_local(p.grad), group=placement.data_group)
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float, placement: Placement) -> float:
+    """The global gradient norm over all shards (each counted once); scales gradients to `max_norm`
+    when it is > 0 and exceeded. Works for plain, tensor-parallel and FSDP2 parameters alike."""
+    total = torch.zeros((), dtype=torch.float64, device=placement.device)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        pieces = 1
+        if isinstance(g, DTensor):
+            pieces = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if is_shard(pl))
+        # a piece lives on world / pieces ranks: count each copy's share so the all-reduce counts it once
+        total += _local(g).detach().double().pow(2).sum() * (pieces / placement.world)
+    if placement.world > 1:
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                _local(p.grad).mul_(scale)
+    return norm

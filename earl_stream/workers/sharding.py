@@ -1,0 +1,224 @@
+"""Laying a Hugging Face causal LM out on a trainer placement, and re-laying it live.
+
+Owns `shard_model` (tensor parallel with DTensor `parallelize_module`, then FSDP2 `fully_shard`),
+`relayout` (a plan change at a step boundary: model and optimizer state move onto the new mesh
+through the distributed-checkpoint state-dict APIs; no restart, same math) and `shard_pieces` (which
+parameter pieces this rank holds and publishes). Works for the Llama / Qwen2 / Mistral family:
+decoder layers under `model.layers` with q/k/v/o attention projections and gate/up/down MLPs.
+
+Tensor parallel (Megatron-style, as torchtitan lays out Llama): q/k/v/gate/up column-wise,
+o/down row-wise, the embedding row-wise over the vocabulary, the LM head column-wise over the
+vocabulary with its output left sharded (`workers.vocab_parallel` computes log-probs from the
+shards). A tied LM head shares the embedding's vocabulary shard. FSDP2 then shards every decoder
+layer and the root over the data mesh (`mesh.Placement.mesh`), with gradients summed (divide
+factor 1), since the loss is already normalised by the claim's token count; under bf16 its
+mixed-precision policy gathers bf16 weights per layer and reduces gradients in fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import dataclasses
+import gc
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transformers import PreTrainedModel
+
+from earl_stream.errors import ConfigError
+from earl_stream.store.weights import WeightPiece
+from earl_stream.workers.mesh import Placement, is_shard
+from earl_stream.workers.ulysses import set_sequence_parallel
+
+log = logging.getLogger(__name__)
+
+_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+_FULL = StateDictOptions(full_state_dict=True)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a Llama-family causal LM; ConfigError names what is missing otherwise."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not hasattr(model, "lm_head") or not hasattr(base, "embed_tokens"):
+        raise ConfigError(f"{type(model).__name__} is not a Llama/Qwen2/Mistral-style causal LM (model.layers, "
+                          "model.embed_tokens, lm_head): tensor parallel and FSDP cannot lay it out")
+    return list(layers)
+
+
+def _tensor_parallel(model: torch.nn.Module, placement: Placement) -> None:
+    assert placement.mesh is not None
+    tp_mesh = placement.mesh["tp"]
+    hf: Any = model
+    tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True),
+    }
+    for i, layer in enumerate(decoder_layers(model)):
+        for name in (*_COLWISE, *_ROWWISE):
+            if layer.get_submodule(name) is None:
+                raise ConfigError(f"decoder layer {i} has no {name}")
+        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in _COLWISE})
+        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in _ROWWISE})
+    parallelize_module(model, tp_mesh, plan)
+    if tied:  # both shard the [vocab, hidden] weight on dim 0: one parameter again
+        hf.lm_head.weight = hf.get_input_embeddings().weight
+
+
+def _fully_shard(model: torch.nn.Module, placement: Placement) -> None:
+    assert placement.mesh is not None
+    plan = placement.plan
+    mesh = placement.mesh["replicate", "shard"] if plan.dp > 1 else placement.mesh["shard"]
+    # bf16: gather each layer's weights in bf16 and free them after use (autocast alone would keep a bf16
+    # copy of the whole unsharded model for the backward pass); gradients are reduced and kept in fp32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if plan.dtype == "bf16" \
+        else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def shard_model(model: torch.nn.Module, placement: Placement) -> torch.nn.Module:
+    """Lay a plain (unsharded) `model` out in place under `placement`: tp, then FSDP2."""
+    if placement.plan.tp > 1:
+        _tensor_parallel(model, placement)
+    if placement.plan.fsdp > 1:
+        _fully_shard(model, placement)
+    return model
+
+
+def fresh_like(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    """An uninitialised plain copy of `model`'s architecture on `device` (its weights come next)."""
+    from transformers.initialization import no_init_weights
+
+    config = copy.deepcopy(model.config)
+    with no_init_weights(), torch.device(device):
+        new = type(model)(config)
+    new.tie_weights()  # skipped with the initialisation: a tied LM head must share the embedding again
+    new.float()
+    new.train(model.training)
+    return new
+
+
+@dataclasses.dataclass
+class Relaid:
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer | None
+
+
+def relayout(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, placement: Placement,
+             make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Relaid:
+    """The same weights and optimizer state on a new model laid out under `placement`.
+
+    Collective (every rank of the pool, together). Full state dicts are gathered from the current
+    placement and loaded into the new one, which keeps only its own shards; the math of the next
+    step does not change. An optimizer that has not stepped yet has no state to move and is made
+    fresh (moving it would initialise it and advance Adam's step count).
+    """
+    model_state = get_model_state_dict(model, options=_FULL)
+    optim_state = None
+    if optimizer is not None and optimizer.state:
+        optim_state = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    new = shard_model(fresh_like(model, placement.device), placement)
+    set_model_state_dict(new, model_state, options=_FULL)
+    del model_state
+    new_optimizer = make_optimizer(new) if optimizer is not None else None
+    if new_optimizer is not None and optim_state is not None:
+        set_optimizer_state_dict(new, new_optimizer, optim_state, options=_FULL)
+    return Relaid(new, new_optimizer)  # type: ignore[arg-type]
+
+
+def free_unused_memory() -> None:
+    """Call once the caller dropped the model and optimizer a re-shard replaced: a laid-out model is
+    a web of reference cycles (module hooks, DTensor specs) that only the cyclic GC frees, and glibc
+    keeps freed heap memory in its arenas, where it still counts against the rank's memory (and a
+    real cap) during the next step."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def shard_pieces(state: dict[str, torch.Tensor], placement: Placement) -> list[WeightPiece]:
+    """The pieces of a state dict this rank publishes: each distinct block of each tensor exactly once
+    in the pool (by the lowest rank that holds it), so that the pool's pieces cover every tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    layout = placement.layout
+    out = []
+    for name, value in state.items():
+        if not isinstance(value, DTensor):
+            if placement.layout.rank == 0:  # replicated everywhere
+                out.append(WeightPiece(name, value.detach(), tuple(value.shape), (0,) * value.dim()))
+            continue
+        value = _blockwise(value)
+        mesh = value.device_mesh
+        coord = mesh.get_coordinate()
+        assert coord is not None
+        replicas_first = all(c == 0 for c, pl in zip(coord, value.placements) if not is_shard(pl))
+        # the ranks outside this tensor's mesh hold copies too: only the first of them publishes
+        outside_first = _first_outside(mesh, layout)
+        if not (replicas_first and outside_first):
+            continue
+        shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+        out.append(WeightPiece(name, value.to_local().detach(), tuple(value.shape), tuple(offset)))
+    return out
+
+
+def _blockwise(value: DTensor) -> DTensor:
+    """`value` laid out so that each rank's local tensor is one contiguous block of the whole: where two
+    mesh dims shard the same tensor dim (FSDP over a tensor-parallel shard: a strided shard), the outer
+    one is gathered (collective over that mesh dim; every rank publishes the same tensors in order)."""
+    placements = list(value.placements)
+    seen: set[int] = set()
+    for i in reversed(range(len(placements))):  # inner mesh dims (tp) keep their shards
+        pl = placements[i]
+        if is_shard(pl):
+            if not isinstance(pl, Shard) or pl.dim in seen:
+                placements[i] = Replicate()
+            else:
+                seen.add(pl.dim)
+    return value if placements == list(value.placements) else value.redistribute(placements=placements)
+
+
+def _first_outside(mesh: Any, layout: Any) -> bool:
+    """This rank is coordinate 0 on every pool axis the mesh does not span."""
+    names = set(mesh.mesh_dim_names or ())
+    if "shard" in names:  # FSDP spans replicate x shard (or shard alone) and, under tp, tp too
+        return "tp" in names or layout.tp_rank == 0
+    # a tensor-parallel-only tensor: every data and sp rank holds the same shard
+    return layout.dp_rank == 0 and layout.cp_rank == 0
+
+
+def apply_plan(model: torch.nn.Module, placement: Placement, *, extra_models: Iterable[Any] = ()) -> None:
+    """The per-step knobs of `placement` on an already laid-out model: activation recomputation on/off
+    and the Ulysses sp group (the micro-batch budget goes into the step's `partition`)."""
+    plan = placement.plan
+    if plan.sp > 1 and placement.sp_group is None:
+        raise ConfigError(f"a plan with sp={plan.sp} needs a pool of ranks (torch.distributed) with sp groups")
+    hf: Any = model
+    if plan.recompute:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        hf.gradient_checkpointing_disable()
+    set_sequence_parallel([hf, *extra_models], placement.sp_group, plan.sp, placement.layout.cp_rank)

@@ -1,0 +1,80 @@
+"""Log-probabilities and entropy of the next token, computed where the logits are.
+
+Owns `forward_logprobs` and `vocab_entropy` for a batch built by `workers.batches.local_batch`
+(position i is scored against `labels[i]`). Without tensor parallelism the logits are the model's
+whole `[B, n, V]`. Under tensor parallelism the LM head is column-parallel over the vocabulary and
+each rank holds `[B, n, V/tp]` (vocabulary ids [start, start + V/tp)); the full logits are never
+gathered: the softmax normaliser, the label's logit and the entropy's sum are each one all-reduce
+over the tp group of `[B, n]` values (Megatron-LM's vocab-parallel cross entropy).
+
+Autograd: every tp rank holds the same rows, so everything computed after a reduction is the same
+on every rank and each rank back-propagates the same loss into its own vocabulary shard. The
+reductions therefore have an identity backward (Megatron's "g" operator); the shard's gradient is
+exact because nothing rank-specific is computed from a reduced value (the entropy is
+log Z - sum(p l) with both sums reduced first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class _SumOverTP(torch.autograd.Function):
+    """all_reduce(SUM) over the tp group in forward; identity in backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _shifted(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """Local logits (float32) minus the global max over the vocabulary (detached; cancels out)."""
+    logits = local.float()
+    top = logits.detach().amax(dim=-1)
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return logits - top.unsqueeze(-1)
+
+
+def _reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _SumOverTP.apply(x, group)
+
+
+def vocab_logprobs(local_logits: torch.Tensor, labels: torch.Tensor, *, group: Any = None,
+                   vocab_start: int = 0) -> torch.Tensor:
+    """log p(labels) [B, n] float32 from logits `[B, n, V_local]` holding ids [vocab_start, +V_local).
+
+    group None: V_local is the whole vocabulary (plain log_softmax + gather).
+    """
+    z = _shifted(local_logits, group)
+    log_norm = torch.log(_reduce(z.exp().sum(-1), group))
+    local_ids = labels - vocab_start
+    inside = (local_ids >= 0) & (local_ids < z.shape[-1])
+    picked = z.gather(-1, local_ids.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * inside
+    return _reduce(picked, group) - log_norm
+
+
+def vocab_entropy(local_logits: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    """Next-token entropy [B, n] (nats) from logits `[B, n, V_local]` sharded over `group`'s ranks."""
+    z = _shifted(local_logits, group)
+    e = z.exp()
+    norm = _reduce(e.sum(-1), group)
+    weighted = _reduce((e * z).sum(-1), group)
+    return torch.log(norm) - weighted / norm
+
+
+def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, group: Any = None,
+                     vocab_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local logits [B, n, V_local], log p(labels) [B, n] float32) of a `local_batch` micro-batch."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    return logits, vocab_logprobs(logits, batch["labels"], group=group, vocab_start=vocab_start)
+

@@ -1,0 +1,58 @@
+"""Live model parallelism: a two-rank trainer pool on `long_recall` (episodes grow as the run goes on)
+under a per-rank memory budget starts on an FSDP2 plan and, when contexts outgrow it, re-shards live
+to a tensor-parallel plan; training goes on across the switch and the sample ledger adds up.
+
+With the tiny model and a 20 MiB budget per rank the selector's memory model admits (sequence
+parallelism switched off, so the choice is between data, FSDP and tensor parallelism): design length
+256 -> fsdp2 (plain data parallel does not fit), 512 -> tp2 (FSDP no longer does: tp also splits the
+attention scores by heads). The math of every plan and of a re-shard is tests/test_parallel_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import Cluster, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _adopted(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    s = cluster.status()
+    history = s["plans"]["trainer_history"]
+    return s if any(h["plan"]["name"] == name for h in history) else None
+
+
+def test_trainer_pool_reshards_from_fsdp_to_tensor_parallel_live(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # ~120-token episodes at first, one more fact turn (~35 tokens) every 2 new prompt groups; capped at
+    # 9 turns (~370 tokens) so that contexts stay inside the 512-token design length's thresholds
+    cluster = Cluster(tmp_path, tiny_model_dir, "steps=0", "trainer.nproc=2", "envs.0.spec=long_recall",
+                      "envs.0.name=long_recall", "envs.0.params={turns: 2, max_turns: 9, grow_every: 2}",
+                      "selector.context_window=16", "selector.min_episodes_between=8",
+                      "selector.initial_seq_len=256", f"selector.trainer_memory_bytes={20 << 20}",
+                      "selector.reserve_bytes=0", "selector.allow_sp=false", "selector.lower_factor=0.1")
+    try:
+        cluster.start_supervisor()
+        cluster.worker("rollout", "rollout")
+        cluster.worker("trainer", "trainer", "--nproc", "2")
+        first = wait_for(lambda: _adopted(cluster, "fsdp2"), 120, "the fsdp2 plan adopted")
+        assert first["plans"]["trainer"]["fsdp"] == 2, first["plans"]
+        s = wait_for(lambda: _adopted(cluster, "tp2"), 240, "a re-shard to tp2 as contexts grow")
+        plan = s["plans"]["trainer"]
+        assert (plan["tp"], plan["fsdp"], plan["design_seq_len"]) == (2, 1, 512), plan
+        switched_at = next(h["step"] for h in s["plans"]["trainer_history"] if h["plan"]["name"] == "tp2")
+        wait_for(lambda: cluster.status()["policy_version"] >= switched_at + 3, 150, "training after the re-shard")
+        log = (tmp_path / "trainer.log").read_text()
+        assert re.search(r"re-laid the model from fsdp2 to tp2", log), log[-3000:]
+        trained = [int(x) for x in re.findall(r"step (\d+): loss", log)]
+        assert any(t >= switched_at + 2 for t in trained), log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+        s = cluster.status()
+        held = s["samples_in_store"] + s["samples_claimed"]  # ready for a claim, or claimed and in training
+        assert s["samples_produced"] == s["samples_consumed"] + s["samples_lost"] + s["samples_stale"] + held, s
+        assert s["samples_lost"] == 0
+    finally:
+        cluster.stop()
