@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 TRANSFORMERS := transformers==5.19.*
 
-.PHONY: run test test-faults install bench clean-venv test-vllm test-ray test-slurm test-ecosystems test-ucx real-model
+.PHONY: run test test-faults install bench clean-venv test-vllm test-ray test-slurm test-ecosystems test-ucx test-gpu real-model
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -88,3 +88,8 @@ test-ray:
 # then, under `salloc -N 3`, the tests marked `slurm` (`up --launcher slurm` placing the pools as srun steps).
 test-slurm: $(VENV)/.installed
 	PY=$(PY) bash scripts/test-slurm.sh
+
+# The GPU tier (needs a CUDA GPU; CI has none): the `gpu`-marked tests and a short `up` whose trainer and built-in
+# engine run on CUDA. Install a CUDA build of torch in the venv first (the Makefile's pin is the CPU build).
+test-gpu:
+	PY=$(PY) bash scripts/test-gpu.sh $(PYTEST_ARGS)

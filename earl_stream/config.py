@@ -64,6 +64,8 @@ class RolloutConfig:
     threads: int = _f(1, "torch threads per rollout worker", minimum=1)
     cpus: str = _f("", "CPU ids each rollout worker is pinned to, e.g. '0' or '0,2-3' (torch threads = their "
                    "count); empty = no pinning")
+    device: str = _f("auto", "where the built-in engine generates: auto = this worker's CUDA device when torch "
+                     "sees one, else cpu; vllm and sglang place themselves", choices=("auto", "cpu", "cuda"))
     dtype: str = _f("fp32", "weights and compute of the built-in engine (bf16 works on CPU too; the trainer's "
                     "fp32 weights are cast on load); vllm and sglang choose their own", choices=("fp32", "bf16"))
     openai_bind: str = _f("127.0.0.1:0", "HOST:PORT of each worker's OpenAI-compatible endpoint (port 0 = any free "

@@ -151,17 +151,6 @@ class Placement:
         return cls(plan=plan, layout=layout, device=torch.device(device))
 
 
-def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
-    """`trainer.device`: auto = this rank's CUDA device when there is one, else cpu."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=cpu or auto")
-    if name == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
 def pool_backend() -> str:
     """The collective backend of a trainer pool: gloo for CPU tensors and, where CUDA exists, NCCL for
     CUDA tensors (torch routes each collective by its tensors' device), so `trainer.device` may be

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from earl_stream import protocol as P
 from earl_stream.agent_env import is_agent_env
 from earl_stream.chat import ChatFormat
 from earl_stream.config import EnvSpec
+from earl_stream.devices import resolve_device
 from earl_stream.env import make_env, resolve_env
 from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
 from earl_stream.model.loading import load_model, load_tokenizer, torch_dtype
@@ -115,7 +117,10 @@ class RolloutWorker:
         model = None
         if self.cfg.rollout.engine == "torch":
             model, self.tokenizer = load_model(model_dir, dtype=torch_dtype(self.cfg.rollout.dtype))
-            model.eval()
+            device = resolve_device(self.cfg.rollout.device, key="rollout.device",
+                                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+            model.to(device).eval()  # type: ignore[arg-type]
+            log.info("built-in engine generates on %s (%s)", device, self.cfg.rollout.dtype)
         else:
             self.tokenizer = load_tokenizer(model_dir)
         return make_engine(self.cfg.rollout.engine, model_dir, model, max_batch_size=self.cfg.rollout.max_batch_size,

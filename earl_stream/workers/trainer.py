@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from earl_stream import metrics as M
 from earl_stream import protocol as P
+from earl_stream.devices import resolve_device
 from earl_stream.errors import ControlPlaneTimeout, EarlError
 from earl_stream.modeling import load_model
 from earl_stream.security import load_secret
@@ -32,7 +33,7 @@ from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.store.weights import drop_weights, publish_weights
 from earl_stream.workers import checkpoint as ckpt
 from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register
-from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend, resolve_device
+from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
 from earl_stream.workers.sharding import apply_plan, free_unused_memory, relayout, shard_pieces
 from earl_stream.workers.train_step import StepResult, train_step
 
@@ -57,6 +58,7 @@ class TrainerRank:
         device = resolve_device(t.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         self.model, self.tokenizer = load_model(model_path(self.cfg))
         self.model.to(device).train()  # type: ignore[arg-type]
+        log.info("trainer rank %d computes on %s (%s)", rank, device, t.dtype)
         self.ref_model = None
         if self.cfg.algo.kl_coef > 0:
             self.ref_model, _ = load_model(model_path(self.cfg))

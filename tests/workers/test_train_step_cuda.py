@@ -18,8 +18,9 @@ def _step(model_dir: Path, device: str, dtype: str) -> tuple[float, float]:
     from test_parallel_equivalence import CountingPuller, _claim
 
     from earl_stream.config import TrainerConfig
+    from earl_stream.devices import resolve_device
     from earl_stream.model import load_model
-    from earl_stream.workers.mesh import RankPlan, TrainerMesh, resolve_device
+    from earl_stream.workers.mesh import RankPlan, TrainerMesh
     from earl_stream.workers.sharding import apply_plan
     from earl_stream.workers.train_step import train_step
 

@@ -35,6 +35,10 @@ class SamplingParams:
     def select(self, idx: torch.Tensor) -> SamplingParams:
         return SamplingParams(self.temperature[idx], self.top_k[idx], self.top_p[idx])
 
+    def to(self, device: torch.device) -> SamplingParams:
+        """The same knobs on `device` (the logits' device; a no-op when they are there already)."""
+        return SamplingParams(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
+
 
 def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
@@ -45,6 +49,7 @@ def sample_tokens(
     distribution sampled from: log_softmax(logits / T) after top-k then top-p, renormalised;
     greedy rows (T == 0) take the argmax and report log_softmax(logits) of it.
     """
+    params, uniforms = params.to(logits.device), uniforms.to(logits.device)
     greedy = params.temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
     if bool((params.top_k > 0).any()) or bool((params.top_p < 1).any()):
