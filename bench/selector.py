@@ -32,8 +32,10 @@ the same extreme the static plans face. The memory model is told BUDGET per rank
 it does not count. Note: the Planner sizes plans with LOGIT_COPIES_EARL_GRPO (5) while `train_step`'s
 vocab-parallel path holds 6 (LOGIT_COPIES_EARL_VOCAB_PARALLEL, measured by bench/memory_model.py).
 
-The cost model is calibrated first on the same 2-rank pool (`StepCostModel.calibrate` on measured
-one-micro-batch steps of short sequences under dp2, fsdp2, tp2 and sp2), stored in the JSON.
+The cost model is calibrated first on the same 2-rank pool (`StepCostModel.fit_steps` on measured steps
+of one and two one-row micro-batches of 128 and 512 tokens under dp2, fsdp2, tp2 and sp2, with and
+without recomputation: compute, bytes, score passes, per-collective, per-micro-batch and per-step
+costs), stored in the JSON.
 
 Compared: static plans (dp2, fsdp2, tp2, sp2, each with and without recomputation, one episode per
 micro-batch: the most memory-frugal way to run each) and the adaptive selector. Throughput is tokens
@@ -69,7 +71,11 @@ BUDGET = 900 << 20  # bytes per rank above start-up (the RLIMIT_DATA cap and the
 RESERVE = 96 << 20  # what the memory model does not count: runtime, communication buffers, allocator
 ALLOW_SP = False  # with sp allowed the selector prefers sp2 + recompute to tp2 + recompute at 2,048
 STATIC = [(layout, rc) for layout in ("dp2", "fsdp2", "tp2", "sp2") for rc in (False, True)]
-CALIBRATION = [(layout, s, rc) for layout in ("dp2", "fsdp2", "tp2", "sp2") for s in (128, 256) for rc in (False, True)]
+# (layout, tokens per row, recompute, micro-batches per step): two lengths 4x apart so that compute is told
+# from constant costs, and 1 vs 2 micro-batches so that a step's constant (optimizer) is told from a
+# micro-batch's (and from the collectives' per-call cost)
+CALIBRATION = [(layout, s, rc, mbs) for layout in ("dp2", "fsdp2", "tp2", "sp2")
+               for s, mbs in ((128, 1), (128, 2), (512, 1)) for rc in (False, True)]
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
@@ -208,18 +214,19 @@ def _broadcast_bytes(data: bytes) -> bytes:
 
 
 def rank_calibrate(me: Rank) -> None:
-    """CPU seconds of one-micro-batch steps under each layout (one warm-up round first)."""
+    """CPU seconds of steps of one or two one-row micro-batches per rank under each layout (one warm-up
+    round first)."""
     from bench.ranks import rank_plan
 
-    for k, (layout, s, rc) in enumerate(CALIBRATION * 2):
+    for k, (layout, s, rc, mbs) in enumerate(CALIBRATION * 2):
         plan = rank_plan(layout)
-        if me.placement is None or plan.model_layout != me.placement.plan.model_layout or rc != me.placement.plan.recompute:
-            me.adopt(dataclasses.replace(plan, recompute=rc))
-        rows = WORLD if plan.data_ranks > 1 else 1  # one row per data rank: one micro-batch each
-        metas, puller = _claim(20_000 + k, [s] * rows)
+        # a micro-batch budget of one row: `mbs` rows per data rank make `mbs` micro-batches
+        me.adopt(dataclasses.replace(plan, recompute=rc, micro_batch_tokens=s // plan.sp))
+        metas, puller = _claim(20_000 + k, [s] * (plan.data_ranks * mbs))
         rec = me.step(metas, puller)
         if k >= len(CALIBRATION):
-            _emit({"event": "calibration", "layout": layout, "seq_len": s, "recompute": rc, **rec})
+            _emit({"event": "calibration", "layout": layout, "seq_len": s, "recompute": rc, "micro_batches": mbs,
+                   **rec})
 
 
 def rank_run(me: Rank, spec: dict) -> None:
@@ -335,17 +342,17 @@ def calibrate(tmp: str) -> tuple[dict, list[dict]]:
         raise SystemExit(f"calibration failed: {err}")
     shape = ModelShape.from_hf({**MODEL, "model_type": "qwen2"})
     measured, samples = [], []
-    for layout, s, rc in CALIBRATION:
-        ranks = [x for x in cal if (x["layout"], x["seq_len"], x["recompute"]) == (layout, s, rc)]
+    for layout, s, rc, mbs in CALIBRATION:
+        ranks = [x for x in cal if (x["layout"], x["seq_len"], x["recompute"], x["micro_batches"]) == (layout, s, rc, mbs)]
         cpu = sum(x["cpu_seconds"] for x in ranks) / len(ranks)
         p = rank_plan(layout)
         plan = TrainPlan(1, s, dp=p.data_ranks, tp=p.tp, sp=p.sp, fsdp=p.fsdp > 1, attention=Attention.EAGER,
                          recompute=Recompute.FULL if rc else Recompute.NONE, logit_copies=LOGIT_COPIES_EARL_GRPO)
-        samples.append((shape, plan, cpu))
-        measured.append({"layout": layout, "seq_len": s, "recompute": rc, "cpu_seconds": cpu})
-    model = StepCostModel.calibrate(samples)
-    for r, (_, plan, _) in zip(measured, samples):
-        r["predicted_seconds"] = model.step_seconds(shape, plan)
+        samples.append((shape, [plan] * mbs, cpu))
+        measured.append({"layout": layout, "seq_len": s, "recompute": rc, "micro_batches": mbs, "cpu_seconds": cpu})
+    model = StepCostModel.fit_steps(samples)
+    for r, (_, plans, _) in zip(measured, samples):
+        r["predicted_seconds"] = model.predict_step(shape, plans)
     return model.to_dict(), measured
 
 
@@ -432,7 +439,7 @@ def main() -> int:
         print(f"calibrating the cost model on {WORLD} gloo ranks ...", flush=True)
         cost_model, calibration = calibrate(tmp)
         for r in calibration:
-            print(f"  {r['layout']:6s} s={r['seq_len']:4d} recompute={int(r['recompute'])}: "
+            print(f"  {r['layout']:6s} s={r['seq_len']:4d} recompute={int(r['recompute'])} mbs={r['micro_batches']}: "
                   f"{r['cpu_seconds'] * 1e3:7.1f} ms measured, {r['predicted_seconds'] * 1e3:7.1f} ms fitted")
         print(f"  cost model: {cost_model}", flush=True)
         specs = [{"mode": "static", "name": f"{lay}{'_recompute' if rc else ''}", "layout": lay, "recompute": rc}

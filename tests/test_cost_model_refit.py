@@ -114,3 +114,30 @@ def test_refit_off_with_zero_min_steps(tmp_path: Path) -> None:
         planner.on_step(step, _claim(step, [100] * 8))
         assert planner.on_trained(step, {"step_seconds": 0.5, "pull_seconds": 0.0}) is None
     assert planner.cost_model == StepCostModel()
+
+
+def test_fit_steps_separates_per_step_per_micro_batch_and_per_collective_costs() -> None:
+    """A two-rank pool's steps under dp2, fsdp2, tp2 and sp2 with 1-3 micro-batches: the optimizer's
+    per-step constant, a per-micro-batch constant and a per-collective cost are each recovered; from
+    one-micro-batch steps alone the constant goes to the step, and the predictions still match."""
+    shape = ModelShape.from_hf(CONFIG)
+    truth = StepCostModel(seconds_per_flop=1 / 4e9, seconds_per_byte=1 / 1e9, seconds_per_score=1 / 3e8,
+                          fixed_seconds=0.02, step_fixed_seconds=0.4, seconds_per_collective=3e-4)
+    layouts = [dict(dp=2), dict(dp=2, fsdp=True), dict(tp=2), dict(sp=2)]
+    rng = random.Random(2)
+    steps = []
+    for _ in range(24):
+        lay = rng.choice(layouts)
+        mbs = [TrainPlan(1, rng.choice((128, 256, 512)), attention=Attention.EAGER, **lay)  # type: ignore[arg-type]
+               for _ in range(rng.randint(1, 3))]
+        steps.append((shape, mbs, truth.predict_step(shape, mbs)))
+    fitted = StepCostModel.fit_steps(steps)
+    for name in ("seconds_per_flop", "seconds_per_byte", "fixed_seconds", "step_fixed_seconds", "seconds_per_collective"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-5), name
+    single = [(shape, mbs[0], truth.predict_step(shape, mbs[:1])) for _, mbs, _ in steps]
+    one = StepCostModel.calibrate(single)
+    assert one.fixed_seconds == 0 and one.step_fixed_seconds == pytest.approx(0.42, rel=1e-5)
+    assert all(one.predict_step(shape, [p]) == pytest.approx(sec, rel=1e-6) for _, p, sec in single)
+    # a calibration stored before these fields existed still loads (they default to 0)
+    old = {"seconds_per_flop": 1e-10, "seconds_per_byte": 1e-9, "seconds_per_score": 1e-8, "fixed_seconds": 0.1}
+    assert StepCostModel.from_dict(old).step_fixed_seconds == 0.0

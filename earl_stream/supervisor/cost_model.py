@@ -13,11 +13,20 @@ Per micro-batch on one device (n = b s / sp tokens outside attention, N = matrix
   attention core is recomputed, i.e. selective or full);
 * tensor parallel: 4 all-reduces (or all-gather + reduce-scatter with sequence parallelism) of
   n h e bytes per layer, ring cost 2 (tp-1)/tp each; Ulysses sp: 8 all-to-alls of n h e bytes per
-  layer, (sp-1)/sp each; FSDP: weights gathered twice and grads reduce-scattered once per step,
-  3 P (dp sp - 1)/(dp sp) bytes; DDP: one all-reduce of the grads over the dp x sp ranks that hold a
-  replica (sp ranks train different tokens of the same weights), 2 P (dp sp - 1)/(dp sp) bytes;
+  layer, (sp-1)/sp each; FSDP: weights gathered twice and grads reduce-scattered, 3 P (dp sp - 1)/(dp sp)
+  bytes, counted once per step: FSDP2 (as `workers.sharding` applies it) really repeats them for every
+  micro-batch, but on GPUs they overlap the compute (prefetch), so only their per-call cost
+  (`seconds_per_collective`, 3 per layer and micro-batch) is on the critical path; DDP: one all-reduce
+  of the grads per step over the dp x sp ranks that hold a replica (sp ranks train different tokens of
+  the same weights), 2 P (dp sp - 1)/(dp sp) bytes; both spread over the step's micro-batches;
 * eager attention also pays memory-bound passes over the a s^2 b scores (softmax, mask, grads).
-Time = seconds_per_flop * flops + seconds_per_byte * bytes + seconds_per_score * scores + fixed.
+Time of a micro-batch = seconds_per_flop * flops + seconds_per_byte * bytes + seconds_per_score * scores
++ fixed_seconds; a step adds step_fixed_seconds once (optimizer step, gradient clipping, per-step
+Python), which only steps with different numbers of micro-batches can tell apart from fixed_seconds,
+and every collective costs seconds_per_collective beyond its bytes (launch and latency; on CPU, gloo
+and DTensor dispatch make tensor parallelism's 4 collectives per layer cost more than their bytes):
+tp 4 per layer, Ulysses 8 per layer (each +50% under full recomputation), FSDP2 3 per layer and
+micro-batch, DDP one per parameter tensor and step.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ class PlanFeatures:
     comm_bytes: float
     score_elements: float
     tokens: float  # tokens of the whole pool in one micro-batch step: dp * micro_batch * seq_len
+    collectives: float = 0.0  # collective calls per device (DDP's per-step ones spread like its bytes)
 
 
 def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> PlanFeatures:
@@ -60,12 +70,29 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
     if p > 1:
         comm += L * 8 * n * h * e * (p - 1) / p
     params, replicas = shape.num_params() / t, plan.dp * p
-    if plan.fsdp and replicas > 1:
+    if plan.fsdp and replicas > 1:  # once per step: on GPUs the per-micro-batch gathers overlap compute
         comm += params * (2 * w_bytes + g_bytes) * (replicas - 1) / replicas / accumulation_steps
     elif replicas > 1:
         comm += params * g_bytes * 2 * (replicas - 1) / replicas / accumulation_steps
     scores = b * a * s * s / (t * p) if plan.attention is Attention.EAGER else 0.0
-    return PlanFeatures(flops=flops, comm_bytes=comm, score_elements=scores, tokens=plan.dp * b * s)
+    return PlanFeatures(flops=flops, comm_bytes=comm, score_elements=scores, tokens=plan.dp * b * s,
+                        collectives=_collectives(L, plan, accumulation_steps))
+
+
+def _collectives(layers: int, plan: TrainPlan, accumulation_steps: int) -> float:
+    """Collective calls per device in one micro-batch (the `seconds_per_collective` feature)."""
+    again = 1.5 if plan.recompute is Recompute.FULL else 1.0  # a recomputed forward repeats its collectives
+    calls = 0.0
+    if plan.tp > 1:
+        calls += 4 * layers * again + 4  # + the vocab-parallel log-prob reductions
+    if plan.sp > 1:
+        calls += 8 * layers * again
+    replicas = plan.dp * plan.sp
+    if plan.fsdp and replicas > 1:
+        calls += 3 * (layers + 1)  # per layer group and the root: gather, re-gather, reduce-scatter
+    elif replicas > 1:
+        calls += (10 * layers + 3) / accumulation_steps  # one all-reduce per parameter tensor, once per step
+    return calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +102,16 @@ class StepCostModel:
     seconds_per_flop: float = 1 / 300e12
     seconds_per_byte: float = 1 / 100e9
     seconds_per_score: float = 1 / 200e9
-    fixed_seconds: float = 0.0
+    fixed_seconds: float = 0.0  # per micro-batch
+    step_fixed_seconds: float = 0.0  # once per training step
+    seconds_per_collective: float = 0.0  # beyond its bytes: launch, latency, dispatch
 
     def step_seconds(self, shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> float:
+        """Seconds of one micro-batch of a step of `accumulation_steps`, with its share of the step's cost."""
         f = plan_features(shape, plan, accumulation_steps=accumulation_steps)
         return (self.seconds_per_flop * f.flops + self.seconds_per_byte * f.comm_bytes
-                + self.seconds_per_score * f.score_elements + self.fixed_seconds)
+                + self.seconds_per_score * f.score_elements + self.fixed_seconds
+                + self.step_fixed_seconds / max(1, accumulation_steps) + self.seconds_per_collective * f.collectives)
 
     def tokens_per_second(self, shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> float:
         """Training tokens per second of the whole pool under `plan`."""
@@ -101,10 +132,11 @@ class StepCostModel:
 
     @classmethod
     def calibrate(cls, samples: Sequence[tuple[ModelShape, TrainPlan, float]]) -> StepCostModel:
-        """Non-negative least squares of measured micro-batch step seconds on the four features.
+        """Non-negative least squares of measured one-micro-batch step seconds on the features.
 
         Features that no sample exercises (e.g. no communication on one process) keep the default
-        coefficient. Needs at least two samples.
+        coefficient; the constant goes to `step_fixed_seconds` (one micro-batch per step cannot
+        separate it from `fixed_seconds`). Needs at least two samples.
         """
         if len(samples) < 2:
             raise ConfigError(f"cost model calibration needs >= 2 measured steps, got {len(samples)}")
@@ -118,9 +150,11 @@ class StepCostModel:
         """Non-negative least squares of measured *training step* seconds, each step being the
         micro-batches it ran (`TrainPlan`s with their rows and padded length) and its seconds.
 
-        A step's features are the sums over its micro-batches (states sync counted once per step)
-        and `fixed_seconds` is paid per micro-batch, so the result ranks plans as `calibrate`'s does.
-        Coefficients of features no sample exercises keep `prior`'s (the defaults without one).
+        A step's features are the sums over its micro-batches (DDP's sync counted once per step),
+        `fixed_seconds` is paid per micro-batch and `step_fixed_seconds` once per step; where every
+        step ran the same number of micro-batches the two cannot be told apart and the constant goes to
+        `step_fixed_seconds` (`fixed_seconds` keeps `prior`'s). Coefficients of features no sample
+        exercises keep `prior`'s (the defaults without one).
         `relative`: minimise squared *relative* errors (each step weighted by 1 / its seconds), so
         that short steps count as much as long ones. Needs at least two samples with >= 1
         micro-batch each.
@@ -135,8 +169,11 @@ class StepCostModel:
                 raise ConfigError("relative cost-model fit needs measured step seconds > 0")
             x, y = x / y[:, None], np.ones_like(y)
         base = prior or cls()
-        coef = np.array([base.seconds_per_flop, base.seconds_per_byte, base.seconds_per_score, base.fixed_seconds])
-        active = [j for j in range(4) if np.any(x[:, j] > 0)]
+        coef = np.array([base.seconds_per_flop, base.seconds_per_byte, base.seconds_per_score, base.fixed_seconds,
+                         base.step_fixed_seconds, base.seconds_per_collective])
+        active = [j for j in range(6) if np.any(x[:, j] > 0)]
+        if np.ptp(x[:, 3] / x[:, 4]) == 0:  # the same micro-batch count in every step: one constant
+            active.remove(3)
         while active:
             scale = x[:, active].max(axis=0)  # columns differ by ~1e12: scale for a stable solve
             sol, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
@@ -151,7 +188,8 @@ class StepCostModel:
         """Seconds of one training step made of `micro_batches` (as in `fit_steps`)."""
         row = _step_row(shape, micro_batches)
         return (self.seconds_per_flop * row[0] + self.seconds_per_byte * row[1]
-                + self.seconds_per_score * row[2] + self.fixed_seconds * row[3])
+                + self.seconds_per_score * row[2] + self.fixed_seconds * row[3] + self.step_fixed_seconds * row[4]
+                + self.seconds_per_collective * row[5])
 
     def relative_error(self, samples: Sequence[tuple[ModelShape, Sequence[TrainPlan], float]]) -> float:
         """Mean |predicted - measured| / measured over steps (`fit_steps`' samples); 0.0 without any."""
@@ -160,11 +198,12 @@ class StepCostModel:
 
 
 def _step_row(shape: ModelShape, micro_batches: Sequence[TrainPlan]) -> list[float]:
-    """[flops, comm bytes, score elements, micro-batches] of one step, summed over its micro-batches."""
+    """[flops, comm bytes, score elements, micro-batches, 1, collectives] of one step, summed over its
+    micro-batches."""
     acc = max(1, len(micro_batches))
     feats = [plan_features(shape, plan, accumulation_steps=acc) for plan in micro_batches]
     return [sum(f.flops for f in feats), sum(f.comm_bytes for f in feats),
-            sum(f.score_elements for f in feats), float(len(feats))]
+            sum(f.score_elements for f in feats), float(len(feats)), 1.0, sum(f.collectives for f in feats)]
 
 
 @dataclasses.dataclass(frozen=True)
