@@ -171,6 +171,7 @@ class TrainerRank:
         self.phase = f"re-shard to plan v{wire.version} ({plan.name}) before step {step}"
         placement = self.mesh.placement(plan)
         if plan.model_layout != self.placement.plan.model_layout:
+            log.info("step %d: re-laying the model from %s to %s", step, self.placement.plan.name, plan.name)
             start = time.monotonic()
             relaid = relayout(self.model, self.optimizer, placement, self._make_optimizer)
             self.model, self.optimizer = relaid.model, relaid.optimizer or self.optimizer
