@@ -24,11 +24,21 @@ echo "up: $STEPS steps in $(( $(date +%s) - start )) s (model build included)"
 grep -h "computes on\|generates on" "$RUN"/logs/*.log | sed 's/^/  /'
 grep -q "computes on cuda" "$RUN"/logs/*.log || { echo "test-gpu: the trainer did not compute on cuda"; exit 1; }
 grep -q "generates on cuda" "$RUN"/logs/*.log || { echo "test-gpu: the engine did not generate on cuda"; exit 1; }
-"$PY" - "$RUN/summary.json" "$STEPS" <<'PYEOF'
-import json, sys
+"$PY" - "$RUN/summary.json" "$STEPS" "${GPU_RESULT:-bench/results/gpu_check.json}" "$RUN" <<'PYEOF'
+import datetime, glob, json, subprocess, sys
+import torch, transformers
 s = json.load(open(sys.argv[1]))
-print({k: s.get(k) for k in ("steps", "samples_trained", "win_rate_last", "tokens_per_second", "wall_seconds")})
 if s.get("steps") != int(sys.argv[2]):
     sys.exit(f"test-gpu: the run stopped at step {s.get('steps')} of {sys.argv[2]}")
+placed = [line.split(": ", 1)[1].strip() for f in sorted(glob.glob(sys.argv[4] + "/logs/*.log")) for line in open(f)
+          if "computes on" in line or "generates on" in line]
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+result = {"what": "make test-gpu: the gpu-marked tests passed, then `earl-stream up` on the embedded default",
+          "device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+          "date": datetime.date.today().isoformat(), "commit": commit, "placement_logged": placed,
+          "up": {k: s.get(k) for k in ("steps", "samples_trained", "samples_produced", "win_rate_last",
+                                       "tokens_per_second", "wall_seconds", "samples_lost", "duplicates_detected")}}
+print(result["up"])
+json.dump(result, open(sys.argv[3], "w"), indent=1)
 PYEOF
 echo "test-gpu: passed"
