@@ -28,6 +28,12 @@
     runs the forward); predicted with Precision.FP32 and Precision.MIXED_BF16 (2-byte activations;
     `dynamic_bytes` leaves the states out, so their layout does not matter). Random weights: memory does not
     depend on them.
+(e) On a CUDA GPU (`--only-cuda`, refreshes this part of an existing results file): real model shapes
+    (SmolLM2-135M, Qwen2.5-0.5B) at 1,024-8,192 tokens, fp32 and bf16 autocast, flash (sdpa) and eager
+    attention, with and without full recomputation, one training step each in a fresh process. Measured
+    with the CUDA caching allocator's own counters, exact to its 512-byte rounding: the step's peak
+    (`max_memory_allocated`) with weights, gradients and AdamW states allocated, against the model's
+    `total_bytes` (states + step), and the step's part above the states against `dynamic_bytes`.
 """
 
 from __future__ import annotations
@@ -131,6 +137,7 @@ def child(spec: dict) -> dict:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
     rss0 = status("VmRSS:")
+    device = torch.device(spec.get("device", "cpu"))
     if spec.get("arch") == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -138,25 +145,26 @@ def child(spec: dict) -> dict:
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**spec["config"], attn_implementation=spec["attn"], use_cache=False))
     autocast = spec.get("dtype") == "bf16"
-    model.train()
+    model.to(device).train()
     if spec["ckpt"]:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = spec["config"]["vocab_size"]
 
     def step(b: int, s: int) -> None:
-        ids = torch.randint(0, vocab, (b, s))
+        ids = torch.randint(0, vocab, (b, s), device=device)
         if spec["loss"] == "ce":
             model(input_ids=ids, labels=ids).loss.backward()
         else:  # the inner loop of earl_stream.workers.train_step (GRPO, entropy_coef = 0)
             from earl_stream.algo.losses import policy_loss, token_entropy, token_logprobs
             from earl_stream.config import AlgoConfig
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # as train_step does for bf16
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):  # as train_step does for bf16
                 out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
                 logp = token_logprobs(out.logits, ids)
             ent = token_entropy(out.logits.detach())
-            terms = policy_loss(logp, logp.detach() - 0.01, torch.linspace(-1, 1, b), torch.ones(b, s),
-                                torch.full((b,), 1.0 / (b * s)), AlgoConfig(entropy_coef=0.0), entropy=ent)
+            terms = policy_loss(logp, logp.detach() - 0.01, torch.linspace(-1, 1, b, device=device),
+                                torch.ones(b, s, device=device), torch.full((b,), 1.0 / (b * s), device=device),
+                                AlgoConfig(entropy_coef=0.0), entropy=ent)
             terms.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -164,6 +172,16 @@ def child(spec: dict) -> dict:
 
     step(1, 32)
     gc.collect()
+    if device.type == "cuda":  # the caching allocator's counters: exact, no allocator slack to reason about
+        torch.cuda.synchronize()
+        states = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.monotonic()
+        step(spec["micro_batch"], spec["seq_len"])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        return {"measured_bytes": peak - states, "measured_total_bytes": peak, "states_bytes": states,
+                "step_seconds": time.monotonic() - start}
     base = status("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -244,6 +262,50 @@ def part_d(grid: list) -> dict:
               f"{got['measured_bytes'] / 2**20:7.1f} MiB {rel:+.3f} ({got['step_seconds']:.1f} s step)", flush=True)
     return {"model": "SmolLM2-135M-Instruct shape", "config": SMOLLM2, "params": shape.num_params(), "configs": rows,
             "max_relative_error": max(abs(r["relative_error"]) for r in rows)}
+
+
+QWEN25_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+              "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True,
+              "max_position_embeddings": 32768}
+# (model, seq_len, micro_batch, dtype, attention, full recomputation)
+CUDA_GRID = [("smollm2", 1024, 1, "fp32", "sdpa", False), ("smollm2", 4096, 1, "fp32", "sdpa", False),
+             ("smollm2", 4096, 1, "bf16", "sdpa", False), ("smollm2", 4096, 1, "bf16", "sdpa", True),
+             ("smollm2", 2048, 1, "fp32", "eager", False), ("smollm2", 8192, 1, "bf16", "sdpa", False),
+             ("qwen05b", 1024, 1, "fp32", "sdpa", False), ("qwen05b", 4096, 1, "bf16", "sdpa", False),
+             ("qwen05b", 8192, 1, "bf16", "sdpa", False), ("qwen05b", 8192, 1, "bf16", "sdpa", True),
+             ("qwen05b", 2048, 2, "bf16", "eager", False), ("qwen05b", 4096, 1, "fp32", "sdpa", True)]
+CUDA_QUICK = CUDA_GRID[:2]
+
+
+def part_e(grid: list) -> dict:
+    """(e): predicted vs measured on a CUDA device (see the module docstring)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    models = {"smollm2": ("llama", SMOLLM2, LlamaConfig), "qwen05b": ("qwen2", QWEN25_05B, Qwen2Config)}
+    rows = []
+    for name, s, b, dtype, attn, ckpt in grid:
+        arch, config, hf_config = models[name]
+        spec = {"model": name, "arch": arch, "config": config, "attn": attn, "loss": "grpo", "seq_len": s,
+                "micro_batch": b, "ckpt": ckpt, "dtype": dtype, "device": "cuda"}
+        got = run_child(spec)
+        plan = TrainPlan(micro_batch=b, seq_len=s, attention=Attention.EAGER if attn == "eager" else Attention.FLASH,
+                         recompute=Recompute.FULL if ckpt else Recompute.NONE, logit_copies=LOGIT_COPIES_EARL_GRPO,
+                         precision=Precision.AUTOCAST_BF16 if dtype == "bf16" else Precision.FP32)
+        bd = predict_train_memory(ModelShape.from_hf(hf_config(**config)), plan)
+        rel_total = (bd.total_bytes - got["measured_total_bytes"]) / got["measured_total_bytes"]
+        rel_step = (bd.dynamic_bytes - got["measured_bytes"]) / got["measured_bytes"]
+        rows.append({**{k: v for k, v in spec.items() if k != "config"}, "predicted_total_bytes": bd.total_bytes,
+                     "predicted_bytes": bd.dynamic_bytes, **got, "relative_error_total": rel_total,
+                     "relative_error": rel_step, "predicted_peak_phase": bd.peak_phase.value})
+        print(f"  {name:8s} {dtype} {attn:5s} s={s:5d} b={b} recompute={int(ckpt)}: total predicted "
+              f"{bd.total_bytes / 2**30:6.2f} GiB measured {got['measured_total_bytes'] / 2**30:6.2f} GiB "
+              f"({rel_total:+.3f}); step {bd.dynamic_bytes / 2**30:6.2f} vs {got['measured_bytes'] / 2**30:6.2f} GiB "
+              f"({rel_step:+.3f}), {got['step_seconds']:.2f} s", flush=True)
+    import torch
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": rows,
+            "max_relative_error_total": max(abs(r["relative_error_total"]) for r in rows),
+            "max_relative_error_step": max(abs(r["relative_error"]) for r in rows)}
 
 
 # (plan, model, attention, seq_len, rows per data rank): 2 ranks under fsdp2, tp2, sp2; 4 under fsdp2_tp2;
@@ -386,6 +448,8 @@ def main() -> int:
         ap.add_argument(flag, type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--only-sharded", action="store_true", help="skip (a) and (b): the sharded plans only")
     ap.add_argument("--only-smollm2", action="store_true", help="refresh (d), the SmolLM2 rows, in an existing file")
+    ap.add_argument("--only-cuda", action="store_true", help="refresh (e), the CUDA rows, in an existing file "
+                    "(needs a CUDA GPU)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -396,6 +460,13 @@ def main() -> int:
     start = time.monotonic()
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only_cuda:  # refresh (e) in an existing results file
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result["cuda"] = part_e(CUDA_QUICK if args.quick else CUDA_GRID)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"  cuda max_relative_error_total = {result['cuda']['max_relative_error_total']:.3f}, step "
+              f"{result['cuda']['max_relative_error_step']:.3f}; wrote {out}")
+        return 0
     if args.only_smollm2:  # refresh (d) in an existing results file
         result = json.loads(out.read_text()) if out.exists() else {}
         result["smollm2"] = part_d(SMOLLM2_QUICK if args.quick else SMOLLM2_GRID)
