@@ -171,9 +171,7 @@ class StepCostModel:
         base = prior or cls()
         coef = np.array([base.seconds_per_flop, base.seconds_per_byte, base.seconds_per_score, base.fixed_seconds,
                          base.step_fixed_seconds, base.seconds_per_collective])
-        active = [j for j in range(6) if np.any(x[:, j] > 0)]
-        if np.ptp(x[:, 3] / x[:, 4]) == 0:  # the same micro-batch count in every step: one constant
-            active.remove(3)
+        active = _separable_columns(x)
         while active:
             scale = x[:, active].max(axis=0)  # columns differ by ~1e12: scale for a stable solve
             sol, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
@@ -195,6 +193,23 @@ class StepCostModel:
         """Mean |predicted - measured| / measured over steps (`fit_steps`' samples); 0.0 without any."""
         errs = [abs(self.predict_step(shape, plans) - sec) / sec for shape, plans, sec in samples if plans and sec > 0]
         return float(np.mean(errs)) if errs else 0.0
+
+
+# the order in which fit_steps takes features when samples cannot tell some apart: compute, bytes and
+# score passes first, then a step's constant before a micro-batch's, the per-collective cost last
+_FIT_ORDER = (0, 1, 2, 4, 3, 5)
+
+
+def _separable_columns(x: np.ndarray) -> list[int]:
+    """Columns of the step matrix `x` that the samples exercise and can tell apart, in `_FIT_ORDER`: a
+    column that adds no rank to those already taken (e.g. collectives that are a multiple of the
+    micro-batch count when every step ran one layout) is left at its prior."""
+    scaled = x / np.maximum(x.max(axis=0), 1e-300)
+    taken: list[int] = []
+    for j in _FIT_ORDER:
+        if np.any(x[:, j] > 0) and np.linalg.matrix_rank(scaled[:, taken + [j]], tol=1e-9) == len(taken) + 1:
+            taken.append(j)
+    return sorted(taken)
 
 
 def _step_row(shape: ModelShape, micro_batches: Sequence[TrainPlan]) -> list[float]:
