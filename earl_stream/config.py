@@ -193,6 +193,9 @@ class SelectorConfig:
                           "trainer.nproc > 1")
     allow_tp: bool = _f(True, "let trainer plans use tensor parallelism when trainer.nproc > 1")
     allow_sp: bool = _f(True, "let trainer plans use Ulysses sequence parallelism when trainer.nproc > 1")
+    attention: str = _f("eager", "how trainer plans size attention: eager = its s x s scores are stored (eager "
+                        "attention; also SDPA's math path, e.g. fp32 with grouped KV heads on CUDA); flash = "
+                        "they are not (flash or memory-efficient kernels: bf16 sdpa on CUDA)", choices=("eager", "flash"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -146,3 +146,28 @@ def test_a_sequence_parallel_rank_pulls_only_its_slice() -> None:
         assert set(got) == set(want)
         for k in want:
             assert torch.equal(got[k], want[k].to(got[k].dtype)), (r, k)
+
+
+def test_selector_attention_flash_sizes_plans_without_the_score_matrix(tmp_path: Path) -> None:
+    """`selector.attention=flash` (bf16 sdpa on a GPU, measured in bench/memory_model.py part e): the same
+    long contexts on one rank need no recomputation and get a larger micro-batch budget than under
+    eager sizing, which stores the s x s scores."""
+    from earl_stream.config import load_config
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    decisions = {}
+    for attention in ("eager", "flash"):
+        cfg = load_config(None, [f"model.path={tmp_path}", f"run_dir={tmp_path / attention}", "trainer.nproc=1",
+                                 "selector.context_window=16", "selector.initial_seq_len=256",
+                                 f"selector.trainer_memory_bytes={300 * MIB}", "selector.reserve_bytes=0",
+                                 "selector.min_episodes_between=0", f"selector.attention={attention}"])
+        planner = Planner(cfg)
+        planner.stats.add_many([700] * 16)  # design 1024
+        planner.on_step(1)
+        decisions[attention] = planner.trainer_plan
+    eager, flash = decisions["eager"], decisions["flash"]
+    assert eager.plan.attention is Attention.EAGER and flash.plan.attention is Attention.FLASH
+    assert eager.plan.recompute.value == "full" and flash.plan.recompute.value == "none"
+    assert flash.micro_batch_tokens >= eager.micro_batch_tokens
+    with pytest.raises(ConfigError, match=r"selector\.attention: 'sdpa' is not allowed; choose one of eager, flash"):
+        load_config(None, ["selector.attention=sdpa"])

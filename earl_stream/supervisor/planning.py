@@ -142,7 +142,7 @@ class Planner:
         pool = cfg.trainer.nproc > 1
         self.trainer = TrainerSelector(
             shape, PoolBudget(cfg.trainer.nproc, memory, s.reserve_bytes),
-            base=TrainPlan(micro_batch=1, seq_len=s.initial_seq_len, attention=Attention.EAGER,
+            base=TrainPlan(micro_batch=1, seq_len=s.initial_seq_len, attention=Attention(s.attention),
                            precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
             allow_fsdp=pool and s.allow_fsdp, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
