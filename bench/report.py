@@ -380,10 +380,11 @@ def section(bench: dict[str, Any], results: Path, out_dir: Path) -> list[str]:
         out += [f"Machine: {machine_of(data, path)}.", ""]
         out += bench["render"](data)
         png = path.with_suffix(".png")
+        copy = out_dir / "benchmarks" / png.name
         if png.exists():  # copied next to the page: bench/results/*.png is not versioned
-            copy = out_dir / "benchmarks" / png.name
             copy.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, copy)
+        if copy.exists():  # a fresh clone has only the copy
             out += [f"![{bench['name']}]({os.path.relpath(copy, out_dir)})", ""]
     return out
 
