@@ -97,7 +97,9 @@ def test_a_rank_that_hangs_during_a_reshard_stops_the_pool_which_resumes_under_t
                  "the restarted pool to adopt the plan in force")
         after = log_path.read_text()[restart:]
         resumed = [int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", after)]
-        assert len(resumed) == 2 and resumed[0] == resumed[1] >= 2, after[-3000:]
+        written = [int(n) for n in re.findall(r"checkpoint of step (\d+) written", log[:restart])]
+        # both ranks from the latest checkpoint written before the hang (none yet: a fresh start)
+        assert resumed == ([max(written)] * 2 if written else []), after[-3000:]
         start = cluster.status()["policy_version"]
         s = wait_for(lambda: (st := cluster.status()) and st["policy_version"] >= start + 3 and st, 180,
                      "training after the restart")
