@@ -28,7 +28,7 @@
     runs the forward); predicted with Precision.FP32 and Precision.MIXED_BF16 (2-byte activations;
     `dynamic_bytes` leaves the states out, so their layout does not matter). Random weights: memory does not
     depend on them.
-(e) On a CUDA GPU (`--only-cuda`, refreshes this part of an existing results file): real model shapes
+(e) On a CUDA GPU (`bench/memory_model_cuda.py`, which refreshes this part of the results file): real model shapes
     (SmolLM2-135M, Qwen2.5-0.5B) at 1,024-8,192 tokens, fp32 and bf16 autocast, flash (sdpa) and eager
     attention, with and without full recomputation, one training step each in a fresh process. Measured
     with the CUDA caching allocator's own counters, exact to its 512-byte rounding: the step's peak
@@ -264,50 +264,6 @@ def part_d(grid: list) -> dict:
             "max_relative_error": max(abs(r["relative_error"]) for r in rows)}
 
 
-QWEN25_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-              "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True,
-              "max_position_embeddings": 32768}
-# (model, seq_len, micro_batch, dtype, attention, full recomputation)
-CUDA_GRID = [("smollm2", 1024, 1, "fp32", "sdpa", False), ("smollm2", 4096, 1, "fp32", "sdpa", False),
-             ("smollm2", 4096, 1, "bf16", "sdpa", False), ("smollm2", 4096, 1, "bf16", "sdpa", True),
-             ("smollm2", 2048, 1, "fp32", "eager", False), ("smollm2", 8192, 1, "bf16", "sdpa", False),
-             ("qwen05b", 1024, 1, "fp32", "sdpa", False), ("qwen05b", 4096, 1, "bf16", "sdpa", False),
-             ("qwen05b", 8192, 1, "bf16", "sdpa", False), ("qwen05b", 8192, 1, "bf16", "sdpa", True),
-             ("qwen05b", 2048, 2, "bf16", "eager", False), ("qwen05b", 4096, 1, "fp32", "sdpa", True)]
-CUDA_QUICK = CUDA_GRID[:2]
-
-
-def part_e(grid: list) -> dict:
-    """(e): predicted vs measured on a CUDA device (see the module docstring)."""
-    from transformers import LlamaConfig, Qwen2Config
-
-    models = {"smollm2": ("llama", SMOLLM2, LlamaConfig), "qwen05b": ("qwen2", QWEN25_05B, Qwen2Config)}
-    rows = []
-    for name, s, b, dtype, attn, ckpt in grid:
-        arch, config, hf_config = models[name]
-        spec = {"model": name, "arch": arch, "config": config, "attn": attn, "loss": "grpo", "seq_len": s,
-                "micro_batch": b, "ckpt": ckpt, "dtype": dtype, "device": "cuda"}
-        got = run_child(spec)
-        plan = TrainPlan(micro_batch=b, seq_len=s, attention=Attention.EAGER if attn == "eager" else Attention.FLASH,
-                         recompute=Recompute.FULL if ckpt else Recompute.NONE, logit_copies=LOGIT_COPIES_EARL_GRPO,
-                         precision=Precision.AUTOCAST_BF16 if dtype == "bf16" else Precision.FP32)
-        bd = predict_train_memory(ModelShape.from_hf(hf_config(**config)), plan)
-        rel_total = (bd.total_bytes - got["measured_total_bytes"]) / got["measured_total_bytes"]
-        rel_step = (bd.dynamic_bytes - got["measured_bytes"]) / got["measured_bytes"]
-        rows.append({**{k: v for k, v in spec.items() if k != "config"}, "predicted_total_bytes": bd.total_bytes,
-                     "predicted_bytes": bd.dynamic_bytes, **got, "relative_error_total": rel_total,
-                     "relative_error": rel_step, "predicted_peak_phase": bd.peak_phase.value})
-        print(f"  {name:8s} {dtype} {attn:5s} s={s:5d} b={b} recompute={int(ckpt)}: total predicted "
-              f"{bd.total_bytes / 2**30:6.2f} GiB measured {got['measured_total_bytes'] / 2**30:6.2f} GiB "
-              f"({rel_total:+.3f}); step {bd.dynamic_bytes / 2**30:6.2f} vs {got['measured_bytes'] / 2**30:6.2f} GiB "
-              f"({rel_step:+.3f}), {got['step_seconds']:.2f} s", flush=True)
-    import torch
-
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": rows,
-            "max_relative_error_total": max(abs(r["relative_error_total"]) for r in rows),
-            "max_relative_error_step": max(abs(r["relative_error"]) for r in rows)}
-
-
 # (plan, model, attention, seq_len, rows per data rank): 2 ranks under fsdp2, tp2, sp2; 4 under fsdp2_tp2;
 # dp1: one rank, the control
 SHARDED_FULL = [("fsdp2", "vocab", "sdpa", 1024, 1), ("fsdp2", "wide", "eager", 1024, 1),
@@ -448,8 +404,6 @@ def main() -> int:
         ap.add_argument(flag, type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--only-sharded", action="store_true", help="skip (a) and (b): the sharded plans only")
     ap.add_argument("--only-smollm2", action="store_true", help="refresh (d), the SmolLM2 rows, in an existing file")
-    ap.add_argument("--only-cuda", action="store_true", help="refresh (e), the CUDA rows, in an existing file "
-                    "(needs a CUDA GPU)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
@@ -460,13 +414,6 @@ def main() -> int:
     start = time.monotonic()
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.only_cuda:  # refresh (e) in an existing results file
-        result = json.loads(out.read_text()) if out.exists() else {}
-        result["cuda"] = part_e(CUDA_QUICK if args.quick else CUDA_GRID)
-        out.write_text(json.dumps(result, indent=2))
-        print(f"  cuda max_relative_error_total = {result['cuda']['max_relative_error_total']:.3f}, step "
-              f"{result['cuda']['max_relative_error_step']:.3f}; wrote {out}")
-        return 0
     if args.only_smollm2:  # refresh (d) in an existing results file
         result = json.loads(out.read_text()) if out.exists() else {}
         result["smollm2"] = part_d(SMOLLM2_QUICK if args.quick else SMOLLM2_GRID)
