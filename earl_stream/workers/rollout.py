@@ -230,6 +230,8 @@ class RolloutWorker:
                          "trained and released" if reply.drain else "drain cancelled: taking prompts again")
             if reply.stop:
                 if reply.drained:
+                    if not self.draining:  # it held nothing when the drain began: drained within one heartbeat
+                        log.info("%s: draining: no new prompts; it held no samples, so it drained at once", self.worker_id)
                     log.info("%s drained: every sample it produced is trained and released; leaving", self.worker_id)
                 self.stop.set()
                 break
