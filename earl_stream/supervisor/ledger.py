@@ -103,6 +103,9 @@ class LedgerState(msgspec.Struct):
     lost_rows: dict[int, list[SampleMeta]] = {}  # lost groups not yet played again: their rows, for `recover`
 
 
+RETRY_MAX_S = 30.0  # the longest back-off of a group its environment failed
+
+
 class Ledger:
     def __init__(self, envs: Iterable[EnvSpec], *, seed: int, group_size: int, groups_per_step: int,
                  max_staleness: int, dynamic_sampling: bool = False) -> None:
@@ -124,6 +127,9 @@ class Ledger:
         self.trained_steps: dict[int, list[int]] = {}  # claimed steps trained, not yet checkpointed -> lost ordinals
         self.journal: list[dict[str, object]] = []  # released steps not yet written out by the server
         self.lost_rows: dict[int, list[SampleMeta]] = {}  # ordinal -> rows of a lost group still queued
+        # queued groups whose environment failed them, held back until this (monotonic) time: a broken
+        # environment server must not keep every rollout slot busy with its retries
+        self._retry_at: dict[int, float] = {}
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -142,18 +148,20 @@ class Ledger:
     def outstanding_groups(self) -> int:
         return sum(1 for g in self.groups.values() if g.state in (PromptState.QUEUED, PromptState.INFLIGHT, PromptState.READY))
 
-    def issue(self, worker_id: str, max_groups: int, request_id: str = "") -> list[Prompt]:
+    def issue(self, worker_id: str, max_groups: int, request_id: str = "", now: float | None = None) -> list[Prompt]:
         """Hand out up to `max_groups` prompts, never more than the staleness bound lets be used.
 
         A repeated `request_id` of the same worker (its first reply was lost) gets the prompts of
-        the first answer that this worker still holds, and nothing new.
+        the first answer that this worker still holds, and nothing new. Groups an environment failed
+        wait out their back-off (`fail_groups`) when `now` is given; other queued groups and new
+        prompts go first meanwhile.
         """
         if request_id:
             seen = self.requests.setdefault(worker_id, {})
             if request_id in seen:
                 self.counters.requests_repeated += 1
                 return self._held(worker_id, seen[request_id])
-        out = self._issue_new(worker_id, max_groups)
+        out = self._issue_new(worker_id, max_groups, now)
         if request_id:
             seen[request_id] = [p.group_id for p in out]
             while len(seen) > REQUESTS_KEPT:  # only the last few can still be retried
@@ -169,7 +177,7 @@ class Ledger:
                 out.append(group.prompt)
         return out
 
-    def _issue_new(self, worker_id: str, max_groups: int) -> list[Prompt]:
+    def _issue_new(self, worker_id: str, max_groups: int, now: float | None) -> list[Prompt]:
         limit = self.groups_per_step * (self.max_staleness + 1)
         out: list[Prompt] = []
         usable = {e.display_name for e in self.envs}
@@ -177,16 +185,23 @@ class Ledger:
             if self.queue and self.groups[self.queue[0]].prompt.env not in usable:
                 self._drop(self.queue.popleft())
                 continue
-            if self.queue:
-                ordinal = self.queue[0]
-            elif self.envs and self.outstanding_groups() < limit:
-                ordinal = self._new_prompt()
-                self.queue.append(ordinal)
-            else:
-                break
+            waiting = now is not None and self.queue and self._retry_at.get(self.queue[0], 0.0) > now
+            ordinal = next((o for o in self.queue if now is None or self._retry_at.get(o, 0.0) <= now), None) \
+                if waiting else (self.queue[0] if self.queue else None)
+            if ordinal is not None and self.groups[ordinal].prompt.env not in usable:
+                self.queue.remove(ordinal)
+                self._drop(ordinal)
+                continue
+            if ordinal is None:
+                if self.envs and self.outstanding_groups() < limit:
+                    ordinal = self._new_prompt()
+                    self.queue.append(ordinal)
+                else:
+                    break
             ahead = sum(1 for g in self.groups.values() if g.state in (PromptState.INFLIGHT, PromptState.READY))
             step = self.next_claim_step + ahead // self.groups_per_step
-            self.queue.popleft()
+            self.queue.remove(ordinal)
+            self._retry_at.pop(ordinal, None)
             group = self.groups[ordinal]
             self.lost_rows.pop(ordinal, None)  # played again: a persisted copy may no longer come back
             attempt = self._attempts.get(ordinal, 0)
@@ -231,13 +246,17 @@ class Ledger:
                 group.state = PromptState.READY
                 self.ready.append(row.prompt_ordinal)
 
-    def fail_groups(self, group_ids: Iterable[str]) -> None:
-        """The worker could not finish these groups (an environment failed): re-issue them."""
+    def fail_groups(self, group_ids: Iterable[str], now: float | None = None) -> None:
+        """The worker could not finish these groups (an environment failed): re-issue them, each after a
+        back-off that doubles with its failures (1 s, 2 s, ... at most RETRY_MAX_S) when `now` is given."""
         for gid in group_ids:
             ordinal = _ordinal_of(gid)
             group = self.groups.get(ordinal)
             if group is not None and group.state == PromptState.INFLIGHT and group.prompt.group_id == gid:
                 self._reissue(ordinal)
+                if now is not None:
+                    failures = self._attempts.get(ordinal, 1)
+                    self._retry_at[ordinal] = now + min(RETRY_MAX_S, 2.0 ** (failures - 1))
 
     def worker_lost(self, worker_id: str, producer_address: str) -> dict[str, int]:
         """A worker died: its in-flight prompts and its unpulled samples are re-issued."""

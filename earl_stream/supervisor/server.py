@@ -187,11 +187,11 @@ class Supervisor:
     def _on_requestprompts(self, msg: P.RequestPrompts, now: float) -> P.Msg:
         if self.finished or msg.worker_id not in self.workers or self.workers[msg.worker_id].draining:
             return P.Prompts(prompts=[])
-        return P.Prompts(prompts=self.ledger.issue(msg.worker_id, msg.max_groups, msg.request_id))
+        return P.Prompts(prompts=self.ledger.issue(msg.worker_id, msg.max_groups, msg.request_id, now))
 
     def _on_putmeta(self, msg: P.PutMeta, now: float) -> P.Msg:
         self.ledger.add_rows(msg.worker_id, msg.rows)
-        self.ledger.fail_groups(msg.failed_groups)
+        self.ledger.fail_groups(msg.failed_groups, now)
         self.planner.add(msg.rows)
         for row in msg.rows:
             self.rows_seen += 1

@@ -133,3 +133,26 @@ def test_prompts_of_a_detached_environment_are_dropped_not_replayed_forever() ->
     assert led.counters.prompts_dropped == len(broken)
     assert not {p.prompt_ordinal for p in broken} & set(led.groups)  # gone from the ledger, not queued
     _check_accounting(led)
+
+
+def test_groups_an_environment_failed_back_off_and_fresh_prompts_go_first() -> None:
+    """A dead environment server fails every episode of its groups: those groups wait out a back-off that
+    doubles with each failure, so the rollout slots play other prompts meanwhile instead of retrying them
+    back to back (a killed server's three groups once held all three slots of a worker and training
+    stopped); once the back-off is over they are played again under the same ordinal."""
+    led = _ledger(groups_per_step=4, max_staleness=1)
+    first = led.issue("w", 2, now=100.0)
+    led.fail_groups([p.group_id for p in first], now=100.0)  # first failure: 1 s back-off
+    fresh = led.issue("w", 2, now=100.5)
+    assert [p.prompt_ordinal for p in fresh] == [2, 3]
+    again = led.issue("w", 2, now=101.0)
+    assert sorted((p.prompt_ordinal, p.group_id) for p in again) == [(0, "g0.1"), (1, "g1.1")]
+    led.fail_groups(["g0.1"], now=101.0)  # second failure: 2 s
+    assert [p.prompt_ordinal for p in led.issue("w", 1, now=102.5)] == [4]
+    assert [p.group_id for p in led.issue("w", 1, now=103.0)] == ["g0.2"]
+    assert led.counters.prompts_reissued == 3
+    # without a clock (the synchronous loop, old callers) a failed group is played again at once
+    plain = _ledger()
+    p = plain.issue("w", 1)[0]
+    plain.fail_groups([p.group_id])
+    assert plain.issue("w", 1)[0].group_id == f"g{p.prompt_ordinal}.1"
