@@ -185,9 +185,8 @@ class Ledger:
             if self.queue and self.groups[self.queue[0]].prompt.env not in usable:
                 self._drop(self.queue.popleft())
                 continue
-            waiting = now is not None and self.queue and self._retry_at.get(self.queue[0], 0.0) > now
-            ordinal = next((o for o in self.queue if now is None or self._retry_at.get(o, 0.0) <= now), None) \
-                if waiting else (self.queue[0] if self.queue else None)
+            # the oldest queued group not waiting out a back-off
+            ordinal = next((o for o in self.queue if now is None or self._retry_at.get(o, 0.0) <= now), None)
             if ordinal is not None and self.groups[ordinal].prompt.env not in usable:
                 self.queue.remove(ordinal)
                 self._drop(ordinal)
