@@ -124,12 +124,17 @@ def test_a_rollout_worker_restarted_on_its_host_serves_what_it_persisted(tmp_pat
     """kill -9 of the only rollout worker right after it persisted at a checkpoint; `up --restart` starts
     it again, it takes over its slot (flock) and serves its samples again: the ledger takes back those it
     still waits for (here mostly trained but not yet checkpointed ones, which a trainer resuming from the
-    checkpoint would pull again), re-pointed at the new node; the run finishes, nothing trained twice."""
+    checkpoint would pull again), re-pointed at the new node; the run finishes, nothing trained twice.
+
+    What it persisted at checkpoint 6 is released only by the checkpoint of step 12, the run's last, which
+    the trainer cannot reach before the restarted worker served it again: one worker with 4 groups in
+    flight cannot feed 6 steps of 2 groups. (With checkpoint_every=4 the trainer reached the checkpoint of
+    step 8 between the persist and the kill once under CI load, and the file held only released samples.)"""
     run, steps = tmp_path / "run", 12
     summary_path = tmp_path / "s.json"
     cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", str(steps), "--restart", "2", "--summary",
            str(summary_path), f"model.path={tiny_model_dir}", f"run_dir={run}", f"trainer.groups_per_step={GROUPS}",
-           f"trainer.group_size={GROUP_SIZE}", "trainer.max_staleness=2", "trainer.checkpoint_every=4",
+           f"trainer.group_size={GROUP_SIZE}", "trainer.max_staleness=2", "trainer.checkpoint_every=6",
            "rollout.groups_in_flight=4", "rollout.workers=1", "supervisor.heartbeat_s=0.2", "supervisor.lease_s=3"]
     rollout_log = run / "logs" / "rollout-0.log"
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -138,8 +143,11 @@ def test_a_rollout_worker_restarted_on_its_host_serves_what_it_persisted(tmp_pat
             text = rollout_log.read_text() if rollout_log.exists() else ""
             return any(int(n) > 0 for n in re.findall(r"persisted (\d+) samples \(checkpoint", text))
 
+        victim = wait_for(lambda: next((w["pid"] for w in _status(run).get("workers", [])
+                                        if w["role"] == "rollout" and w["alive"]), None) or up.poll() is not None,
+                          240, "the rollout worker")
         wait_for(lambda: persisted() or up.poll() is not None, 240, "samples persisted at a checkpoint")
-        victim = next(w["pid"] for w in _status(run)["workers"] if w["role"] == "rollout" and w["alive"])
+        assert up.poll() is None and victim is not True, "up ended before the kill"
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: "samples recovered from" in rollout_log.read_text() or up.poll() is not None, 120,
                  "the restarted worker to recover its samples")
