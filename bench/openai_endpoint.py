@@ -9,9 +9,13 @@ same engine, batcher and sampling (temperature 1) in one process, as a rollout w
             `chat.completions.create` of the real `openai` client over HTTP on loopback, the
             conversation re-sent in full; the endpoint matches it to the episode's tokens, renders and
             tokenises only the new messages, and the episode becomes a sample (`play_agent_episode`).
+            The agent runs in an agent process, as in a rollout worker by default
+            (`rollout.agent_processes=1`): the client's Python is off the engine's event loop.
+- endpoint_inprocess: the same, the agent in the engine's event loop (`rollout.agent_processes=0`).
 
 Measured: generated tokens per second of wall time for the whole workload (and episodes/s); the
-median over repetitions, the two alternating (the machine is shared). The goal (issue 17): the
+median over repetitions, the modes alternating (the machine is shared). With an agent process the
+endpoint mode uses a second core where there is one (the built-in loop cannot: it is one event loop). The goal (issue 17): the
 endpoint costs at most 20% tokens/s. Prefix mismatches are counted (must be 0).
 
     nice -n 10 python bench/openai_endpoint.py [--quick] [--episodes 32] [--reps 3] [--json PATH]
@@ -46,14 +50,16 @@ from earl_stream.openai_api.http import bind_socket  # noqa: E402
 from earl_stream.records import SampleRecord  # noqa: E402
 from earl_stream.workers.agent_episode import play_agent_episode  # noqa: E402
 from earl_stream.workers.agent_loop import Sampling, episode_sample_seed, play_episode  # noqa: E402
+from earl_stream.workers.agent_runner import AgentRunners  # noqa: E402
 from earl_stream.workers.engines.batcher import AsyncBatcher  # noqa: E402
 from earl_stream.workers.engines.torch_engine import TorchEngine  # noqa: E402
 
 ENVS = ("tictactoe", "calculator")
+MODES = ("builtin", "endpoint", "endpoint_inprocess")
 
 
 async def _round(env: str, mode: str, episodes: int, rep: int, batcher: AsyncBatcher, endpoint: OpenAIEndpoint,
-                 chat: ChatFormat, tokenizer: Any) -> dict[str, Any]:
+                 chat: ChatFormat, tokenizer: Any, runners: AgentRunners) -> dict[str, Any]:
     seeds = [rep * 10_000 + i for i in range(episodes)]
     start = time.perf_counter()
     records: list[SampleRecord]
@@ -66,7 +72,8 @@ async def _round(env: str, mode: str, episodes: int, rep: int, batcher: AsyncBat
         agent = EnvAsAgent(env)
         records = await asyncio.gather(*[
             play_agent_episode(agent, endpoint, api_key="bench", env_name=env, seed=s, prompt_ordinal=s,
-                               group_id=f"g{s}") for s in seeds])
+                               group_id=f"g{s}", runner=runners if mode == "endpoint" else None,
+                               spec=("env_agent", {"env": env})) for s in seeds])
     seconds = time.perf_counter() - start
     generated = sum(r.response_tokens for r in records)
     return {"env": env, "mode": mode, "rep": rep, "seconds": seconds, "episodes": len(records), "generated_tokens": generated,
@@ -90,21 +97,23 @@ async def _run(which: str, envs: list[str], episodes: int, reps: int, threads: i
     endpoint = OpenAIEndpoint(batcher, tokenizer, chat, model="policy", secret=b"bench", max_context=4096,
                               default_max_tokens=32)
     await endpoint.start(bind_socket("127.0.0.1:0"), "127.0.0.1")
+    runners = AgentRunners(1, "bench")
     out: dict[str, Any] = {}
     try:
         for env in envs:
-            for mode in ("builtin", "endpoint"):  # warm-up: both paths once
-                await _round(env, mode, 4, 99, batcher, endpoint, chat, tokenizer)
+            for mode in MODES:  # warm-up: every path once
+                await _round(env, mode, 4, 99, batcher, endpoint, chat, tokenizer, runners)
             rows = []
             for rep in range(reps):
-                for mode in (("builtin", "endpoint") if rep % 2 == 0 else ("endpoint", "builtin")):
-                    row = await _round(env, mode, episodes, rep, batcher, endpoint, chat, tokenizer)
-                    print(f"  {env:11s} {mode:9s} rep {rep}: {row['tokens_per_s']:7.1f} tok/s  "
+                for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+                    row = await _round(env, mode, episodes, rep, batcher, endpoint, chat, tokenizer, runners)
+                    print(f"  {env:11s} {mode:18s} rep {rep}: {row['tokens_per_s']:7.1f} tok/s  "
                           f"{row['episodes_per_s']:5.2f} episodes/s ({row['generated_tokens']} tokens, {row['turns']} turns, "
                           f"{row['seconds']:.2f} s)", flush=True)
                     rows.append(row)
             out[env] = _summarise(rows)
     finally:
+        await runners.aclose()
         await endpoint.close()
         await batcher.aclose()
     return out
@@ -112,7 +121,7 @@ async def _run(which: str, envs: list[str], episodes: int, reps: int, threads: i
 
 def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
-    for mode in ("builtin", "endpoint"):
+    for mode in MODES:
         mine = [r for r in rows if r["mode"] == mode]
         summary[mode] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
                          "episodes_per_s": statistics.median(r["episodes_per_s"] for r in mine),
@@ -120,7 +129,9 @@ def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                          "tokens_per_s_all_reps": [round(r["tokens_per_s"], 1) for r in mine],
                          "prefix_mismatches": sum(r["prefix_mismatches"] for r in mine)}
     ratio = summary["endpoint"]["tokens_per_s"] / summary["builtin"]["tokens_per_s"]
+    inprocess = summary["endpoint_inprocess"]["tokens_per_s"] / summary["builtin"]["tokens_per_s"]
     return {"summary": summary, "endpoint_over_builtin_tokens_per_s": round(ratio, 3),
+            "endpoint_inprocess_over_builtin_tokens_per_s": round(inprocess, 3),
             "cost_pct": round(100 * (1 - ratio), 1), "goal_met": ratio >= 0.8, "rows": rows}
 
 
@@ -142,16 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     for which in args.models.split(","):
         print(f"model: {which}")
         result["models"][which] = asyncio.run(_run(which, envs, episodes, reps, args.threads))
-    print(f"\n{'model':8s} {'env':11s} {'mode':9s} {'tok/s':>8s} {'episodes/s':>11s} {'tok/turn':>9s}")
+    print(f"\n{'model':8s} {'env':11s} {'mode':18s} {'tok/s':>8s} {'episodes/s':>11s} {'tok/turn':>9s}")
     for which, per_env in result["models"].items():
         for env, r in per_env.items():
             s = r["summary"]
-            for mode in ("builtin", "endpoint"):
-                print(f"{which:8s} {env:11s} {mode:9s} {s[mode]['tokens_per_s']:8.1f} {s[mode]['episodes_per_s']:11.2f} "
+            for mode in MODES:
+                print(f"{which:8s} {env:11s} {mode:18s} {s[mode]['tokens_per_s']:8.1f} {s[mode]['episodes_per_s']:11.2f} "
                       f"{s[mode]['tokens_per_turn']:9.1f}")
             print(f"{which:8s} {env:11s} endpoint / builtin tokens/s = {r['endpoint_over_builtin_tokens_per_s']:.3f} "
                   f"(cost {r['cost_pct']}%, goal <= 20%: {'met' if r['goal_met'] else 'MISSED'}); prefix mismatches "
-                  f"{s['endpoint']['prefix_mismatches']}")
+                  f"{s['endpoint']['prefix_mismatches']}; agent in the engine's event loop: "
+                  f"{r['endpoint_inprocess_over_builtin_tokens_per_s']:.3f}")
     result.update({"load_average_at_end": os.getloadavg(), "goal": "endpoint tokens/s >= 0.8 x builtin", "episodes": episodes, "reps": reps,
                    "threads": args.threads, "torch": torch.__version__,
                    "python": platform.python_version(), "cpus": os.cpu_count(), "quick": args.quick,

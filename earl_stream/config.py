@@ -72,6 +72,9 @@ class RolloutConfig:
                           "port; bearer token = the cluster secret); empty = no endpoint")
     openai_model: str = _f("policy", "model id the OpenAI endpoint serves (requests must name it)")
     openai_max_tokens: int = _f(256, "max_tokens of an OpenAI request that gives none", minimum=1)
+    agent_processes: int = _f(1, "processes per worker that run agent environments' programs (their OpenAI "
+                              "client's Python off the engine's event loop and core); 0 = in the worker's event "
+                              "loop", minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)

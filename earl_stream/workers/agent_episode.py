@@ -17,6 +17,7 @@ from earl_stream.agent_env import DEFAULT_AGENT_TIMEOUT_S
 from earl_stream.openai_api import EPISODE_HEADER, OpenAIEndpoint
 from earl_stream.records import SampleRecord
 from earl_stream.workers.agent_loop import EpisodeFailed, trace_record
+from earl_stream.workers.agent_runner import AgentRunners
 
 _clients: dict[tuple[int, str, str], Any] = {}
 
@@ -39,23 +40,23 @@ def agent_client(endpoint: OpenAIEndpoint, episode_key: str, api_key: str, timeo
 
 
 async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, api_key: str, env_name: str, seed: int,
-                             prompt_ordinal: int, group_id: str) -> SampleRecord:
-    """Run `env.run(client, env.task(seed))` to its end and return the episode's sample."""
+                             prompt_ordinal: int, group_id: str, runner: AgentRunners | None = None,
+                             spec: tuple[str, dict[str, Any]] | None = None) -> SampleRecord:
+    """Run `env.run(client, env.task(seed))` to its end and return the episode's sample: in this event loop,
+    or with `runner` in an agent process, which makes the environment again from `spec` (registry spec,
+    params)."""
     episode_id = uuid.uuid4().hex[:16]
     key = f"{group_id}-{episode_id}"
     timeout_s = float(getattr(env, "timeout_s", DEFAULT_AGENT_TIMEOUT_S))
-    try:
-        task = env.task(seed)
-    except Exception as exc:  # the environment's own code
-        raise EpisodeFailed(f"agent task({seed}) raised {type(exc).__name__}: {exc}") from None
-    client = agent_client(endpoint, key, api_key, timeout_s)
     endpoint.expect(key)
     try:
-        reward = float(await asyncio.wait_for(env.run(client, task), timeout_s))
-    except asyncio.TimeoutError:
-        raise EpisodeFailed(f"the agent ran longer than {timeout_s:.0f}s") from None
-    except Exception as exc:  # an agent is user code: any error fails only its episode
-        raise EpisodeFailed(f"the agent raised {type(exc).__name__}: {exc}") from None
+        if runner is not None:
+            if spec is None:
+                raise ValueError("an agent process makes the environment from its spec: pass spec=(name, params)")
+            reward = await runner.run(spec[0], spec[1], seed, url=endpoint.local_url, api_key=api_key,
+                                      episode_key=key, timeout_s=timeout_s)
+        else:
+            reward = await _run_here(env, endpoint, key, api_key, seed, timeout_s)
     finally:
         episode = endpoint.take_episode(key)
     if episode is None:
@@ -65,3 +66,17 @@ async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, api_key: str
     return trace_record(episode.trace, episode_id=episode_id, group_id=group_id, prompt_ordinal=prompt_ordinal,
                         env_name=env_name, turns=episode.turns, prompt_tokens=episode.prompt_tokens, reward=reward,
                         info=info)
+
+
+async def _run_here(env: Any, endpoint: OpenAIEndpoint, key: str, api_key: str, seed: int, timeout_s: float) -> float:
+    try:
+        task = env.task(seed)
+    except Exception as exc:  # the environment's own code
+        raise EpisodeFailed(f"agent task({seed}) raised {type(exc).__name__}: {exc}") from None
+    client = agent_client(endpoint, key, api_key, timeout_s)
+    try:
+        return float(await asyncio.wait_for(env.run(client, task), timeout_s))
+    except asyncio.TimeoutError:
+        raise EpisodeFailed(f"the agent ran longer than {timeout_s:.0f}s") from None
+    except Exception as exc:  # an agent is user code: any error fails only its episode
+        raise EpisodeFailed(f"the agent raised {type(exc).__name__}: {exc}") from None

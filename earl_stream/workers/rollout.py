@@ -44,6 +44,7 @@ from earl_stream.store.weight_route import WeightRoute
 from earl_stream.tools import with_tools
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_sample_seed, play_episode
+from earl_stream.workers.agent_runner import AgentRunners
 from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.durable import DurableSamples
 from earl_stream.workers.engines.base import Engine, EngineCapacity
@@ -172,6 +173,8 @@ class RolloutWorker:
         slots = [asyncio.create_task(self._group_slot(i)) for i in range(self.cfg.rollout.groups_in_flight)]
         self._slots = slots
         self.endpoint: openai_api.OpenAIEndpoint | None = None
+        self.agent_runners = AgentRunners(self.cfg.rollout.agent_processes, self.worker_id) \
+            if self.cfg.rollout.agent_processes else None
         if self.openai_sock is not None:
             r = self.cfg.rollout
             self.endpoint = openai_api.OpenAIEndpoint(
@@ -187,6 +190,8 @@ class RolloutWorker:
             for task in slots:
                 task.cancel()
             await asyncio.gather(*slots, return_exceptions=True)
+            if self.agent_runners is not None:
+                await self.agent_runners.aclose()
             self.batcher.close()
 
     async def _heartbeat_loop(self) -> None:
@@ -343,7 +348,7 @@ class RolloutWorker:
         self.inflight += len(envs)
         M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)
         try:
-            results = await asyncio.gather(*[self._play(env, prompt, i, sampling) for i, env in enumerate(envs)],
+            results = await asyncio.gather(*[self._play(env, spec, prompt, i, sampling) for i, env in enumerate(envs)],
                                            return_exceptions=True)
         finally:
             self.inflight -= len(envs)
@@ -365,14 +370,15 @@ class RolloutWorker:
         return records
 
 
-    async def _play(self, env: Any, prompt: P.Prompt, index: int, sampling: Sampling) -> SampleRecord:
+    async def _play(self, env: Any, spec: EnvSpec, prompt: P.Prompt, index: int, sampling: Sampling) -> SampleRecord:
         """One episode: an agent environment through the OpenAI endpoint, any other with the built-in loop."""
         if is_agent_env(env):
             if self.endpoint is None:
                 raise EpisodeFailed("agent environments need the OpenAI endpoint (rollout.openai_bind is empty)")
             return await play_agent_episode(env, self.endpoint, api_key=self.secret.decode() if self.secret else "none",
                                             env_name=prompt.env, seed=prompt.seed, prompt_ordinal=prompt.prompt_ordinal,
-                                            group_id=prompt.group_id)
+                                            group_id=prompt.group_id, runner=self.agent_runners,
+                                            spec=(spec.spec, dict(spec.params)))
         return await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=prompt.seed,
                                   prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
                                   policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,

@@ -1,0 +1,267 @@
+"""Agent programs in processes of their own: an agent environment's `run(client, task)` (the user's code
+and the Python of its `openai` client, several milliseconds a request) runs in a child of the rollout
+worker, so it does not take turns with the engine's batcher on the worker's event loop and core.
+
+The worker's side is `AgentRunner`: it starts the child on first use, sends each episode as an
+`AgentJob` (the environment's registry spec and params, the seed, the endpoint's URL and bearer token,
+the episode's key, the timeout) over a socket pair, and waits for its `AgentDone` (the reward, or why it
+failed). The child (`python -m earl_stream.workers.agent_runner --fd N`) makes the environment for each
+episode as the worker would, runs it with an `openai.AsyncOpenAI` client whose requests carry the
+episode's key, and answers. The endpoint, the token accounting and the sample stay in the worker
+(`earl_stream.workers.agent_episode`). A child that dies fails only the episodes it was running; the
+next episode starts a new child. What the agent prints goes to the worker's log.
+
+Frames: a 4-byte big-endian length, then a msgpack-encoded message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import struct
+import sys
+from typing import Any
+
+import msgspec
+
+from earl_stream.workers.agent_loop import EpisodeFailed
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 16 * 1024 * 1024
+# the worker waits this much longer than the episode's own timeout (which the child enforces) before it
+# gives the episode up itself, so that a child that hangs cannot hold an episode for ever
+GRACE_S = 5.0
+
+
+class AgentJob(msgspec.Struct, tag="job", frozen=True):
+    job: int
+    spec: str  # the environment's registry spec, made in the child with `params`
+    params: dict[str, Any]
+    seed: int
+    url: str  # the worker's OpenAI endpoint
+    api_key: str
+    episode_key: str  # sent as the episode header with every request of the episode
+    timeout_s: float
+
+
+class AgentCancel(msgspec.Struct, tag="cancel", frozen=True):
+    job: int
+
+
+class AgentDone(msgspec.Struct, tag="done", frozen=True):
+    job: int
+    reward: float = 0.0
+    error: str = ""  # non-empty: the episode failed, and why
+
+
+_encoder = msgspec.msgpack.Encoder()
+_to_child = msgspec.msgpack.Decoder(AgentJob | AgentCancel)
+_to_worker = msgspec.msgpack.Decoder(AgentDone)
+
+
+def _frame(msg: msgspec.Struct) -> bytes:
+    body = _encoder.encode(msg)
+    return struct.pack(">I", len(body)) + body
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    (size,) = struct.unpack(">I", await reader.readexactly(4))
+    if size > MAX_FRAME:
+        raise ConnectionError(f"agent runner frame of {size} bytes")
+    return await reader.readexactly(size)
+
+
+class AgentRunner:
+    """One child process that runs agent episodes, any number at a time (asyncio tasks there)."""
+
+    def __init__(self, name: str = "agent-runner") -> None:
+        self.name = name
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future[AgentDone]] = {}
+        self._proc: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._alive = False
+        self._start_lock = asyncio.Lock()
+        self.starts = 0
+
+    @property
+    def load(self) -> int:
+        """Episodes running in the child now."""
+        return len(self._pending)
+
+    async def _ensure_started(self) -> None:
+        async with self._start_lock:
+            if self._alive:
+                return
+            parent, child = socket.socketpair()
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "earl_stream.workers.agent_runner", "--fd", str(child.fileno()),
+                    "--name", self.name, pass_fds=(child.fileno(),))
+            finally:
+                child.close()
+            reader, writer = await asyncio.open_connection(sock=parent)
+            self._proc, self._writer, self._alive = proc, writer, True
+            self.starts += 1
+            self._reader_task = asyncio.create_task(self._read(reader, proc), name=f"{self.name}-reader")
+            log.info("%s started (pid %d)", self.name, proc.pid)
+
+    async def _read(self, reader: asyncio.StreamReader, proc: asyncio.subprocess.Process) -> None:
+        try:
+            while True:
+                done = _to_worker.decode(await _read_frame(reader))
+                future = self._pending.get(done.job)
+                if future is not None and not future.done():
+                    future.set_result(done)
+        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
+            why = "" if isinstance(exc, asyncio.IncompleteReadError) else f" ({exc})"
+        self._alive = False
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # a child that sent garbage is not trusted with the next episode
+        code = await proc.wait()
+        failed = [f for f in self._pending.values() if not f.done()]
+        for future in failed:
+            future.set_exception(EpisodeFailed(f"the agent process exited with code {code}{why}"))
+        if failed:
+            log.warning("%s (pid %d) exited with code %s%s: %d episodes failed", self.name, proc.pid, code, why, len(failed))
+
+    async def run(self, spec: str, params: dict[str, Any], seed: int, *, url: str, api_key: str, episode_key: str,
+                  timeout_s: float) -> float:
+        """Play one episode in the child; returns its reward or raises `EpisodeFailed`."""
+        await self._ensure_started()
+        assert self._writer is not None
+        job = next(self._ids)
+        future: asyncio.Future[AgentDone] = asyncio.get_running_loop().create_future()
+        self._pending[job] = future
+        try:
+            self._writer.write(_frame(AgentJob(job, spec, dict(params), seed, url, api_key, episode_key, timeout_s)))
+            await self._writer.drain()
+            done = await asyncio.wait_for(future, timeout_s + GRACE_S)
+        except (ConnectionError, RuntimeError) as exc:
+            raise EpisodeFailed(f"could not reach the agent process: {exc}") from None
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(f"the agent ran longer than {timeout_s:.0f}s (its process did not answer)") from None
+        except asyncio.CancelledError:
+            self._cancel(job)
+            raise
+        finally:
+            self._pending.pop(job, None)
+        if done.error:
+            raise EpisodeFailed(done.error)
+        return done.reward
+
+    def _cancel(self, job: int) -> None:
+        if self._alive and self._writer is not None:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                self._writer.write(_frame(AgentCancel(job)))
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Stop the child: its socket closes, it cancels what it runs and exits (killed if it does not)."""
+        proc, self._alive = self._proc, False
+        if self._writer is not None:
+            self._writer.close()
+        if proc is not None and proc.returncode is None:
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if self._reader_task is not None:
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+
+
+class AgentRunners:
+    """`n` children; each episode goes to the least loaded one (`rollout.agent_processes`)."""
+
+    def __init__(self, n: int, worker_id: str) -> None:
+        self.runners = [AgentRunner(f"{worker_id}-agents-{i}") for i in range(n)]
+
+    async def run(self, spec: str, params: dict[str, Any], seed: int, **kw: Any) -> float:
+        return await min(self.runners, key=lambda r: r.load).run(spec, params, seed, **kw)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(r.aclose() for r in self.runners), return_exceptions=True)
+
+
+# --- the child ---------------------------------------------------------------------------------------------
+
+
+async def _episode(job: AgentJob, writer: asyncio.StreamWriter, clients: dict[tuple[str, str], Any]) -> None:
+    from earl_stream.env import make_env
+    from earl_stream.openai_api import EPISODE_HEADER
+
+    try:
+        import openai
+
+        env: Any = make_env(job.spec, job.params)  # an AgentEnvironment (`earl_stream.agent_env`)
+        task = env.task(job.seed)
+        base = clients.get((job.url, job.api_key))
+        if base is None:  # one client per endpoint (a new one builds an SSL context, ~30 ms); copies share its pool
+            base = clients[(job.url, job.api_key)] = openai.AsyncOpenAI(base_url=job.url, api_key=job.api_key,
+                                                                        max_retries=0)
+        client = base.with_options(timeout=job.timeout_s, default_headers={EPISODE_HEADER: job.episode_key})
+        done = AgentDone(job.job, reward=float(await asyncio.wait_for(env.run(client, task), job.timeout_s)))
+    except asyncio.TimeoutError:
+        done = AgentDone(job.job, error=f"the agent ran longer than {job.timeout_s:.0f}s")
+    except ImportError as exc:
+        done = AgentDone(job.job, error=f"agent environments need the openai package ({exc})")
+    except Exception as exc:  # the agent is user code: any error fails only its episode
+        done = AgentDone(job.job, error=f"the agent raised {type(exc).__name__}: {exc}")
+    writer.write(_frame(done))
+
+
+def _forget(running: dict[int, asyncio.Task[None]], job: int) -> Any:
+    return lambda _task: running.pop(job, None)
+
+
+async def _serve(fd: int) -> None:
+    reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
+    running: dict[int, asyncio.Task[None]] = {}
+    clients: dict[tuple[str, str], Any] = {}
+    try:
+        while True:
+            try:
+                msg = _to_child.decode(await _read_frame(reader))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the worker went away (or stopped us)
+            if isinstance(msg, AgentCancel):
+                task = running.get(msg.job)
+                if task is not None:
+                    task.cancel()
+                continue
+            task = asyncio.create_task(_episode(msg, writer, clients))
+            running[msg.job] = task
+            task.add_done_callback(_forget(running, msg.job))
+    finally:
+        for task in list(running.values()):
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
+        for client in clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Runs agent environments' episodes for a rollout worker (started by "
+                                 "it, never by hand): jobs and results over the socket --fd.")
+    ap.add_argument("--fd", type=int, required=True, help="the socket inherited from the worker")
+    ap.add_argument("--name", default="agent-runner", help="the name in log lines")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpx2", "httpcore", "openai"):  # a line for every request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        asyncio.run(_serve(args.fd))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
