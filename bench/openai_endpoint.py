@@ -88,7 +88,7 @@ def _model_dir(which: str) -> Path:
     return init_model(Path(tempfile.mkdtemp(prefix="earl-bench-")) / "random", seed=0)
 
 
-async def _run(which: str, envs: list[str], episodes: int, reps: int, threads: int) -> dict[str, Any]:
+async def _run(which: str, envs: list[str], episodes: int, reps: int, threads: int, agent_processes: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, tokenizer = load_model(_model_dir(which))
@@ -97,7 +97,7 @@ async def _run(which: str, envs: list[str], episodes: int, reps: int, threads: i
     endpoint = OpenAIEndpoint(batcher, tokenizer, chat, model="policy", secret=b"bench", max_context=4096,
                               default_max_tokens=32)
     await endpoint.start(bind_socket("127.0.0.1:0"), "127.0.0.1")
-    runners = AgentRunners(1, "bench")
+    runners = AgentRunners(agent_processes, "bench")
     out: dict[str, Any] = {}
     try:
         for env in envs:
@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episodes", type=int, default=32, help="concurrent episodes per round")
     ap.add_argument("--reps", type=int, default=4, help="rounds per mode (alternating)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a rollout worker's default is 1)")
+    ap.add_argument("--agent-processes", type=int, default=1, help="agent processes of the endpoint mode "
+                    "(rollout.agent_processes; its default is 1)")
     ap.add_argument("--quick", action="store_true", help="8 episodes, 2 reps")
     ap.add_argument("--json", default="bench/results/openai_endpoint.json", help="where to write the results")
     args = ap.parse_args(argv)
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"models": {}, "load_average_at_start": os.getloadavg()}
     for which in args.models.split(","):
         print(f"model: {which}")
-        result["models"][which] = asyncio.run(_run(which, envs, episodes, reps, args.threads))
+        result["models"][which] = asyncio.run(_run(which, envs, episodes, reps, args.threads,
+                                                            args.agent_processes))
     print(f"\n{'model':8s} {'env':11s} {'mode':18s} {'tok/s':>8s} {'episodes/s':>11s} {'tok/turn':>9s}")
     for which, per_env in result["models"].items():
         for env, r in per_env.items():
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['endpoint']['prefix_mismatches']}; agent in the engine's event loop: "
                   f"{r['endpoint_inprocess_over_builtin_tokens_per_s']:.3f}")
     result.update({"load_average_at_end": os.getloadavg(), "goal": "endpoint tokens/s >= 0.8 x builtin", "episodes": episodes, "reps": reps,
-                   "threads": args.threads, "torch": torch.__version__,
+                   "threads": args.threads, "agent_processes": args.agent_processes, "torch": torch.__version__,
                    "python": platform.python_version(), "cpus": os.cpu_count(), "quick": args.quick,
                    "when": time.strftime("%Y-%m-%d %H:%M:%S")})
     out = Path(args.json)
