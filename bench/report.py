@@ -209,6 +209,23 @@ def render_algorithms(d: dict[str, Any]) -> list[str]:
                          f"to {d.get('target_win_rate')} (s)", "steps"], rows)
 
 
+def render_openai_endpoint(d: dict[str, Any]) -> list[str]:
+    rows = []
+    for model, per_env in d.get("models", {}).items():
+        for env, r in per_env.items():
+            s = r.get("summary", {})
+            rows.append([model, env, s.get("builtin", {}).get("tokens_per_turn"),
+                         s.get("builtin", {}).get("tokens_per_s"), s.get("endpoint", {}).get("tokens_per_s"),
+                         s.get("endpoint_inprocess", {}).get("tokens_per_s"), r.get("endpoint_over_builtin_tokens_per_s"),
+                         r.get("endpoint_inprocess_over_builtin_tokens_per_s"), "met" if r.get("goal_met") else "missed",
+                         s.get("endpoint", {}).get("prefix_mismatches")])
+    out = _table(["model", "env", "tokens/turn", "built-in tok/s", "endpoint tok/s (agent process)",
+                  "endpoint tok/s (agent in event loop)", "endpoint / built-in", "in event loop / built-in",
+                  "goal >= 0.8", "prefix mismatches"], rows)
+    return out + [f"{d.get('episodes')} concurrent episodes, medians of {d.get('reps')} alternating repetitions, "
+                  f"{d.get('agent_processes', 1)} agent process(es), {d.get('threads')} torch thread(s).", ""]
+
+
 def render_e2e(d: dict[str, Any]) -> list[str]:
     out = [f"Same model, game (Tic-Tac-Toe vs random), group size {d.get('group_size')}, "
            f"{d.get('samples_per_step')} samples per step, lr {d.get('lr')}; {_fmt(d.get('seconds_per_system'))} s "
@@ -279,6 +296,10 @@ BENCHMARKS: list[dict[str, Any]] = [
      "script": "bench/context_growth.py",
      "command": "python bench/context_growth.py --json bench/results/context_growth.json", "files": ["context_growth.json"],
      "render": render_generic},
+    {"name": "openai_endpoint", "title": "OpenAI endpoint: agents through the API vs the built-in agent loop",
+     "script": "bench/openai_endpoint.py",
+     "command": "python bench/openai_endpoint.py --json bench/results/openai_endpoint.json",
+     "files": ["openai_endpoint.json", "openai_endpoint_*.json"], "render": render_openai_endpoint},
     {"name": "data_mac", "title": "Authenticated data-plane frames: the cost of the MAC on TCP pulls",
      "script": "bench/data_mac.py", "command": "python bench/data_mac.py --json bench/results/data_mac.json",
      "files": ["data_mac.json"], "render": render_generic},
@@ -340,7 +361,7 @@ def machine_of(d: dict[str, Any], path: Path) -> str:
     if isinstance(d.get("machine"), dict) and d["machine"].get("note"):
         found["note"] = d["machine"]["note"]
     walk(d.get("config", {}), 1)
-    when = _written(path).strftime("%Y-%m-%d %H:%M UTC")
+    when = f"{d['when']} (its own stamp)" if isinstance(d.get("when"), str) else _written(path).strftime("%Y-%m-%d %H:%M UTC")
     parts = [f"{k.replace('_', ' ')} {_fmt(v, 2)}" for k, v in found.items()]
     return f"written {when}" + ("; " + "; ".join(parts) if parts else "")
 
