@@ -58,7 +58,9 @@ class RolloutConfig:
                                   "(continuous batching); false: each batch runs to completion, so a seeded "
                                   "sample does not depend on when its request arrived (padding changes logits "
                                   "by ~1e-6, enough to flip a rare sampled token)")
-    temperature: float = _f(1.0, "sampling temperature", minimum=0)
+    temperature: float = _f(1.0, "sampling temperature; the trainer scores samples at the same temperature (its "
+                            "log-probs, ratios and entropy are the tempered distribution's, as the engine reports)",
+                            minimum=0)
     top_p: float = _f(1.0, "nucleus sampling threshold", minimum=0)
     top_k: int = _f(0, "top-k sampling (0 = off)", minimum=0)
     threads: int = _f(1, "torch threads per rollout worker", minimum=1)

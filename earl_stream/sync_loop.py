@@ -117,7 +117,7 @@ class SyncLoop:
                 metas = table_to_metas(table_from_ipc(ipc))
                 result = train_step(self.model, self.optimizer, metas, Layout(dp_size=1, dp_rank=0), self.client,
                                     self.cfg.trainer, algo=self.cfg.algo, step=step, run_steps=self.cfg.steps,
-                                    ref_model=self.ref_model)
+                                    ref_model=self.ref_model, temperature=self.cfg.rollout.temperature)
                 self.writer.free([m.sample_id for m in metas])
                 self.ledger.release(step)
                 state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}

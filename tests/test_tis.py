@@ -19,9 +19,10 @@ from earl_stream.errors import ConfigError
 from earl_stream.model import load_model
 from earl_stream.records import SampleRecord
 from earl_stream.workers.agent_loop import Sampling, episode_sample_seed, play_episode
-from earl_stream.workers.batches import batch_tensors
+from earl_stream.workers.batches import batch_tensors, local_batch
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine
+from earl_stream.workers.vocab_parallel import forward_logprobs
 
 torch.set_num_threads(1)
 
@@ -56,7 +57,7 @@ class FourTurns:
                           reward=float(len(action_text) % 3), done=self.turn >= 4, info={})
 
 
-def _episodes(model_dir: Path, n: int) -> tuple[torch.nn.Module, list[SampleRecord]]:
+def _episodes(model_dir: Path, n: int, temperature: float = 1.0) -> tuple[torch.nn.Module, list[SampleRecord]]:
     """n four-turn episodes played concurrently by the built-in engine (batched, KV kept across turns)."""
     model, tokenizer = load_model(model_dir)
     model.eval()
@@ -69,7 +70,7 @@ def _episodes(model_dir: Path, n: int) -> tuple[torch.nn.Module, list[SampleReco
             envs = [FourTurns() for _ in range(n)]
             return list(await asyncio.gather(*[
                 play_episode(env, env_options(env), chat, batcher, env_name="four_turns", seed=i % 3, prompt_ordinal=i,
-                             group_id=f"g{i % 3}", sampling=Sampling(temperature=1.0), policy_version=lambda: 0,
+                             group_id=f"g{i % 3}", sampling=Sampling(temperature=temperature), policy_version=lambda: 0,
                              decode=tokenizer.decode, sample_seed=episode_sample_seed(i % 3, i))
                 for i, env in enumerate(envs)]))
         finally:
@@ -114,6 +115,25 @@ def test_tis_weights_are_one_for_the_builtin_engine_at_equal_weights(recomputed:
     torch.testing.assert_close(grad_tis, lp.grad, atol=1e-6, rtol=1e-4)
     assert with_tis.stats["tis_truncated"] == 0
     assert with_tis.stats["mismatch_abs"] == pytest.approx(float(gap.sum()), abs=1e-4)
+
+
+def test_the_trainer_scores_samples_at_the_rollout_temperature(tiny_model_dir: Path) -> None:
+    """Episodes sampled at temperature 0.5 carry the engine's log-probs of the tempered distribution; the
+    trainer's forward (`forward_logprobs`, temperature=rollout.temperature) gives the same ones, so the
+    importance weights are ~1; scored at temperature 1 they are far off."""
+    model, records = _episodes(tiny_model_dir, 6, temperature=0.5)
+    rows = [{"input_ids": r.input_ids, "loss_mask": r.loss_mask, "behaviour_logprobs": r.behaviour_logprobs}
+            for r in records]
+    n = max(len(r["input_ids"]) for r in rows) - 1
+    batch = local_batch(rows, np.zeros(len(rows), np.float32), (0, n))
+    m = batch["loss_mask"] > 0
+    assert int(m.sum()) >= 30
+    with torch.no_grad():
+        tempered = forward_logprobs(model, batch, temperature=0.5)[1]
+        plain = forward_logprobs(model, batch, temperature=1.0)[1]
+    gap = (tempered - batch["behaviour_logprobs"])[m].abs()
+    assert float(gap.max()) < 1e-4, float(gap.max())
+    assert float((plain - batch["behaviour_logprobs"])[m].abs().mean()) > 100 * float(gap.mean()) + 1e-3
 
 
 def test_cap_truncates_and_scales_the_gradient() -> None:

@@ -81,10 +81,12 @@ class _Mini:
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: Sequence[SampleMeta], layout: Layout,
                client: Puller, cfg: TrainerConfig, *, algo: AlgoConfig | None = None, step: int = 0,
                run_steps: int = 0, min_version: int = 0, ref_model: torch.nn.Module | None = None, rank: int = 0,
-               placement: Placement | None = None) -> StepResult:
+               placement: Placement | None = None, temperature: float = 1.0) -> StepResult:
     """Training step `step` (0-based; drives the lr schedule, which ends at `run_steps` if set) of this
     rank. Tokens of policy versions below `min_version` are masked. `placement` says how the model is
-    laid out (default: replicated, with a DDP-style gradient all-reduce when the pool has several ranks)."""
+    laid out (default: replicated, with a DDP-style gradient all-reduce when the pool has several ranks).
+    `temperature` is the rollout's sampling temperature: log-probs, ratios and entropy are those of the
+    tempered distribution the samples were drawn from."""
     start = time.monotonic()
     algo = algo or AlgoConfig()
     placement = placement or Placement.single(layout, micro_batch_tokens=cfg.micro_batch_tokens)
@@ -110,7 +112,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         return StepResult(loss=0.0, grad_norm=0.0, mismatch=0.0, clip_frac=0.0, entropy=0.0, mean_reward=mean_reward,
                           samples=0, tokens=0, step_seconds=time.monotonic() - start, pull_seconds=pull_seconds,
                           pull_bytes=pull_bytes, lost_sample_ids=lost)
-    run = _MicroBatchRunner(model, ref_model, algo, placement)
+    run = _MicroBatchRunner(model, ref_model, algo, placement, temperature)
     batches = {(u, k): _batch(mini, k, pulled, layout.cp_rank, min_version) for u, mini in enumerate(minis)
                for k in range(mini.passes)}
     rewards = np.array([m.reward for m in metas], dtype=np.float64)
@@ -218,10 +220,11 @@ class _MicroBatchRunner:
     shard under tp, under autocast for bf16), accumulating the loss statistics."""
 
     def __init__(self, model: torch.nn.Module, ref_model: torch.nn.Module | None, algo: AlgoConfig,
-                 placement: Placement) -> None:
+                 placement: Placement, temperature: float = 1.0) -> None:
         self.model, self.ref_model, self.algo, self.placement = model, ref_model, algo, placement
         config: Any = model.config
-        self.vocab = {"group": placement.tp_group, "vocab_start": placement.vocab_start(int(config.vocab_size))}
+        self.vocab = {"group": placement.tp_group, "vocab_start": placement.vocab_start(int(config.vocab_size)),
+                      "temperature": temperature}
         self.sums = dict.fromkeys(_STATS, 0.0)
         self.kl_in_reward = algo.kl_coef > 0 and algo.kl_in == "reward"
 

@@ -103,7 +103,7 @@ class TrainerRank:
             result = train_step(self.model, self.optimizer, metas, self.placement.layout, self.store_client,
                                 self.step_cfg, algo=cfg.algo, step=step, run_steps=cfg.steps,
                                 min_version=max(0, step - t.max_staleness), ref_model=self.ref_model, rank=self.rank,
-                                placement=self.placement)
+                                placement=self.placement, temperature=cfg.rollout.temperature)
             step += 1
             self.version = step
             lost = result.lost_sample_ids  # every rank's: train_step agrees on them before training

@@ -73,8 +73,14 @@ def vocab_entropy(local_logits: torch.Tensor, *, group: Any = None) -> torch.Ten
 
 
 def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, group: Any = None,
-                     vocab_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(local logits [B, n, V_local], log p(labels) [B, n] float32) of a `local_batch` micro-batch."""
+                     vocab_start: int = 0, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local logits [B, n, V_local], log p(labels) [B, n] float32) of a `local_batch` micro-batch.
+
+    `temperature` is the rollout's: the logits are divided by it, so that the log-probs are those of
+    the distribution the engine sampled from (the built-in engine and vLLM report theirs after the
+    temperature); 0 (greedy) and 1 leave them as they are."""
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     return logits, vocab_logprobs(logits, batch["labels"], group=group, vocab_start=vocab_start)
 
