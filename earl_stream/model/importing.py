@@ -227,6 +227,10 @@ def _check_round_trip(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         raise ModelError(f"the tokenizer saved in {saved} tokenizes differently from the source's")
     with torch.no_grad():
         batch = torch.tensor([ids])
-        diff = (loaded(input_ids=batch).logits - model(input_ids=batch).logits).abs().max().item()
-    if diff > 1e-3:
-        raise ModelError(f"the model saved in {saved} computes different logits from the source's (max diff {diff:.2e})")
+        mine, theirs = loaded(input_ids=batch).logits.float(), model(input_ids=batch).logits.float()
+    # relative to the logits' scale: fp32 kernels that sum in another order (e.g. another attention
+    # implementation) differ by ~1e-4 of it over a 30-layer model (SmolLM2: 3.9e-3 on logits of ~30)
+    diff, scale = (mine - theirs).abs().max().item(), max(1.0, theirs.abs().max().item())
+    if diff > 1e-3 * scale or not torch.equal(mine.argmax(-1), theirs.argmax(-1)):
+        raise ModelError(f"the model saved in {saved} computes different logits from the source's (max diff "
+                         f"{diff:.2e} on logits up to {scale:.1f})")
