@@ -27,3 +27,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if (item.get_closest_marker("slow") or item.get_closest_marker("faults")) and not item.get_closest_marker("flaky"):
             item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=2))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """The first failure of a test that is run again (outcome `rerun`) is printed, its tail, so that a race
+    that a rerun hid can still be diagnosed from the CI log (the summary lists only its name)."""
+    if report.outcome == "rerun" and report.longrepr is not None:
+        text = report.longreprtext
+        print(f"\n--- first failure of {report.nodeid} ({report.when}), run again ---\n{text[-4000:]}", flush=True)
