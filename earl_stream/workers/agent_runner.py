@@ -134,7 +134,10 @@ class AgentRunner:
     async def run(self, spec: str, params: dict[str, Any], seed: int, *, url: str, api_key: str, episode_key: str,
                   timeout_s: float) -> float:
         """Play one episode in the child; returns its reward or raises `EpisodeFailed`."""
-        await self._ensure_started()
+        try:
+            await self._ensure_started()
+        except OSError as exc:
+            raise EpisodeFailed(f"could not start the agent process: {exc}") from None
         assert self._writer is not None
         job = next(self._ids)
         future: asyncio.Future[AgentDone] = asyncio.get_running_loop().create_future()
@@ -146,6 +149,7 @@ class AgentRunner:
         except (ConnectionError, RuntimeError) as exc:
             raise EpisodeFailed(f"could not reach the agent process: {exc}") from None
         except asyncio.TimeoutError:
+            self._cancel(job)
             raise EpisodeFailed(f"the agent ran longer than {timeout_s:.0f}s (its process did not answer)") from None
         except asyncio.CancelledError:
             self._cancel(job)
