@@ -121,11 +121,11 @@ class AgentRunner:
                     future.set_result(done)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
             why = "" if isinstance(exc, asyncio.IncompleteReadError) else f" ({exc})"
-        self._alive = False
+        self._alive = False  # from here on, new episodes go to a new child
+        failed = [f for f in self._pending.values() if not f.done()]  # this child's, taken before any await
         with contextlib.suppress(ProcessLookupError):
             proc.kill()  # a child that sent garbage is not trusted with the next episode
         code = await proc.wait()
-        failed = [f for f in self._pending.values() if not f.done()]
         for future in failed:
             future.set_exception(EpisodeFailed(f"the agent process exited with code {code}{why}"))
         if failed:
