@@ -127,7 +127,8 @@ class AgentRunner:
             proc.kill()  # a child that sent garbage is not trusted with the next episode
         code = await proc.wait()
         for future in failed:
-            future.set_exception(EpisodeFailed(f"the agent process exited with code {code}{why}"))
+            if not future.done():  # (one may have timed out or been cancelled meanwhile)
+                future.set_exception(EpisodeFailed(f"the agent process exited with code {code}{why}"))
         if failed:
             log.warning("%s (pid %d) exited with code %s%s: %d episodes failed", self.name, proc.pid, code, why, len(failed))
 
