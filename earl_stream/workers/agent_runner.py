@@ -120,12 +120,16 @@ class AgentRunner:
                 if future is not None and not future.done():
                     future.set_result(done)
         except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
-            why = "" if isinstance(exc, asyncio.IncompleteReadError) else f" ({exc})"
+            eof, why = isinstance(exc, asyncio.IncompleteReadError), f" ({exc})"
         self._alive = False  # from here on, new episodes go to a new child
         failed = [f for f in self._pending.values() if not f.done()]  # this child's, taken before any await
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()  # a child that sent garbage is not trusted with the next episode
-        code = await proc.wait()
+        try:  # at the end of its socket the child is exiting: its own exit code, not a kill's
+            code = await asyncio.wait_for(proc.wait(), GRACE_S if eof else 0.0)
+            why = "" if eof else why
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()  # a child that sent garbage, or hangs past its socket, is not trusted again
+            code = await proc.wait()
         for future in failed:
             if not future.done():  # (one may have timed out or been cancelled meanwhile)
                 future.set_exception(EpisodeFailed(f"the agent process exited with code {code}{why}"))
