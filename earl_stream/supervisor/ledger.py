@@ -32,7 +32,7 @@ import json
 import logging
 import random
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import msgspec
 
@@ -133,11 +133,13 @@ class Ledger:
 
     # -- prompts ------------------------------------------------------------------------------
 
-    def _new_prompt(self) -> int:
+    def _new_prompt(self, avoid: Collection[str] = ()) -> int:
+        """A new group of an environment drawn by weight, among those not named in `avoid` (if any is left)."""
         ordinal = self.next_ordinal
         self.next_ordinal += 1
+        envs = [e for e in self.envs if e.display_name not in avoid] or self.envs
         # a per-ordinal RNG: the choice is reproducible after a restart without persisting RNG state
-        env = random.Random(self.seed * 7_777_777 + ordinal).choices(self.envs, weights=[e.weight for e in self.envs])[0]
+        env = random.Random(self.seed * 7_777_777 + ordinal).choices(envs, weights=[e.weight for e in envs])[0]
         seed = (self.seed * 1_000_003 + ordinal * 7919) & 0x7FFFFFFF
         prompt = Prompt(group_id=f"g{ordinal}", prompt_ordinal=ordinal, env=env.display_name, seed=seed,
                         group_size=self.group_size)
@@ -181,6 +183,14 @@ class Ledger:
         limit = self.groups_per_step * (self.max_staleness + 1)
         out: list[Prompt] = []
         usable = {e.display_name for e in self.envs}
+        # Groups waiting out a back-off hold no generation (their prompts get a fresh version bound when they
+        # are played again), so they do not count against the staleness bound, and no new prompt is drawn
+        # from their environments meanwhile: a dead environment server's groups once took the whole bound
+        # and training stopped although other environments could have fed it. If every environment is
+        # backing off, they count (nothing new would succeed anyway, and the queue stays bounded).
+        waiting = [o for o in self.queue if now is not None and self._retry_at.get(o, 0.0) > now]
+        failing = {self.groups[o].prompt.env for o in waiting}
+        resting = len(waiting) if usable - failing else 0
         while len(out) < max_groups:
             if self.queue and self.groups[self.queue[0]].prompt.env not in usable:
                 self._drop(self.queue.popleft())
@@ -192,8 +202,8 @@ class Ledger:
                 self._drop(ordinal)
                 continue
             if ordinal is None:
-                if self.envs and self.outstanding_groups() < limit:
-                    ordinal = self._new_prompt()
+                if self.envs and self.outstanding_groups() - resting < limit:
+                    ordinal = self._new_prompt(avoid=failing)
                     self.queue.append(ordinal)
                 else:
                     break

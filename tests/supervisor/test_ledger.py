@@ -135,6 +135,27 @@ def test_prompts_of_a_detached_environment_are_dropped_not_replayed_forever() ->
     _check_accounting(led)
 
 
+def test_groups_backing_off_leave_the_staleness_bound_to_the_other_environments() -> None:
+    """A killed environment server's groups wait out their back-off without holding the staleness bound
+    (groups_per_step x (staleness + 1) = 4 here): the other environment's prompts fill it, and none is
+    drawn from the failing one meanwhile. When every environment is failing, the bound holds as before."""
+    led = Ledger([EnvSpec(spec="tictactoe"), EnvSpec(spec="connect_four")], seed=0, group_size=2, groups_per_step=2,
+                 max_staleness=1)
+    first = led.issue("w", 4, now=100.0)
+    assert len(first) == 4 and led.issue("w", 1, now=100.0) == []  # the bound
+    dead = [p for p in first if p.env == "connect_four"]
+    assert dead, [p.env for p in first]
+    led.fail_groups([p.group_id for p in dead], now=100.0)
+    fresh = led.issue("w", 4, now=100.5)
+    assert len(fresh) == len(dead) and all(p.env == "tictactoe" for p in fresh)
+    assert led.issue("w", 1, now=100.5) == []  # still bounded by the groups that are not waiting
+    # every environment failing: the waiting groups count again, nothing new is drawn
+    led.fail_groups([p.group_id for p in first + fresh if p.env == "tictactoe"], now=100.5)
+    assert led.issue("w", 4, now=100.6) == []
+    again = led.issue("w", 8, now=200.0)  # the back-offs are over: the same groups, played again
+    assert sorted(p.prompt_ordinal for p in again) == sorted(p.prompt_ordinal for p in first + fresh)
+
+
 def test_groups_an_environment_failed_back_off_and_fresh_prompts_go_first() -> None:
     """A dead environment server fails every episode of its groups: those groups wait out a back-off that
     doubles with each failure, so the rollout slots play other prompts meanwhile instead of retrying them
