@@ -9,34 +9,14 @@ that raises, times out or never calls the model fails its own episode (`EpisodeF
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
 from earl_stream.agent_env import DEFAULT_AGENT_TIMEOUT_S
-from earl_stream.openai_api import EPISODE_HEADER, OpenAIEndpoint
+from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.records import SampleRecord
 from earl_stream.workers.agent_loop import EpisodeFailed, trace_record
-from earl_stream.workers.agent_runner import AgentRunners
-
-_clients: dict[tuple[int, str, str], Any] = {}
-
-
-def agent_client(endpoint: OpenAIEndpoint, episode_key: str, api_key: str, timeout_s: float) -> Any:
-    """An `openai.AsyncOpenAI` client on the endpoint, its requests filed under `episode_key`.
-
-    Every episode's client is a copy of one client per endpoint, sharing its connection pool: a new
-    client builds an SSL context (~30 ms here), which would cost more than a short turn.
-    """
-    try:
-        import openai
-    except ImportError:
-        raise EpisodeFailed("agent environments need the openai package (pip install 'earl_stream[agents]')") from None
-    base = _clients.get((id(endpoint), endpoint.local_url, api_key))
-    if base is None or base.is_closed():
-        base = openai.AsyncOpenAI(base_url=endpoint.local_url, api_key=api_key, max_retries=0)
-        _clients[(id(endpoint), endpoint.local_url, api_key)] = base
-    return base.with_options(timeout=timeout_s, default_headers={EPISODE_HEADER: episode_key})
+from earl_stream.workers.agent_runner import AgentRunners, run_agent
 
 
 async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, api_key: str, env_name: str, seed: int,
@@ -56,7 +36,7 @@ async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, api_key: str
             reward = await runner.run(spec[0], spec[1], seed, url=endpoint.local_url, api_key=api_key,
                                       episode_key=key, timeout_s=timeout_s)
         else:
-            reward = await _run_here(env, endpoint, key, api_key, seed, timeout_s)
+            reward = await run_agent(env, seed, endpoint.local_url, api_key, key, timeout_s)
     finally:
         episode = endpoint.take_episode(key)
     if episode is None:
@@ -67,16 +47,3 @@ async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, api_key: str
                         env_name=env_name, turns=episode.turns, prompt_tokens=episode.prompt_tokens, reward=reward,
                         info=info)
 
-
-async def _run_here(env: Any, endpoint: OpenAIEndpoint, key: str, api_key: str, seed: int, timeout_s: float) -> float:
-    try:
-        task = env.task(seed)
-    except Exception as exc:  # the environment's own code
-        raise EpisodeFailed(f"agent task({seed}) raised {type(exc).__name__}: {exc}") from None
-    client = agent_client(endpoint, key, api_key, timeout_s)
-    try:
-        return float(await asyncio.wait_for(env.run(client, task), timeout_s))
-    except asyncio.TimeoutError:
-        raise EpisodeFailed(f"the agent ran longer than {timeout_s:.0f}s") from None
-    except Exception as exc:  # an agent is user code: any error fails only its episode
-        raise EpisodeFailed(f"the agent raised {type(exc).__name__}: {exc}") from None

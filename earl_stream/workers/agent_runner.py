@@ -201,27 +201,53 @@ class AgentRunners:
 # --- the child ---------------------------------------------------------------------------------------------
 
 
-async def _episode(job: AgentJob, writer: asyncio.StreamWriter, clients: dict[tuple[str, str], Any]) -> None:
-    from earl_stream.env import make_env
+_clients: dict[tuple[str, str], Any] = {}
+
+
+def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float) -> Any:
+    """An `openai.AsyncOpenAI` client on the endpoint at `url`, its requests filed under `episode_key`.
+
+    Every episode's client is a copy of one client per endpoint, sharing its connection pool: a new
+    client builds an SSL context (~30 ms here), which would cost more than a short turn.
+    """
     from earl_stream.openai_api import EPISODE_HEADER
 
     try:
         import openai
+    except ImportError:
+        raise EpisodeFailed("agent environments need the openai package (pip install 'earl_stream[agents]')") from None
+    base = _clients.get((url, api_key))
+    if base is None or base.is_closed():
+        base = _clients[(url, api_key)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0)
+    return base.with_options(timeout=timeout_s, default_headers={EPISODE_HEADER: episode_key})
 
-        env: Any = make_env(job.spec, job.params)  # an AgentEnvironment (`earl_stream.agent_env`)
-        task = env.task(job.seed)
-        base = clients.get((job.url, job.api_key))
-        if base is None:  # one client per endpoint (a new one builds an SSL context, ~30 ms); copies share its pool
-            base = clients[(job.url, job.api_key)] = openai.AsyncOpenAI(base_url=job.url, api_key=job.api_key,
-                                                                        max_retries=0)
-        client = base.with_options(timeout=job.timeout_s, default_headers={EPISODE_HEADER: job.episode_key})
-        done = AgentDone(job.job, reward=float(await asyncio.wait_for(env.run(client, task), job.timeout_s)))
+
+async def run_agent(env: Any, seed: int, url: str, api_key: str, episode_key: str, timeout_s: float) -> float:
+    """`env.run(client, env.task(seed))` with an episode client, its reward; any failure is `EpisodeFailed`."""
+    try:
+        task = env.task(seed)
+    except Exception as exc:  # the environment's own code
+        raise EpisodeFailed(f"agent task({seed}) raised {type(exc).__name__}: {exc}") from None
+    client = episode_client(url, api_key, episode_key, timeout_s)
+    try:
+        return float(await asyncio.wait_for(env.run(client, task), timeout_s))
     except asyncio.TimeoutError:
-        done = AgentDone(job.job, error=f"the agent ran longer than {job.timeout_s:.0f}s")
-    except ImportError as exc:
-        done = AgentDone(job.job, error=f"agent environments need the openai package ({exc})")
-    except Exception as exc:  # the agent is user code: any error fails only its episode
-        done = AgentDone(job.job, error=f"the agent raised {type(exc).__name__}: {exc}")
+        raise EpisodeFailed(f"the agent ran longer than {timeout_s:.0f}s") from None
+    except Exception as exc:  # an agent is user code: any error fails only its episode
+        raise EpisodeFailed(f"the agent raised {type(exc).__name__}: {exc}") from None
+
+
+async def _episode(job: AgentJob, writer: asyncio.StreamWriter) -> None:
+    from earl_stream.env import make_env
+
+    try:
+        env = make_env(job.spec, job.params)
+        done = AgentDone(job.job, reward=await run_agent(env, job.seed, job.url, job.api_key, job.episode_key,
+                                                         job.timeout_s))
+    except EpisodeFailed as exc:
+        done = AgentDone(job.job, error=str(exc))
+    except Exception as exc:  # the environment's constructor is user code too
+        done = AgentDone(job.job, error=f"the agent environment {job.spec!r} raised {type(exc).__name__}: {exc}")
     writer.write(_frame(done))
 
 
@@ -232,7 +258,6 @@ def _forget(running: dict[int, asyncio.Task[None]], job: int) -> Any:
 async def _serve(fd: int) -> None:
     reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
     running: dict[int, asyncio.Task[None]] = {}
-    clients: dict[tuple[str, str], Any] = {}
     try:
         while True:
             try:
@@ -244,14 +269,14 @@ async def _serve(fd: int) -> None:
                 if task is not None:
                     task.cancel()
                 continue
-            task = asyncio.create_task(_episode(msg, writer, clients))
+            task = asyncio.create_task(_episode(msg, writer))
             running[msg.job] = task
             task.add_done_callback(_forget(running, msg.job))
     finally:
         for task in list(running.values()):
             task.cancel()
         await asyncio.gather(*running.values(), return_exceptions=True)
-        for client in clients.values():
+        for client in _clients.values():
             with contextlib.suppress(Exception):
                 await client.close()
 
