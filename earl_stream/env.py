@@ -64,6 +64,7 @@ _BUILTIN_ENVS: dict[str, str] = {
     "reasoning_gym": "envs.reasoning_gym_env:ReasoningGymEnv",
     "textarena": "envs.textarena_env:TextArenaEnv",
     "long_recall": "envs.long_recall:LongRecall",
+    "tictactoe_match": "envs.tictactoe_match:TicTacToeMatch",
     "agent": "earl_stream.agent_env:AgentFunction",
     "env_agent": "earl_stream.agent_env:EnvAsAgent",
     "calculator_agent": "envs.calculator_agent:CalculatorAgent",

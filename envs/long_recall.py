@@ -21,42 +21,15 @@ from __future__ import annotations
 import random
 import re
 import string
-import threading
-from collections import OrderedDict
 
 from earl_stream.env import StepResult
 from earl_stream.errors import EnvError
+from envs.curriculum import CURRICULUM
 
 __all__ = ["LongRecall"]
 
 _KEYS = [f"{c}{d}" for c in string.ascii_uppercase for d in range(10)]
 _DIGIT = re.compile(r"[1-9]")
-_SEEDS_REMEMBERED = 4096  # the level of this many most recent seeds; older ones get a fresh level
-
-
-class _Curriculum:
-    """Process-wide: the level of each seed, by the order in which distinct seeds arrive."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._levels: dict[tuple[int, int], OrderedDict[int, int]] = {}
-        self._seen: dict[tuple[int, int], int] = {}
-
-    def level(self, seed: int, grow_every: int, key: tuple[int, int]) -> int:
-        if grow_every <= 0:
-            return 0
-        with self._lock:
-            levels = self._levels.setdefault(key, OrderedDict())
-            if seed not in levels:
-                levels[seed] = self._seen.get(key, 0) // grow_every
-                self._seen[key] = self._seen.get(key, 0) + 1
-                if len(levels) > _SEEDS_REMEMBERED:
-                    levels.popitem(last=False)
-            levels.move_to_end(seed)
-            return levels[seed]
-
-
-_CURRICULUM = _Curriculum()
 
 
 class LongRecall:
@@ -91,7 +64,7 @@ class LongRecall:
 
     async def reset(self, seed: int) -> str:
         """Draw the facts and the question of `seed` at the seed's curriculum level; show the first facts."""
-        self._level = _CURRICULUM.level(seed, self.grow_every, (self.turns, self.grow_every))
+        self._level = CURRICULUM.level(seed, self.grow_every, (self.turns, self.grow_every))
         n = self.episode_turns(self._level)
         rng = random.Random(seed)
         keys = rng.sample(_KEYS, n * self.facts_per_turn)
