@@ -168,6 +168,11 @@ async def _write_events(writer: asyncio.StreamWriter, response: Response) -> Non
     assert response.events is not None
     writer.write(_head(response.status, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                          "Connection": "close", **response.headers}))
-    async for payload in response.events:
-        writer.write(f"data: {payload}\n\n".encode())
-        await writer.drain()
+    try:
+        async for payload in response.events:
+            writer.write(f"data: {payload}\n\n".encode())
+            await writer.drain()
+    finally:  # a client that left stops the stream now, not when the generator is collected
+        close = getattr(response.events, "aclose", None)
+        if close is not None:
+            await close()

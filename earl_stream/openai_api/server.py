@@ -5,22 +5,32 @@ Requests are served by the worker's engine through its batcher, so they share ba
 worker's own episodes and run with the current policy. It owns the API's shape (parameters, answers,
 OpenAI error objects with the right HTTP status; never a traceback), the bearer-token check against
 the cluster secret, and which episode a request belongs to (`X-Episode-Id` header, else the `user`
-field). Token accounting per episode is `episodes`'s; reading HTTP is `http`'s.
+field). Token accounting per episode is `episodes`'s; reading HTTP is `http`'s; streamed replies are
+`streaming`'s.
 
-Streaming: the engine batches whole turns, so a streamed reply's events are sent when its turn has
-been generated (one `delta` per token), not token by token as they are sampled.
+Streaming (`stream: true`) is token by token: the request's tokens come from the engine as they are
+sampled (`GenerateRequest.on_token`, called at each decode step of the built-in engine), and each
+event carries the text of the tokens sampled since the last one; the concatenated deltas equal the
+non-streamed reply for the same seed. The response starts with the turn's first token (a request
+refused before that gets its error status). On the vLLM and SGLang backends, whose blocking
+`generate` has no per-token output, a streamed reply arrives in one piece when its turn ends.
+
+`n` (1 to MAX_CHOICES) samples n continuations of the prompt together (the built-in engine computes
+the shared prompt once), choice i seeded `seed + i`. n > 1 is refused (400, `unsupported_value`) for
+a request that belongs to an episode, and when streamed: see `OpenAIEndpoint._choices`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from prometheus_client import Counter
@@ -31,6 +41,7 @@ from earl_stream.errors import EngineError
 from earl_stream.openai_api import http
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan
 from earl_stream.openai_api.messages import BadRequest, ChatRenderer, Message, api_message, check_tools, normalize, reply_message
+from earl_stream.openai_api.streaming import Ending, ReplyText, StreamHead, TokenFeed, chat_events, cut_at_stop, text_events
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
 from earl_stream.workers.engines.batcher import AsyncBatcher
 
@@ -40,6 +51,8 @@ EPISODE_HEADER = "x-episode-id"
 MAX_EPISODES = 4096
 GATHER_QUIET_S = 0.010  # a batch waits while endpoint requests keep arriving at most this far apart...
 GATHER_MAX_S = 0.25  # ...for at most this long after one arrived
+MAX_CHOICES = 16  # the most choices (n) one request may ask for
+MAX_SEED = 2**63 - 1 - MAX_CHOICES  # seeds of choices (seed + i) stay within torch's generator seeds
 
 REQUESTS = Counter("earl_openai_requests_total", "Requests to the OpenAI endpoint", ["worker", "route", "status"])
 PREFIX_MISMATCH = Counter("earl_openai_prefix_mismatch_total", "Requests whose messages did not extend the tokens "
@@ -56,13 +69,27 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return float(value)
 
 
-def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
+def _int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise BadRequest(f"{key} must be an integer >= {lo}, got {value!r}", param=key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise BadRequest(f"{key} must be an integer {bound}, got {value!r}", param=key)
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One request's turn: its plan, each choice's result, and each choice's reply text (cut at the
+    first stop string)."""
+
+    plan: TurnPlan
+    results: list[GenerateResult]
+    texts: list[str]
+
+
+Events = Callable[[StreamHead, ReplyText, TokenFeed, Callable[[], Awaitable[Ending]]], AsyncIterator[str]]
 
 
 class OpenAIEndpoint:
@@ -181,16 +208,35 @@ class OpenAIEndpoint:
         if model != self.model:
             raise BadRequest(f"the model {model!r} does not exist; this endpoint serves {self.model!r}",
                              status=404, code="model_not_found", param="model")
-        if body.get("n", 1) != 1:
-            raise BadRequest("n must be 1: each request extends one episode", param="n")
 
-    def _episode(self, req: http.Request, body: dict[str, Any]) -> Episode:
+    def _episode_key(self, req: http.Request, body: dict[str, Any]) -> str:
         key = req.headers.get(EPISODE_HEADER) or body.get("user")
-        if not isinstance(key, str) or not key:
-            return Episode("")  # not held: nothing of it can become a sample
-        return self.episodes.get(key)
+        return key if isinstance(key, str) else ""
 
-    async def _generate(self, plan: TurnPlan, body: dict[str, Any], episode: Episode) -> GenerateResult:
+    def _episode(self, key: str) -> Episode:
+        return self.episodes.get(key) if key else Episode("")  # "": not held, nothing of it becomes a sample
+
+    def _choices(self, body: dict[str, Any], key: str) -> int:
+        """The request's `n`. An episode is one trajectory: its tokens and log-probs are what the policy
+        sampled, one turn after the other. Of n choices the agent would continue with one it picked, and
+        a picked sample is not a draw from the policy (its log-probs would claim it was): so n > 1 is
+        refused in an episode and served only to requests outside episodes, which record nothing."""
+        n = body.get("n")
+        if n is None:
+            return 1
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise BadRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
+        if n > 1 and key:
+            raise BadRequest(f"n must be 1 in an episode (this request belongs to episode {key!r}): an episode records "
+                             "one trajectory; send n > 1 without an episode id (X-Episode-Id header or user field)",
+                             code="unsupported_value", param="n")
+        if n > 1 and body.get("stream"):
+            raise BadRequest("n > 1 cannot be streamed; stream one choice per request, or ask without stream",
+                             code="unsupported_value", param="n")
+        return n
+
+    def _request(self, plan: TurnPlan, body: dict[str, Any], episode: Episode,
+                 on_token: Callable[[int], None] | None) -> GenerateRequest:
         asked = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
         room = self.max_context - len(plan.prompt_ids)
         if room < 1 or (asked is not None and asked > room):
@@ -198,19 +244,69 @@ class OpenAIEndpoint:
                              f"{len(plan.prompt_ids)} and {asked or 1} more were requested", code="context_length_exceeded",
                              param="max_tokens")
         temperature, top_p, top_k = self._defaults
-        request = GenerateRequest(
+        return GenerateRequest(
             prompt_ids=plan.prompt_ids, max_new_tokens=asked or min(self.default_max_tokens, room),
             stop_token_ids=self.chat.stop_token_ids, temperature=_number(body, "temperature", temperature, 0, 2),
-            top_p=_number(body, "top_p", top_p, 1e-6, 1), top_k=top_k, seed=_int(body, "seed", 0),
-            cache_key=episode.key or None)
-        _stops(body)
+            top_p=_number(body, "top_p", top_p, 1e-6, 1), top_k=top_k, seed=_int(body, "seed", 0, MAX_SEED),
+            cache_key=episode.key or None, on_token=on_token)
+
+    async def _generate(self, request: GenerateRequest, n: int) -> list[GenerateResult]:
+        """`n` continuations of one prompt, handed to the batcher together (the engine computes the shared
+        prompt once). Choice i is seeded `seed + i`, so choice 0 is what n = 1 gives; only choice 0 may
+        use the episode's kept cache (a key is in flight once at a time)."""
+        requests = [request] + [dataclasses.replace(request, cache_key=None, on_token=None,
+                                                    seed=None if request.seed is None else request.seed + i)
+                                for i in range(1, n)]
         gather = self.gather_quiet_s if self.agents else 0.0  # only the agents this worker runs are expected
+
+        def one(r: GenerateRequest) -> Awaitable[GenerateResult]:
+            return self.batcher.generate(r, gather_quiet_s=gather, gather_max_s=self.gather_max_s,
+                                         all_here=lambda: self._in_engine >= len(self.agents))
+
         self._in_engine += 1
         try:
-            return await self.batcher.generate(request, gather_quiet_s=gather, gather_max_s=self.gather_max_s,
-                                               all_here=lambda: self._in_engine >= len(self.agents))
+            return [await one(request)] if n == 1 else list(await asyncio.gather(*map(one, requests)))
         finally:
             self._in_engine -= 1
+
+    async def _turn(self, episode: Episode, plan: Callable[[], TurnPlan], body: dict[str, Any], n: int,
+                    commit: Callable[[Turn], None], feed: TokenFeed | None = None) -> Turn:
+        """Plan, generate and `commit` one request's turn under its episode's lock (nothing is kept of a
+        request that fails); `feed` receives choice 0's tokens as they are sampled."""
+        async with episode.lock:
+            planned = plan()
+            results = await self._generate(self._request(planned, body, episode, feed.push if feed else None), n)
+            stops = _stops(body)
+            turn = Turn(planned, results, [cut_at_stop(self.chat.reply_text(list(r.token_ids)), stops) for r in results])
+            commit(turn)
+        GENERATED.labels(self.worker).inc(sum(len(r.token_ids) for r in results))
+        return turn
+
+    async def _stream(self, events: Events, body: dict[str, Any], episode: Episode, plan: Callable[[], TurnPlan],
+                      commit: Callable[[Turn], None], ending: Callable[[Turn], Ending], text: ReplyText,
+                      prefix: str) -> http.Response:
+        """Start the turn and answer with its event stream once its first token is sampled (a request the
+        turn refuses before that gets its error status instead). The turn goes on, and is committed, if
+        the client leaves."""
+        feed = TokenFeed()
+        task = asyncio.ensure_future(self._turn(episode, plan, body, 1, commit, feed))
+
+        def finished(done: asyncio.Future[Turn]) -> None:
+            feed.close()
+            if not done.cancelled():
+                done.exception()  # retrieved: a client that left never awaits the turn
+
+        task.add_done_callback(finished)
+        await feed.started.wait()
+        if task.done():
+            task.result()  # raises what refused the request
+
+        async def ended() -> Ending:
+            return ending(await task)
+
+        head = StreamHead(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model,
+                          bool((body.get("stream_options") or {}).get("include_usage")))
+        return http.Response(200, events=events(head, text, feed, ended))
 
     def _version(self, result: GenerateResult) -> int:
         return result.policy_version if result.policy_version is not None else self._policy_version()
@@ -219,23 +315,36 @@ class OpenAIEndpoint:
         self._check_common(body)
         messages = normalize(body.get("messages"))
         tools = [] if body.get("tool_choice") == "none" else check_tools(body.get("tools"))
-        episode = self._episode(req, body)
-        async with episode.lock:
-            plan = episode.plan_chat(messages, tools, self.renderer, self._encode, self.end_marker)
-            result = await self._generate(plan, body, episode)
-            text = _cut_at_stop(self.chat.reply_text(list(result.token_ids)), _stops(body))
-            reply = reply_message(text, tools)
-            closing = [self.chat.end_token_id] if result.finish_reason == FinishReason.LENGTH else []
-            self._commit(episode, plan, result, closing)
-            episode.held_chat, episode.held_tools, episode.held_text = [*messages, reply], tools, None
-        finish = "tool_calls" if "tool_calls" in reply else _finish(result)
-        usage = _usage(plan, result)
+        stops = _stops(body)
+        key = self._episode_key(req, body)
+        n = self._choices(body, key)
+        episode = self._episode(key)
+        replies: list[Message] = []
+
+        def plan() -> TurnPlan:
+            return episode.plan_chat(messages, tools, self.renderer, self._encode, self.end_marker)
+
+        def commit(turn: Turn) -> None:  # choice 0 continues the conversation (n > 1 only outside episodes)
+            replies.extend(reply_message(text, tools) for text in turn.texts)
+            first = turn.results[0]
+            closing = [self.chat.end_token_id] if first.finish_reason == FinishReason.LENGTH else []
+            self._commit(episode, turn.plan, first, closing)
+            episode.held_chat, episode.held_tools, episode.held_text = [*messages, replies[0]], tools, None
+
+        def ending(turn: Turn) -> Ending:
+            calls = api_message(replies[0]).get("tool_calls", [])
+            return Ending(replies[0]["content"], _chat_finish(replies[0], turn.results[0]), _usage(turn), calls)
+
         if body.get("stream"):
-            return http.Response(200, events=self._chat_events(body, reply, result, finish, usage))
-        choice = {"index": 0, "message": api_message(reply), "finish_reason": finish,
-                  "logprobs": {"content": self._logprobs(result)} if body.get("logprobs") else None}
+            text = ReplyText(self._tok, self.chat.stop_token_ids, stops, tools=bool(tools))
+            return await self._stream(chat_events, body, episode, plan, commit, ending, text, "chatcmpl")
+        turn = await self._turn(episode, plan, body, n, commit)
+        choices = [{"index": i, "message": api_message(reply), "finish_reason": _chat_finish(reply, result),
+                    "logprobs": {"content": self._logprobs(result)} if body.get("logprobs") else None}
+                   for i, (reply, result) in enumerate(zip(replies, turn.results))]
         return http.Response(200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                                   "created": int(time.time()), "model": self.model, "choices": [choice], "usage": usage})
+                                   "created": int(time.time()), "model": self.model, "choices": choices,
+                                   "usage": _usage(turn)})
 
     async def _completion(self, req: http.Request, body: dict[str, Any]) -> http.Response:
         self._check_common(body)
@@ -249,25 +358,29 @@ class OpenAIEndpoint:
             raise BadRequest("echo is not supported", param="echo")
         if token_prompt and not all(0 <= int(t) < len(self._tok) for t in prompt):
             raise BadRequest(f"prompt token ids must be in [0, {len(self._tok)})", param="prompt")
-        episode = self._episode(req, body)
-        async with episode.lock:
-            plan = episode.plan_text(prompt, self._encode)
-            result = await self._generate(plan, body, episode)
-            text = _cut_at_stop(self.chat.reply_text(list(result.token_ids)), _stops(body))
-            self._commit(episode, plan, result, [])
-            episode.held_chat, episode.held_text = None, (prompt + text if isinstance(prompt, str) else None)
-        usage = _usage(plan, result)
-        logprobs = None
-        if body.get("logprobs") is not None:
-            content = self._logprobs(result)
-            logprobs = {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
-                        "top_logprobs": None, "text_offset": []}
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        stops = _stops(body)
+        key = self._episode_key(req, body)
+        n = self._choices(body, key)
+        episode = self._episode(key)
+
+        def plan() -> TurnPlan:
+            return episode.plan_text(prompt, self._encode)
+
+        def commit(turn: Turn) -> None:
+            self._commit(episode, turn.plan, turn.results[0], [])
+            episode.held_chat, episode.held_text = None, (prompt + turn.texts[0] if isinstance(prompt, str) else None)
+
         if body.get("stream"):
-            return http.Response(200, events=self._text_events(cid, created, text, _finish(result), body, usage))
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish(result)}
-        return http.Response(200, {"id": cid, "object": "text_completion", "created": created, "model": self.model,
-                                   "choices": [choice], "usage": usage})
+            text = ReplyText(self._tok, self.chat.stop_token_ids, stops, tools=False)
+            return await self._stream(text_events, body, episode, plan, commit,
+                                      lambda t: Ending(t.texts[0], _finish(t.results[0]), _usage(t)), text, "cmpl")
+        turn = await self._turn(episode, plan, body, n, commit)
+        choices = [{"index": i, "text": text, "finish_reason": _finish(result),
+                    "logprobs": self._text_logprobs(result) if body.get("logprobs") is not None else None}
+                   for i, (text, result) in enumerate(zip(turn.texts, turn.results))]
+        return http.Response(200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                                   "created": int(time.time()), "model": self.model, "choices": choices,
+                                   "usage": _usage(turn)})
 
     def _commit(self, episode: Episode, plan: TurnPlan, result: GenerateResult, closing: list[int]) -> None:
         if not episode.key:
@@ -276,7 +389,6 @@ class OpenAIEndpoint:
             PREFIX_MISMATCH.labels(self.worker).inc()
             log.info("episode %s: the request does not extend the tokens held; new segment", episode.key)
         episode.commit(plan, list(result.token_ids), list(result.logprobs), self._version(result), closing)
-        GENERATED.labels(self.worker).inc(len(result.token_ids))
 
     def _encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
@@ -288,57 +400,10 @@ class OpenAIEndpoint:
             out.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
         return out
 
-    # ---------------------------------------------------------------- streams
-
-    async def _chat_events(self, body: dict[str, Any], reply: Message, result: GenerateResult, finish: str,
-                           usage: dict[str, int]) -> AsyncIterator[str]:
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-            return json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
-                               "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
-
-        yield chunk({"role": "assistant", "content": ""})
-        if "tool_calls" in reply:
-            if reply["content"]:
-                yield chunk({"content": reply["content"]})
-            calls = api_message(reply)["tool_calls"]
-            yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-        else:
-            for piece in self._pieces(result, reply["content"]):
-                yield chunk({"content": piece})
-        yield chunk({}, finish)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            yield json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
-                              "choices": [], "usage": usage})
-        yield "[DONE]"
-
-    async def _text_events(self, cid: str, created: int, text: str, finish: str, body: dict[str, Any],
-                           usage: dict[str, int]) -> AsyncIterator[str]:
-        def chunk(piece: str, finish_reason: str | None) -> str:
-            return json.dumps({"id": cid, "object": "text_completion", "created": created, "model": self.model,
-                               "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}]})
-
-        pieces = [text[i:i + 16] for i in range(0, len(text), 16)] or [""]
-        for i, piece in enumerate(pieces):
-            yield chunk(piece, finish if i == len(pieces) - 1 else None)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            yield json.dumps({"id": cid, "object": "text_completion", "created": created, "model": self.model,
-                              "choices": [], "usage": usage})
-        yield "[DONE]"
-
-    def _pieces(self, result: GenerateResult, text: str) -> list[str]:
-        """The reply text cut where its tokens end (one piece per token, as a live stream would send)."""
-        pieces, done = [], ""
-        ids = [t for t in result.token_ids if t not in self.chat.stop_token_ids]
-        for i in range(1, len(ids) + 1):
-            upto = str(self._tok.decode(ids[:i], skip_special_tokens=False))
-            if upto.startswith(done) and len(upto) > len(done) and text.startswith(upto):
-                pieces.append(upto[len(done):])
-                done = upto
-        if done != text:
-            pieces.append(text[len(done):])
-        return pieces
+    def _text_logprobs(self, result: GenerateResult) -> dict[str, Any]:
+        content = self._logprobs(result)
+        return {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
+                "top_logprobs": None, "text_offset": []}
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -349,19 +414,18 @@ def _stops(body: dict[str, Any]) -> list[str]:
     return stops
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> str:
-    """The reply up to the first stop string (its tokens stay in the episode: the model did generate them)."""
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[:min(cuts)] if cuts else text
-
-
 def _finish(result: GenerateResult) -> str:
     return "length" if result.finish_reason == FinishReason.LENGTH else "stop"
 
 
-def _usage(plan: TurnPlan, result: GenerateResult) -> dict[str, int]:
-    n = len(result.token_ids)
-    return {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": n, "total_tokens": len(plan.prompt_ids) + n}
+def _chat_finish(reply: Message, result: GenerateResult) -> str:
+    return "tool_calls" if "tool_calls" in reply else _finish(result)
+
+
+def _usage(turn: Turn) -> dict[str, int]:
+    """The prompt once, the tokens of every choice."""
+    prompt, completion = len(turn.plan.prompt_ids), sum(len(r.token_ids) for r in turn.results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _error(status: int, message: str, *, kind: str | None = None, code: str | None = None,

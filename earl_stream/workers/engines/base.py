@@ -12,8 +12,8 @@ i.e. `log_softmax(logits / temperature)` after top-k then top-p filtering, renor
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -35,6 +35,13 @@ class GenerateRequest:
     two requests with the same key must not be in flight at the same time.
     `top_k == 0` and `top_p == 1.0` disable those filters; `seed` makes sampling of this request
     deterministic regardless of which other requests share its batch.
+
+    `on_token(token_id)`, when given, is called with each token as soon as it is sampled, in order
+    (stop token included), before the result is delivered; it runs in the thread that drives the
+    engine, so it must only hand the token over (e.g. `loop.call_soon_threadsafe`) and never raise.
+    The built-in engine calls it at every decode step; backends that only return whole turns (vLLM
+    and SGLang through their blocking `generate`) never call it, so a caller streaming from them gets
+    its tokens with the result.
     """
 
     prompt_ids: Sequence[int]
@@ -45,6 +52,7 @@ class GenerateRequest:
     top_k: int = 0
     seed: int | None = None
     cache_key: str | None = None
+    on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ Stops: SGLang always stops at the model's own EOS tokens as well as at `stop_tok
 `ignore_eos` would disable both), so list the EOS tokens in `stop_token_ids` for identical behaviour
 across backends. Per-request seeds are honoured only with `deterministic=True`
 (`--enable-deterministic-inference`).
+
+Streaming: the offline `Engine.generate` returns whole turns, so a request's `on_token` is never
+called; the OpenAI endpoint's streamed replies then arrive in one piece when the turn ends.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ each of them (`prefix_sharing`); per-row sampling with each request's own parame
 so a seeded row's tokens and log-probs do not depend on which rows share its batch (to ~1e-5);
 reusing the KV caches kept between the turns of an episode (`cache_key`; `kv_store.KVStore`); and
 one KV bound: the running batch's KV storage plus the kept caches stay within `kv_budget_tokens`
-(admission waits while the batch is full; kept caches are evicted first). It leaves scheduling across
-asyncio episodes to `AsyncBatcher`, the batch layout to `running`, and tokenisation to the agent loop.
-CPU/fp32 is the tested configuration.
+(admission waits while the batch is full; kept caches are evicted first). Each sampled token is handed
+to its request's `on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
+It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, and
+tokenisation to the agent loop. CPU/fp32 is the tested configuration.
 
 Forward passes go through `fast_decoder.FastDecoder` (the engine's own Llama-family forward with a
 preallocated KV cache reused across steps) where the model qualifies, else through the HF model with
@@ -388,6 +389,8 @@ class TorchEngine:
             row = batch.rows[j]
             row.tokens.append(tok)
             row.logprobs.append(lp)
+            if row.req.on_token is not None:
+                _observe(row.req.on_token, tok)
             if tok in row.req.stop_token_ids:
                 row.reason = FinishReason.STOP
             elif len(row.tokens) >= row.req.max_new_tokens:
@@ -422,6 +425,15 @@ class TorchEngine:
         batch.logits = logits.float()
         batch.positions = batch.positions + 1
         self._counts["forward_calls"] += 1
+
+
+def _observe(on_token: Callable[[int], None], token: int) -> None:
+    """A request's token observer; its failure must not fail the other rows of the batch."""
+    try:
+        on_token(token)
+    except Exception:  # the observer's bug: logged, the row goes on
+        _LOG.exception("a request's on_token callback failed")
+
 
 def _check_capacity(capacity: EngineCapacity) -> None:
     if capacity.max_concurrent_sequences < 1 or capacity.kv_budget_tokens < 1:

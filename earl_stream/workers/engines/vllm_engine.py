@@ -15,6 +15,10 @@ logits, before temperature and top-k/top-p. The engine is started with
 Processes: vLLM runs its engine core and worker in processes started with multiprocessing spawn,
 so a script that creates a `VllmEngine` needs an `if __name__ == "__main__":` guard. Importing
 this module does not import vllm.
+
+Streaming: `vllm.LLM.generate` returns whole turns, so a request's `on_token` is never called; the
+OpenAI endpoint's streamed replies then arrive in one piece when the turn ends (per-token output
+would need vLLM's AsyncLLM, which this backend does not use).
 """
 
 from __future__ import annotations

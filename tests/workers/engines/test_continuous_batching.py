@@ -211,3 +211,30 @@ def test_exclusive_work_waits_for_running_rows_and_holds_later_ones(model: Qwen2
     results, out = asyncio.run(main())
     assert [r.policy_version for r in results] == [0, 0, 0] and all(len(r.token_ids) == 30 for r in results)
     assert out.policy_version == 1
+
+
+def test_on_token_sees_each_token_as_it_is_sampled(model: Qwen2ForCausalLM) -> None:
+    """A request's observer gets its tokens in order at each decode step, before the result, through the
+    batcher's continuous path; a failing observer fails nothing; rows without one are unchanged."""
+    engine = TorchEngine(model)
+    seen: list[tuple[int, int]] = []  # (token, tokens the engine had generated when it was observed)
+    watched = GenerateRequest(prompt(10, 40), 12, seed=1,
+                              on_token=lambda t: seen.append((t, engine.stats.generated_tokens)))
+
+    def fail(token: int) -> None:
+        raise ValueError(f"an observer's bug at token {token}")
+
+    broken = GenerateRequest(prompt(10, 41), 12, seed=2, on_token=fail)
+    plain = GenerateRequest(prompt(10, 42), 12, seed=3)
+
+    async def main() -> list[GenerateResult]:
+        batcher = AsyncBatcher(engine, max_wait_s=0.05)
+        results = await asyncio.gather(*[batcher.generate(r) for r in (watched, broken, plain)])
+        await batcher.aclose()
+        return list(results)
+
+    got = asyncio.run(main())
+    assert [t for t, _ in seen] == got[0].token_ids
+    assert len({at for _, at in seen}) == len(seen)  # one token per step, not all at the end
+    assert_same(got[1], alone(model, GenerateRequest(prompt(10, 41), 12, seed=2)))
+    assert_same(got[2], alone(model, plain))
