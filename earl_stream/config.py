@@ -94,6 +94,8 @@ class TrainerConfig:
     cpus: str = _f("", "CPU ids each trainer rank is pinned to, e.g. '1' or '0-1' (torch threads = their count); "
                    "empty = no pinning")
     checkpoint_every: int = _f(100, "write a checkpoint every this many steps (and at the end)", minimum=1)
+    stop_grace_s: float = _f(120.0, "seconds `up` (and `worker --nproc`) give a stopping trainer rank to finish its step "
+                             "and write its checkpoint before it is killed; other processes get 15 s", minimum=1)
     claim_timeout_s: float = _f(600.0, "give up waiting for a step's samples after this long", minimum=1)
     device: str = _f("auto", "where the trainer computes: auto = cuda when available, else cpu (the collective "
                      "backend follows: nccl on cuda, gloo on cpu)", choices=("auto", "cpu", "cuda"))

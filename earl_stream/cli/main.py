@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from earl_stream.config import TrainerConfig
 from earl_stream.errors import EarlError
 
 log = logging.getLogger("earl_stream")
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="trainer only: a collective with the other ranks (or joining them) that takes longer fails "
                         "with an error naming the step, instead of hanging the pool")
+    p.add_argument("--stop-grace", type=float, default=TrainerConfig.stop_grace_s, metavar="SECONDS",
+                   help="trainer pool (--nproc, --restart): on SIGTERM or SIGINT its ranks get this long to finish their "
+                        "step and write a checkpoint before they are killed; a second signal stops them at once. `up` "
+                        "passes trainer.stop_grace_s")
     _add_secret_arg(p)
 
     p = sub.add_parser("status", help="show the state of a running system")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 15.0  # between SIGTERM and SIGKILL, for a child without a grace of its own
 
 
 def _die_with_parent() -> None:
@@ -37,6 +38,7 @@ class Child:
     args: Sequence[str] = ()  # `earl-stream` arguments, for `ProcessGroup.restart`
     env: dict[str, str] | None = None
     prefix: Sequence[str] = ()  # what runs `python -m earl_stream ...` (e.g. an srun step), if anything
+    stop_grace_s: float | None = None  # its time between SIGTERM and SIGKILL (None: the group's, STOP_GRACE_S)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -51,9 +53,11 @@ class ProcessGroup:
         self.children: list[Child] = []
 
     def start(self, name: str, args: Sequence[str], *, env: dict[str, str] | None = None,
-              log_path: str | None = None, prefix: Sequence[str] = ()) -> Child:
-        """Start `python -m earl_stream ARGS` (behind `prefix`, e.g. `srun ...`, when given)."""
-        child = Child(name, _spawn(args, env, log_path, prefix), log_path, list(args), env, list(prefix))
+              log_path: str | None = None, prefix: Sequence[str] = (), stop_grace_s: float | None = None) -> Child:
+        """Start `python -m earl_stream ARGS` (behind `prefix`, e.g. `srun ...`, when given). `stop_grace_s`:
+        how long `stop` lets it finish after SIGTERM (a trainer's step and checkpoint) before SIGKILL."""
+        child = Child(name, _spawn(args, env, log_path, prefix), log_path, list(args), env, list(prefix),
+                      stop_grace_s)
         self.children.append(child)
         log.debug("started %s (pid %d)", name, child.proc.pid)
         return child
@@ -75,25 +79,31 @@ class ProcessGroup:
                 return c
         return None
 
-    def stop(self, timeout_s: float = 15.0, *, only: Sequence[Child] | None = None) -> None:
-        """SIGTERM every live child, wait, then SIGKILL what is left.
+    def stop(self, timeout_s: float = STOP_GRACE_S, *, only: Sequence[Child] | None = None) -> None:
+        """SIGTERM every live child, wait, then SIGKILL what is left after its grace (its `stop_grace_s`,
+        else `timeout_s`).
 
-        Children stop in reverse start order (workers before the supervisor they talk to), in two
-        waves: everything but the first child, then the first child.
+        Children stop in reverse start order (workers before the supervisor they talk to), in waves:
+        those with a grace of their own (a trainer finishing its last step, which may still pull rows
+        from the rollout workers and report to the supervisor), then the others but the first child,
+        then the first child.
         """
         children = list(only if only is not None else self.children)
-        waves = [children[1:][::-1], children[:1]] if only is None else [children]
+        rest = children[1:][::-1]
+        waves = ([[c for c in rest if c.stop_grace_s is not None], [c for c in rest if c.stop_grace_s is None],
+                  children[:1]] if only is None else [children])
         for wave in waves:
             for c in wave:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
                     c.proc.send_signal(signal.SIGCONT)  # a stopped (frozen) child handles SIGTERM only once resumed
-            deadline = time.monotonic() + timeout_s
+            started = time.monotonic()
             for c in wave:
+                grace = timeout_s if c.stop_grace_s is None else c.stop_grace_s
                 try:
-                    c.proc.wait(max(0.0, deadline - time.monotonic()))
+                    c.proc.wait(max(0.0, started + grace - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.proc.pid, timeout_s)
+                    log.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.proc.pid, grace)
                     c.proc.kill()
                     c.proc.wait()
 

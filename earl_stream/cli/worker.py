@@ -9,17 +9,21 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from earl_stream.workers.common import RENDEZVOUS_ENV
+
+if TYPE_CHECKING:
+    from earl_stream.cli.procs import ProcessGroup
 
 log = logging.getLogger(__name__)
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    if args.restart < 0 or args.collective_timeout <= 0:
+    if args.restart < 0 or args.collective_timeout <= 0 or args.stop_grace <= 0:
         from earl_stream.errors import ConfigError
 
-        raise ConfigError("--restart must be >= 0 and --collective-timeout > 0")
+        raise ConfigError("--restart must be >= 0, --collective-timeout and --stop-grace > 0")
     if args.role == "rollout":
         from earl_stream.workers.rollout import run_rollout_worker
 
@@ -45,9 +49,9 @@ def _spawn_ranks(args: argparse.Namespace) -> int:
 
     from earl_stream.errors import ChildProcessFailed
 
-    stopping: list[int] = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    stopping = _PoolSignals()
+    signal.signal(signal.SIGTERM, stopping)
+    signal.signal(signal.SIGINT, stopping)
     for attempt in range(args.restart + 1):
         failure = _run_pool(args, stopping)
         if failure is None or stopping:
@@ -61,16 +65,36 @@ def _spawn_ranks(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_pool(args: argparse.Namespace, stopping: list[int]) -> str | None:
+class _PoolSignals:
+    """SIGTERM/SIGINT of the pool's own process: the first stops its ranks gently (each finishes its step
+    and writes a checkpoint, within --stop-grace); a second one is passed on to the ranks, which then stop
+    at once."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.group: ProcessGroup | None = None  # the ranks running now
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.received += 1
+        if self.received > 1 and self.group is not None:
+            for c in self.group.children:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signum)
+
+    def __bool__(self) -> bool:
+        return self.received > 0
+
+
+def _run_pool(args: argparse.Namespace, stopping: _PoolSignals) -> str | None:
     """Run one incarnation of the pool; returns what failed (None: it finished or was stopped)."""
     import time
 
-    from earl_stream.cli.procs import ProcessGroup, describe_exit
+    from earl_stream.cli.procs import STOP_GRACE_S, ProcessGroup, describe_exit
 
     # The ranks of one host meet through a file, not a port picked here and bound later by rank 0: in
     # between another process (a rollout worker's metrics server) could take that port.
     meeting = Path(tempfile.mkdtemp(prefix="earl-stream-pool-"))
-    group = ProcessGroup()
+    group = stopping.group = ProcessGroup()
     for rank in range(args.nproc):
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
                RENDEZVOUS_ENV: f"file://{meeting / 'rendezvous'}"}
@@ -86,6 +110,8 @@ def _run_pool(args: argparse.Namespace, stopping: list[int]) -> str | None:
                 break  # stopped, or every rank finished (a pool of one that died is a failure, above)
             time.sleep(0.2)
     finally:
-        group.stop()
+        # Stopped: every rank at once, with the time to finish its step (they agree on the step to stop
+        # after). Failed: the survivors are stuck in a collective with the dead rank, so not waited for long.
+        group.stop(args.stop_grace if stopping else STOP_GRACE_S, only=group.children)
         shutil.rmtree(meeting, ignore_errors=True)
     return None

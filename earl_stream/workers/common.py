@@ -72,11 +72,14 @@ class StopFlag:
 
     With `drain_on_term` the first SIGTERM only sets `leaving`: the worker asks to be drained and stops
     once the supervisor says it drained (how a Kubernetes pod or a preempted node hands its work back);
-    SIGINT, or a second SIGTERM, stops it as usual."""
+    SIGINT, or a second SIGTERM, stops it as usual. `stopping` says in the log what the worker does
+    before it stops (a trainer rank finishes its step and writes a checkpoint)."""
 
-    def __init__(self, install_signals: bool = True, *, drain_on_term: bool = False) -> None:
+    def __init__(self, install_signals: bool = True, *, drain_on_term: bool = False,
+                 stopping: str = "stopping at the next safe point") -> None:
         self._event = threading.Event()
         self.drain_on_term = drain_on_term
+        self.stopping = stopping
         self.leaving = False
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
@@ -90,7 +93,7 @@ class StopFlag:
             return
         if self._event.is_set():  # a second signal: the user does not want to wait
             os._exit(128 + signum)
-        log.info("received %s: stopping at the next safe point", signal.Signals(signum).name)
+        log.info("received %s: %s; a second signal stops at once", signal.Signals(signum).name, self.stopping)
         self._event.set()
 
     def set(self) -> None:

@@ -4,6 +4,11 @@ publishes the new policy version as weight shards in its own shard node.
 
 The loop reads top to bottom in `TrainerRank.run`; the math lives in `earl_stream.algo` and
 `earl_stream.workers.train_step`.
+
+Stopping: the first SIGTERM or SIGINT (or the supervisor's stop) lets the step in progress finish; the
+ranks agree on it at the step boundary (`collectives.any_rank`), so all of them leave at the same step,
+publish nothing more, write the checkpoint of that version together (unless one already holds it) and
+exit 0. A second signal stops the rank at once (`common.StopFlag`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.store.weights import drop_weights, publish_weights
 from earl_stream.workers import checkpoint as ckpt
+from earl_stream.workers.collectives import all_gather_flags, all_gather_str, any_rank, broadcast_bytes, broadcast_str
 from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
 from earl_stream.workers.sharding import apply_plan, free_unused_memory, relayout, shard_pieces
@@ -43,7 +49,8 @@ log = logging.getLogger(__name__)
 class TrainerRank:
     def __init__(self, supervisor: str, *, rank: int, world_size: int, host: str = "127.0.0.1") -> None:
         self.rank, self.world_size, self.host = rank, world_size, host
-        self.stop = StopFlag()
+        self.stop = StopFlag(stopping="finishing the step in progress, then writing a checkpoint")
+        self._closed = threading.Event()
         secret = load_secret()
         self.client = P.ControlClient(supervisor, secret=secret)
         self.hb_client = P.ControlClient(supervisor, secret=secret)  # heartbeats never wait behind a long call
@@ -68,20 +75,20 @@ class TrainerRank:
         self.mesh = TrainerMesh(world_size, rank, device)
         self.placement = self.mesh.placement(RankPlan(dp=world_size, micro_batch_tokens=t.micro_batch_tokens,
                                                       dtype=t.dtype))
-        self.peers = _all_gather_str(self.node.address, world_size)  # every rank's shard node, in rank order
+        self.peers = all_gather_str(self.node.address, world_size)  # every rank's shard node, in rank order
         self.store_client: ShardClient | CentralClient = ShardClient(secret=secret, transport=self.cfg.store.transport)
         self.dispatcher = None
         if self.cfg.store.dispatch == "central":  # the single-controller pattern, kept for measurement
             if rank == 0:
                 self.dispatcher = start_dispatcher_process(host, secret=secret)
-            address = _broadcast_str(self.dispatcher.address if self.dispatcher else "", world_size)
+            address = broadcast_str(self.dispatcher.address if self.dispatcher else "", world_size)
             self.store_client = CentralClient(self.store_client, address)
         self.step_cfg = self.cfg.trainer  # the trainer knobs a plan may change at a step boundary
         self.plan_version = 0
         self.unreleased: list[tuple[int, list[str]]] = []  # (step, lost ids) trained, released at a checkpoint
         self.phase = "start-up"  # what a failed collective was part of, for its error message
         self.version = self._resume(reg.policy_version)
-        self.checkpointed_step = self.version if self.version > 0 else -1
+        self.checkpointed_step = self.version  # the version the newest checkpoint holds (0: none)
         self.published_version = -1
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
         self._hb.start()
@@ -93,10 +100,12 @@ class TrainerRank:
         if self.rank == 0:
             self._release_checkpointed()  # releases a checkpoint we resumed from still owed the supervisor
         self._publish(self.version, {})  # rollout pulls its first weights from the trainer
-        while step < end and not self.stop:
+        stopped = False
+        while step < end:
             self.phase = f"step {step}"
             metas = self._claim(step)
-            if metas is None:
+            if metas is None:  # every rank agreed to stop while waiting for the step's samples
+                stopped = True
                 break
             if isinstance(self.store_client, CentralClient):
                 self.store_client.set_step(step, metas)
@@ -111,6 +120,9 @@ class TrainerRank:
                 self.unreleased.append((step - 1, lost))
             self._report(result)
             self._observe_staleness(step, metas)
+            if any_rank([bool(self.stop)], self.world_size)[0]:  # asked during the step: it is done, stop here
+                stopped = True
+                break
             if step % t.checkpoint_every == 0:
                 self.save_checkpoint(step)  # every rank: DCP writes collectively
             self._publish(step, result.metrics())  # collective: every rank has pulled, so producers may free
@@ -118,36 +130,53 @@ class TrainerRank:
                 self._call(P.Release(worker_id=self.worker_id, step=step - 1, lost_sample_ids=lost, checkpointed=False))
                 if step % t.checkpoint_every == 0:
                     self._release_checkpointed()
-        # a pool that reached the end agrees on the step (every step ends in an all-reduce); a stopped one
-        # may not, so then rank 0 writes alone when it holds a full replica of model and optimizer (under
-        # a sharded plan no rank does: the last checkpoint stands and the steps after it are trained again)
-        together = self.world_size > 1 and step >= end
-        alone = self.rank == 0 and not self.placement.plan.sharded
-        if step != self.checkpointed_step and (alone or together):
-            self.save_checkpoint(step, collective=together)
-        if self.rank == 0:
-            self._release_checkpointed()
-            if cfg.steps and step >= cfg.steps:
-                self._call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
-        self.close()
+        self._finish(step, stopped)
         return 0
 
+    def _finish(self, step: int, stopped: bool) -> None:
+        """After the last step (the run's end, or a stop every rank agreed on at this same step): the
+        checkpoint of `step` unless one holds it already, written by every rank together, then (rank 0) the
+        releases it holds, and the end of the run if it is done. Nothing new is published."""
+        fresh = step > self.checkpointed_step
+        if fresh:
+            self.save_checkpoint(step)
+        if stopped:
+            log.info("trainer rank %d: stopping after step %d, %s", self.rank, step,
+                     f"checkpoint written at version {step}" if fresh else
+                     f"the checkpoint of version {step} was already written" if step else "nothing trained to checkpoint")
+        if self.rank == 0:
+            self._release_checkpointed()
+            if self.cfg.steps and step >= self.cfg.steps:
+                self._call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
+        self.close()
+
     def _claim(self, step: int) -> list | None:
+        """The step's metadata once every rank has it, or None when the pool agreed to stop first.
+
+        Each wait ends in one all-reduce of (asked to stop, still waiting, out of time), so the ranks
+        take every branch together; a claim is the same for every rank and asking again is idempotent.
+        """
         t = self.cfg.trainer
         deadline = time.monotonic() + t.claim_timeout_s
         msg = P.Claim(worker_id=self.worker_id, step=step, num_groups=t.groups_per_step,
                       min_policy_version=max(0, step - t.max_staleness))
-        while not self.stop:
-            reply = self.client.call_retry(msg, deadline_s=t.claim_timeout_s, what=f"claim of step {step}")
-            if reply.ready:
+        reply: P.Claimed | None = None
+        while True:
+            if not self.stop and (reply is None or not reply.ready):
+                reply = self.client.call_retry(msg, deadline_s=t.claim_timeout_s, what=f"claim of step {step}")
+            ready = reply is not None and reply.ready
+            stop, waiting, late = any_rank([bool(self.stop), not ready, time.monotonic() > deadline], self.world_size)
+            if stop:
+                return None
+            if not waiting:
+                assert reply is not None
                 self._apply_plan(reply.plan, step)
                 return table_to_metas(table_from_ipc(reply.table_ipc))
-            if time.monotonic() > deadline:
+            if late:
                 raise ControlPlaneTimeout(f"step {step}: fewer than {t.groups_per_step} complete prompt groups "
                                           f"arrived within trainer.claim_timeout_s={t.claim_timeout_s:.0f}s; "
                                           "are rollout workers running?")
             self.stop.wait(0.02)
-        return None
 
     def _apply_plan(self, wire: P.TrainerPlan | None, step: int) -> None:
         """Adopt the selector's plan at this step boundary; every rank adopts rank 0's, together.
@@ -158,7 +187,7 @@ class TrainerRank:
         the loss is normalised by the claim's token count and gradients are summed over the pool.
         """
         if self.world_size > 1:
-            raw = _broadcast_bytes(msgspec.json.encode(wire) if wire is not None else b"")
+            raw = broadcast_bytes(msgspec.json.encode(wire) if wire is not None else b"")
             wire = msgspec.json.decode(raw, type=P.TrainerPlan) if raw else None
         if wire is None or wire.version == self.plan_version:
             return
@@ -211,7 +240,7 @@ class TrainerRank:
         """Every rank publishes its own shard of the weights (no gather); rank 0's manifest names the
         other ranks that hold pieces, and rank 0 announces the version. Collective."""
         pieces = shard_pieces(self.model.state_dict(), self.placement)
-        holders = _all_gather_flags(bool(pieces), self.world_size)
+        holders = all_gather_flags(bool(pieces), self.world_size)
         peers = [a for r, a in enumerate(self.peers) if holders[r] and r != self.rank]
         publish_weights(self.node, version, pieces, peers=peers if self.rank == 0 else [])
         self.published_version = version
@@ -254,7 +283,8 @@ class TrainerRank:
                  r.masked_frac, r.stale_frac)
 
     def _heartbeat_loop(self) -> None:
-        while not self.stop.wait(self.cfg.supervisor.heartbeat_s):
+        # beats on while the rank finishes its last step after a stop, until it closes
+        while not self._closed.wait(self.cfg.supervisor.heartbeat_s):
             try:
                 # rank 0 reports the version its node's manifest serves; the other ranks' nodes hold pieces only
                 published = self.published_version if self.rank == 0 else -1
@@ -277,7 +307,7 @@ class TrainerRank:
         different size from the one that wrote it.
         """
         found = ckpt.latest_checkpoint(self.cfg.run_dir) if supervisor_version > 0 and self.rank == 0 else None
-        name = _broadcast_str(found.name if found else "", self.world_size)
+        name = broadcast_str(found.name if found else "", self.world_size)
         if not name:
             return 0
         path = ckpt.checkpoints_dir(self.cfg.run_dir) / name
@@ -288,18 +318,20 @@ class TrainerRank:
         log.info("resumed from %s at step %d (the supervisor was at version %d)", path, state.step, supervisor_version)
         return state.step
 
-    def save_checkpoint(self, step: int, *, collective: bool = True) -> Path:
-        """Write the checkpoint of `step` (`checkpoint.save_checkpoint`): every rank together, or rank 0
-        alone with collective=False."""
+    def save_checkpoint(self, step: int) -> Path:
+        """Write the checkpoint of `step` (`checkpoint.save_checkpoint`): every rank together."""
         self.phase = f"checkpoint of step {step}"
         state = ckpt.RunState(step=step, policy_version=self.version, rng=torch.get_rng_state(),
                               unreleased=list(self.unreleased), world_size=self.world_size)
         out = ckpt.save_checkpoint(self.cfg.run_dir, state, self.model, self.optimizer, self.tokenizer,
-                                   rank=self.rank, collective=collective and self.world_size > 1)
+                                   rank=self.rank, collective=self.world_size > 1)
         self.checkpointed_step = step
         return out
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
         self.stop.set()
         self.node.close()
         self.store_client.close()
@@ -307,50 +339,6 @@ class TrainerRank:
             self.dispatcher.stop()
         self.client.close()
         self.hb_client.close()
-
-
-def _broadcast_str(text: str, world_size: int) -> str:
-    """Rank 0's string to every rank, as bytes in a tensor (no pickling)."""
-    if world_size == 1:
-        return text
-    buf = torch.zeros(256, dtype=torch.uint8)
-    data = text.encode()
-    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    dist.broadcast(buf, src=0)
-    return bytes(buf.tolist()).rstrip(b"\0").decode()
-
-
-def _all_gather_str(text: str, world_size: int) -> list[str]:
-    """Every rank's string (at most 256 bytes), in rank order (no pickling)."""
-    if world_size == 1:
-        return [text]
-    data = text.encode()
-    buf = torch.zeros(256, dtype=torch.uint8)
-    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    out = [torch.zeros_like(buf) for _ in range(world_size)]
-    dist.all_gather(out, buf)
-    return [bytes(b.tolist()).rstrip(b"\0").decode() for b in out]
-
-
-def _all_gather_flags(flag: bool, world_size: int) -> list[bool]:
-    if world_size == 1:
-        return [flag]
-    out = [torch.zeros(1, dtype=torch.int32) for _ in range(world_size)]
-    dist.all_gather(out, torch.tensor([int(flag)], dtype=torch.int32))
-    return [bool(t.item()) for t in out]
-
-
-def _broadcast_bytes(data: bytes) -> bytes:
-    """Rank 0's bytes to every rank (length first, then the bytes; no pickling)."""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=0)
-    if int(size) == 0:
-        return b""
-    buf = torch.zeros(int(size), dtype=torch.uint8)
-    if dist.get_rank() == 0 and data:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.broadcast(buf, src=0)
-    return buf.numpy().tobytes()
 
 
 class CollectiveFailed(EarlError):
@@ -384,7 +372,7 @@ def run_trainer_rank(supervisor: str, host: str = "127.0.0.1", *, collective_tim
             f"({str(exc).splitlines()[0][:200]}). Relaunch the pool (or start it with --restart N) to resume "
             "from the latest checkpoint.") from None
     finally:
-        if trainer is not None and not trainer.stop:  # run() closes it when it returns
+        if trainer is not None:  # run() has closed it when it returned
             trainer.close()
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

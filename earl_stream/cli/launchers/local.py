@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream.cli.launchers import Placed, RunSpec
-from earl_stream.cli.procs import Child, ProcessGroup, log_tail
+from earl_stream.cli.procs import STOP_GRACE_S, Child, ProcessGroup, log_tail
 from earl_stream.errors import ChildProcessFailed
 
 READY_TIMEOUT_S = 60.0
@@ -41,9 +41,14 @@ class LocalLauncher:
                                 env=self._env(), log_path=str(self.logs / f"rollout-{index}.log"))
 
     def start_trainer_pool(self, address: str) -> Placed:
+        # on stop its ranks get trainer.stop_grace_s to finish their step and checkpoint; the pool's own
+        # process (`worker --nproc`) a little more, to see them out
+        grace = self.run.cfg.trainer.stop_grace_s
         return self.group.start("trainer", ["worker", "--role", "trainer", "--supervisor", address, "--nproc",
-                                            str(self.run.cfg.trainer.nproc), "--restart", str(self.run.restart)],
-                                env=self._env(), log_path=str(self.logs / "trainer.log"))
+                                            str(self.run.cfg.trainer.nproc), "--restart", str(self.run.restart),
+                                            "--stop-grace", str(grace)],
+                                env=self._env(), log_path=str(self.logs / "trainer.log"),
+                                stop_grace_s=grace + STOP_GRACE_S)
 
     def revive(self, placed: Placed, address: str) -> None:
         """The supervisor comes back on its address from the run's state (`supervisor.state` in run_dir),
