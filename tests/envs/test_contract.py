@@ -29,6 +29,8 @@ LIBRARY: list[tuple[str, dict[str, Any], str | None]] = [
     ("calculator", {}, None),
     ("long_recall", {}, None),
     ("long_recall", {"turns": 5, "grow_every": 1}, None),
+    ("tictactoe_match", {}, None),
+    ("tictactoe_match", {"games": 3, "grow_every": 1}, None),
     ("reasoning_gym", {"task": "basic_arithmetic", "size": 100}, "reasoning_gym"),
     ("reasoning_gym", {"task": "chain_sum", "size": 100, "max_attempts": 3}, "reasoning_gym"),
     ("textarena", {"game": "TicTacToe-v0"}, "textarena"),
