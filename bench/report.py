@@ -226,6 +226,31 @@ def render_openai_endpoint(d: dict[str, Any]) -> list[str]:
                   f"{d.get('agent_processes', 1)} agent process(es), {d.get('threads')} torch thread(s).", ""]
 
 
+def render_context_growth(d: dict[str, Any]) -> list[str]:
+    """Both runs side by side; the adaptive run's plan changes; the finding."""
+    rows = []
+    for kind in ("static", "adaptive", "static_unbounded"):
+        if kind not in d:
+            continue
+        r = d[kind]
+        rows.append([kind, r.get("final_success"), r.get("best_success"), r.get("truncated_fraction"),
+                     r.get("crashed") or "no", r.get("steps"), r.get("max_context_p99"),
+                     ", ".join(r.get("plans_used", [])), r.get("peak_mib_above_start"), r.get("cap_mib")])
+    out = _table(["run", "final success (last fifth)", "best success", "truncated (last fifth)", "crashed", "steps",
+                  "max context p99", "trainer plans (name/micro-batch tokens)", "peak MiB above start (max rank)",
+                  "cap MiB"], rows)
+    changes, last = [], None
+    for p in d.get("adaptive", {}).get("curve", []):
+        if p.get("plan") and p["plan"] != last:
+            changes.append(f"{p['plan']} at step {p['step']} (t {_fmt(p['t'])} s, context p99 "
+                           f"{_fmt(p.get('context', {}).get('p99'))})")
+            last = p["plan"]
+    if changes:
+        out += ["Adaptive run's trainer plans: " + "; ".join(changes) + ".", ""]
+    said = [f"**{k.capitalize()}:** {d[k]}" for k in ("finding", "note") if isinstance(d.get(k), str)]
+    return out + [line for text in said for line in (text, "")]
+
+
 def render_e2e(d: dict[str, Any]) -> list[str]:
     out = [f"Same model, game (Tic-Tac-Toe vs random), group size {d.get('group_size')}, "
            f"{d.get('samples_per_step')} samples per step, lr {d.get('lr')}; {_fmt(d.get('seconds_per_system'))} s "
@@ -298,7 +323,7 @@ BENCHMARKS: list[dict[str, Any]] = [
     {"name": "context_growth", "title": "Growing contexts: a static context limit vs the selector (EARL's Figure 1)",
      "script": "bench/context_growth.py",
      "command": "python bench/context_growth.py --json bench/results/context_growth.json", "files": ["context_growth.json"],
-     "render": render_generic},
+     "render": render_context_growth},
     {"name": "openai_endpoint", "title": "OpenAI endpoint: agents through the API vs the built-in agent loop",
      "script": "bench/openai_endpoint.py",
      "command": "python bench/openai_endpoint.py --json bench/results/openai_endpoint.json",
