@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 from earl_stream import protocol as P
@@ -17,6 +19,9 @@ from earl_stream.config import RunConfig, config_from_dict, parse_cpus
 # A trainer pool's rendezvous when it is not torchrun's env:// (MASTER_ADDR/PORT): `worker --nproc N` sets
 # a file:// URL, so that the ranks of one host never race another process for a port.
 RENDEZVOUS_ENV = "EARL_STREAM_RENDEZVOUS"
+# A second signal this soon after the first is the same stop arriving twice: Slurm signals every process of a
+# step, and the pool process (`worker --nproc`) or torchrun above a trainer rank passes the stop on as well.
+SAME_STOP_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +78,8 @@ class StopFlag:
     With `drain_on_term` the first SIGTERM only sets `leaving`: the worker asks to be drained and stops
     once the supervisor says it drained (how a Kubernetes pod or a preempted node hands its work back);
     SIGINT, or a second SIGTERM, stops it as usual. `stopping` says in the log what the worker does
-    before it stops (a trainer rank finishes its step and writes a checkpoint)."""
+    before it stops (a trainer rank finishes its step and writes a checkpoint). A second signal stops
+    the worker at once (os._exit), unless it comes within SAME_STOP_S of the first."""
 
     def __init__(self, install_signals: bool = True, *, drain_on_term: bool = False,
                  stopping: str = "stopping at the next safe point") -> None:
@@ -81,6 +87,7 @@ class StopFlag:
         self.drain_on_term = drain_on_term
         self.stopping = stopping
         self.leaving = False
+        self._signalled_at = -math.inf  # monotonic time of the signal that stopped it
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
@@ -91,8 +98,11 @@ class StopFlag:
                      "released); a second SIGTERM stops at once")
             self.leaving = True
             return
-        if self._event.is_set():  # a second signal: the user does not want to wait
-            os._exit(128 + signum)
+        if self._event.is_set():
+            if time.monotonic() - self._signalled_at < SAME_STOP_S:
+                return  # the same stop, passed on by the process above this one
+            os._exit(128 + signum)  # a second signal: the user does not want to wait
+        self._signalled_at = time.monotonic()
         log.info("received %s: %s; a second signal stops at once", signal.Signals(signum).name, self.stopping)
         self._event.set()
 

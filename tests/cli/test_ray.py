@@ -1,7 +1,8 @@
 """`earl-stream up --launcher ray` on a real three-node Ray cluster started on this host (tests/ray_cluster.py):
 the supervisor and the rollout workers on the head node, two trainer ranks (one placement group) spanning
 the two other nodes, one torch.distributed group across them; `status --json` names each worker's Ray node;
-a rollout worker whose process is killed is restarted by Ray and rejoins; the rollout pool scales 2 -> 3 -> 1
+a rollout worker whose process is killed is restarted by Ray and rejoins; stopped, the ranks finish their step
+and checkpoint it together (trainer.stop_grace_s); the rollout pool scales 2 -> 3 -> 1
 live with `earl-stream scale`; the runs train their steps and the ledger adds up. Bad input fails at once,
 naming what is missing. Skipped where ray is not installed: `make test-ray` runs it in .venv-ray."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from ray_cluster import PLACEMENT, node_ids
 
 from earl_stream import protocol as P
 from earl_stream.security import load_secret
+from earl_stream.workers import checkpoint as ckpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 STEPS = 20
@@ -67,6 +70,19 @@ def _ledger_adds_up(s: dict[str, Any]) -> None:
                                      + s["samples_claimed"])
 
 
+def _kept_last_step(run: Path, out: str) -> None:
+    """Stopped, both ranks finished their step and wrote its checkpoint together, within their grace."""
+    logs = "".join(p.read_text() for p in sorted((run / "logs").glob("trainer-*.log")))
+    stops = sorted(re.findall(r"trainer rank (\d): stopping after step (\d+), (?:checkpoint written at version|the "
+                              r"checkpoint of version) (\d+)", logs))
+    assert [r for r, _, _ in stops] == ["0", "1"] and len({(s, v) for _, s, v in stops}) == 1, logs[-3000:]
+    last = int(stops[0][1])
+    assert last == max(int(s) for s in re.findall(r"step (\d+): loss", logs)), logs[-3000:]
+    latest = ckpt.latest_checkpoint(run)
+    assert latest is not None and latest.name == f"step_{last:06d}", latest
+    assert "did not stop within" not in out, out[-3000:]
+
+
 def test_up_places_the_pools_on_different_ray_nodes_and_trains(tmp_path: Path, tiny_model_dir: Path,
                                                                 ray_cluster: Any) -> None:
     started = time.monotonic()
@@ -101,6 +117,7 @@ def test_up_places_the_pools_on_different_ray_nodes_and_trains(tmp_path: Path, t
     _ledger_adds_up(s)
     assert {w["ray_node_id"] for w in s["workers"] if w["role"] == "trainer"}.isdisjoint(
         {w["ray_node_id"] for w in s["workers"] if w["role"] == "rollout"})
+    _kept_last_step(tmp_path / "run", out)
 
 
 def _scale(run: Path, replicas: int) -> str:

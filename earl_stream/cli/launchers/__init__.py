@@ -12,7 +12,7 @@ never depends on how it was started; the run's state, the live view and the summ
     workers = [launcher.start_rollout_worker(i, address) for i in range(cfg.rollout.workers)]
     trainer = launcher.start_trainer_pool(address)    # every rank; poll() is 0 once all ranks finished
     ... poll() every process; a dead one: launcher.revive(it, address) or stop with its describe_exit()
-    launcher.stop()                                   # always: workers first, the supervisor last
+    launcher.stop()                                   # always: the trainer, rollout workers, supervisor
 
 Built in: `local` (child processes of `up`, cli/launchers/local.py), `ray` (actors on a Ray cluster,
 trainer ranks in a placement group, cli/launchers/ray.py) and `slurm` (cli/launchers/slurm.py: a
@@ -95,7 +95,8 @@ class Launcher(Protocol):
         ...
 
     def stop(self) -> None:
-        """Stop everything this launcher started (workers before the supervisor); safe to call twice."""
+        """Stop everything this launcher started: the trainer pool first, given trainer.stop_grace_s to finish
+        its step and checkpoint it, then the rollout workers, then the supervisor; safe to call twice."""
         ...
 
 

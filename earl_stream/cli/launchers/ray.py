@@ -5,6 +5,9 @@ role declares (launcher.ray.{supervisor,rollout,trainer}: num_cpus, num_gpus, cu
 trainer pool's ranks are the bundles of one placement group (PACK: filled node by node); MASTER_ADDR is
 the node of the first bundle, and the ranks form their torch.distributed group across the nodes. Ray
 restarts a rollout worker that dies (launcher.ray.rollout_max_restarts); the new one re-registers.
+`stop` stops the trainer pool first and gives its ranks trainer.stop_grace_s to finish their step and write
+its checkpoint (the actor's SIGTERM, then SIGKILL), as the local launcher does; then the rollout workers
+and the supervisor, with the short grace (cli/procs.py: STOP_GRACE_S).
 
 Bad input fails fast with one error naming what is missing: ray not installed, a Ray address nothing
 listens on, a role's resources that no node has; a placement that does not happen in
@@ -25,6 +28,7 @@ from typing import Any
 
 from earl_stream.cli.launchers import Placed, RunSpec
 from earl_stream.cli.launchers.ray_host import ProcessHost
+from earl_stream.cli.procs import STOP_GRACE_S
 from earl_stream.config import RayRoleConfig
 from earl_stream.errors import ChildProcessFailed, ConfigError
 
@@ -133,10 +137,12 @@ class RayTrainerPool:
         failed = [p for p in self.ranks if p.poll() not in (None, 0)]
         return (failed or self.ranks)[0].describe_exit()
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every rank (SIGKILL after `grace_s`: the short grace when a rank failed and the others are
+        stuck in a collective with it; trainer.stop_grace_s when the run stops) and free the placement group."""
         from ray.util.placement_group import remove_placement_group
 
-        self.launcher.stop_all(self.ranks)
+        self.launcher.stop_all(self.ranks, grace_s)
         if self.group is not None:
             remove_placement_group(self.group)
             self.group = None
@@ -191,8 +197,8 @@ class RayLauncher:
     def stop(self) -> None:
         import ray
 
-        for pool in self.pools:
-            pool.stop()
+        for pool in self.pools:  # first: its ranks finish their step and checkpoint it
+            pool.stop(self.run.cfg.trainer.stop_grace_s)
         self.stop_all(self.processes[1:][::-1])
         self.stop_all(self.processes[:1])
         if self.owns_ray:
@@ -252,11 +258,14 @@ class RayLauncher:
         except ray.exceptions.RayActorError as exc:
             raise ChildProcessFailed(f"{what}: its Ray actor is gone ({exc})") from None
 
-    def stop_all(self, procs: list[RayProcess]) -> None:
+    def stop_all(self, procs: list[RayProcess], grace_s: float = STOP_GRACE_S) -> None:
+        """Stop the processes of `procs` together, each given `grace_s` after its SIGTERM, then kill their
+        actors (also those that did not answer in time: the grace and STOP_GRACE_S more, or CALL_TIMEOUT_S)."""
         import ray
 
-        refs = [p.actor.stop.remote() for p in procs]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S) if refs else ([], [])
+        refs = [p.actor.stop.remote(grace_s) for p in procs]
+        timeout = max(CALL_TIMEOUT_S, grace_s + STOP_GRACE_S)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
         for p in procs:
             ray.kill(p.actor, no_restart=True)
             p.restartable = False  # killed for good: a failed call now means it is gone, without a grace
@@ -265,7 +274,7 @@ class RayLauncher:
                 self.processes.remove(p)
         if len(ready) < len(refs):
             log.warning("%d of %d Ray actors did not stop within %.0fs: killed", len(refs) - len(ready), len(refs),
-                        CALL_TIMEOUT_S)
+                        timeout)
 
     def log_path(self, name: str) -> str:
         return str((Path(self.run.cfg.run_dir) / "logs" / name).resolve())

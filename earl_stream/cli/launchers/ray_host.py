@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from earl_stream.cli.procs import Child, ProcessGroup
+from earl_stream.cli.procs import STOP_GRACE_S, Child, ProcessGroup
 from earl_stream.security import SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ class ProcessHost:
     def args(self) -> list[str]:
         return list(self.child.args) if self.child is not None else []
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the process, SIGKILL it after `grace_s` (a trainer rank's: trainer.stop_grace_s)."""
         self.stopping = True
-        self.group.stop()
+        self.group.stop(grace_s)
         shutil.rmtree(self.dir, ignore_errors=True)

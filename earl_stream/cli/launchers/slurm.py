@@ -12,25 +12,39 @@ node: `worker --role trainer --nproc N` on one node, `torchrun` (rendezvous on t
 (NodeAddr), so the run directory (config, secret, ready file, logs, checkpoints) and the model must be
 on a filesystem every node sees, at the same path, as is usual on a Slurm cluster.
 
+Stopping, as under the local launcher: the trainer first, given trainer.stop_grace_s to finish its step and
+write its checkpoint, then the rollout workers, then the supervisor. srun is no plain parent: a SIGTERM to
+it SIGKILLs the step's tasks at once ("forcing job termination", Slurm 22.05 src/srun/libsrun/srun_job.c),
+and a single SIGINT only prints the tasks' state. So the trainer's step runs with `--disable-status`, under
+which srun passes a SIGINT on to the tasks, and `stop` sends it that SIGINT and waits; Slurm signals every
+process of the step (the pool process or torchrun, and the ranks), and a rank takes the copies that reach
+it together as one stop (`workers.common.StopFlag`). torchrun gives its ranks as long before it kills them
+(TORCH_ELASTIC_SHUTDOWN_TIMEOUT; an older torch that does not read it gives them 30 s). A trainer step still
+running after its grace, and every other step, then get a SIGTERM to their srun (their tasks are killed).
+
 Outside an allocation (no $SLURM_JOB_ID), with srun or scontrol missing, or with a trainer pool that does
 not split over its nodes, it fails at once saying what to do; every wait is bounded.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from earl_stream.cli.launchers import Placed, RunSpec
 from earl_stream.cli.launchers.local import READY_TIMEOUT_S, wait_ready
-from earl_stream.cli.procs import Child, ProcessGroup
+from earl_stream.cli.procs import STOP_GRACE_S, Child, ProcessGroup
 from earl_stream.errors import ConfigError, SlurmError
 from earl_stream.security import SECRET_ENV
 
+log = logging.getLogger(__name__)
 OUTSIDE = ("`up --launcher slurm` places the run inside a Slurm allocation, and $SLURM_JOB_ID is not set: run it "
            "under one (`salloc -N 3 earl-stream up --launcher slurm ...`, or in an sbatch script), or submit the "
            "run from a login node with `earl-stream slurm submit --config ...`")
@@ -93,18 +107,21 @@ class SlurmLauncher:
         self.ready = Path(run.cfg.run_dir).resolve() / "supervisor.json"
         self.group = ProcessGroup()
         self.supervisor: Child | None = None
+        self.trainer: Child | None = None
         self.placement: dict[str, str] = {}  # process name -> node, for the log and for revive
 
-    def _step(self, node: str | list[str], tasks_per_node: int = 1) -> list[str]:
+    def _step(self, node: str | list[str], tasks_per_node: int = 1, *srun_args: str) -> list[str]:
         nodes = [node] if isinstance(node, str) else node
         return [*shlex.split(self.cfg.srun), f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tasks_per_node}",
                 f"--ntasks-per-node={tasks_per_node}", f"--nodelist={','.join(nodes)}", "--overlap",
-                "--kill-on-bad-exit=1", "--job-name=earl-stream", *shlex.split(self.cfg.step_args)]
+                "--kill-on-bad-exit=1", "--job-name=earl-stream", *srun_args, *shlex.split(self.cfg.step_args)]
 
-    def _start(self, name: str, node: str | list[str], args: list[str], log: str, prefix: list[str]) -> Child:
+    def _start(self, name: str, node: str | list[str], args: list[str], log: str, prefix: list[str],
+               env: dict[str, str] | None = None) -> Child:
         self.placement[name] = node if isinstance(node, str) else ",".join(node)
         print(f"slurm: {name} on {self.placement[name]}", flush=True)
-        return self.group.start(name, args, env={SECRET_ENV: str(self.run.secret_file), **self.run.encrypt_env()},
+        return self.group.start(name, args, env={SECRET_ENV: str(self.run.secret_file), **self.run.encrypt_env(),
+                                                 **(env or {})},
                                 log_path=str(self.logs / log), prefix=prefix)
 
     def start_supervisor(self) -> tuple[Placed, str]:
@@ -127,19 +144,27 @@ class SlurmLauncher:
 
     def start_trainer_pool(self, address: str) -> Placed:
         nodes, nproc = self.trainer_nodes, self.run.cfg.trainer.nproc
+        grace = self.run.cfg.trainer.stop_grace_s
         if len(nodes) == 1:
-            return self._start("trainer", nodes[0], ["worker", "--role", "trainer", "--supervisor", address, "--nproc",
-                                                     str(nproc), "--restart", str(self.run.restart), "--advertise",
-                                                     node_address(nodes[0])], "trainer.log", self._step(nodes[0]))
+            self.trainer = self._start("trainer", nodes[0], [
+                "worker", "--role", "trainer", "--supervisor", address, "--nproc", str(nproc), "--restart",
+                str(self.run.restart), "--advertise", node_address(nodes[0]), "--stop-grace", str(grace)],
+                "trainer.log", self._step(nodes[0], 1, "--disable-status"))
+            return self.trainer
         # one torchrun per node (the step's one task there): its node rank = the task's rank in the step,
-        # the rendezvous on the first node
+        # the rendezvous on the first node; stopped, it gives its ranks the grace (30 s by default)
         torchrun = [_torchrun(), f"--nnodes={len(nodes)}",
                     f"--nproc-per-node={nproc // len(nodes)}", "--node-rank=$SLURM_PROCID",
                     f"--master-addr={node_address(nodes[0])}", f"--master-port={self.cfg.master_port}",
                     f"--max-restarts={self.run.restart}", "--no-python"]
-        shell = ["bash", "-c", " ".join(torchrun) + ' "$@" --advertise "$(hostname)"', "torchrun"]
-        return self._start("trainer", nodes, ["worker", "--role", "trainer", "--supervisor", address], "trainer.log",
-                           self._step(nodes) + shell)
+        # Stopped, torchrun exits 1 (SignalException) even when its ranks finished cleanly: that exit code
+        # would make srun (--kill-on-bad-exit) kill the other nodes' ranks while they finish too.
+        shell = ["bash", "-c", "stopped=; trap stopped=1 INT; " + " ".join(torchrun)
+                 + ' "$@" --advertise "$(hostname)"; rc=$?; [ -z "$stopped" ] || rc=0; exit $rc', "torchrun"]
+        self.trainer = self._start("trainer", nodes, ["worker", "--role", "trainer", "--supervisor", address],
+                                   "trainer.log", self._step(nodes, 1, "--disable-status") + shell,
+                                   env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(grace))})
+        return self.trainer
 
     def revive(self, placed: Placed, address: str) -> None:
         """A dead step runs again on its node; the supervisor on its address, from the run's state."""
@@ -155,7 +180,20 @@ class SlurmLauncher:
         wait_ready(placed, self.ready, max(self.cfg.ready_timeout_s, READY_TIMEOUT_S))
 
     def stop(self) -> None:
-        self.group.stop()  # SIGTERM to srun: it forwards the signal to the step's tasks
+        """The trainer first: a SIGINT to its srun, which passes it on to the step's tasks (--disable-status),
+        and up to trainer.stop_grace_s (and the pool's own STOP_GRACE_S) for its step and checkpoint; then
+        every step left, the trainer's too if it is still there, gets a SIGTERM (srun then SIGKILLs its tasks)
+        and its srun SIGKILL after STOP_GRACE_S."""
+        trainer = self.trainer
+        if trainer is not None and trainer.proc.poll() is None:
+            grace = self.run.cfg.trainer.stop_grace_s + STOP_GRACE_S
+            trainer.proc.send_signal(signal.SIGINT)
+            try:
+                trainer.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                log.warning("the trainer's step (srun pid %d) did not stop within %.0fs: terminating it",
+                            trainer.proc.pid, grace)
+        self.group.stop()
 
 
 def _torchrun() -> str:
