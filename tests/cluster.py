@@ -63,6 +63,25 @@ class Cluster:
                 proc.wait()
 
 
+# A one-turn environment whose reward varies within a group (the reply's length in characters, mod 5,
+# over 4), so every step has non-zero advantages and moves weights and Adam moments, and rollouts and
+# steps take milliseconds. Written to a file the rollout worker loads (`envs.0.spec=FILE:ReplyLength`).
+REPLY_LENGTH_ENV = """
+from earl_stream.env import StepResult
+
+
+class ReplyLength:
+    max_turn_tokens = 8
+    system_prompt = "Reply with anything."
+
+    async def reset(self, seed: int) -> str:
+        return f"Say something about {seed}."
+
+    async def step(self, action_text: str) -> StepResult:
+        return StepResult("", (len(action_text) % 5) / 4, True)
+"""
+
+
 def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

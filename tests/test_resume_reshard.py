@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster import wait_for
+from cluster import REPLY_LENGTH_ENV, wait_for
 from safetensors.torch import load_file
 
 from earl_stream.errors import ModelError
@@ -24,25 +24,6 @@ pytestmark = pytest.mark.slow
 
 GROUPS, GROUP_SIZE = 2, 4
 FINGERPRINT = r"fingerprint param0 \S+ params \S+ exp_avg0 \S+ exp_avg_sq0 \S+ adam_step0 \S+"
-
-
-# A one-turn environment whose reward varies within a group (the reply's length in characters, mod 5,
-# over 4), so every step has non-zero advantages and moves weights and Adam moments. Written to a file
-# the rollout worker loads (`envs.0.spec=FILE:ReplyLength`).
-REPLY_LENGTH_ENV = """
-from earl_stream.env import StepResult
-
-
-class ReplyLength:
-    max_turn_tokens = 8
-    system_prompt = "Reply with anything."
-
-    async def reset(self, seed: int) -> str:
-        return f"Say something about {seed}."
-
-    async def step(self, action_text: str) -> StepResult:
-        return StepResult("", (len(action_text) % 5) / 4, True)
-"""
 
 
 def _up(run: Path, model_dir: Path, steps: int, nproc: int, *, resume: bool,

@@ -15,27 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import wait_for
+from cluster import REPLY_LENGTH_ENV, wait_for
 
 from earl_stream.workers import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
 
-# a one-turn environment with an 8-token reply: rollouts and steps take milliseconds
-SHORT_ENV = """
-from earl_stream.env import StepResult
-
-
-class ShortReply:
-    max_turn_tokens = 8
-    system_prompt = "Reply with anything."
-
-    async def reset(self, seed: int) -> str:
-        return f"Say something about {seed}."
-
-    async def step(self, action_text: str) -> StepResult:
-        return StepResult("", (len(action_text) % 5) / 4, True)
-"""
 # A 20 MiB memory budget per rank and no tp or sp: the selector's only plan that fits is fsdp2 (weights
 # and Adam state sharded), held for the whole run (no re-plans).
 FSDP_ONLY = [f"selector.trainer_memory_bytes={20 << 20}", "selector.reserve_bytes=0", "selector.allow_sp=false",
@@ -45,9 +30,9 @@ FSDP_ONLY = [f"selector.trainer_memory_bytes={20 << 20}", "selector.reserve_byte
 
 def _up(run: Path, model_dir: Path, *args: str) -> subprocess.Popen:
     env_file = run.parent / "short_reply.py"
-    env_file.write_text(SHORT_ENV)
+    env_file.write_text(REPLY_LENGTH_ENV)
     return subprocess.Popen([sys.executable, "-m", "earl_stream", "up", "--summary", str(run.parent / "summary.json"),
-                             *args, f"model.path={model_dir}", f"run_dir={run}", f"envs.0.spec={env_file}:ShortReply",
+                             *args, f"model.path={model_dir}", f"run_dir={run}", f"envs.0.spec={env_file}:ReplyLength",
                              "trainer.groups_per_step=2", "trainer.group_size=4", "rollout.groups_in_flight=2",
                              "rollout.workers=1", "supervisor.heartbeat_s=0.2", "trainer.checkpoint_every=1000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
