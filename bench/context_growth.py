@@ -12,8 +12,9 @@ once, at its end (the fraction of its games won), so the reward needs the whole 
 - adaptive: the selector on (it re-plans parallelism, micro-batch and recomputation as the context
   percentiles cross its thresholds), no context limit;
 - with --unbounded, a third run, static_unbounded: the static plan without the limit (why users set one).
-The trainer pools have two ranks, each under a real memory cap: once a rank has registered, it is
-moved into a memory cgroup of its own whose limit is what it uses then plus --cap-mib
+The trainer pools have two ranks, each under a real memory cap: once the pool has trained its first
+step (so that start-up and the first step's allocations, the same in every run, are each rank's
+baseline), a rank is moved into a memory cgroup of its own whose limit is what is charged there plus --cap-mib
 (bench/memcap.py; past it the kernel OOM-kills the rank: a crash), and the selector's memory budget is
 the same --cap-mib.
 Every --every seconds the status gives: step, success (mean reward over the last episodes: the
@@ -82,8 +83,9 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                 time.sleep(1)
                 continue
             trainers = [w for w in s["workers"] if w["role"] == "trainer"]
-            for w in trainers:
-                if w["alive"] and w["pid"] not in caps.limits and Path(f"/proc/{w['pid']}").exists():
+            for w in trainers:  # capped once the first step is trained: its warm-up is the rank's baseline
+                if s["policy_version"] >= 1 and w["alive"] and w["pid"] not in caps.limits \
+                        and Path(f"/proc/{w['pid']}").exists():
                     caps.cap(w["pid"], cap)
             killed = sum(caps.oom_kills(pid) for pid in caps.limits)
             dead = [w["id"] for w in trainers if not w["alive"]]
@@ -150,7 +152,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="3 minutes per run (checks the pipeline, not the goal)")
     ap.add_argument("--minutes", type=float, default=10.0, help="time budget of each run")
     ap.add_argument("--limit", type=int, default=384, help="the static run's context limit (tokens)")
-    ap.add_argument("--cap-mib", type=int, default=72, help="memory cap per trainer rank above its size at registration")
+    ap.add_argument("--cap-mib", type=int, default=72, help="memory cap per trainer rank above its size after the first step")
     ap.add_argument("--reserve-mib", type=int, default=24, help="of the cap, what the selector keeps free")
     ap.add_argument("--initial-len", type=int, default=256, help="the adaptive run's first design length (tokens)")
     ap.add_argument("--games", type=int, default=1, help="games per match at the start")
@@ -159,7 +161,7 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between curve points")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("static", "adaptive", "static_unbounded"),
-                    help="run only this one (calibration; writes no JSON)")
+                    help="run only this one and add it to the JSON at --json (e.g. static_unbounded after a full run)")
     ap.add_argument("--unbounded", action="store_true",
                     help="also run the static plan without the context limit (static_unbounded: why users set one)")
     args = ap.parse_args()
@@ -170,8 +172,11 @@ def main() -> int:
         return 2
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.only:  # a calibration pass of one run: its curve is printed, no JSON is written
-        run(args.only, args, out.parent)
+    if args.only:  # one run, added to (or replacing its entry in) the JSON at --json
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result[args.only] = run(args.only, args, out.parent)
+        result["settings_" + args.only] = {k: v for k, v in vars(args).items() if k != "json"}
+        out.write_text(json.dumps(result, indent=1))
         return 0
     static = run("static", args, out.parent)
     adaptive = run("adaptive", args, out.parent)
