@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 print("torch", torch.__version__, "on", torch.cuda.get_device_name(), flush=True)
 PYEOF
 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/workers/test_train_step_cuda.py \
-    tests/workers/engines/test_torch_engine_cuda.py tests/workers/engines/test_torch_engine_bf16.py "$@"
+    tests/workers/engines/test_torch_engine_cuda.py tests/workers/engines/test_torch_engine_bf16.py tests/test_devices_cuda.py "$@"
 rm -rf "$RUN"
 start=$(date +%s)
 "$PY" -m earl_stream up --steps "$STEPS" --summary "$RUN/summary.json" "run_dir=$RUN" trainer.dtype=bf16

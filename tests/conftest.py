@@ -18,6 +18,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_suite_processes_compute_on_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The processes a CPU-suite test starts (`up`, workers) compute on the CPU even on a host with a GPU: the
+    suite's expectations are the CPU's (two trainer ranks on one host, exact CPU numerics). The `gpu`-marked
+    tests (`make test-gpu`) are the CUDA tier and keep the host's devices."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """End-to-end tests (marked `slow` or `faults`) start real processes that share the machine's cores: one
     that fails is run once more (pytest-rerunfailures), so a timing race must strike twice to fail the

@@ -97,7 +97,7 @@ def _run_pool(args: argparse.Namespace, stopping: _PoolSignals) -> str | None:
     group = stopping.group = ProcessGroup()
     for rank in range(args.nproc):
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
-               RENDEZVOUS_ENV: f"file://{meeting / 'rendezvous'}"}
+               "LOCAL_WORLD_SIZE": str(args.nproc), RENDEZVOUS_ENV: f"file://{meeting / 'rendezvous'}"}
         group.start(f"trainer rank {rank}", ["worker", "--role", "trainer", "--supervisor", args.supervisor,
                                              "--advertise", args.advertise, "--collective-timeout",
                                              str(args.collective_timeout)], env=env)

@@ -62,7 +62,8 @@ class TrainerRank:
         pin_to_cpus(self.cfg.trainer.cpus, self.cfg.trainer.threads)
         torch.manual_seed(self.cfg.seed)
         t = self.cfg.trainer
-        device = resolve_device(t.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        device = resolve_device(t.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                                local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.model, self.tokenizer = load_model(model_path(self.cfg))
         self.model.to(device).train()  # type: ignore[arg-type]
         log.info("trainer rank %d computes on %s (%s)", rank, device, t.dtype)
