@@ -16,7 +16,10 @@ The trainer pools have two ranks, each under a real memory cap: once the pool ha
 step (so that start-up and the first step's allocations, the same in every run, are each rank's
 baseline), a rank is moved into a memory cgroup of its own whose limit is what is charged there plus --cap-mib
 (bench/memcap.py; past it the kernel OOM-kills the rank: a crash), and the selector's memory budget is
-the same --cap-mib.
+the same --cap-mib, of which it keeps --reserve-mib free. The trainer ranks return freed tensors to the OS
+(trainer.malloc_mmap_threshold, --malloc-mmap-threshold), so that their resident memory follows the live
+tensors the memory model counts, as a GPU's caching allocator reuses freed blocks; with glibc's default
+heap a long-lived rank grew past its plan's prediction step after step (run 2 of the results).
 Every --every seconds the status gives: step, success (mean reward over the last episodes: the
 fraction of a match's games won), context-length percentiles, the trainer plan in force, the outcome
 fractions (truncated), and each rank's peak memory in its cgroup against the cap. JSON keys:
@@ -56,7 +59,7 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     overrides = [f"seed={args.seed}", "envs.0.spec=tictactoe_match", "envs.0.name=tictactoe_match", "trainer.nproc=2",
                  f"selector.trainer_memory_bytes={cap}", f"selector.reserve_bytes={args.reserve_mib << 20}",
                  "selector.context_window=64", "selector.min_episodes_between=32", "supervisor.stats_window=128",
-                 "trainer.checkpoint_every=1000"]
+                 "trainer.checkpoint_every=1000", f"trainer.malloc_mmap_threshold={args.malloc_mmap_threshold}"]
     if kind.startswith("static"):
         if kind == "static":
             params["max_episode_tokens"] = args.limit
@@ -152,8 +155,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="3 minutes per run (checks the pipeline, not the goal)")
     ap.add_argument("--minutes", type=float, default=10.0, help="time budget of each run")
     ap.add_argument("--limit", type=int, default=384, help="the static run's context limit (tokens)")
-    ap.add_argument("--cap-mib", type=int, default=72, help="memory cap per trainer rank above its size after the first step")
-    ap.add_argument("--reserve-mib", type=int, default=24, help="of the cap, what the selector keeps free")
+    ap.add_argument("--cap-mib", type=int, default=56, help="memory cap per trainer rank above its size after the first step")
+    ap.add_argument("--reserve-mib", type=int, default=8, help="of the cap, what the selector keeps free")
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=65536,
+                    help="the trainer ranks' trainer.malloc_mmap_threshold (0: glibc's default heap, whose freed blocks "
+                         "stay resident and grow a long-lived rank past the memory model)")
     ap.add_argument("--initial-len", type=int, default=256, help="the adaptive run's first design length (tokens)")
     ap.add_argument("--games", type=int, default=1, help="games per match at the start")
     ap.add_argument("--max-games", type=int, default=8, help="games per match at the end of the curriculum")

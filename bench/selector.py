@@ -174,7 +174,8 @@ class Rank:
     def adopt(self, plan: Any) -> bool:
         """`plan` (a RankPlan) from the next step on, as `TrainerRank._apply_plan` adopts a wire plan.
         Returns whether the model was re-laid."""
-        from earl_stream.workers.sharding import apply_plan, free_unused_memory, relayout, shard_model
+        from earl_stream.workers.host_memory import free_unused_memory
+        from earl_stream.workers.sharding import apply_plan, relayout, shard_model
 
         if problems := plan.problems(WORLD, self.model.config):
             raise SystemExit(f"plan {plan.name} refused: {problems}")

@@ -101,6 +101,10 @@ class TrainerConfig:
                      "backend follows: nccl on cuda, gloo on cpu)", choices=("auto", "cpu", "cuda"))
     dtype: str = _f("fp32", "compute precision: bf16 = bf16 autocast with fp32 master weights and optimizer state",
                     choices=("fp32", "bf16"))
+    malloc_mmap_threshold: int = _f(0, "on a CPU rank (glibc): allocations of at least this many bytes get pages of their "
+                                    "own, returned to the OS when freed, so that resident memory follows live tensors as "
+                                    "the memory model assumes (e.g. 65536 where a rank's memory is capped; steps are "
+                                    "slower); 0 = glibc's default, whose freed blocks stay in its heap", minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,7 @@ mixed-precision policy gathers bf16 weights per layer and reduces gradients in f
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
-import gc
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -145,18 +143,6 @@ def relayout(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, pl
     if new_optimizer is not None and optim_state is not None:
         set_optimizer_state_dict(new, new_optimizer, optim_state, options=_FULL)
     return Relaid(new, new_optimizer)  # type: ignore[arg-type]
-
-
-def free_unused_memory() -> None:
-    """Call once the caller dropped the model and optimizer a re-shard replaced: a laid-out model is
-    a web of reference cycles (module hooks, DTensor specs) that only the cyclic GC frees, and glibc
-    keeps freed heap memory in its arenas, where it still counts against the rank's memory (and a
-    real cap) during the next step."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def shard_pieces(state: dict[str, torch.Tensor], placement: Placement) -> list[WeightPiece]:

@@ -39,8 +39,9 @@ from earl_stream.store.weights import drop_weights, publish_weights
 from earl_stream.workers import checkpoint as ckpt
 from earl_stream.workers.collectives import all_gather_flags, all_gather_str, any_rank, broadcast_bytes, broadcast_str
 from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register
+from earl_stream.workers.host_memory import free_unused_memory, set_malloc_mmap_threshold
 from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
-from earl_stream.workers.sharding import apply_plan, free_unused_memory, relayout, shard_pieces
+from earl_stream.workers.sharding import apply_plan, relayout, shard_pieces
 from earl_stream.workers.train_step import StepResult, train_step
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ class TrainerRank:
         t = self.cfg.trainer
         device = resolve_device(t.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                                 local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if device.type == "cpu" and t.malloc_mmap_threshold:
+            applied = set_malloc_mmap_threshold(t.malloc_mmap_threshold)
+            log.info("allocations of %d bytes and more %s", t.malloc_mmap_threshold,
+                     "are mapped on their own and unmapped when freed" if applied else
+                     "stay in the C library's heap (trainer.malloc_mmap_threshold needs glibc's mallopt)")
         self.model, self.tokenizer = load_model(model_path(self.cfg))
         self.model.to(device).train()  # type: ignore[arg-type]
         log.info("trainer rank %d computes on %s (%s)", rank, device, t.dtype)
