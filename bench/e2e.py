@@ -24,135 +24,58 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pipeline_rates import LOAD_LINE, MODE_OVERRIDES, PINNED_POOLS, STEP_LINE, Snapshot, Watch, log_window, overlap_ceiling, watch_up
+
 ROOT = Path(__file__).resolve().parent.parent
 GROUP_SIZE, GROUPS_PER_STEP, LR, SEED, WINDOW = 8, 8, 1e-3, 0, 256
-# Rollout workers learn of a new policy version by heartbeat: a shorter period than the default 1 s
-# shortens the synchronous mode's wait for weights (the asynchronous one hardly waits).
-HEARTBEAT_S = 0.25
 CORES: dict[str, dict[str, str]] = {
     "async": {"rollout": "CPU 0, 1 thread", "trainer": "CPU 1, 1 thread", "supervisor": "not pinned"},
     "sync": {"rollout": "CPU 0, 1 thread", "trainer": "CPU 1, 1 thread", "supervisor": "not pinned"},
     "trl": {"everything": "CPUs 0-1 (not pinned)"}}
-STEP_LINE = re.compile(r"^(\S+ \S+) .*step (\d+): loss \S+ grad-norm \S+ reward \S+ \((\d+) samples, (\d+) tokens\) "
-                       r"in ([\d.]+)s \(pull ([\d.]+)s\)")
-LOAD_LINE = re.compile(r"^(\S+ \S+) .*loaded policy version \d+ in ([\d.]+)s")
 
 
 # ----------------------------------------------------------------------------------- earl_stream
 
 def run_earl(mode: str, model_dir: Path, seconds: float, target: float, work: Path) -> dict[str, Any]:
     """One `earl-stream up` run for `seconds` after its first step; returns throughput, curve, profile."""
-    from earl_stream import protocol as P
-    from earl_stream.errors import EarlError
-    from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
-
     run_dir = work / f"earl_{mode}"
-    overrides = [f"model.path={model_dir}", f"run_dir={run_dir}", f"seed={SEED}", "rollout.workers=1",
-                 "rollout.cpus=0", "trainer.cpus=1", f"trainer.group_size={GROUP_SIZE}",
-                 f"trainer.groups_per_step={GROUPS_PER_STEP}", f"trainer.lr={LR}", f"supervisor.stats_window={WINDOW}",
-                 f"supervisor.heartbeat_s={HEARTBEAT_S}",
+    overrides = [f"model.path={model_dir}", f"run_dir={run_dir}", f"seed={SEED}", *PINNED_POOLS,
+                 f"trainer.group_size={GROUP_SIZE}", f"trainer.groups_per_step={GROUPS_PER_STEP}", f"trainer.lr={LR}",
+                 f"supervisor.stats_window={WINDOW}",
                  # the objective TRL's GRPOTrainer optimises: no entropy bonus (earl_stream's default has one)
-                 "algo.entropy_coef=0"]
-    if mode == "sync":
-        overrides.append("trainer.max_staleness=0")
-    secret_file = create_secret_file(run_dir / "secret")
-    ready = run_dir / "supervisor.json"
-    ready.unlink(missing_ok=True)
-    launched = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "earl_stream", "up", "--summary", str(run_dir / "summary.json"),
-                             *overrides], stdout=subprocess.DEVNULL, env={**os.environ, SECRET_ENV: str(secret_file)})
-    curve: list[dict[str, Any]] = []
-    t0: dict[str, Any] | None = None
-    try:
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise SystemExit(f"earl-stream up ({mode}) exited early with code {proc.returncode}")
-            time.sleep(0.2)
-        client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=10,
-                                 secret=load_secret(str(secret_file)))
-        while proc.poll() is None:
-            time.sleep(1.0)
-            try:
-                s = json.loads(client.call(P.StatusRequest()).status_json)
-            except EarlError:
-                continue
-            point = _earl_point(s, launched)
-            curve.append(point)
-            if t0 is None and point["step"] >= 1:
-                t0 = {**point, "wall": time.time(), "cpu": _cpu_times(proc.pid, s)}
-            if t0 is not None and point["t"] - t0["t"] >= seconds:
-                t1 = {**point, "wall": time.time(), "cpu": _cpu_times(proc.pid, s)}
-                break
-        else:
-            raise SystemExit(f"earl-stream up ({mode}) stopped early with code {proc.returncode}; see {run_dir}/logs")
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-    return _earl_result(mode, curve, t0, t1, run_dir, target)
+                 "algo.entropy_coef=0", *MODE_OVERRIDES[mode]]
+    watch = watch_up(["--summary", str(run_dir / "summary.json"), *overrides], run_dir,
+                     lambda now, first: first is not None and now.t - first.t >= seconds, what=mode)
+    return _earl_result(mode, watch, run_dir, target)
 
 
-def _earl_point(s: dict[str, Any], launched: float) -> dict[str, Any]:
+def _earl_point(snap: Snapshot) -> dict[str, Any]:
+    s = snap.status
     gen = sum(int(w.get("stats", {}).get("tokens", 0)) for w in s.get("workers", []) if w["role"] == "rollout")
-    return {"t": round(time.monotonic() - launched, 2), "step": s["policy_version"],
-            "samples_trained": s["samples_consumed"], "samples_produced": s["samples_produced"],
-            "generated_tokens": gen, "win": s.get("win_rate_last"), "draw": s.get("draw_rate_last"),
-            "stale": s.get("samples_stale", 0)}
+    return {"t": snap.t, "step": snap.step, "samples_trained": s["samples_consumed"],
+            "samples_produced": s["samples_produced"], "generated_tokens": gen, "win": s.get("win_rate_last"),
+            "draw": s.get("draw_rate_last"), "stale": s.get("samples_stale", 0)}
 
 
-def _cpu_times(up_pid: int, status: dict[str, Any]) -> dict[str, float]:
-    """CPU seconds (user+system, all threads) per role: rollout, trainer, supervisor."""
-    tick = os.sysconf("SC_CLK_TCK")
-    pids = {w["pid"]: w["role"] for w in status.get("workers", []) if w.get("alive")}
-    for p in Path("/proc").iterdir():  # the supervisor: the child of `up` that is no worker
-        if p.name.isdigit() and int(p.name) not in pids:
-            try:
-                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == up_pid and b"supervisor" in (p / "cmdline").read_bytes():
-                    pids[int(p.name)] = "supervisor"
-            except (OSError, IndexError, ValueError):
-                continue
-    out: dict[str, float] = {}
-    for pid, role in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def _log_window(path: Path, pattern: re.Pattern[str], start: float, end: float) -> list[tuple[str, ...]]:
-    rows = []
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        m = pattern.match(line)
-        if m:
-            when = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            if start <= when <= end:
-                rows.append(m.groups()[1:])
-    return rows
-
-
-def _earl_result(mode: str, curve: list[dict[str, Any]], t0: dict[str, Any] | None, t1: dict[str, Any],
-                 run_dir: Path, target: float) -> dict[str, Any]:
-    assert t0 is not None
+def _earl_result(mode: str, watch: Watch, run_dir: Path, target: float) -> dict[str, Any]:
+    assert watch.first is not None
+    first, last = watch.first, watch.snapshots[-1]
+    curve = [_earl_point(snap) for snap in watch.snapshots]
+    t0, t1 = _earl_point(first), _earl_point(last)
     dt = t1["t"] - t0["t"]
-    steps = _log_window(run_dir / "logs" / "trainer.log", STEP_LINE, t0["wall"], t1["wall"])
-    loads = _log_window(run_dir / "logs" / "rollout-0.log", LOAD_LINE, t0["wall"], t1["wall"])
+    steps = log_window(run_dir / "logs" / "trainer.log", STEP_LINE, first.wall, last.wall)
+    loads = log_window(run_dir / "logs" / "rollout-0.log", LOAD_LINE, first.wall, last.wall)
     step_s = sum(float(r[3]) for r in steps)
     pull_s = sum(float(r[4]) for r in steps)
     trained_tokens = sum(int(r[2]) for r in steps)
-    cpu = {role: round((t1["cpu"].get(role, 0.0) - t0["cpu"].get(role, 0.0)) / dt, 3) for role in t1["cpu"]}
+    cpu = {role: round((last.cpu.get(role, 0.0) - first.cpu.get(role, 0.0)) / dt, 3) for role in last.cpu}
     reached = next((p for p in curve if p["win"] is not None and p["win"] >= target), None)
     return {
         "system": f"earl_stream {mode}", "window_s": round(dt, 1), "steps": t1["step"] - t0["step"],
@@ -449,12 +372,7 @@ def summarize(systems: dict[str, dict[str, Any]], args: argparse.Namespace, seco
                               "trl": "one full game; only the first move is trained (TRL is single-turn)"},
         "systems": systems,
     }
-    per_step = systems.get("sync", {}).get("cpu_seconds_per_step") or {}
-    gen, train = per_step.get("rollout"), per_step.get("trainer")
-    if gen and train:  # one core per pool: overlap turns a synchronous step of gen + train into max(gen, train)
-        result["async_vs_sync_ceiling"] = (gen + train) / max(gen, train)
-        result["ceiling_note"] = (f"sync step = {gen:.2f} CPU-s generation + {train:.2f} CPU-s training; with one core "
-                                  "per pool the asynchronous pipeline can at best run a step in the larger of the two")
+    result.update(overlap_ceiling(systems.get("sync", {}).get("cpu_seconds_per_step") or {}))
     result["findings"] = findings(systems, result)
     missed = [k for k, goal in result["targets"].items() if result[k] is None or result[k] < goal]
     result["targets_missed"] = missed
