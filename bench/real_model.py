@@ -1,20 +1,33 @@
 """Real-model benchmark: SmolLM2-135M-Instruct (from `make real-model`) trained by `earl-stream up` on
-configs/smollm2_arithmetic.yaml within a time budget, with held-out success before and after.
+configs/smollm2_arithmetic.yaml within a time budget, with held-out success before and after, then the same
+config run asynchronously and synchronously side by side (`async_vs_sync`).
 
     python bench/real_model.py --minutes 60 --json bench/results/real_model.json [overrides...]
-    python bench/real_model.py --quick        # 2 training steps and 24 held-out problems: checks the pipeline
+    python bench/real_model.py --quick        # 2 training steps, 24 held-out problems, a 2-step comparison
+    python bench/real_model.py --compare-only --compare-steps 6 --json bench/results/real_model_async_vs_sync.json
 
-1. The model: the directory `scripts/real-model.sh` imports (run here if it is missing).
+1. The model: the directory `scripts/real-model.sh` imports (run here if it is missing; if that fails, the
+   benchmark says so and exits 1 without measuring anything, the comparison included).
 2. Held-out success before: greedy, on `--problems` (>= 200) questions the training environment never poses
    (bench/heldout.py: another dataset seed, every question of the training dataset removed), exact check;
    reported with its binomial standard error.
 3. `earl-stream up --config configs/smollm2_arithmetic.yaml` until the budget is spent (then SIGTERM: the
    trainer writes a final checkpoint), the reward curve polled from the supervisor every `--every` seconds.
 4. Held-out success after: the same problems, the base model with the run's latest checkpoint loaded.
+5. The async/sync comparison (`--compare-steps N`, default 6; 0 skips it; `--compare-only` runs nothing
+   else): two fresh runs of the same config and overrides, one after the other, the rollout pool on CPU 0
+   and the trainer pool on CPU 1 as bench/e2e.py pins them: `async` at the config's staleness bound, `sync`
+   with `trainer.max_staleness=0` (generate, train, generate). Each runs 1 + N steps; samples/s is measured
+   over the N steady-state steps (from the trainer log's line of the first step polled, step 1 unless a
+   poll missed it, to that of the N-th after it), so start-up and the first step are left out.
+   `async_vs_sync_ceiling` is the sync run's (generation + training) / max(generation, training) CPU
+   seconds per step, as bench/e2e.py computes it; `fraction_of_ceiling` = async_vs_sync / that ceiling.
 Writes JSON (eval_success_before/_after and their _stderr, tokens_per_second_generated/_trained: episode
-tokens produced / trained per second of the run, minutes, curve, the supervisor's last status) and a PNG
-of the reward curve next to it.
-Not measured here yet: the synchronous loop side by side (`async_vs_sync`) that the issue also asks for.
+tokens produced / trained per second of the run, minutes, curve, the supervisor's last status;
+async_samples_per_s, sync_samples_per_s, async_vs_sync, async_vs_sync_ceiling, fraction_of_ceiling and
+the two runs' details under `async_vs_sync_runs`) and a PNG of the reward curve next to it. With
+`--compare-only` the comparison's keys are merged into the JSON file if it exists (the training run's
+results in it are kept).
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -35,11 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from heldout import evaluate  # noqa: E402
+from pipeline_rates import MODE_OVERRIDES, PINNED_POOLS, Snapshot, overlap_ceiling, step_window, watch_up  # noqa: E402
 
-from earl_stream import protocol as P  # noqa: E402
-from earl_stream.errors import EarlError  # noqa: E402
 from earl_stream.model import cache_dir, load_model  # noqa: E402
-from earl_stream.security import SECRET_ENV, create_secret_file, load_secret  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
@@ -48,8 +59,14 @@ CONFIG = ROOT / "configs" / "smollm2_arithmetic.yaml"
 def model_dir() -> Path:
     path = cache_dir() / "models" / "smollm2-135m-instruct"
     if not (path / "config.json").is_file():
-        subprocess.run(["bash", str(ROOT / "scripts" / "real-model.sh"), str(path)], check=True,
-                       env={**os.environ, "PY": sys.executable})
+        print(f"SmolLM2-135M-Instruct is not imported at {path}: importing it (scripts/real-model.sh)", flush=True)
+        try:
+            subprocess.run(["bash", str(ROOT / "scripts" / "real-model.sh"), str(path)], check=True,
+                           env={**os.environ, "PY": sys.executable})
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"SmolLM2-135M-Instruct is not imported ({path}/config.json is missing) and "
+                             f"scripts/real-model.sh could not import it (exit {e.returncode}): run `make real-model`. "
+                             "Skipped: the held-out evaluation, the training run and the async/sync comparison.") from e
     return path
 
 
@@ -71,40 +88,55 @@ def held_out(path: Path, problems: int, checkpoint: Path | None = None) -> Any:
 
 def train(path: Path, run_dir: Path, args: argparse.Namespace) -> tuple[list[dict], dict, float]:
     """Run `up` for the budget (or --steps); returns (reward curve, the supervisor's last status, wall seconds)."""
-    summary = run_dir / "summary.json"
     steps = ["--steps", str(args.steps)] if args.steps else []
-    cmd = [sys.executable, "-m", "earl_stream", "up", "--config", str(CONFIG), *steps, "--summary", str(summary),
-           f"model.path={path}", f"run_dir={run_dir}", *args.overrides]
-    ready = run_dir / "supervisor.json"
-    ready.unlink(missing_ok=True)
-    secret = create_secret_file(run_dir / "secret")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, SECRET_ENV: str(secret)})
+    up_args = ["--config", str(CONFIG), *steps, "--summary", str(run_dir / "summary.json"), f"model.path={path}",
+               f"run_dir={run_dir}", *args.overrides]
     curve: list[dict] = []
-    last: dict = {}
+
+    def point(now: Snapshot) -> None:
+        curve.append({"t": round(now.t, 1), "step": now.step, "reward": now.status.get("mean_reward_last"),
+                      "episodes": now.status.get("samples_produced")})
+        print(json.dumps(curve[-1]), flush=True)
+
     start = time.monotonic()
-    try:
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise SystemExit(f"earl-stream up exited early with code {proc.returncode}")
-            time.sleep(0.5)
-        client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=10,
-                                 secret=load_secret(str(secret)))
-        while time.monotonic() - start < args.minutes * 60 and proc.poll() is None:
-            time.sleep(args.every)
-            try:
-                s = json.loads(client.call(P.StatusRequest()).status_json)
-            except EarlError:
-                continue
-            last = s
-            point = {"t": round(time.monotonic() - start, 1), "step": s.get("policy_version"),
-                     "reward": s.get("mean_reward_last"), "episodes": s.get("samples_produced")}
-            curve.append(point)
-            print(json.dumps(point), flush=True)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        proc.wait(600)
-    return curve, last, time.monotonic() - start
+    watch = watch_up(up_args, run_dir, lambda now, first: now.t >= args.minutes * 60, what="training",
+                     poll_s=args.every, exit_ok=True, term_wait_s=600, on_poll=point)
+    return curve, watch.snapshots[-1].status if watch.snapshots else {}, time.monotonic() - start
+
+
+def compare(path: Path, root: Path, steps: int, overrides: list[str]) -> dict[str, Any]:
+    """The async/sync comparison (module docstring, 5): two fresh runs of 1 + `steps` steps in `root`/<mode>."""
+    from earl_stream.workers.checkpoint import checkpoints_dir
+
+    started, load_before = time.monotonic(), os.getloadavg()
+    runs: dict[str, dict[str, Any]] = {}
+    for mode in ("async", "sync"):
+        run_dir = root / mode
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: nothing to resume from
+        up_args = ["--config", str(CONFIG), "--summary", str(run_dir / "summary.json"), f"model.path={path}",
+                   f"run_dir={run_dir}", *PINNED_POOLS, *overrides, *MODE_OVERRIDES[mode]]
+        print(f"async/sync comparison: {mode}, 1 + {steps} steps ...", flush=True)
+        watch = watch_up(up_args, run_dir, lambda now, first: first is not None and now.step >= first.step + steps,
+                         what=f"comparison, {mode}", poll_s=0.5, term_wait_s=600)
+        runs[mode] = {"overrides": MODE_OVERRIDES[mode], **step_window(watch, run_dir)}
+        shutil.rmtree(checkpoints_dir(run_dir), ignore_errors=True)  # the stop's checkpoint (~1.6 GB): not needed
+        print(json.dumps(runs[mode]), flush=True)
+    a, s = runs["async"]["samples_per_s"], runs["sync"]["samples_per_s"]
+    result: dict[str, Any] = {"async_samples_per_s": a, "sync_samples_per_s": s, "async_vs_sync": a / s,
+                              **overlap_ceiling(runs["sync"]["cpu_seconds_per_step"])}
+    ceiling = result.get("async_vs_sync_ceiling")
+    result["fraction_of_ceiling"] = a / s / ceiling if ceiling else None
+    result["async_vs_sync_steps"] = steps
+    result["async_vs_sync_window"] = (
+        f"steady state: the {steps} steps after the first step polled (step 1 unless a poll missed it), timed by "
+        "the trainer log's step lines; start-up (model load, first weights) and step 1 are left out")
+    result["async_vs_sync_setup"] = {
+        "config": str(CONFIG.relative_to(ROOT)), "overrides": [*PINNED_POOLS, *overrides],
+        "cores": "rollout pool on CPU 0, trainer pool on CPU 1 (one torch thread each); supervisor not pinned",
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "machine": {"cpus": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": os.getloadavg()}}
+    result["async_vs_sync_runs"] = runs
+    return result
 
 
 def plot(curve: list[dict], png: Path) -> None:
@@ -123,23 +155,9 @@ def plot(curve: list[dict], png: Path) -> None:
     fig.savefig(png)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
-    ap.add_argument("--steps", type=int, default=0, help="stop after this many steps instead (0 = the budget)")
-    ap.add_argument("--problems", type=int, default=200, help="held-out problems (>= 200 for the reported number)")
-    ap.add_argument("--every", type=float, default=30.0, help="seconds between curve points")
-    ap.add_argument("--quick", action="store_true", help="2 steps, 24 problems: checks the pipeline, not the goal")
-    ap.add_argument("--json", default="bench/results/real_model.json")
-    ap.add_argument("overrides", nargs="*", help="config overrides passed to `earl-stream up`")
-    args = ap.parse_args()
-    if args.quick:
-        args.steps, args.problems, args.every = 2, min(args.problems, 24), 10.0
-        args.overrides = ["trainer.groups_per_step=2", "trainer.group_size=4", *args.overrides]
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
+def train_and_evaluate(path: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Steps 2-4 of the module docstring: held-out before, the training run, held-out after."""
     run_dir = out.parent / "real_model_run"
-    path = model_dir()
     before = held_out(path, args.problems)
     print(f"held-out success before: {before.success:.3f} +- {before.stderr:.3f} ({before.problems} problems)")
     curve, status, wall = train(path, run_dir, args)
@@ -150,7 +168,8 @@ def main() -> int:
 
     ckpt = latest_checkpoint(run_dir)
     after = held_out(path, args.problems, ckpt) if ckpt is not None else None
-    result = {
+    plot(curve, out.with_suffix(".png"))
+    return {
         "quick": args.quick, "minutes": round(wall / 60, 2), "problems": before.problems,
         "eval_success_before": before.success, "eval_success_before_stderr": before.stderr,
         "eval_success_after": after.success if after else None,
@@ -163,9 +182,43 @@ def main() -> int:
                                               "tokens_produced", "wall_seconds", "trainer")},
         "outcomes_before": before.outcomes, "outcomes_after": after.outcomes if after else None,
     }
-    out.write_text(json.dumps(result, indent=2))
-    plot(curve, out.with_suffix(".png"))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("curve", "status")}, indent=2))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
+    ap.add_argument("--steps", type=int, default=0, help="stop after this many steps instead (0 = the budget)")
+    ap.add_argument("--problems", type=int, default=200, help="held-out problems (>= 200 for the reported number)")
+    ap.add_argument("--every", type=float, default=30.0, help="seconds between curve points")
+    ap.add_argument("--compare-steps", type=int, default=6,
+                    help="steady-state steps measured per mode in the async/sync comparison, after step 1 (0 = skip it)")
+    ap.add_argument("--compare-only", action="store_true",
+                    help="only the async/sync comparison (no held-out evaluation, no training run); its keys are "
+                         "merged into --json if that file exists")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 steps, 24 problems, a 2-step comparison (2 groups of 4 per step): checks the pipeline, not the goal")
+    ap.add_argument("--json", default="bench/results/real_model.json")
+    ap.add_argument("overrides", nargs="*", help="config overrides passed to `earl-stream up` (training and comparison)")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.problems, args.every = 2, min(args.problems, 24), 10.0
+        args.compare_steps = min(args.compare_steps, 2)
+        args.overrides = ["trainer.groups_per_step=2", "trainer.group_size=4", *args.overrides]
+    if args.compare_only and args.compare_steps < 1:
+        ap.error("--compare-only needs --compare-steps >= 1")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = model_dir()
+    result: dict[str, Any] = {}
+    if args.compare_only and out.exists():
+        result = json.loads(out.read_text())
+    if not args.compare_only:
+        result = train_and_evaluate(path, out, args)
+        out.write_text(json.dumps(result, indent=2))  # kept should the comparison fail
+    if args.compare_steps:
+        result.update(compare(path, out.parent / "real_model_compare_run", args.compare_steps, args.overrides))
+        out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("curve", "status", "async_vs_sync_runs")}, indent=2))
     return 0
 
 
