@@ -316,7 +316,7 @@ BENCHMARKS: list[dict[str, Any]] = [
      "files": ["learning.json", "learning_*.json"], "render": render_learning},
     {"name": "real_model", "title": "A real pretrained model: SmolLM2-135M-Instruct learns arithmetic",
      "script": "bench/real_model.py", "command": "python bench/real_model.py --minutes 60 --json bench/results/real_model.json",
-     "files": ["real_model.json"], "render": render_generic},
+     "files": ["real_model.json", "real_model_*.json"], "render": render_generic},
     {"name": "algorithms", "title": "Algorithms: estimators and loss options on the same budget and seeds",
      "script": "bench/algorithms.py", "command": "python bench/algorithms.py --minutes 5 --seeds 0 1",
      "files": ["algorithms.json"], "render": render_algorithms},
