@@ -62,11 +62,14 @@ def _scalars(d: dict[str, Any], prefix: str = "", depth: int = 2) -> list[list[A
 
 # ------------------------------------------------------------------------------------ renderers
 
+def _said(d: dict[str, Any]) -> list[str]:
+    """A result file's own words (its `finding` and `note`), one paragraph each."""
+    return [line for k in ("finding", "note") if isinstance(d.get(k), str) for line in (f"**{k.capitalize()}:** {d[k]}", "")]
+
+
 def render_generic(d: dict[str, Any]) -> list[str]:
     rows = _scalars(d)
-    said = [f"**{k.capitalize()}:** {d[k]}" for k in ("finding", "note") if isinstance(d.get(k), str)]
-    return (_table(["result", "value"], rows[:60]) if rows else ["(no scalar results)", ""]) + \
-        [line for text in said for line in (text, "")]
+    return (_table(["result", "value"], rows[:60]) if rows else ["(no scalar results)", ""]) + _said(d)
 
 
 def render_dispatch(d: dict[str, Any]) -> list[str]:
@@ -196,7 +199,7 @@ def render_learning(d: dict[str, Any]) -> list[str]:
     rows = [[k, d.get(k)] for k in keys if k in d]
     if "overrides" in d:
         rows.append(["overrides", " ".join(d["overrides"]) or "none (the embedded default)"])
-    return _table(["result", "value"], rows)
+    return _table(["result", "value"], rows) + _said(d)
 
 
 def render_algorithms(d: dict[str, Any]) -> list[str]:
@@ -247,8 +250,7 @@ def render_context_growth(d: dict[str, Any]) -> list[str]:
             last = p["plan"]
     if changes:
         out += ["Adaptive run's trainer plans: " + "; ".join(changes) + ".", ""]
-    said = [f"**{k.capitalize()}:** {d[k]}" for k in ("finding", "note") if isinstance(d.get(k), str)]
-    return out + [line for text in said for line in (text, "")]
+    return out + _said(d)
 
 
 def render_e2e(d: dict[str, Any]) -> list[str]:
