@@ -19,6 +19,11 @@ endpoint mode uses a second core where there is one (the built-in loop cannot: i
 endpoint costs at most 20% tokens/s. Prefix mismatches are counted (must be 0).
 
     nice -n 10 python bench/openai_endpoint.py [--quick] [--episodes 32] [--reps 3] [--json PATH]
+    python bench/openai_endpoint.py --models smollm2 --envs tictactoe --json bench/results/openai_endpoint_smollm2.json
+
+The embedded model's replies cost ~1 ms a token, so on 2-token turns a request's fixed cost (HTTP, the `openai`
+client's Python) is most of a turn: the worst case. `--models smollm2` runs the same games on a real model
+(SmolLM2-135M-Instruct, imported by `make real-model`), whose tokens cost what a user's do.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from earl_stream.agent_env import EnvAsAgent  # noqa: E402
 from earl_stream.chat import ChatFormat  # noqa: E402
 from earl_stream.env import make_env  # noqa: E402
-from earl_stream.model import ensure_default_model, init_model, load_model  # noqa: E402
+from earl_stream.model import cache_dir, ensure_default_model, init_model, load_model  # noqa: E402
 from earl_stream.openai_api import OpenAIEndpoint  # noqa: E402
 from earl_stream.openai_api.http import bind_socket  # noqa: E402
 from earl_stream.records import SampleRecord  # noqa: E402
@@ -85,6 +90,11 @@ async def _round(env: str, mode: str, episodes: int, rep: int, batcher: AsyncBat
 def _model_dir(which: str) -> Path:
     if which == "default":
         return ensure_default_model()
+    if which == "smollm2":  # a real model's per-token cost (imported once by `make real-model`)
+        path = cache_dir() / "models" / "smollm2-135m-instruct"
+        if not (path / "config.json").exists():
+            raise SystemExit(f"--models smollm2: no imported model at {path}; run `make real-model` first")
+        return path
     return init_model(Path(tempfile.mkdtemp(prefix="earl-bench-")) / "random", seed=0)
 
 
@@ -138,7 +148,8 @@ def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="default,random", help="default: the embedded warm-started model (short "
-                    "replies); random: a random-init tiny model (replies run to the turn's token limit)")
+                    "replies); random: a random-init tiny model (replies run to the turn's token limit); smollm2: "
+                    "SmolLM2-135M-Instruct from `make real-model` (a real model's cost per token)")
     ap.add_argument("--envs", default=",".join(ENVS), help="comma-separated environments (registry names)")
     ap.add_argument("--episodes", type=int, default=32, help="concurrent episodes per round")
     ap.add_argument("--reps", type=int, default=4, help="rounds per mode (alternating)")

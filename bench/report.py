@@ -226,7 +226,7 @@ def render_openai_endpoint(d: dict[str, Any]) -> list[str]:
                   "endpoint tok/s (agent in event loop)", "endpoint / built-in", "in event loop / built-in",
                   "goal >= 0.8", "prefix mismatches"], rows)
     return out + [f"{d.get('episodes')} concurrent episodes, medians of {d.get('reps')} alternating repetitions, "
-                  f"{d.get('agent_processes', 1)} agent process(es), {d.get('threads')} torch thread(s).", ""]
+                  f"{d.get('agent_processes', 1)} agent process(es), {d.get('threads')} torch thread(s).", ""] + _said(d)
 
 
 def render_context_growth(d: dict[str, Any]) -> list[str]:
