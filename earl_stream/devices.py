@@ -1,9 +1,9 @@
 """Which torch device a process computes on, from its config (`trainer.device`, `rollout.device`).
 
 It owns the one rule every role uses: `auto` = this process's CUDA device when torch sees one, else
-the CPU; `cuda` where none is visible is a ConfigError naming the key, and so is a pool with more ranks on
-this host than CUDA devices (NCCL refuses two ranks on one GPU, and they would only compete for it). Collective backends and
-placement are the trainer mesh's business (`earl_stream.workers.mesh`).
+the CPU; `cuda` where none is visible is a ConfigError naming the key, and so is a pool with more ranks
+on this host than CUDA devices (NCCL refuses two ranks on one GPU, and they would only compete for it).
+Collective backends and placement are the trainer mesh's business (`earl_stream.workers.mesh`).
 """
 
 from __future__ import annotations

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 
 __all__ = ["free_unused_memory", "set_malloc_mmap_threshold"]
 
 
+@functools.cache  # find_library may run ldconfig: once per process
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
