@@ -316,9 +316,11 @@ class Ledger:
         if len(self.ready) < num_groups:
             return None, to_free
         taken, self.ready = self.ready[:num_groups], self.ready[num_groups:]
-        # prompt order, not completion order: the step's math (its mini-batches, its float sums) then does
-        # not depend on which rollout finished first
-        rows = [r for o in sorted(taken) for r in sorted(self.groups[o].rows, key=lambda r: r.sample_id)]
+        # prompt order, not completion order, and within a group the producer's order (its episodes' order
+        # in the group): the step's math (its mini-batches, its float sums) then depends neither on which
+        # rollout finished first nor on the random part of the episode ids, which once reordered a group
+        # from run to run and, at a few updates per step, changed the weights past the float rounding
+        rows = [r for o in sorted(taken) for r in self.groups[o].rows]
         for o in taken:
             self.groups[o].state = PromptState.CLAIMED
         ipc = table_to_ipc(metas_to_table(rows))

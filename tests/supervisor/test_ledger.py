@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from earl_stream.config import EnvSpec
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, table_from_ipc, table_to_metas
 from earl_stream.supervisor.ledger import Ledger
@@ -63,6 +65,20 @@ def test_claim_is_the_same_for_every_rank_and_release_frees() -> None:
     assert sorted(frees["127.0.0.1:1"]) == sorted(m.sample_id for m in metas)
     assert led.counters.samples_consumed == 4
     _check_accounting(led)
+
+
+def test_a_claim_keeps_prompt_order_and_each_group_in_its_producers_order() -> None:
+    # Episode ids end in a random part: sorting a group by sample id shuffled it from run to run, and the
+    # step's float sums with it (the async-vs-sync invariant of the rloo case failed about one run in two).
+    led = _ledger(max_staleness=0, group_size=4)
+    prompts = led.issue("w", 2)
+    for p in reversed(prompts):  # the later prompt's group finishes first
+        rows = _rows(p)
+        rows = [msgspec.structs.replace(r, sample_id=f"{p.group_id}-{tag}") for r, tag in zip(rows, "dbca")]
+        led.add_rows("w", rows)
+    ipc, _ = led.claim(0, 2, 0)
+    metas = table_to_metas(table_from_ipc(ipc))
+    assert [(m.prompt_ordinal, m.episode_id) for m in metas] == [(o, str(i)) for o in (0, 1) for i in range(4)]
 
 
 def test_stale_groups_are_refused_and_replayed() -> None:
