@@ -17,14 +17,14 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from pipeline_rates import start_up
+
 from earl_stream import protocol as P
 from earl_stream.errors import EarlError
-from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
 
 
 def main() -> int:
@@ -65,18 +65,9 @@ def run_curve(overrides: list[str], *, minutes: float, window: int, every: float
            *overrides]
     if summary is not None:
         cmd[4:4] = ["--summary", str(summary)]
-    ready = run_dir / "supervisor.json"
-    ready.unlink(missing_ok=True)
-    secret_file = create_secret_file(run_dir / "secret")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, SECRET_ENV: str(secret_file)})
+    proc, client = start_up(cmd, run_dir, wait_s=0.5)
     curve: list[dict] = []
     try:
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise SystemExit(f"earl-stream up exited early with code {proc.returncode}")
-            time.sleep(0.5)
-        client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=10,
-                                 secret=load_secret(str(secret_file)))
         start = time.monotonic()
         while time.monotonic() - start < minutes * 60 and proc.poll() is None:
             time.sleep(every)

@@ -2,6 +2,8 @@
 and polling a run, CPU seconds per role, the trainer's and rollout's log lines, and the async/sync overlap
 ceiling. What the runs train, and what is reported from them, is left to each benchmark.
 
+- `start_up` launches an `earl-stream up` command line with a fresh secret and returns it with a control
+  client once the supervisor is ready (bench/learning.py polls its own way).
 - `watch_up` launches `python -m earl_stream up ARGS` with a fresh secret, polls the supervisor's status
   every `poll_s` seconds and keeps a `Snapshot` of each poll (seconds since launch, wall clock, policy
   version, the status, CPU seconds per role) until its `stop` says so or the run ends; then SIGTERM.
@@ -66,6 +68,32 @@ class Watch:
         return next((s for s in self.snapshots if s.step >= 1), None)
 
 
+def start_up(cmd: list[str], run_dir: Path, *, what: str = "", wait_s: float = 0.2) -> tuple[subprocess.Popen, Any]:
+    """Launch `cmd` (an `earl-stream up` command line, `run_dir=RUN_DIR` among its arguments) with a fresh
+    secret; wait for the supervisor's ready file and return the process and a control client on it.
+    SystemExit if the run exits first; the caller stops the process (SIGTERM) when it is done."""
+    from earl_stream import protocol as P
+    from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
+
+    secret_file = create_secret_file(run_dir / "secret")
+    ready = run_dir / "supervisor.json"
+    ready.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, SECRET_ENV: str(secret_file)})
+    try:
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise SystemExit(f"earl-stream up{f' ({what})' if what else ''} exited early with code {proc.returncode}")
+            time.sleep(wait_s)
+        client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=10,
+                                 secret=load_secret(str(secret_file)))
+    except BaseException:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        raise
+    return proc, client
+
+
 def watch_up(up_args: list[str], run_dir: Path, stop: Callable[[Snapshot, Snapshot | None], bool], *, what: str,
              poll_s: float = 1.0, exit_ok: bool = False, term_wait_s: float = 120.0,
              on_poll: Callable[[Snapshot], None] | None = None) -> Watch:
@@ -73,22 +101,11 @@ def watch_up(up_args: list[str], run_dir: Path, stop: Callable[[Snapshot, Snapsh
     SystemExit if the run ends first unless `exit_ok` (e.g. a run with `--steps`)."""
     from earl_stream import protocol as P
     from earl_stream.errors import EarlError
-    from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
 
-    secret_file = create_secret_file(run_dir / "secret")
-    ready = run_dir / "supervisor.json"
-    ready.unlink(missing_ok=True)
     launched = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "earl_stream", "up", *up_args], stdout=subprocess.DEVNULL,
-                            env={**os.environ, SECRET_ENV: str(secret_file)})
+    proc, client = start_up([sys.executable, "-m", "earl_stream", "up", *up_args], run_dir, what=what)
     watch = Watch()
     try:
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise SystemExit(f"earl-stream up ({what}) exited early with code {proc.returncode}")
-            time.sleep(0.2)
-        client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=10,
-                                 secret=load_secret(str(secret_file)))
         while proc.poll() is None:
             time.sleep(poll_s)
             try:
