@@ -3,6 +3,7 @@
 # embedded default whose trainer (bf16 autocast, NCCL-capable pool) and built-in engine run on CUDA.
 # Checks from the run's logs that both really computed on CUDA and that the run trained every step.
 # Usage: make test-gpu  (or PY=python3 bash scripts/test-gpu.sh where the project is installed already)
+# GPU_RESULT=PATH writes the result elsewhere; GPU_COMMIT=SHA names the commit where git on the host cannot
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -25,14 +26,16 @@ grep -h "computes on\|generates on" "$RUN"/logs/*.log | sed 's/^/  /'
 grep -q "computes on cuda" "$RUN"/logs/*.log || { echo "test-gpu: the trainer did not compute on cuda"; exit 1; }
 grep -q "generates on cuda" "$RUN"/logs/*.log || { echo "test-gpu: the engine did not generate on cuda"; exit 1; }
 "$PY" - "$RUN/summary.json" "$STEPS" "${GPU_RESULT:-bench/results/gpu_check.json}" "$RUN" <<'PYEOF'
-import datetime, glob, json, subprocess, sys
+import datetime, glob, json, os, subprocess, sys
 import torch, transformers
 s = json.load(open(sys.argv[1]))
 if s.get("steps") != int(sys.argv[2]):
     sys.exit(f"test-gpu: the run stopped at step {s.get('steps')} of {sys.argv[2]}")
 placed = [line.split(": ", 1)[1].strip() for f in sorted(glob.glob(sys.argv[4] + "/logs/*.log")) for line in open(f)
           if "computes on" in line or "generates on" in line]
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+# GPU_COMMIT: where the tree was copied onto the GPU host without its git history (git there names another commit)
+commit = os.environ.get("GPU_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                        text=True).stdout.strip()
 result = {"what": "make test-gpu: the gpu-marked tests passed, then `earl-stream up` on the embedded default",
           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
           "date": datetime.date.today().isoformat(), "commit": commit, "placement_logged": placed,
