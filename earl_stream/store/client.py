@@ -94,6 +94,9 @@ class ShardClient:
         transport: str | None = None,
         encrypt: bool | None = None,
     ) -> None:
+        self._settings: dict[str, Any] = {"secret": secret, "timeout_s": timeout_s, "max_payload": max_payload,
+                          "max_parallel_peers": max_parallel_peers, "shm": shm, "recv_pool_bytes": recv_pool_bytes,
+                          "transport": transport, "encrypt": encrypt}
         self._encrypt = encryption.encrypt_enabled(encrypt)
         if self._encrypt and transport == "ucx":
             raise StoreError("transport 'ucx' was asked for under security.encrypt, but UCX bytes are not encrypted; "
@@ -138,6 +141,11 @@ class ShardClient:
             return []
         what = f"a reply to PULL of {len(pieces)} piece(s)"
         return self._call(address, what, timeout_s, lambda conn, d: self._pull_on(conn, d, address, pieces, zero_copy, merge_runs))
+
+    def sibling(self) -> ShardClient:
+        """A new client with this one's settings and connections of its own (a second stream to a peer:
+        requests on one connection run one after another). The caller closes it."""
+        return ShardClient(**self._settings)
 
     def transport(self, address: str) -> str | None:
         """'shm', 'ucx' or 'tcp' for a peer this client is connected to, else None."""

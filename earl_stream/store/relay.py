@@ -16,6 +16,7 @@ it still lacks from the trainer ranks, whose addresses every relay manifest carr
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,7 +42,8 @@ from earl_stream.store.weights import (
 log = logging.getLogger(__name__)
 RELAY_PREFIX = "wr/"
 _FOLLOW_POLL_S = (0.001, 0.005)  # a relay peer's next chunk is one chunk time away: poll tightly
-_FOLLOW_BATCH = 4  # most chunks per request to a relay peer
+_FOLLOW_BATCH = 1  # most chunks per request to a relay peer
+_FOLLOW_STREAMS = 2  # connections a worker pulls from its relay peer over at once
 
 
 class RelayChunk(msgspec.Struct, frozen=True, array_like=True):
@@ -159,32 +161,79 @@ def _follow(client: ShardClient, node: ShardNode, via: str, manifest: RelayManif
             deadline: float, stall_s: float) -> None:
     """Pull each chunk from `via` once it holds it and put it into `node`, until all are here.
 
-    A listing of `via`'s chunks, then requests of up to `_FOLLOW_BATCH` of the chunks it lists (one
-    listing and one pull per chunk would halve a follower's rate where round trips are slow; larger
-    batches delay the next worker of the chain); a key is only asked for once listed, so `via` never
-    refuses a request.
+    `_FOLLOW_STREAMS` connections to `via`, each pulling batches of up to `_FOLLOW_BATCH` of the chunks
+    `via` lists: while one stream waits for its request to start, or lists, or stores what it got, the
+    other's reply keeps the link busy (one stream left ~10% of the link idle, and each worker of a chain
+    fell further behind the one before it). Larger batches would delay the next worker of the chain: a
+    chunk is served onwards once its whole batch is in. A key is only asked for once listed, so `via`
+    never refuses a request.
     """
-    prefix = relay_key(manifest.version, "")
-    wait, last_progress = _FOLLOW_POLL_S[0], time.monotonic()
-    while len(raw) < len(manifest.chunks):
-        now = time.monotonic()
-        if now > deadline or now - last_progress > stall_s:
-            raise StoreError(f"no new chunk from {via} for {now - last_progress:.1f}s "
-                             f"({len(manifest.chunks) - len(raw)} left)")
-        present = {e.key for e in client.manifest(via, prefix, timeout_s=max(deadline - now, 0.001))}
-        ready = [i for i in range(len(manifest.chunks)) if i not in raw and relay_key(manifest.version, str(i)) in present]
-        if not ready:
-            time.sleep(wait)
-            wait = min(wait * 2, _FOLLOW_POLL_S[1])
-            continue
-        for at in range(0, len(ready), _FOLLOW_BATCH):
-            batch = ready[at:at + _FOLLOW_BATCH]
-            keys = [relay_key(manifest.version, str(i)) for i in batch]
-            pieces = [(k, 0, manifest.chunks[i].end - manifest.chunks[i].start) for k, i in zip(keys, batch)]
-            arrays = client.pull(via, pieces, timeout_s=max(deadline - time.monotonic(), 0.001))
-            node.put_many(dict(zip(keys, arrays)))
-            raw.update(zip(batch, arrays))
-        wait, last_progress = _FOLLOW_POLL_S[0], time.monotonic()
+    follow = _Follow(manifest, raw, time.monotonic())
+    clients = [client] + [client.sibling() for _ in range(_FOLLOW_STREAMS - 1)]
+    try:
+        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            futures = [pool.submit(follow.stream, c, node, via, deadline, stall_s) for c in clients]
+            errors = [f.exception() for f in futures]
+    finally:
+        for extra in clients[1:]:
+            extra.close()
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        raise failed if isinstance(failed, StoreError) else StoreError(f"relay from {via}: {failed!r}")
+
+
+class _Follow:
+    """What the streams of one `_follow` share: chunks listed at the peer, claimed by a stream, and in."""
+
+    def __init__(self, manifest: RelayManifest, raw: dict[int, np.ndarray], now: float) -> None:
+        self.manifest, self.raw = manifest, raw
+        self.listed: set[int] = set()
+        self.claimed: set[int] = set()
+        self.last_progress = now
+        self.failed = threading.Event()
+        self.lock = threading.Lock()
+
+    def _claim(self) -> list[int] | None:
+        """Up to `_FOLLOW_BATCH` listed chunks nobody has claimed; [] when none is listed; None when done."""
+        with self.lock:
+            if self.failed.is_set() or len(self.raw) == len(self.manifest.chunks):
+                return None
+            batch = sorted(self.listed - self.claimed)[:_FOLLOW_BATCH]
+            self.claimed.update(batch)
+            return batch
+
+    def stream(self, client: ShardClient, node: ShardNode, via: str, deadline: float, stall_s: float) -> None:
+        version = self.manifest.version
+        prefix = relay_key(version, "")
+        wait = _FOLLOW_POLL_S[0]
+        try:
+            while (batch := self._claim()) is not None:
+                now = time.monotonic()
+                if not batch:
+                    if now > deadline or now - self.last_progress > stall_s:
+                        raise StoreError(f"no new chunk from {via} for {now - self.last_progress:.1f}s "
+                                         f"({len(self.manifest.chunks) - len(self.raw)} left)")
+                    present = {e.key for e in client.manifest(via, prefix, timeout_s=max(deadline - now, 0.001))}
+                    with self.lock:
+                        new = {i for i in range(len(self.manifest.chunks))
+                               if i not in self.listed and relay_key(version, str(i)) in present}
+                        self.listed |= new
+                    if not new:
+                        time.sleep(wait)
+                        wait = min(wait * 2, _FOLLOW_POLL_S[1])
+                    continue
+                keys = [relay_key(version, str(i)) for i in batch]
+                chunks = [self.manifest.chunks[i] for i in batch]
+                arrays = client.pull(via, [(k, 0, c.end - c.start) for k, c in zip(keys, chunks)],
+                                     timeout_s=max(deadline - time.monotonic(), 0.001))
+                node.put_many(dict(zip(keys, arrays)))
+                with self.lock:
+                    self.raw.update(zip(batch, arrays))
+                    self.last_progress = time.monotonic()
+                wait = _FOLLOW_POLL_S[0]
+        except BaseException:
+            self.failed.set()  # the other streams stop; the chunks not in come from the trainer ranks
+            raise
 
 
 def _fetch_from_sources(client: ShardClient, node: ShardNode, manifest: RelayManifest, raw: dict[int, np.ndarray],

@@ -223,3 +223,6 @@ def test_client_secrets(secure_node: ShardNode) -> None:
         (arr,) = right.pull(secure_node.address, [("k", 5, 9)])
         np.testing.assert_array_equal(arr, DATA[5:9])
         assert [e.key for e in right.manifest(secure_node.address)] == ["k"]
+        with right.sibling() as twin:  # a second connection, with the same credentials
+            (arr,) = twin.pull(secure_node.address, [("k", 5, 9)])
+            np.testing.assert_array_equal(arr, DATA[5:9])

@@ -69,6 +69,19 @@ def test_chain_serves_later_workers_after_the_trainer_dropped_the_version(traine
         assert sum(k.startswith("wr/1/") for k in c.keys()) == len(plan.chunks) + 1
 
 
+def test_a_follower_pulls_over_several_connections_with_the_cluster_secret(trainer: Trainer) -> None:
+    """The follower's extra streams to its relay peer authenticate as its own client does; the trainer's
+    copy is gone, so a stream that could not would fail the pull instead of falling back."""
+    r0, r1, whole = trainer
+    with ShardClient(secret=b"s3", timeout_s=10.0, shm=False) as own, ShardNode(secret=b"s3", shm=False) as a, \
+            ShardNode(secret=b"s3", shm=False) as b:
+        with ShardClient(timeout_s=10.0, shm=False) as open_client:  # the trainer nodes need no secret
+            _assert_same(pull_weights_relay(open_client, a, r0.address, 1, chunk_bytes=CHUNK), whole)
+        drop_weights(r0, 1)
+        drop_weights(r1, 1)
+        _assert_same(pull_weights_relay(own, b, r0.address, 1, via=a.address, chunk_bytes=CHUNK, stall_s=2), whole)
+
+
 def test_chain_pulls_concurrently_while_the_head_is_still_pulling(trainer: Trainer, client: ShardClient) -> None:
     r0, _, whole = trainer
     with ShardNode(shm=False) as a, ShardNode(shm=False) as b, ShardNode(shm=False) as c:
