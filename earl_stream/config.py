@@ -165,9 +165,9 @@ class StoreConfig:
                         "both sides have ucxx, else TCP", choices=("auto", "shm", "ucx", "tcp"))
     weight_sync: str = _f("auto", "how rollout workers get a new policy version: direct = each pulls it from the trainer "
                           "ranks' shards; relay = a chain, each worker pulls chunks from the one that joined before "
-                          "it and serves them on (about one model's transfer time plus a lag per worker); auto = "
-                          "relay once the rollout pool spans more than twice as many hosts as the trainer pool "
-                          "(measured faster there, bench/dispatch_cluster.py), else direct",
+                          "it and serves them on (about one model's transfer time plus a chunk time per worker); "
+                          "auto = relay once the rollout pool spans more hosts than the trainer pool (measured "
+                          "faster there, bench/dispatch_cluster.py), else direct",
                           choices=("auto", "direct", "relay"))
     durable_experience: bool = _f(True, "rollout workers persist the samples they hold in run_dir/experience at each "
                                   "trainer checkpoint and on a clean stop; a resumed run (or a worker restarted on "

@@ -42,7 +42,7 @@ from earl_stream.store.weights import (
 log = logging.getLogger(__name__)
 RELAY_PREFIX = "wr/"
 _FOLLOW_POLL_S = (0.001, 0.005)  # a relay peer's next chunk is one chunk time away: poll tightly
-_FOLLOW_BATCH = 1  # most chunks per request to a relay peer
+_FOLLOW_BATCH = 1  # chunks per request to a relay peer (a chunk is served onwards once its whole request is in)
 _FOLLOW_STREAMS = 2  # connections a worker pulls from its relay peer over at once
 
 

@@ -153,13 +153,13 @@ def test_route_is_a_chain_in_join_order_once_the_pool_outgrows_the_trainer() -> 
     assert all(weight_route("auto", pool, a).relay for _, a in pool)
     assert weight_route("relay", pool, "nobody:1") == WeightRoute()
     assert [weight_route("direct", pool, a) for _, a in pool] == [WeightRoute()] * 4
-    # 3 rollout hosts pull directly from 2 trainer hosts (each trainer link carries 1.5 copies)
-    assert [weight_route("auto", pool, a, trainer_hosts=2) for _, a in pool] == [WeightRoute()] * 4
+    # 3 rollout hosts pull directly from as many trainer hosts (each trainer link carries one copy)
+    assert [weight_route("auto", pool, a, trainer_hosts=3) for _, a in pool] == [WeightRoute()] * 4
     one_host = [("h1", "h1:1"), ("h1", "h1:2")]
     assert weight_route("auto", one_host, "h1:2") == WeightRoute()
     assert weight_route("relay", one_host, "h1:2") == WeightRoute(relay=True, via="h1:1")
-    assert [resolve_weight_sync("auto", n) for n in (1, 2, 3)] == ["direct", "direct", "relay"]
-    assert [resolve_weight_sync("auto", n, trainer_hosts=2) for n in (4, 5, 8)] == ["direct", "relay", "relay"]
+    assert [resolve_weight_sync("auto", n) for n in (1, 2, 3)] == ["direct", "relay", "relay"]
+    assert [resolve_weight_sync("auto", n, trainer_hosts=2) for n in (2, 3, 8)] == ["direct", "relay", "relay"]
     with pytest.raises(StoreError, match="weight_sync"):
         resolve_weight_sync("rank0", 2)
 
