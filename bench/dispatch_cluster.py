@@ -189,6 +189,7 @@ def main() -> int:
         return 130
     result = summarize(args, per_n)
     result["seconds"] = round(time.monotonic() - start, 1)
+    result["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
     print_table(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -117,14 +117,14 @@ def render_dispatch_cluster(d: dict[str, Any]) -> list[str]:
             "- Weights: `rank0` every rollout host pulls rank 0's full copy; `sharded` each trainer rank's own "
             f"half ({cfg.get('trainer_hosts_for_weights')} trainer hosts); `relay` a chain "
             f"(`store/relay.py`, {cfg.get('relay_chunk_kib')} KiB chunks): each host pulls from the previous one while "
-            "that one is still pulling, the first from the trainer ranks.",
+            "that one is still pulling (over two connections, a chunk a request), the first from the trainer ranks.",
             f"- Every simulated host's processes share this machine's {cfg.get('cpus')} cores with other jobs (load "
             f"average at the end {_fmt(cfg.get('load_average_at_end'), 2)}): where the links are idle and a step is "
             "still slow, round trips waiting for a core are the cause, and that grows with N and with requests per "
-            "byte (dp x sp pulls two token ranges per row; the relay one request per few chunks)."
+            "byte (dp x sp pulls two token ranges per row; the relay one request per chunk)."
             + ("" if cfg.get("delay_applied") else " This kernel has no netem: the links are rate-limited without "
                "the extra delay."), ""]
-    return out
+    return out + _said(d)
 
 
 def render_memory_model(d: dict[str, Any]) -> list[str]:
@@ -220,10 +220,11 @@ def render_openai_endpoint(d: dict[str, Any]) -> list[str]:
             rows.append([model, env, s.get("builtin", {}).get("tokens_per_turn"),
                          s.get("builtin", {}).get("tokens_per_s"), s.get("endpoint", {}).get("tokens_per_s"),
                          s.get("endpoint_inprocess", {}).get("tokens_per_s"), r.get("endpoint_over_builtin_tokens_per_s"),
+                         r.get("endpoint_over_builtin_per_rep"),
                          r.get("endpoint_inprocess_over_builtin_tokens_per_s"), "met" if r.get("goal_met") else "missed",
                          s.get("endpoint", {}).get("prefix_mismatches")])
     out = _table(["model", "env", "tokens/turn", "built-in tok/s", "endpoint tok/s (agent process)",
-                  "endpoint tok/s (agent in event loop)", "endpoint / built-in", "in event loop / built-in",
+                  "endpoint tok/s (agent in event loop)", "endpoint / built-in", "per rep", "in event loop / built-in",
                   "goal >= 0.8", "prefix mismatches"], rows)
     return out + [f"{d.get('episodes')} concurrent episodes, medians of {d.get('reps')} alternating repetitions, "
                   f"{d.get('agent_processes', 1)} agent process(es), {d.get('threads')} torch thread(s).", ""] + _said(d)
@@ -300,7 +301,7 @@ BENCHMARKS: list[dict[str, Any]] = [
     {"name": "dispatch_cluster", "title": "Dispatch at cluster shape: rate-limited hosts, experience and weights",
      "script": "bench/dispatch_cluster.py",
      "command": "sudo python bench/dispatch_cluster.py --json bench/results/dispatch_cluster.json",
-     "files": ["dispatch_cluster.json"], "render": render_dispatch_cluster},
+     "files": ["dispatch_cluster.json", "dispatch_cluster_*.json"], "render": render_dispatch_cluster},
     {"name": "memory_model", "title": "Memory model: predicted vs measured peak memory",
      "script": "bench/memory_model.py", "command": "python bench/memory_model.py --json bench/results/memory_model.json",
      "files": ["memory_model.json"], "render": render_memory_model},

@@ -145,6 +145,9 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
     selector, e2e = _result("selector"), _result("e2e")
     sharded = [c["max_abs_relative_error"] for c in memory["sharded"]["configs"] if c["plan"] != "dp1"]
     sync = _result("weight_sync")["full_over_sharded_total_seconds"]
+    cluster = [_result(n) for n in ("dispatch_cluster", "dispatch_cluster_500mbit_run2", "dispatch_cluster_200mbit")]
+    up_to_8 = min(f for c in cluster for n in ("2", "4", "8") for f in c["fraction_of_ideal"][n].values())
+    at_16 = min(f for c in cluster for f in c["fraction_of_ideal"]["16"].values())
     expected = {
         "learning start": f"{learning['start_win_rate']:.3f}",
         "learning first at target": f"0.85 first at {learning['time_to_target_s']:.0f} s",
@@ -168,6 +171,10 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
         "selector worst": f"| {min(selector['adaptive_vs_oracle_per_phase']):.2f} |",
         "selector best": f"| {max(selector['adaptive_vs_oracle_per_phase']):.2f} |",
         "selector crashes": f"{selector['static_crashes']} of the {len(selector['static_plans'])} static plans",
+        "cluster dispatch worst at 2-8 hosts": f"| {up_to_8:.2f} at 2-8 hosts",
+        "cluster dispatch worst at 16 hosts": f"at 16 hosts {at_16:.2f}",
+        "cluster dispatch best": f"| {cluster[0]['best_fraction_of_ideal']['fraction']:.2f} (2 hosts, dp) |",
+        "relay flat": f"| {cluster[0]['weight_sync_max_over_min_2_to_8_hosts']['relay']:.2f}x (relay chain) |",
         "async vs sync": f"{e2e['async_vs_sync']:.2f}x",
         "async vs trl": f"{e2e['async_vs_trl']:.2f}x",
     }
