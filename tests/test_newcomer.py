@@ -148,6 +148,8 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
     cluster = [_result(n) for n in ("dispatch_cluster", "dispatch_cluster_500mbit_run2", "dispatch_cluster_200mbit")]
     up_to_8 = min(f for c in cluster for n in ("2", "4", "8") for f in c["fraction_of_ideal"][n].values())
     at_16 = min(f for c in cluster for f in c["fraction_of_ideal"]["16"].values())
+    endpoint = _result("openai_endpoint")["models"]["default"]["tictactoe"]["endpoint_over_builtin_tokens_per_s"]
+    calculator = _result("openai_endpoint_smollm2_calculator")["models"]["smollm2"]["calculator"]
     expected = {
         "learning start": f"{learning['start_win_rate']:.3f}",
         "learning first at target": f"0.85 first at {learning['time_to_target_s']:.0f} s",
@@ -175,6 +177,8 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
         "cluster dispatch worst at 16 hosts": f"at 16 hosts {at_16:.2f}",
         "cluster dispatch best": f"| {cluster[0]['best_fraction_of_ideal']['fraction']:.2f} (2 hosts, dp) |",
         "relay flat": f"| {cluster[0]['weight_sync_max_over_min_2_to_8_hosts']['relay']:.2f}x (relay chain) |",
+        "endpoint worst": f"| {endpoint:.2f} (embedded 1.1M model, Tic-Tac-Toe",
+        "endpoint best": f"| {calculator['endpoint_over_builtin_tokens_per_s']:.2f} (SmolLM2-135M, calculator",
         "async vs sync": f"{e2e['async_vs_sync']:.2f}x",
         "async vs trl": f"{e2e['async_vs_trl']:.2f}x",
     }
