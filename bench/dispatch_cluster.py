@@ -41,13 +41,16 @@ METHODS = ("rank0", "sharded", "relay")
 
 def run_n(ctx: Any, n: int, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """Experience and weights for n hosts (n + 2 namespaces: the controller's, and a second trainer host)."""
-    with Hosts(n + 2, args.rate_mbit * 10**6, args.delay_ms) as hosts:
+    with Hosts(n + 2, args.rate_mbit * 10**6, args.delay_ms, args.queue_ms) as hosts:
         if not hosts.delay_applied and args.delay_ms > 0:
             log.warning("no netem qdisc in this kernel: links are rate-limited only, without the %.2f ms delay", args.delay_ms)
         log.info("N=%d: %d namespaces, links %d Mbit/s each way", n, n + 2, args.rate_mbit)
         exp = Experience(ctx, hosts, n, args.mib << 20, args.rate_mbit * 10**6)
         try:
+            before = hosts.tcp_losses()
             experience = exp.measure(args.reps)
+            after = hosts.tcp_losses()
+            experience["tcp_losses"] = {k: after[k] - before[k] for k in after}  # every step of every layout, both modes
         finally:
             exp.close()
         ws = WeightSync(ctx, hosts, n, args.weights_mib << 20, args.chunk_kib << 10)
@@ -95,6 +98,7 @@ def summarize(args: argparse.Namespace, per_n: dict[int, tuple[dict[str, Any], d
         "weights": wts,
         "config": {"quick": args.quick, "step_mib": args.mib, "weights_mib": args.weights_mib,
                    "relay_chunk_kib": args.chunk_kib, "repetitions": args.reps, "delay_ms": args.delay_ms,
+                   "queue_ms": args.queue_ms,
                    "delay_applied": all(e["delay_applied"] for e in exp.values()), "trainer_hosts_for_weights": 2,
                    "consumer_ranks_per_host": 2, "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
     }
@@ -158,6 +162,8 @@ def main() -> int:
     ap.add_argument("--rate-mbit", type=int, default=500,
                     help="each link's rate per direction, Mbit/s (500: at 1000 the 2 shared cores, not the links, limit large N here)")
     ap.add_argument("--delay-ms", type=float, default=0.1, help="each link's delay (netem), if the kernel has it")
+    ap.add_argument("--queue-ms", type=int, default=50, help="each link's queue, in ms at its rate (tbf latency): "
+                    "packets beyond it are dropped and TCP retransmits them (counted as tcp_losses)")
     ap.add_argument("--mib", type=int, help="MiB of experience per step (default 64, 32 with --quick)")
     ap.add_argument("--weights-mib", type=int, help="MiB of weights per version (default 64, 32 with --quick)")
     ap.add_argument("--chunk-kib", type=int, default=1024, help="relay chunk size, KiB")

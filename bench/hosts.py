@@ -5,7 +5,8 @@ lives in a hub namespace (as tests/test_netns.py does), each host joined by a ve
 ends are limited by a token bucket (tc tbf: the host end's egress is the host's upload, the hub end's
 egress its download; full duplex like a NIC), plus a fixed delay where the kernel has netem.
 `enter(name)` moves the calling process into a host's namespace (call it first thing in a fresh
-process: threads started later inherit it). `counters()` reads every link's byte counters.
+process: threads started later inherit it). `counters()` reads every link's byte counters,
+`tcp_losses()` the hosts' TCP retransmissions (drops at a full link queue, `queue_ms` of the rate).
 `missing_prerequisites()` says what this machine lacks (root, ip, tc, namespaces).
 
 Everything made is removed by `close()` (also after a failure half-way through making it); the
@@ -99,11 +100,11 @@ def enter(name: str) -> None:
 class Hosts:
     """n hosts on one bridge, every link limited to `rate_bits_per_s` each way (+ `delay_ms` if netem exists)."""
 
-    def __init__(self, n: int, rate_bits_per_s: int, delay_ms: float = 0.1) -> None:
+    def __init__(self, n: int, rate_bits_per_s: int, delay_ms: float = 0.1, queue_ms: int = 50) -> None:
         self.tag = f"{os.getpid() % 10000:04d}{secrets.token_hex(2)}"
         self.hub = f"es{self.tag}hub"
         self.names = [f"es{self.tag}h{i}" for i in range(n)]
-        self.rate, self.delay_ms = rate_bits_per_s, delay_ms
+        self.rate, self.delay_ms, self.queue_ms = rate_bits_per_s, delay_ms, queue_ms
         self.delay_applied = False
         self._made: list[str] = []
         self._pairs: list[str] = []
@@ -143,11 +144,24 @@ class Hosts:
         # burst: >= one 64 KiB GSO segment and ~2 ms at the rate, so the bucket never drops a whole segment
         burst = max(256 << 10, self.rate // 8 // 500)
         _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{self.rate}bit",
-             "burst", str(burst), "latency", "50ms")
+             "burst", str(burst), "latency", f"{self.queue_ms}ms")  # the queue: packets beyond it are dropped
         if self.delay_ms > 0:
             out = _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem", "delay",
                        f"{self.delay_ms}ms", "limit", "100000", check=False)
             self.delay_applied = out.returncode == 0
+
+    def tcp_losses(self) -> dict[str, int]:
+        """TCP's own loss counters summed over every host so far: segments retransmitted, and retransmission
+        timeouts (each stalls its connection for at least the 200 ms minimum RTO)."""
+        total = {"retransmitted_segments": 0, "retransmission_timeouts": 0}
+        for ns in self.names:
+            out = _run("ip", "netns", "exec", ns, "nstat", "-asz", "--json", check=False)
+            if out.returncode != 0:
+                continue  # no nstat here: the counters stay out of the results
+            kernel = json.loads(out.stdout).get("kernel", {})
+            total["retransmitted_segments"] += int(kernel.get("TcpRetransSegs", 0))
+            total["retransmission_timeouts"] += int(kernel.get("TcpExtTCPTimeouts", 0))
+        return total
 
     def counters(self) -> list[dict[str, int]]:
         """Per host i: bytes it sent (`tx`) and received (`rx`) so far, read from the hub end of its link."""

@@ -102,6 +102,12 @@ def render_dispatch_cluster(d: dict[str, Any]) -> list[str]:
     w, b = d.get("worst_fraction_of_ideal", {}), d.get("best_fraction_of_ideal", {})
     out += [f"Fraction of the link-bound ideal: worst **{_fmt(w.get('fraction'))}** (N={w.get('hosts')}, {w.get('layout')}), "
             f"best {_fmt(b.get('fraction'))} (N={b.get('hosts')}, {b.get('layout')}); goal >= {d.get('goal_fraction_of_ideal')}.", ""]
+    losses = {n: e["tcp_losses"] for n, e in d.get("experience", {}).items() if "tcp_losses" in e}
+    if losses:
+        out += ["TCP losses over each N's steps (drops at a full link queue of "
+                f"{d.get('config', {}).get('queue_ms')} ms): "
+                + "; ".join(f"N={n}: {v['retransmitted_segments']:,} segments retransmitted, "
+                            f"{v['retransmission_timeouts']} timeouts" for n, v in losses.items()) + ".", ""]
     sync = d.get("weight_sync_seconds", {})
     hosts = [str(h) for h in d.get("hosts", [])]
     out += _table(["weight sync s", *[f"{h} hosts" for h in hosts]], [[m, *(v.get(h) for h in hosts)] for m, v in sync.items()])
