@@ -124,8 +124,9 @@ def render_dispatch_cluster(d: dict[str, Any]) -> list[str]:
             f"half ({cfg.get('trainer_hosts_for_weights')} trainer hosts); `relay` a chain "
             f"(`store/relay.py`, {cfg.get('relay_chunk_kib')} KiB chunks): each host pulls from the previous one while "
             "that one is still pulling (over two connections, a chunk a request), the first from the trainer ranks.",
-            f"- Every simulated host's processes share this machine's {cfg.get('cpus')} cores with other jobs (load "
-            f"average at the end {_fmt(cfg.get('load_average_at_end'), 2)}): where the links are idle and a step is "
+            f"- Every simulated host's processes share this machine's {cfg.get('cpus')} cores (load average at the "
+            f"end {_fmt(cfg.get('load_average_at_end'), 2)}, the benchmark's own processes included): where the links "
+            "are idle and a step is "
             "still slow, round trips waiting for a core are the cause, and that grows with N and with requests per "
             "byte (dp x sp pulls two token ranges per row; the relay one request per chunk)."
             + ("" if cfg.get("delay_applied") else " This kernel has no netem: the links are rate-limited without "
