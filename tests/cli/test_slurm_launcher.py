@@ -83,3 +83,8 @@ def test_a_stopped_run_keeps_the_trainers_last_step(trainer_nodes: int, tmp_path
     # srun passed the stop on (not its SIGTERM, which kills the tasks at once), nothing was killed
     assert "sending Ctrl-C" in text and "forcing job termination" not in text, text[-3000:]
     assert "did not stop within" not in out, out[-3000:]
+    # the rollout workers and the supervisor were interrupted the same way and stopped cleanly, not killed
+    for name, clean in [*((f"rollout-{i}.log", "stopped after") for i in range(2)), ("supervisor.log", "supervisor stopped")]:
+        other = (run / "logs" / name).read_text()
+        assert "received SIGINT" in other or name == "supervisor.log", other[-2000:]
+        assert clean in other and "forcing job termination" not in other, other[-2000:]

@@ -1,7 +1,7 @@
 """How the slurm launcher (cli/launchers/slurm.py) stops a run, without a cluster: the trainer's step first,
 by a SIGINT that srun passes on to its tasks (--disable-status), given trainer.stop_grace_s to finish its
-step; then the rollout workers' and the supervisor's steps. A trainer that outlives its grace gets the
-SIGTERM that makes srun kill its tasks. The real stop on a real Slurm: tests/cli/test_slurm_launcher.py."""
+step; then the rollout workers' and the supervisor's steps, the same way. A step that outlives its grace
+gets the SIGTERM that makes srun kill its tasks. The real stop on a real Slurm: tests/cli/test_slurm_launcher.py."""
 
 from __future__ import annotations
 
@@ -117,9 +117,13 @@ def test_the_trainer_step_is_interrupted_first_and_given_its_grace(trainer_nodes
     sup, roll, train = (_events(tmp_path, n) for n in ("supervisor", "rollout", "trainer"))
     assert [(w, x) for w, x, _ in train] == [("task", "started"), ("srun", "SIGINT"), ("task", "INT"), ("task", "exit")]
     assert _when(train, "task", "exit") >= _when(train, "srun", "SIGINT") + 2.0
-    # the others were stopped once the trainer was done (SIGTERM: srun kills their tasks), the supervisor last
-    assert [(w, x) for w, x, _ in roll] == [("task", "started"), ("srun", "SIGTERM")]
-    assert _when(train, "task", "exit") <= _when(roll, "srun", "SIGTERM") <= _when(sup, "srun", "SIGTERM")
+    # then the rollout worker and last the supervisor, each interrupted the same way and let finish (a rollout
+    # worker's clean stop writes the samples it holds)
+    for events in (roll, sup):
+        assert [(w, x) for w, x, _ in events] == [("task", "started"), ("srun", "SIGINT"), ("task", "INT"),
+                                                  ("task", "exit")]
+    assert _when(train, "task", "exit") <= _when(roll, "srun", "SIGINT")
+    assert _when(roll, "task", "exit") <= _when(sup, "srun", "SIGINT")
     assert isinstance(trainer, Child)
     if trainer_nodes == 1:  # `worker --nproc` passes the grace on to its ranks
         assert trainer.args[-2:] == ["--stop-grace", "30.0"], trainer.args
@@ -143,4 +147,24 @@ def test_a_trainer_past_its_grace_is_terminated(tmp_path: Path, monkeypatch: pyt
     train = _events(tmp_path, "trainer")
     assert [(w, x) for w, x, _ in train] == [("task", "started"), ("srun", "SIGINT"), ("task", "INT"), ("srun", "SIGTERM")]
     assert _when(train, "srun", "SIGTERM") - _when(train, "srun", "SIGINT") >= 1.5
+    assert took < 6.0, took
+
+
+def test_a_rollout_worker_past_its_grace_is_terminated_before_the_supervisor_is_interrupted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_STOP_S_rollout", "60")
+    monkeypatch.setattr(launcher_module, "STOP_GRACE_S", 0.5)
+    launcher = _launcher(tmp_path, monkeypatch)
+    _, address = launcher.start_supervisor()
+    worker = launcher.start_rollout_worker(0, address)
+    _started(tmp_path, "supervisor", "rollout")
+    started = time.monotonic()
+    launcher.stop()
+    took = time.monotonic() - started
+    assert worker.poll() == 128 + 9  # srun, told to terminate the step, killed its task
+    roll, sup = _events(tmp_path, "rollout"), _events(tmp_path, "supervisor")
+    assert [(w, x) for w, x, _ in roll] == [("task", "started"), ("srun", "SIGINT"), ("task", "INT"), ("srun", "SIGTERM")]
+    assert [(w, x) for w, x, _ in sup][:2] == [("task", "started"), ("srun", "SIGINT")]
+    # the rollout's grace waited out and its step terminated before the supervisor it talks to is interrupted
+    assert _when(roll, "srun", "SIGINT") + 0.4 <= _when(roll, "srun", "SIGTERM") <= _when(sup, "srun", "SIGINT")
     assert took < 6.0, took

@@ -13,14 +13,15 @@ node: `worker --role trainer --nproc N` on one node, `torchrun` (rendezvous on t
 on a filesystem every node sees, at the same path, as is usual on a Slurm cluster.
 
 Stopping, as under the local launcher: the trainer first, given trainer.stop_grace_s to finish its step and
-write its checkpoint, then the rollout workers, then the supervisor. srun is no plain parent: a SIGTERM to
-it SIGKILLs the step's tasks at once ("forcing job termination", Slurm 22.05 src/srun/libsrun/srun_job.c),
-and a single SIGINT only prints the tasks' state. So the trainer's step runs with `--disable-status`, under
-which srun passes a SIGINT on to the tasks, and `stop` sends it that SIGINT and waits; Slurm signals every
-process of the step (the pool process or torchrun, and the ranks), and a rank takes the copies that reach
-it together as one stop (`workers.common.StopFlag`). torchrun gives its ranks as long before it kills them
-(TORCH_ELASTIC_SHUTDOWN_TIMEOUT; an older torch that does not read it gives them 30 s). A trainer step still
-running after its grace, and every other step, then get a SIGTERM to their srun (their tasks are killed).
+write its checkpoint, then the rollout workers (a clean stop writes the samples they hold, with
+store.durable_experience), then the supervisor. srun is no plain parent: a SIGTERM to it SIGKILLs the
+step's tasks at once ("forcing job termination", Slurm 22.05 src/srun/libsrun/srun_job.c), and a single
+SIGINT only prints the tasks' state. So every step runs with `--disable-status`, under which srun passes a
+SIGINT on to the tasks, and `stop` sends each step that SIGINT and waits; Slurm signals every process of
+the step (the pool process or torchrun, and the ranks), and a rank takes the copies that reach it together
+as one stop (`workers.common.StopFlag`). torchrun gives its ranks as long before it kills them
+(TORCH_ELASTIC_SHUTDOWN_TIMEOUT; an older torch that does not read it gives them 30 s). A step still running
+after its grace (the trainer's, else STOP_GRACE_S) gets a SIGTERM to its srun (its tasks are killed).
 
 Outside an allocation (no $SLURM_JOB_ID), with srun or scontrol missing, or with a trainer pool that does
 not split over its nodes, it fails at once saying what to do; every wait is bounded.
@@ -36,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from earl_stream.cli.launchers import Placed, RunSpec
@@ -114,7 +116,8 @@ class SlurmLauncher:
         nodes = [node] if isinstance(node, str) else node
         return [*shlex.split(self.cfg.srun), f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tasks_per_node}",
                 f"--ntasks-per-node={tasks_per_node}", f"--nodelist={','.join(nodes)}", "--overlap",
-                "--kill-on-bad-exit=1", "--job-name=earl-stream", *srun_args, *shlex.split(self.cfg.step_args)]
+                "--kill-on-bad-exit=1", "--job-name=earl-stream", "--disable-status", *srun_args,
+                *shlex.split(self.cfg.step_args)]  # --disable-status: srun passes a SIGINT on (see `stop`)
 
     def _start(self, name: str, node: str | list[str], args: list[str], log: str, prefix: list[str],
                env: dict[str, str] | None = None) -> Child:
@@ -149,7 +152,7 @@ class SlurmLauncher:
             self.trainer = self._start("trainer", nodes[0], [
                 "worker", "--role", "trainer", "--supervisor", address, "--nproc", str(nproc), "--restart",
                 str(self.run.restart), "--advertise", node_address(nodes[0]), "--stop-grace", str(grace)],
-                "trainer.log", self._step(nodes[0], 1, "--disable-status"))
+                "trainer.log", self._step(nodes[0]))
             return self.trainer
         # one torchrun per node (the step's one task there): its node rank = the task's rank in the step,
         # the rendezvous on the first node; stopped, it gives its ranks the grace (30 s by default)
@@ -162,7 +165,7 @@ class SlurmLauncher:
         shell = ["bash", "-c", "stopped=; trap stopped=1 INT; " + " ".join(torchrun)
                  + ' "$@" --advertise "$(hostname)"; rc=$?; [ -z "$stopped" ] || rc=0; exit $rc', "torchrun"]
         self.trainer = self._start("trainer", nodes, ["worker", "--role", "trainer", "--supervisor", address],
-                                   "trainer.log", self._step(nodes, 1, "--disable-status") + shell,
+                                   "trainer.log", self._step(nodes) + shell,
                                    env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(grace))})
         return self.trainer
 
@@ -180,20 +183,34 @@ class SlurmLauncher:
         wait_ready(placed, self.ready, max(self.cfg.ready_timeout_s, READY_TIMEOUT_S))
 
     def stop(self) -> None:
-        """The trainer first: a SIGINT to its srun, which passes it on to the step's tasks (--disable-status),
-        and up to trainer.stop_grace_s (and the pool's own STOP_GRACE_S) for its step and checkpoint; then
-        every step left, the trainer's too if it is still there, gets a SIGTERM (srun then SIGKILLs its tasks)
-        and its srun SIGKILL after STOP_GRACE_S."""
-        trainer = self.trainer
-        if trainer is not None and trainer.proc.poll() is None:
-            grace = self.run.cfg.trainer.stop_grace_s + STOP_GRACE_S
-            trainer.proc.send_signal(signal.SIGINT)
-            try:
-                trainer.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                log.warning("the trainer's step (srun pid %d) did not stop within %.0fs: terminating it",
-                            trainer.proc.pid, grace)
+        """Each step in turn gets a SIGINT, which its srun passes on to its tasks (--disable-status), and time
+        to stop cleanly: the trainer trainer.stop_grace_s (and the pool's own STOP_GRACE_S) for its step and
+        checkpoint, then the rollout workers and then the supervisor STOP_GRACE_S. A step still running then
+        gets a SIGTERM (srun SIGKILLs its tasks) before the next is interrupted, and its srun a SIGKILL after
+        STOP_GRACE_S."""
+        if self.trainer is not None:
+            self._interrupt([self.trainer], self.run.cfg.trainer.stop_grace_s + STOP_GRACE_S)
+        self._interrupt([c for c in self.group.children if c not in (self.trainer, self.supervisor)], STOP_GRACE_S)
+        if self.supervisor is not None:
+            self._interrupt([self.supervisor], STOP_GRACE_S)
         self.group.stop()
+
+    def _interrupt(self, steps: list[Child], grace_s: float) -> None:
+        """SIGINT to each live step's srun, up to `grace_s` for all of them, then a SIGTERM to those left."""
+        live = [c for c in steps if c.proc.poll() is None]
+        for c in live:
+            c.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        late = []
+        for c in live:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s's step (srun pid %d) did not stop within %.0fs of its SIGINT: terminating it",
+                            c.name, c.proc.pid, grace_s)
+                late.append(c)
+        if late:
+            self.group.stop(only=late)
 
 
 def _torchrun() -> str:
