@@ -19,286 +19,29 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.report_tables import (  # noqa: E402
+    fmt,
+    render_algorithms,
+    render_context_growth,
+    render_dispatch,
+    render_dispatch_cluster,
+    render_e2e,
+    render_generic,
+    render_learning,
+    render_memory_model,
+    render_openai_endpoint,
+    render_selector,
+    render_weight_sync,
+)
+
 Renderer = Callable[[dict[str, Any]], list[str]]
-
-
-def _fmt(v: Any, digits: int = 3) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, float):
-        return f"{v:,.{digits}g}" if abs(v) < 1000 else f"{v:,.0f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v):
-        return ", ".join(_fmt(x, digits) for x in v)
-    return str(v)
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
-    return out + [""]
-
-
-def _scalars(d: dict[str, Any], prefix: str = "", depth: int = 2) -> list[list[Any]]:
-    rows: list[list[Any]] = []
-    for k, v in d.items():
-        if isinstance(v, dict) and depth > 1:
-            rows += _scalars(v, f"{prefix}{k}.", depth - 1)
-        elif isinstance(v, (int, float, str, bool)) or v is None or (
-                isinstance(v, list) and len(v) <= 4 and all(isinstance(x, (int, float)) for x in v)):
-            if isinstance(v, str) and len(v) > 120:
-                continue
-            rows.append([f"`{prefix}{k}`", v])
-    return rows
-
-
-# ------------------------------------------------------------------------------------ renderers
-
-def _said(d: dict[str, Any]) -> list[str]:
-    """A result file's own words (its `finding` and `note`), one paragraph each."""
-    return [line for k in ("finding", "note") if isinstance(d.get(k), str) for line in (f"**{k.capitalize()}:** {d[k]}", "")]
-
-
-def render_generic(d: dict[str, Any]) -> list[str]:
-    rows = _scalars(d)
-    return (_table(["result", "value"], rows[:60]) if rows else ["(no scalar results)", ""]) + _said(d)
-
-
-def render_dispatch(d: dict[str, Any]) -> list[str]:
-    rows = []
-    for name, r in d.get("layouts", {}).items():
-        rows.append([name, r.get("bytes_delivered", 0) / 2**20, r.get("pull_seconds"), r.get("pull_zero_copy_seconds"),
-                     r.get("pull_tcp_seconds"), r.get("central_seconds"), r.get("ray_seconds"),
-                     r.get("speedup_vs_central"), r.get("speedup_vs_ray")])
-    out = _table(["layout", "MiB/step", "pull s", "pull zero-copy s", "pull TCP s", "central s", "Ray s",
-                  "x vs central", "x vs Ray"], rows)
-    c = d.get("ceilings", {})
-    out.append(f"Same-host ceilings: memcpy {_fmt(c.get('memcpy_gibps'))} GiB/s, shared memory (copy in + copy "
-               f"out) {_fmt(c.get('shm_gibps'))} GiB/s. Medians over {_fmt(d.get('config', {}).get('repetitions'))} "
-               "repetitions.")
-    return out + [""]
-
-
-def render_dispatch_cluster(d: dict[str, Any]) -> list[str]:
-    """Per N and layout: pull vs central over rate-limited links, the link-bound ideal; then weight sync."""
-    rows = []
-    for n, e in d.get("experience", {}).items():
-        for lay, x in e.get("layouts", {}).items():
-            rows.append([n, lay, x.get("pull_seconds"), x.get("central_seconds"), x.get("speedup_vs_central"),
-                         x.get("ideal_speedup"), d.get("fraction_of_ideal", {}).get(n, {}).get(lay),
-                         x.get("pull_fraction_of_link_bound"), x.get("link_utilisation", {}).get("pull", {}).get("busiest"),
-                         x.get("link_utilisation", {}).get("central", {}).get("hosts", {}).get("controller", {}).get("rx")])
-    out = [f"{d.get('scaling', '')}. Netem delay applied: {d.get('config', {}).get('delay_applied')}.", ""]
-    out += _table(["hosts", "layout", "pull s", "central s", "speedup", "ideal", "of ideal", "pull of its link bound",
-                   "busiest link (pull)", "controller rx (central)"], rows)
-    w, b = d.get("worst_fraction_of_ideal", {}), d.get("best_fraction_of_ideal", {})
-    out += [f"Fraction of the link-bound ideal: worst **{_fmt(w.get('fraction'))}** (N={w.get('hosts')}, {w.get('layout')}), "
-            f"best {_fmt(b.get('fraction'))} (N={b.get('hosts')}, {b.get('layout')}); goal >= {d.get('goal_fraction_of_ideal')}.", ""]
-    losses = {n: e["tcp_losses"] for n, e in d.get("experience", {}).items() if "tcp_losses" in e}
-    if losses:
-        out += ["TCP losses over each N's steps (drops at a full link queue of "
-                f"{d.get('config', {}).get('queue_ms')} ms): "
-                + "; ".join(f"N={n}: {v['retransmitted_segments']:,} segments retransmitted, "
-                            f"{v['retransmission_timeouts']} timeouts" for n, v in losses.items()) + ".", ""]
-    sync = d.get("weight_sync_seconds", {})
-    hosts = [str(h) for h in d.get("hosts", [])]
-    out += _table(["weight sync s", *[f"{h} hosts" for h in hosts]], [[m, *(v.get(h) for h in hosts)] for m, v in sync.items()])
-    flat = ", ".join(f"{m} {_fmt(v)}x" for m, v in d.get("weight_sync_max_over_min_2_to_8_hosts", {}).items())
-    out += [f"Weight sync, slowest / fastest over 2-8 rollout hosts: {flat} (goal <= {d.get('goal_weight_sync_flat')}x). "
-            f"Medians over {_fmt(d.get('config', {}).get('repetitions'))} repetitions.", ""]
-    cfg = d.get("config", {})
-    out += ["- *ideal*: the central controller's link-bound seconds (it gathers every row whole, then scatters each "
-            "rank's part: step + delivered bytes through its one link) over the pull's (the bytes of its busiest link); "
-            "a controller that overlapped gathering and scattering would be bound by the larger of the two, giving "
-            "the issue's N/2 for dp (`ideal_speedup_pipelined_controller` in the JSON). *pull of its link bound*: the "
-            "pull's own efficiency, independent of how slow central is.",
-            "- Weights: `rank0` every rollout host pulls rank 0's full copy; `sharded` each trainer rank's own "
-            f"half ({cfg.get('trainer_hosts_for_weights')} trainer hosts); `relay` a chain "
-            f"(`store/relay.py`, {cfg.get('relay_chunk_kib')} KiB chunks): each host pulls from the previous one while "
-            "that one is still pulling (over two connections, a chunk a request), the first from the trainer ranks.",
-            f"- Every simulated host's processes share this machine's {cfg.get('cpus')} cores (load average at the "
-            f"end {_fmt(cfg.get('load_average_at_end'), 2)}, the benchmark's own processes included): where the links "
-            "are idle and a step is "
-            "still slow, round trips waiting for a core are the cause, and that grows with N and with requests per "
-            "byte (dp x sp pulls two token ranges per row; the relay one request per chunk)."
-            + ("" if cfg.get("delay_applied") else " This kernel has no netem: the links are rate-limited without "
-               "the extra delay."), ""]
-    return out + _said(d)
-
-
-def render_memory_model(d: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    llama = d.get("llama70b", {})
-    k = llama.get("korthikanti", {})
-    if k:
-        rows = [[name, *v.get("all_80_layers_gib", []), v.get("ratio_8192_over_4096")] for name, v in k.items()]
-        out.append(f"(a) {llama.get('model', 'Llama-3.1-70B')}, activations of all layers (GiB) at "
-                   f"{_fmt(llama.get('seq_lens'))} tokens; the paper reports {_fmt(llama.get('paper_gb'))} GB:")
-        out.append("")
-        out += _table(["attention", "GiB @4096", "GiB @8192", "ratio"], rows)
-    m = d.get("measured", {})
-    rows = [[c["model"], c["attn"], c["loss"], c["seq_len"], c["micro_batch"], c["ckpt"], c["predicted_bytes"] / 2**20,
-             c["measured_bytes"] / 2**20, f"{100 * c['relative_error']:+.1f}%"] for c in m.get("configs", [])]
-    if rows:
-        out.append("(b) predicted vs measured peak training memory on this machine (MiB):")
-        out.append("")
-        out += _table(["model", "attention", "loss", "seq", "micro-batch", "recompute", "predicted", "measured",
-                       "error"], rows)
-    out.append(f"Largest relative error: **{_fmt(100 * (d.get('max_relative_error') or 0), 2)}%**.")
-    out.append("")
-    sh = d.get("sharded", {})
-    rows = [[c["plan"], c["model"], c["attn"], c["seq_len"], c["rows"], c["predicted_bytes"] / 2**20,
-             ", ".join(f"{r['measured_bytes'] / 2**20:.1f}" for r in c["ranks"]),
-             ", ".join(f"{100 * r['relative_error']:+.1f}%" for r in c["ranks"])] for c in sh.get("configs", [])]
-    if rows:
-        out.append("(c) per rank under sharded plans (gloo ranks, real `train_step`), predicted vs measured (MiB):")
-        out.append("")
-        out += _table(["plan", "model", "attention", "seq", "rows/rank", "predicted", "measured per rank",
-                       "error per rank"], rows)
-        out.append(f"Largest relative error over the sharded plans: "
-                   f"**{_fmt(100 * (d.get('max_relative_error_sharded') or 0), 2)}%** (goal <= 5%).")
-    return out + [""]
-
-
-def render_weight_sync(d: dict[str, Any]) -> list[str]:
-    rows = [[c["size"], c["plan"], c["method"], c["bytes"] / 2**20, c["publish_seconds"], c["pull_seconds"],
-             c["total_seconds"], c["transport"]] for c in d.get("configs", [])]
-    out = _table(["model", "plan", "method", "MiB", "publish s", "pull s", "publish + pull s", "transport"], rows)
-    ratios = ", ".join(f"{k}: {_fmt(v)}x" for k, v in d.get("full_over_sharded_total_seconds", {}).items())
-    out.append(f"Full copy / sharded, publish + pull: {ratios}. Medians over {_fmt(d.get('repetitions'))} "
-               "repetitions, 2 trainer ranks.")
-    return out + [""]
-
-
-def render_selector(d: dict[str, Any]) -> list[str]:
-    """Per phase: the adaptive run's plan, throughput and peak vs the per-rank budget, the oracle; then
-    which static plans crashed and which plans the adaptive run adopted (`plans_used`)."""
-    phases = d.get("adaptive_phases")
-    if not phases:  # results of the single-process bench (before plans_used)
-        return render_generic(d)
-    oracle, plan = d.get("oracle_per_phase", []), d.get("oracle_plan_per_phase", [])
-    ratio = d.get("adaptive_vs_oracle_per_phase", [])
-    rows = [[ph["max_len"], "/".join(ph["plans"]), ", ".join(str(r).lower() for r in ph["recompute"]),
-             ph["tokens_per_cpu_second"], ph["peak_bytes"] / 2**20, ph["budget_bytes"] / 2**20,
-             oracle[i] if i < len(oracle) else None, plan[i] if i < len(plan) else None,
-             ratio[i] if i < len(ratio) else None] for i, ph in enumerate(phases)]
-    out = _table(["episodes up to (tokens)", "adaptive plan", "recompute", "tokens/rank-CPU-s", "peak MiB/rank",
-                  "cap MiB/rank", "oracle tokens/s", "oracle plan", "adaptive / oracle"], rows)
-    out.append(f"Static plans that ran out of memory: {d.get('static_crashes')} of {len(d.get('static_plans', []))} "
-               f"({', '.join(d.get('static_crashed', [])) or 'none'}); adaptive crashed: "
-               f"{_fmt(d.get('adaptive_crashed'))}; `adaptive_vs_oracle_throughput` = "
-               f"**{_fmt(d.get('adaptive_vs_oracle_throughput'))}**; `plans_used`: "
-               f"{', '.join(f'`{p}`' for p in d.get('plans_used', []))}.")
-    return out + [""]
-
-
-def render_learning(d: dict[str, Any]) -> list[str]:
-    keys = ("env", "budget_minutes", "window_games", "target_win_rate", "start_win_rate", "max_win_rate",
-            "final_win_rate", "mean_win_rate_second_half", "min_win_rate_second_half", "time_to_target_s", "steps")
-    rows = [[k, d.get(k)] for k in keys if k in d]
-    if "overrides" in d:
-        rows.append(["overrides", " ".join(d["overrides"]) or "none (the embedded default)"])
-    return _table(["result", "value"], rows) + _said(d)
-
-
-def render_algorithms(d: dict[str, Any]) -> list[str]:
-    out = [f"{_fmt(d.get('budget_minutes'))} minutes per run, seeds {_fmt(d.get('seeds'))}, win rate over the last "
-           f"{d.get('window_games')} games; spread = max - min over the seeds of the second-half mean.", ""]
-    rows = [[c["config"], c["seeds"], c["final_win_rate"], c["mean_win_rate_second_half"],
-             c["min_win_rate_second_half"], c["spread_second_half_mean"], c["time_to_target_s"], c["steps"]]
-            for c in d.get("configs", [])]
-    return out + _table(["configuration", "seeds", "final", "2nd-half mean", "2nd-half min", "spread",
-                         f"to {d.get('target_win_rate')} (s)", "steps"], rows)
-
-
-def render_openai_endpoint(d: dict[str, Any]) -> list[str]:
-    rows = []
-    for model, per_env in d.get("models", {}).items():
-        for env, r in per_env.items():
-            s = r.get("summary", {})
-            rows.append([model, env, s.get("builtin", {}).get("tokens_per_turn"),
-                         s.get("builtin", {}).get("tokens_per_s"), s.get("endpoint", {}).get("tokens_per_s"),
-                         s.get("endpoint_inprocess", {}).get("tokens_per_s"), r.get("endpoint_over_builtin_tokens_per_s"),
-                         r.get("endpoint_over_builtin_per_rep"),
-                         r.get("endpoint_inprocess_over_builtin_tokens_per_s"), "met" if r.get("goal_met") else "missed",
-                         s.get("endpoint", {}).get("prefix_mismatches")])
-    out = _table(["model", "env", "tokens/turn", "built-in tok/s", "endpoint tok/s (agent process)",
-                  "endpoint tok/s (agent in event loop)", "endpoint / built-in", "per rep", "in event loop / built-in",
-                  "goal >= 0.8", "prefix mismatches"], rows)
-    return out + [f"{d.get('episodes')} concurrent episodes, medians of {d.get('reps')} alternating repetitions, "
-                  f"{d.get('agent_processes', 1)} agent process(es), {d.get('threads')} torch thread(s).", ""] + _said(d)
-
-
-def render_context_growth(d: dict[str, Any]) -> list[str]:
-    """Both runs side by side; the adaptive run's plan changes; the finding."""
-    rows = []
-    for kind in ("static", "adaptive", "static_unbounded"):
-        if kind not in d:
-            continue
-        r = d[kind]
-        rows.append([kind, r.get("final_success"), r.get("best_success"), r.get("truncated_fraction"),
-                     r.get("crashed") or "no", r.get("steps"), r.get("max_context_p99"),
-                     ", ".join(r.get("plans_used", [])), r.get("peak_mib_above_start"), r.get("cap_mib")])
-    out = _table(["run", "final success (last fifth)", "best success", "truncated (last fifth)", "crashed", "steps",
-                  "max context p99", "trainer plans (name/micro-batch tokens)", "peak MiB above start (max rank)",
-                  "cap MiB"], rows)
-    changes, last = [], None
-    for p in d.get("adaptive", {}).get("curve", []):
-        if p.get("plan") and p["plan"] != last:
-            changes.append(f"{p['plan']} at step {p['step']} (t {_fmt(p['t'])} s, context p99 "
-                           f"{_fmt(p.get('context', {}).get('p99'))})")
-            last = p["plan"]
-    if changes:
-        out += ["Adaptive run's trainer plans: " + "; ".join(changes) + ".", ""]
-    return out + _said(d)
-
-
-def render_e2e(d: dict[str, Any]) -> list[str]:
-    out = [f"Same model, game (Tic-Tac-Toe vs random), group size {d.get('group_size')}, "
-           f"{d.get('samples_per_step')} samples per step, lr {d.get('lr')}; {_fmt(d.get('seconds_per_system'))} s "
-           f"measured per system after its first step; win rate over the last {d.get('stats_window_games')} games.",
-           ""]
-    rows = []
-    for name, r in d.get("systems", {}).items():
-        if "error" in r:
-            rows.append([name, "failed", None, None, None, None, None, None])
-            continue
-        cores = ", ".join(f"{k}: {v}" for k, v in d.get("core_assignment", {}).get(name, {}).items())
-        rows.append([r.get("system", name), r.get("samples_per_s"), r.get("generated_tokens_per_s"),
-                     r.get("trained_tokens_per_s"), r.get("steps_per_s"), r.get("cpu_seconds_per_sample"),
-                     r.get("start_win_rate"), r.get("final_win_rate"), r.get("time_to_target_s"), cores])
-    out += _table(["system", "samples/s", "generated tok/s", "trained tok/s", "steps/s", "CPU-s/sample",
-                   "first win rate", "last win rate", f"s to win rate {d.get('target_win_rate')} (from launch)",
-                   "cores"], rows)
-    tg = d.get("targets", {})
-    out.append(f"**async / sync = {_fmt(d.get('async_vs_sync'))}** (target {tg.get('async_vs_sync')}), "
-               f"**async / TRL = {_fmt(d.get('async_vs_trl'))}** (target {tg.get('async_vs_trl')}); "
-               f"targets missed: {', '.join(d.get('targets_missed') or []) or 'none'}.")
-    out.append("")
-    if d.get("async_vs_sync_ceiling"):
-        out += [f"Ceiling of async / sync for this core split: {_fmt(d['async_vs_sync_ceiling'])} "
-                f"({d.get('ceiling_note')}).", ""]
-    out += [f"- {f}" for f in d.get("findings", [])] + ([""] if d.get("findings") else [])
-    sd = d.get("sample_definition", {})
-    out += [f"A sample: earl_stream — {sd.get('earl_stream')}; TRL — {sd.get('trl')}.", ""]
-    prof = {k: v.get("profile") for k, v in d.get("systems", {}).items() if v.get("profile")}
-    if prof:
-        out += ["Where the time goes (fractions of the measured window; CPU = cores used by that process):", ""]
-        flat = {name: {**{f"CPU {k}": v for k, v in p.get("cpu_utilisation", {}).items()},
-                       **{k.replace("_", " "): v for k, v in p.items() if isinstance(v, (int, float))}}
-                for name, p in prof.items()}
-        measures = list(dict.fromkeys(m for f in flat.values() for m in f))
-        out += _table(["measure", *flat], [[m, *(f.get(m) for f in flat.values())] for m in measures])
-        out += [f"- {name}: {p['note']}" for name, p in prof.items() if p.get("note")] + [""]
-    return out
 
 
 BENCHMARKS: list[dict[str, Any]] = [
@@ -401,7 +144,7 @@ def machine_of(d: dict[str, Any], path: Path) -> str:
         found["note"] = d["machine"]["note"]
     walk(d.get("config", {}), 1)
     when = f"{d['when']} (its own stamp)" if isinstance(d.get("when"), str) else _written(path).strftime("%Y-%m-%d %H:%M UTC")
-    parts = [f"{k.replace('_', ' ')} {_fmt(v, 2)}" for k, v in found.items()]
+    parts = [f"{k.replace('_', ' ')} {fmt(v, 2)}" for k, v in found.items()]
     return f"written {when}" + ("; " + "; ".join(parts) if parts else "")
 
 
