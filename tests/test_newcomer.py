@@ -152,6 +152,7 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
     at_16 = min(f for c in cluster for f in c["fraction_of_ideal"]["16"].values())
     endpoint = _result("openai_endpoint")["models"]["default"]["tictactoe"]["endpoint_over_builtin_tokens_per_s"]
     calculator = _result("openai_endpoint_smollm2_calculator")["models"]["smollm2"]["calculator"]
+    real = _result("real_model")
     expected = {
         "learning start": f"{learning['start_win_rate']:.3f}",
         "learning first at target": f"0.85 first at {learning['time_to_target_s']:.0f} s",
@@ -181,6 +182,8 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
         "relay flat": f"| {cluster[0]['weight_sync_max_over_min_2_to_8_hosts']['relay']:.2f}x (relay chain) |",
         "endpoint worst": f"| {endpoint:.2f} (embedded 1.1M model, Tic-Tac-Toe",
         "endpoint best": f"| {calculator['endpoint_over_builtin_tokens_per_s']:.2f} (SmolLM2-135M, calculator",
+        "real model held-out": f"{real['eval_success_before']:.1%} +- {real['eval_success_before_stderr']:.1%} to "
+                               f"{real['eval_success_after']:.1%} +- {real['eval_success_after_stderr']:.1%}",
         "async vs sync": f"{e2e['async_vs_sync']:.2f}x",
         "async vs trl": f"{e2e['async_vs_trl']:.2f}x",
     }
