@@ -7,7 +7,9 @@ record the win/draw/loss curve against the random opponent.
 Writes the curve as JSON and a PNG next to it. Rates are over the last `--window` (512) games. A player
 making random legal moves as X wins about 0.58 of its Tic-Tac-Toe games. Goals (issue 16, 2 cores, 15
 minutes): win rate >= 0.9 within 5 minutes (`time_to_target_s`), then second-half mean >= 0.95 and
-second-half minimum >= 0.9.
+second-half minimum >= 0.9. Each point also carries the window's standard error clustered by GRPO group
+(`win_stderr`: a group's games share a seed, so 512 games of 64 groups are far fewer than 512 independent
+draws) and the summary its median over the second half.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def run_curve(overrides: list[str], *, minutes: float, window: int, every: float
             win, draw = s["win_rate_last"], s["draw_rate_last"]
             point = {"t": round(time.monotonic() - start, 1), "step": s["policy_version"], "win": win, "draw": draw,
                      "loss": 1 - win - draw, "reward": s["mean_reward_last"], "episodes": s["samples_produced"],
-                     "filtered": s.get("samples_filtered", 0), "full": s["samples_produced"] >= window}
+                     "filtered": s.get("samples_filtered", 0), "full": s["samples_produced"] >= window,
+                     # the window's standard error clustered by group, and its groups (a group's games share a seed)
+                     "win_stderr": s.get("win_rate_stderr_last"), "groups": s.get("groups_last")}
             curve.append(point)
             print(json.dumps(point), flush=True)
     finally:
@@ -96,6 +100,8 @@ def summarize(curve: list[dict], target: float, minutes: float) -> dict:
     curve = [p for p in curve if p.get("full", True)] or curve
     reached = next((p for p in curve if p["win"] >= target), None)
     late = [p["win"] for p in curve[len(curve) // 2:]]
+    late_se = [p["win_stderr"] for p in curve[len(curve) // 2:] if p.get("win_stderr") is not None]
+    late_groups = [p["groups"] for p in curve[len(curve) // 2:] if p.get("groups")]
     return {
         "budget_minutes": minutes, "cores": os.cpu_count(), "target_win_rate": target,
         "start_win_rate": curve[0]["win"] if curve else None,
@@ -105,6 +111,10 @@ def summarize(curve: list[dict], target: float, minutes: float) -> dict:
         # how well the win rate holds once learnt, not only its peak
         "mean_win_rate_second_half": round(statistics.mean(late), 4) if late else None,
         "min_win_rate_second_half": min(late, default=None),
+        # how far one window's rate is from the policy's by chance alone (a minimum over many windows sits
+        # ~2-3 of these below the mean even when the policy does not move)
+        "median_win_stderr_second_half": round(statistics.median(late_se), 4) if late_se else None,
+        "median_groups_per_window_second_half": statistics.median(late_groups) if late_groups else None,
         "steps": curve[-1]["step"] if curve else 0,
         "curve": curve,
     }
@@ -121,6 +131,10 @@ def plot(curve: list[dict], path: Path, target: float, env: str = "tictactoe", w
     t = [p["t"] / 60 for p in curve]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(t, [p["win"] for p in curve], label="win")
+    banded = [(x, p) for x, p in zip(t, curve) if p.get("win_stderr") is not None]
+    if banded:
+        ax.fill_between([x for x, _ in banded], [p["win"] - 2 * p["win_stderr"] for _, p in banded],
+                        [p["win"] + 2 * p["win_stderr"] for _, p in banded], alpha=0.2, label="win +- 2 s.e. (by group)")
     ax.plot(t, [p["draw"] for p in curve], label="draw")
     ax.plot(t, [p["loss"] for p in curve], label="loss (incl. illegal)")
     if env == "tictactoe":

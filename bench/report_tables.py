@@ -181,7 +181,8 @@ def render_selector(d: dict[str, Any]) -> list[str]:
 
 def render_learning(d: dict[str, Any]) -> list[str]:
     keys = ("env", "budget_minutes", "window_games", "target_win_rate", "start_win_rate", "max_win_rate",
-            "final_win_rate", "mean_win_rate_second_half", "min_win_rate_second_half", "time_to_target_s", "steps")
+            "final_win_rate", "mean_win_rate_second_half", "min_win_rate_second_half", "median_win_stderr_second_half",
+            "median_groups_per_window_second_half", "time_to_target_s", "steps")
     rows = [[k, d.get(k)] for k in keys if k in d]
     if "overrides" in d:
         rows.append(["overrides", " ".join(d["overrides"]) or "none (the embedded default)"])

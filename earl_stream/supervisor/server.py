@@ -24,6 +24,7 @@ from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
 from earl_stream.store.weight_route import WeightRoute, weight_route
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
+from earl_stream.supervisor.episode_window import Finished, outcome_rate, outcome_rate_stderr
 from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
 from earl_stream.supervisor.planning import Planner, PlannerState
 from earl_stream.supervisor.pools import Member, decide, order_of
@@ -89,7 +90,7 @@ class Supervisor:
         self.trainer_metrics: dict[str, float] = {}
         self.finished = False
         self.started = time.time()
-        self.recent: deque[tuple[float, str, int, str]] = deque(maxlen=cfg.supervisor.stats_window)
+        self.recent: deque[Finished] = deque(maxlen=cfg.supervisor.stats_window)
         self.recent_rows: deque[tuple[int, SampleMeta]] = deque(maxlen=cfg.supervisor.stats_window)
         self.rows_seen = 0
         self.pending_free: dict[str, list[str]] = {}  # producer address -> sample ids to drop
@@ -197,7 +198,7 @@ class Supervisor:
             self.rows_seen += 1
             self.recent_rows.append((self.rows_seen, row))
             self.env_episodes[row.env] = self.env_episodes.get(row.env, 0) + 1
-            self.recent.append((row.reward, outcome_of(row), row.total_tokens, row.env))
+            self.recent.append(Finished(row.reward, outcome_of(row), row.total_tokens, row.env, row.group_id))
         return P.Ack()
 
     def _on_recoversamples(self, msg: P.RecoverSamples, now: float) -> P.Msg:
@@ -367,19 +368,19 @@ class Supervisor:
 
     def status(self, now: float) -> dict[str, Any]:
         c = self.ledger.counters
-        rewards = [r for r, _, _, _ in self.recent]
-        outcomes = [o for _, o, _, _ in self.recent]
-        lengths = [n for _, _, n, _ in self.recent]
+        rewards = [e.reward for e in self.recent]
+        outcomes = [e.outcome for e in self.recent]
+        lengths = [e.tokens for e in self.recent]
         wall = max(time.time() - self.started, 1e-9)
         pct = {f"p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)} if lengths else {}
         if lengths:
             pct["max"] = float(max(lengths))
         per_env: dict[str, dict[str, float]] = {}
-        for r, _, n, env in self.recent:
-            e = per_env.setdefault(env, {"episodes": 0, "reward_sum": 0.0, "tokens_sum": 0})
+        for ep in self.recent:
+            e = per_env.setdefault(ep.env, {"episodes": 0, "reward_sum": 0.0, "tokens_sum": 0})
             e["episodes"] += 1
-            e["reward_sum"] += r
-            e["tokens_sum"] += n
+            e["reward_sum"] += ep.reward
+            e["tokens_sum"] += ep.tokens
         held: dict[str, int] = {}
         for g in self.ledger.groups.values():
             if g.state == PromptState.INFLIGHT:
@@ -398,7 +399,10 @@ class Supervisor:
             # None without a resume (samples_lost counts the whole run)
             "samples_replayed_since_resume": self._replayed() if self.lost_before_resume >= 0 else None,
             "mean_reward_last": float(np.mean(rewards)) if rewards else None,
-            "win_rate_last": outcomes.count("win") / len(outcomes) if outcomes else None,
+            "win_rate_last": outcome_rate(self.recent, "win"),
+            # clustered by group (a group's games share a seed): the window's real uncertainty
+            "win_rate_stderr_last": outcome_rate_stderr(self.recent, "win"),
+            "groups_last": len({e.group for e in self.recent}),
             # every outcome the environments report (win, correct, truncated, ...) over the statistics window
             "outcomes_last": {o: round(outcomes.count(o) / len(outcomes), 4) for o in sorted(set(outcomes))},
             "draw_rate_last": outcomes.count("draw") / len(outcomes) if outcomes else None,
@@ -441,13 +445,13 @@ class Supervisor:
             M.SUP_WORKERS.labels(role.value, "draining").set(sum(w.alive and w.draining for w in ws))
             M.SUP_WORKERS.labels(role.value, "drained").set(sum(w.drained for w in ws))
         if self.recent:
-            M.SUP_REWARD.set(float(np.mean([r for r, _, _, _ in self.recent])))
-            lengths = [n for _, _, n, _ in self.recent]
+            M.SUP_REWARD.set(float(np.mean([e.reward for e in self.recent])))
+            lengths = [e.tokens for e in self.recent]
             for q in (50, 90, 99):
                 M.SUP_CONTEXT.labels(f"p{q}").set(float(np.percentile(lengths, q)))
             M.SUP_CONTEXT.labels("max").set(max(lengths))
             by_env: dict[str, list[float]] = {}
-            for r, _, _, env in self.recent:
-                by_env.setdefault(env, []).append(r)
+            for ep in self.recent:
+                by_env.setdefault(ep.env, []).append(ep.reward)
             for env, rs in by_env.items():
                 M.SUP_ENV_REWARD.labels(env).set(float(np.mean(rs)))

@@ -46,6 +46,7 @@ def test_register_heartbeat_status(supervisor: str) -> None:
     for key in ("samples_produced", "samples_consumed", "samples_lost", "prompts_reissued", "duplicates_detected"):
         assert status[key] == 0
     assert status["workers"][0]["id"] == reg.worker_id
+    assert status["win_rate_last"] is None and status["win_rate_stderr_last"] is None and status["groups_last"] == 0
 
 
 def test_garbage_does_not_stop_the_supervisor(supervisor: str) -> None:
