@@ -405,7 +405,7 @@ class Supervisor:
             "groups_last": len({e.group for e in self.recent}),
             # every outcome the environments report (win, correct, truncated, ...) over the statistics window
             "outcomes_last": {o: round(outcomes.count(o) / len(outcomes), 4) for o in sorted(set(outcomes))},
-            "draw_rate_last": outcomes.count("draw") / len(outcomes) if outcomes else None,
+            "draw_rate_last": outcome_rate(self.recent, "draw"),
             "tokens_per_second": c.tokens_produced / wall,
             "context_length": pct,
             "plans": self.planner.status(),
