@@ -7,9 +7,10 @@ record the win/draw/loss curve against the random opponent.
 Writes the curve as JSON and a PNG next to it. Rates are over the last `--window` (512) games. A player
 making random legal moves as X wins about 0.58 of its Tic-Tac-Toe games. Goals (issue 16, 2 cores, 15
 minutes): win rate >= 0.9 within 5 minutes (`time_to_target_s`), then second-half mean >= 0.95 and
-second-half minimum >= 0.9. Each point also carries the window's standard error clustered by GRPO group
-(`win_stderr`: a group's games share a seed, so 512 games of 64 groups are far fewer than 512 independent
-draws) and the summary its median over the second half.
+second-half minimum >= 0.9. Each point also carries every outcome's rate (`outcomes`: win, draw, loss,
+illegal) and the window's standard error clustered by GRPO group (`win_stderr`: where a group's games share
+a seed, `envs.0.group_seed=shared`, 512 games of 64 groups are far fewer than 512 independent draws), and the
+summary its median over the second half.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def run_curve(overrides: list[str], *, minutes: float, window: int, every: float
             point = {"t": round(time.monotonic() - start, 1), "step": s["policy_version"], "win": win, "draw": draw,
                      "loss": 1 - win - draw, "reward": s["mean_reward_last"], "episodes": s["samples_produced"],
                      "filtered": s.get("samples_filtered", 0), "full": s["samples_produced"] >= window,
-                     # the window's standard error clustered by group, and its groups (a group's games share a seed)
-                     "win_stderr": s.get("win_rate_stderr_last"), "groups": s.get("groups_last")}
+                     # the window's standard error clustered by group, and its groups (a group shares a prompt)
+                     "win_stderr": s.get("win_rate_stderr_last"), "groups": s.get("groups_last"),
+                     "outcomes": s.get("outcomes_last", {})}
             curve.append(point)
             print(json.dumps(point), flush=True)
     finally:
@@ -102,6 +104,8 @@ def summarize(curve: list[dict], target: float, minutes: float) -> dict:
     late = [p["win"] for p in curve[len(curve) // 2:]]
     late_se = [p["win_stderr"] for p in curve[len(curve) // 2:] if p.get("win_stderr") is not None]
     late_groups = [p["groups"] for p in curve[len(curve) // 2:] if p.get("groups")]
+    late_outcomes = [p["outcomes"] for p in curve[len(curve) // 2:] if p.get("outcomes")]
+    outcome_names = sorted({o for rates in late_outcomes for o in rates})
     return {
         "budget_minutes": minutes, "cores": os.cpu_count(), "target_win_rate": target,
         "start_win_rate": curve[0]["win"] if curve else None,
@@ -115,6 +119,9 @@ def summarize(curve: list[dict], target: float, minutes: float) -> dict:
         # ~2-3 of these below the mean even when the policy does not move)
         "median_win_stderr_second_half": round(statistics.median(late_se), 4) if late_se else None,
         "median_groups_per_window_second_half": statistics.median(late_groups) if late_groups else None,
+        # where the games that are not won go (an illegal reply, a loss, a draw)
+        "mean_outcomes_second_half": {o: round(statistics.mean(r.get(o, 0.0) for r in late_outcomes), 4)
+                                      for o in outcome_names},
         "steps": curve[-1]["step"] if curve else 0,
         "curve": curve,
     }
@@ -137,6 +144,8 @@ def plot(curve: list[dict], path: Path, target: float, env: str = "tictactoe", w
                         [p["win"] + 2 * p["win_stderr"] for _, p in banded], alpha=0.2, label="win +- 2 s.e. (by group)")
     ax.plot(t, [p["draw"] for p in curve], label="draw")
     ax.plot(t, [p["loss"] for p in curve], label="loss (incl. illegal)")
+    if any("illegal" in p.get("outcomes", {}) for p in curve):
+        ax.plot(t, [p.get("outcomes", {}).get("illegal", 0.0) for p in curve], ls="--", label="illegal reply")
     if env == "tictactoe":
         ax.axhline(0.58, ls=":", c="gray", label="random legal play (win)")
     ax.axhline(target, ls="--", c="green", label=f"target {target}")

@@ -184,6 +184,9 @@ def render_learning(d: dict[str, Any]) -> list[str]:
             "final_win_rate", "mean_win_rate_second_half", "min_win_rate_second_half", "median_win_stderr_second_half",
             "median_groups_per_window_second_half", "time_to_target_s", "steps")
     rows = [[k, d.get(k)] for k in keys if k in d]
+    if d.get("mean_outcomes_second_half"):
+        rows.append(["mean_outcomes_second_half", ", ".join(f"{o} {fmt(r)}" for o, r in
+                                                           d["mean_outcomes_second_half"].items())])
     if "overrides" in d:
         rows.append(["overrides", " ".join(d["overrides"]) or "none (the embedded default)"])
     return _table(["result", "value"], rows) + _said(d)

@@ -27,7 +27,8 @@ from earl_stream.errors import ConfigError
 class ModelConfig:
     path: str = _f("", "directory of a Hugging Face causal LM + tokenizer (~ and $VARS expanded when the config is "
                    "loaded); empty = the embedded tiny model")
-    warm_start_steps: int = _f(450, "supervised warm-start steps of the embedded model (built once)", minimum=0)
+    warm_start_steps: int = _f(1350, "supervised warm-start steps of the embedded model (built once per value, "
+                               "then cached)", minimum=0)
     warm_start_seconds: float = _f(900.0, "upper bound on the warm start's wall time", minimum=0)
 
     def __post_init__(self) -> None:
@@ -42,6 +43,12 @@ class EnvSpec:
     name: str = _f("", "name shown in metrics and status; empty = spec")
     weight: float = _f(1.0, "relative share of prompts sampled from this environment", minimum=0)
     params: dict[str, Any] = _f({}, "keyword arguments for the environment's constructor")
+    group_seed: str = _f("auto", "what the episodes of a GRPO group reset the environment with: shared = the "
+                         "group's seed (one task, GRPO's same prompt); per_episode = a seed each, for environments "
+                         "whose seed only draws chance (an opponent's moves), so a group of a near-deterministic "
+                         "policy still differs where it errs; auto = per_episode where the environment sets "
+                         "seed_per_episode = True (tictactoe, connect_four), else shared",
+                         choices=("auto", "shared", "per_episode"))
 
     @property
     def display_name(self) -> str:
@@ -139,15 +146,20 @@ class AlgoConfig:
                            "ref/pi - log(ref/pi) - 1", choices=("k1", "k2", "k3"))
     kl_in: str = _f("loss", "where the KL penalty goes: loss (a term with its own gradient) or reward (subtracted "
                     "from each sample's reward before the advantages)", choices=("loss", "reward"))
-    # 0.01 with lr 5e-4: Tic-Tac-Toe win rate holds ~0.9 instead of collapsing (bench/results/learning.json)
-    entropy_coef: float = _f(0.01, "weight of the entropy bonus (keeps groups from collapsing to one answer, which "
-                             "zeroes their advantages)", minimum=0)
+    # 0: where a group's games meet different opponents (envs[].group_seed) a near-deterministic policy still gets
+    # advantages, and the bonus spreads mass over the whole vocabulary (illegal replies); it was 0.01 when a
+    # group's games shared one opponent (bench/results/learning_default_15min.json)
+    entropy_coef: float = _f(0.0, "weight of the entropy bonus (keeps groups of one prompt from collapsing to one "
+                             "answer, which zeroes their advantages)", minimum=0)
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", minimum=0)
-    lr_schedule: str = _f("constant", "learning rate after warm-up: constant, or cosine down to min_lr_ratio x "
-                          "trainer.lr at lr_decay_steps", choices=("constant", "cosine"))
+    # cosine to 0.1 x lr at step 400, then constant: the embedded default's policy jitters less once learnt
+    # (with the bonus off, second-half minimum 0.904 against 0.865 at a constant lr with it:
+    # bench/results/learning_seed_per_game*.json); a real model's config sets its own (configs/smollm2_arithmetic.yaml)
+    lr_schedule: str = _f("cosine", "learning rate after warm-up: constant, or cosine down to min_lr_ratio x "
+                          "trainer.lr at lr_decay_steps, constant after", choices=("constant", "cosine"))
     warmup_steps: int = _f(0, "steps of linear warm-up from 0 to trainer.lr", minimum=0)
-    lr_decay_steps: int = _f(0, "step at which the cosine schedule ends; 0 = the run's `steps`", minimum=0)
-    min_lr_ratio: float = _f(0.0, "cosine: the final learning rate as a fraction of trainer.lr", minimum=0)
+    lr_decay_steps: int = _f(400, "step at which the cosine schedule ends; 0 = the run's `steps`", minimum=0)
+    min_lr_ratio: float = _f(0.1, "cosine: the final learning rate as a fraction of trainer.lr", minimum=0)
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (no signal) and fill the step with "
                                 "other groups; the dropped ones count as samples_filtered")
 

@@ -101,7 +101,9 @@ class Environment(Protocol):
     decoded reply. Both may be `async def` (preferred) or plain methods; drive them with
     `env_reset` / `env_step`. Optional attributes, read with `env_options`:
     `system_prompt: str | None` (None), `max_turn_tokens: int` (32),
-    `max_episode_tokens: int | None` (None, no limit beyond the engine's).
+    `max_episode_tokens: int | None` (None, no limit beyond the engine's);
+    `seed_per_episode: bool` (False; read with `seeds_per_episode`): True where the seed only draws chance,
+    not the task, so the episodes of a group may each get their own.
     """
 
     async def reset(self, seed: int) -> str: ...
@@ -134,6 +136,17 @@ def env_options(env: object) -> EnvOptions:
     if max_episode is not None and (not isinstance(max_episode, int) or max_episode < 1):
         raise EnvError(f"{name}.max_episode_tokens must be a positive int or None, got {max_episode!r}")
     return EnvOptions(system_prompt, max_turn, max_episode)
+
+
+def seeds_per_episode(group_seed: str, env: object) -> bool:
+    """Whether the episodes of a group reset `env` with a seed each (`EnvSpec.group_seed`): `auto` asks the
+    environment's `seed_per_episode` attribute before its reset (a served environment's proxy has none: shared)."""
+    if group_seed != "auto":
+        return group_seed == "per_episode"
+    flag = getattr(env, "seed_per_episode", False)
+    if not isinstance(flag, bool):
+        raise EnvError(f"{type(env).__name__}.seed_per_episode must be a bool, got {flag!r}")
+    return flag
 
 
 async def _call(env: object, method: str, arg: object) -> object:

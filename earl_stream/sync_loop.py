@@ -19,7 +19,7 @@ import torch
 
 from earl_stream.chat import ChatFormat
 from earl_stream.config import RunConfig
-from earl_stream.env import env_options, make_env
+from earl_stream.env import env_options, make_env, seeds_per_episode
 from earl_stream.errors import EarlError
 from earl_stream.model.loading import load_model, torch_dtype
 from earl_stream.protocol import Prompt
@@ -31,7 +31,7 @@ from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.supervisor.ledger import Ledger
 from earl_stream.tools import with_tools
-from earl_stream.workers.agent_loop import Sampling, episode_sample_seed, play_episode
+from earl_stream.workers.agent_loop import Sampling, episode_env_seed, episode_sample_seed, play_episode
 from earl_stream.workers.common import model_path
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.registry import make_engine
@@ -141,7 +141,8 @@ class SyncLoop:
         spec = self.envs[prompt.env]
         envs = [with_tools(make_env(spec.spec, spec.params)) for _ in range(prompt.group_size)]
         return list(await asyncio.gather(*[
-            play_episode(env, env_options(env), self.chat, batcher, env_name=prompt.env, seed=prompt.seed,
+            play_episode(env, env_options(env), self.chat, batcher, env_name=prompt.env,
+                         seed=episode_env_seed(prompt.seed, i, seeds_per_episode(spec.group_seed, env)),
                          prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=self.sampling,
                          policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
                          sample_seed=episode_sample_seed(prompt.seed, i))

@@ -44,6 +44,10 @@ class ConnectFour:
         "Reply with the number (1-7) of a column that is not full."
     )
     max_turn_tokens: int = 4
+    # The seed draws only the opponent's moves, not the task: a group's games each get their own opponent
+    # (`EnvSpec.group_seed: auto`), else a near-deterministic policy plays its group's games alike and a
+    # mistake it always makes is never contrasted with a win.
+    seed_per_episode: bool = True
 
     def __init__(self) -> None:
         # _grid[row][col], row 0 is the bottom row; "" is empty.

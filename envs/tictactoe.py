@@ -32,6 +32,10 @@ class TicTacToe:
 
     system_prompt: str = "Play Tic-Tac-Toe as X. Reply with the number of an empty cell."
     max_turn_tokens: int = 4
+    # The seed draws only the opponent's moves, not the task: a group's games each get their own opponent
+    # (`EnvSpec.group_seed: auto`), else a near-deterministic policy plays its group's games alike and a
+    # mistake it always makes is never contrasted with a win.
+    seed_per_episode: bool = True
 
     def __init__(self) -> None:
         self._board: list[str] = []

@@ -54,3 +54,10 @@ def test_cli_config_show_and_errors(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "trainer.lr" in out.stderr and "rollout.workers" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_written_out_default_is_the_embedded_default() -> None:
+    """configs/tictactoe.yaml says it is the embedded default written out: it must stay so."""
+    written = load_config(Path(__file__).resolve().parents[1] / "configs" / "tictactoe.yaml")
+    default = load_config(None)
+    assert config_to_dict(written) == {**config_to_dict(default), "run_dir": written.run_dir}

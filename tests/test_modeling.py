@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import ViTConfig
 
+from earl_stream.config import RunConfig
 from earl_stream.errors import ModelError
 from earl_stream.model import (
     SPECIAL_TOKENS,
@@ -104,9 +105,12 @@ def test_clear_errors(tmp_path: Path, model_dir: Path) -> None:
 
 def test_default_model_dir_honours_cache_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EARL_STREAM_CACHE", str(tmp_path))
-    assert default_model_dir() == tmp_path / "models" / "tictactoe-warm-v3"
+    assert default_model_dir() == tmp_path / "models" / "tictactoe-warm-v4"
+    # another warm start is another model: never the cached default under a different setting
+    assert default_model_dir(warm_start_steps=450) == tmp_path / "models" / "tictactoe-warm-v4-450steps"
+    assert default_model_dir(warm_start_steps=RunConfig().model.warm_start_steps) == default_model_dir()
     monkeypatch.delenv("EARL_STREAM_CACHE")
-    assert default_model_dir() == Path.home() / ".cache" / "earl_stream" / "models" / "tictactoe-warm-v3"
+    assert default_model_dir() == Path.home() / ".cache" / "earl_stream" / "models" / "tictactoe-warm-v4"
 
 
 def test_ensure_default_model_builds_once_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,9 +133,9 @@ def test_ensure_default_model_builds_once_atomically(tmp_path: Path, monkeypatch
     final = default_model_dir()
     assert results == [final, final]
     meta = json.loads((final / "earl_stream_model.json").read_text())
-    assert meta["name"] == "tictactoe-warm-v3" and meta["warm_start"]["steps"] >= 1
+    assert meta["name"] == "tictactoe-warm-v4" and meta["warm_start"]["steps"] >= 1
     # Only the finished model and the lock remain: no half-written build directories.
-    assert sorted(p.name for p in final.parent.iterdir()) == [".tictactoe-warm-v3.lock", "tictactoe-warm-v3"]
+    assert sorted(p.name for p in final.parent.iterdir()) == [".tictactoe-warm-v4.lock", "tictactoe-warm-v4"]
     assert final.stat().st_mode & 0o777 == 0o755
     load_model(final)
     stamp = (final / "model.safetensors").stat().st_mtime_ns

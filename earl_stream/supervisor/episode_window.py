@@ -1,11 +1,12 @@
 """The supervisor's window of recently finished episodes, and the rates it reports over it.
 
 Owns: `Finished` (what the statistics keep of one episode's metadata row) and the outcome rate of a
-window with its standard error. The samples of a GRPO group share a prompt (the same seed, hence the
-same opponent), so they are not independent draws: when the policy is nearly deterministic the eight
-games of a group are one game played eight times. The standard error is therefore clustered by group
-(the sandwich estimator for a proportion), not the binomial sqrt(p (1 - p) / n) that would treat a
-512-game window of 64 groups as 512 independent games.
+window with its standard error. The samples of a GRPO group share a prompt, so they need not be
+independent draws: where they also share the environment's seed (`EnvSpec.group_seed`: shared, e.g. one
+opponent) a nearly deterministic policy plays the eight games of a group as one game eight times. The
+standard error is therefore clustered by group (the sandwich estimator for a proportion), not the binomial
+sqrt(p (1 - p) / n) that would treat a 512-game window of 64 groups as 512 independent games; where the
+games are independent the two agree.
 """
 
 from __future__ import annotations

@@ -400,7 +400,7 @@ class Supervisor:
             "samples_replayed_since_resume": self._replayed() if self.lost_before_resume >= 0 else None,
             "mean_reward_last": float(np.mean(rewards)) if rewards else None,
             "win_rate_last": outcome_rate(self.recent, "win"),
-            # clustered by group (a group's games share a seed): the window's real uncertainty
+            # clustered by group (a group's games share a prompt, and may share a seed): the window's real uncertainty
             "win_rate_stderr_last": outcome_rate_stderr(self.recent, "win"),
             "groups_last": len({e.group for e in self.recent}),
             # every outcome the environments report (win, correct, truncated, ...) over the statistics window

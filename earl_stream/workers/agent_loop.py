@@ -42,6 +42,12 @@ def episode_sample_seed(prompt_seed: int, index: int) -> int:
     return (prompt_seed * 1_000_003 + index * 7_919 + 1) & 0x7FFFFFFF
 
 
+def episode_env_seed(prompt_seed: int, index: int, per_episode: bool) -> int:
+    """The seed episode `index` of a prompt group resets its environment with: the group's, or with
+    `per_episode` (`earl_stream.env.seeds_per_episode`) one of its own, a pure function of (prompt seed, index)."""
+    return (prompt_seed * 1_000_003 + index * 7_919 + 2) & 0x7FFFFFFF if per_episode else prompt_seed
+
+
 @dataclasses.dataclass
 class TokenTrace:
     """Token fields of an episode as it grows (lists, turned into arrays once at the end)."""

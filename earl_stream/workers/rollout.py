@@ -30,7 +30,7 @@ from earl_stream.agent_env import is_agent_env
 from earl_stream.chat import ChatFormat
 from earl_stream.config import EnvSpec
 from earl_stream.devices import resolve_device
-from earl_stream.env import make_env, resolve_env
+from earl_stream.env import make_env, resolve_env, seeds_per_episode
 from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
 from earl_stream.model.loading import load_model, load_tokenizer, torch_dtype
 from earl_stream.openai_api.http import bind_socket
@@ -43,7 +43,7 @@ from earl_stream.store.relay import sync_weights
 from earl_stream.store.weight_route import WeightRoute
 from earl_stream.tools import with_tools
 from earl_stream.workers.agent_episode import play_agent_episode
-from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_sample_seed, play_episode
+from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_env_seed, episode_sample_seed, play_episode
 from earl_stream.workers.agent_runner import AgentRunners
 from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.durable import DurableSamples
@@ -372,14 +372,18 @@ class RolloutWorker:
 
     async def _play(self, env: Any, spec: EnvSpec, prompt: P.Prompt, index: int, sampling: Sampling) -> SampleRecord:
         """One episode: an agent environment through the OpenAI endpoint, any other with the built-in loop."""
+        try:
+            seed = episode_env_seed(prompt.seed, index, seeds_per_episode(spec.group_seed, env))
+        except EnvError as exc:
+            raise EpisodeFailed(str(exc)) from None
         if is_agent_env(env):
             if self.endpoint is None:
                 raise EpisodeFailed("agent environments need the OpenAI endpoint (rollout.openai_bind is empty)")
             return await play_agent_episode(env, self.endpoint, api_key=self.secret.decode() if self.secret else "none",
-                                            env_name=prompt.env, seed=prompt.seed, prompt_ordinal=prompt.prompt_ordinal,
+                                            env_name=prompt.env, seed=seed, prompt_ordinal=prompt.prompt_ordinal,
                                             group_id=prompt.group_id, runner=self.agent_runners,
                                             spec=(spec.spec, dict(spec.params)))
-        return await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=prompt.seed,
+        return await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=seed,
                                   prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
                                   policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
                                   sample_seed=episode_sample_seed(prompt.seed, index))

@@ -11,7 +11,7 @@ from earl_stream.errors import ConfigError
 def test_every_problem_in_one_error() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algo.advantage=ppo_gae", "algo.dual_clip_c=0.5", "algo.is_correction=mask",
-                           "algo.is_mask_low=1.5", "algo.lr_schedule=cosine", "algo.mini_batches=9",
+                           "algo.is_mask_low=1.5", "algo.lr_decay_steps=0", "algo.mini_batches=9",
                            "algo.loss_agg=sum", "trainer.clip_eps=0.3"])
     text = str(err.value)
     for line in ("algo.advantage: 'ppo_gae' is not a known estimator; choose one of dr_grpo, grpo, reinforce_pp, "

@@ -142,14 +142,18 @@ def test_entropy_bonus_by_hand() -> None:
 
 def test_lr_schedule_by_hand() -> None:
     # warm-up over 4 steps: 1/4, 2/4, 3/4, then 1 (constant)
-    warm = AlgoConfig(warmup_steps=4)
+    warm = AlgoConfig(warmup_steps=4, lr_schedule="constant")
     assert [lr_factor(warm, s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     # cosine after 2 warm-up steps to step 6, floor 0.1: step 4 is half-way -> 0.1 + 0.9 * (1 + cos(pi/2)) / 2
     cos = AlgoConfig(warmup_steps=2, lr_schedule="cosine", lr_decay_steps=6, min_lr_ratio=0.1)
     got = [lr_factor(cos, s) for s in (0, 1, 2, 4, 6, 10)]
     assert got == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1, 0.1])
     # the run's steps end the cosine when lr_decay_steps is 0
-    assert lr_factor(AlgoConfig(lr_schedule="cosine"), 5, run_steps=10) == pytest.approx(0.5)
+    assert lr_factor(AlgoConfig(lr_schedule="cosine", lr_decay_steps=0, min_lr_ratio=0.0), 5,
+                     run_steps=10) == pytest.approx(0.5)
+    # the default: cosine from 1 at step 0 to 0.1 at step 400, constant after
+    default = AlgoConfig()
+    assert [lr_factor(default, s) for s in (0, 200, 400, 10_000)] == pytest.approx([1.0, 0.55, 0.1, 0.1])
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.2)
     assert apply_lr(opt, 0.5) == pytest.approx(0.1) and apply_lr(opt, 1.0) == pytest.approx(0.2)
 

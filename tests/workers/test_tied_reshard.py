@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         mesh = TrainerMesh(world, rank, torch.device("cpu"))
-        cfg = TrainerConfig()  # algo defaults: grad_clip 1.0, entropy_coef 0.01
+        cfg = TrainerConfig()  # algo defaults: grad_clip 1.0, no entropy bonus
 
         def load() -> Any:
             return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
