@@ -1,7 +1,10 @@
 """Learning-rate schedule: linear warm-up, then constant or cosine decay, as a factor of `trainer.lr`.
 
 The trainer calls `lr_factor(algo, step, run_steps)` once per training step (a policy version) and sets
-every parameter group's lr to its initial lr times that factor; the optimizer keeps everything else.
+every parameter group's lr to the optimizer's own lr (`trainer.lr`) times that factor (`apply_lr`); the
+optimizer keeps everything else. The lr is a function of the config and the step alone, so nothing extra
+lives in the optimizer's state: a resumed or re-laid optimizer (a new plan builds a new one and loads the
+old state into it) gets the step's lr at its next step.
 """
 
 from __future__ import annotations
@@ -31,9 +34,14 @@ def lr_factor(algo: AlgoConfig, step: int, run_steps: int = 0) -> float:
 
 
 def apply_lr(optimizer: torch.optim.Optimizer, factor: float) -> float:
-    """Set each parameter group's lr to its initial lr (kept in `initial_lr`) times `factor`; returns the
-    first group's lr."""
+    """Set each parameter group's lr to the lr the optimizer was built with (`optimizer.defaults`, which
+    the trainer takes from `trainer.lr`) times `factor`; returns that lr.
+
+    No key is added to the groups: torch.distributed's optimizer state dict maps the keys of the state it
+    loads onto the new optimizer's, and an extra one (an `initial_lr` kept there until session 14) made a
+    re-shard to another plan fail with a KeyError; one such key from an older checkpoint is dropped here."""
+    lr = float(optimizer.defaults["lr"]) * factor
     for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])
-        group["lr"] = group["initial_lr"] * factor
-    return float(optimizer.param_groups[0]["lr"])
+        group.pop("initial_lr", None)
+        group["lr"] = lr
+    return lr

@@ -155,7 +155,9 @@ def test_lr_schedule_by_hand() -> None:
     default = AlgoConfig()
     assert [lr_factor(default, s) for s in (0, 200, 400, 10_000)] == pytest.approx([1.0, 0.55, 0.1, 0.1])
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.2)
-    assert apply_lr(opt, 0.5) == pytest.approx(0.1) and apply_lr(opt, 1.0) == pytest.approx(0.2)
+    assert apply_lr(opt, 0.5) == pytest.approx(0.1) and opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert apply_lr(opt, 1.0) == pytest.approx(0.2)
+    assert set(opt.param_groups[0]) == set(torch.optim.SGD([torch.zeros(1)], lr=0.2).param_groups[0])  # no extra key
 
 
 def test_gradient_norm_clipping_by_hand() -> None:
