@@ -49,11 +49,8 @@ def run_earl(mode: str, model_dir: Path, seconds: float, target: float, work: Pa
     overrides = [f"model.path={model_dir}", f"run_dir={run_dir}", f"seed={SEED}", *PINNED_POOLS,
                  f"trainer.group_size={GROUP_SIZE}", f"trainer.groups_per_step={GROUPS_PER_STEP}", f"trainer.lr={LR}",
                  f"supervisor.stats_window={WINDOW}",
-                 # the objective TRL's GRPOTrainer optimises: no entropy bonus, a constant lr (pinned: earl_stream's
-                 # defaults had a bonus until session 14 and now decay the lr), one opponent per group as TRL's group
-                 # shares its prompt
-                 "algo.entropy_coef=0", "algo.lr_schedule=constant", "envs.0.group_seed=shared",
-                 *MODE_OVERRIDES[mode]]
+                 # TRL GRPOTrainer's objective: no entropy bonus, constant lr, one opponent per group (defaults moved)
+                 "algo.entropy_coef=0", "algo.lr_schedule=constant", "envs.0.group_seed=shared", *MODE_OVERRIDES[mode]]
     watch = watch_up(["--summary", str(run_dir / "summary.json"), *overrides], run_dir,
                      lambda now, first: first is not None and now.t - first.t >= seconds, what=mode)
     return _earl_result(mode, watch, run_dir, target)
