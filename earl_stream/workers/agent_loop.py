@@ -36,16 +36,20 @@ class Sampling:
     top_k: int = 0
 
 
+def _episode_seed(prompt_seed: int, index: int, salt: int) -> int:
+    return (prompt_seed * 1_000_003 + index * 7_919 + salt) & 0x7FFFFFFF
+
+
 def episode_sample_seed(prompt_seed: int, index: int) -> int:
     """The sampling seed of episode `index` of a prompt group: a group's episodes differ, and an
     episode's tokens are a pure function of (prompt seed, index, weights), whichever batch it shares."""
-    return (prompt_seed * 1_000_003 + index * 7_919 + 1) & 0x7FFFFFFF
+    return _episode_seed(prompt_seed, index, 1)
 
 
 def episode_env_seed(prompt_seed: int, index: int, per_episode: bool) -> int:
     """The seed episode `index` of a prompt group resets its environment with: the group's, or with
     `per_episode` (`earl_stream.env.seeds_per_episode`) one of its own, a pure function of (prompt seed, index)."""
-    return (prompt_seed * 1_000_003 + index * 7_919 + 2) & 0x7FFFFFFF if per_episode else prompt_seed
+    return _episode_seed(prompt_seed, index, 2) if per_episode else prompt_seed
 
 
 @dataclasses.dataclass
