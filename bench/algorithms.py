@@ -1,13 +1,15 @@
 """Algorithm comparison: the embedded default (Tic-Tac-Toe against the random opponent) trained with each
 advantage estimator and the main loss options, on the same budget and seeds, one run at a time.
 
-    python bench/algorithms.py --minutes 5 --seeds 0 1       # ~10 configurations x 2 seeds x 5 min
+    python bench/algorithms.py --minutes 5 --seeds 0 1       # 11 configurations x 2 seeds x 5 min
     python bench/algorithms.py --quick                       # 1.5 minutes, seed 0: checks the pipeline
 
 Writes bench/results/algorithms.json: `runs` (one per configuration and seed: `advantage`, `options`,
 `seed`, `final_win_rate`, `mean_win_rate_second_half`, `min_win_rate_second_half`, `time_to_target_s`,
-`steps`) and `configs` (per configuration over its seeds: mean and spread of those figures), and prints
-the table. Rates are over the last `--window` games, as in bench/learning.py.
+`steps`, and `exact_win_rate`: the final checkpoint's own win rate at the rollout temperature against the
+random opponent, from `bench/policy_audit.py`, free of a window's ~0.01-0.02 sampling error) and `configs`
+(per configuration over its seeds: mean and spread of those figures), and prints the table. Rates are over
+the last `--window` games, as in bench/learning.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -22,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import run_curve, summarize  # noqa: E402
+from policy_audit import audit  # noqa: E402
 
 # (advantage, extra options): every estimator with the defaults, then the main loss options on grpo
 CONFIGS: list[tuple[str, list[str]]] = [
@@ -35,6 +39,7 @@ CONFIGS: list[tuple[str, list[str]]] = [
     ("grpo", ["algo.clip_eps_high=0.28"]),
     ("grpo", ["algo.ppo_epochs=2"]),
     ("grpo", ["algo.is_correction=mask"]),
+    ("grpo", ["algo.positive_weight=0.3"]),
 ]
 
 
@@ -60,15 +65,19 @@ def main() -> int:
             continue
         for seed in args.seeds:
             start = time.monotonic()
+            run_dir = out.parent / "algorithms_run"
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final one audited is this run's
             curve = run_curve([f"algo.advantage={advantage}", *options, f"seed={seed}", *args.overrides],
                               minutes=args.minutes, window=args.window, every=10.0,
-                              run_dir=out.parent / "algorithms_run")
+                              run_dir=run_dir)
+            wall = round(time.monotonic() - start, 1)
             s = summarize(curve, args.target, args.minutes)
+            exact = final_audit(run_dir, [*options, *args.overrides])
             runs.append({"advantage": advantage, "options": options, "seed": seed,
                          **{k: s[k] for k in ("final_win_rate", "mean_win_rate_second_half", "min_win_rate_second_half",
                                               "max_win_rate", "time_to_target_s", "steps")},
-                         "filtered_samples": curve[-1].get("filtered", 0) if curve else 0,
-                         "wall_seconds": round(time.monotonic() - start, 1)})
+                         "exact_win_rate": exact,
+                         "filtered_samples": curve[-1].get("filtered", 0) if curve else 0, "wall_seconds": wall})
             print(json.dumps(runs[-1]), flush=True)
     machine = {"cores": os.cpu_count(), "load_avg_before": load_before,
                "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
@@ -78,6 +87,18 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2))
     print(table(result["configs"]))
     return 0
+
+
+def final_audit(run_dir: Path, overrides: list[str]) -> float | None:
+    """The exact win rate of the run's final checkpoint (Tic-Tac-Toe at the rollout's temperature), or None
+    for another environment or a run that wrote no checkpoint."""
+    from earl_stream.config import load_config
+
+    cfg = load_config(None, overrides)
+    latest = run_dir / "checkpoints" / "latest"
+    if cfg.envs[0].spec != "tictactoe" or not latest.exists():
+        return None
+    return audit(str(latest.parent / latest.read_text().strip()), temperature=cfg.rollout.temperature).outcomes["win"]
 
 
 def label(advantage: str, options: list[str]) -> str:
@@ -103,17 +124,18 @@ def aggregate(runs: list[dict]) -> list[dict]:
                     "min_win_rate_second_half": min((r["min_win_rate_second_half"] for r in mine
                                                      if r["min_win_rate_second_half"] is not None), default=None),
                     "spread_second_half_mean": round(max(halves) - min(halves), 4) if halves else None,
-                    "time_to_target_s": mean("time_to_target_s"), "steps": mean("steps")})
+                    "time_to_target_s": mean("time_to_target_s"), "steps": mean("steps"),
+                    "exact_win_rate": mean("exact_win_rate")})
     return out
 
 
 def table(configs: list[dict]) -> str:
-    lines = ["| configuration | seeds | final | 2nd-half mean | 2nd-half min | spread | to 0.9 (s) | steps |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | seeds | final | 2nd-half mean | 2nd-half min | spread | to 0.9 (s) | steps | exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in configs:
         lines.append(f"| {c['config']} | {c['seeds']} | {c['final_win_rate']} | {c['mean_win_rate_second_half']} | "
                      f"{c['min_win_rate_second_half']} | {c['spread_second_half_mean']} | {c['time_to_target_s']} | "
-                     f"{c['steps']} |")
+                     f"{c['steps']} | {c.get('exact_win_rate')} |")
     return "\n".join(lines)
 
 

@@ -194,12 +194,15 @@ def render_learning(d: dict[str, Any]) -> list[str]:
 
 def render_algorithms(d: dict[str, Any]) -> list[str]:
     out = [f"{fmt(d.get('budget_minutes'))} minutes per run, seeds {fmt(d.get('seeds'))}, win rate over the last "
-           f"{d.get('window_games')} games; spread = max - min over the seeds of the second-half mean.", ""]
+           f"{d.get('window_games')} games; spread = max - min over the seeds of the second-half mean; exact = the "
+           "final checkpoint's own win rate (`bench/policy_audit.py`: every game it can play, weighted by its "
+           "probability), free of a window's sampling error.", ""]
     rows = [[c["config"], c["seeds"], c["final_win_rate"], c["mean_win_rate_second_half"],
-             c["min_win_rate_second_half"], c["spread_second_half_mean"], c["time_to_target_s"], c["steps"]]
+             c["min_win_rate_second_half"], c["spread_second_half_mean"], c["time_to_target_s"], c["steps"],
+             c.get("exact_win_rate")]
             for c in d.get("configs", [])]
     return out + _table(["configuration", "seeds", "final", "2nd-half mean", "2nd-half min", "spread",
-                         f"to {d.get('target_win_rate')} (s)", "steps"], rows)
+                         f"to {d.get('target_win_rate')} (s)", "steps", "exact"], rows) + _said(d)
 
 
 def render_openai_endpoint(d: dict[str, Any]) -> list[str]:

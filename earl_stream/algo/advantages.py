@@ -13,6 +13,11 @@ What the loss does with the advantages (aggregation, clipping, off-policy weight
 - reinforce_pp: the reward whitened over the whole step, no group baseline (Hu 2025, REINFORCE++).
 - reinforce_pp_baseline: r - group mean, then whitened over the whole step (REINFORCE++-baseline).
   REINFORCE++ whitens over tokens; here over samples, so a long episode does not weigh more.
+
+Whatever the estimator, `algo.positive_weight` < 1 then scales the positive advantages down (W-REINFORCE,
+Zhu et al. 2025, "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning"): pushing
+successes up is what collapses a policy onto its first wins, while pushing mistakes down moves their
+probability to the other moves in proportion to what the policy gives them, so it keeps exploring.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class EstimatorOptions:
 
     std_scale: bool = True
     eps: float = EPS
+    positive_weight: float = 1.0  # applied by compute_advantages to any estimator's positive advantages
 
 
 class AdvantageEstimator(Protocol):
@@ -175,10 +181,15 @@ def make_estimator(name: str, options: EstimatorOptions | None = None) -> Advant
 
 def compute_advantages(name: str, rewards: Sequence[float] | np.ndarray, group_ids: Sequence[str], *,
                        options: EstimatorOptions | None = None) -> np.ndarray:
-    """rewards [N], group ids [N] -> advantages [N] float32 of estimator `name`."""
+    """rewards [N], group ids [N] -> advantages [N] float32 of estimator `name`, the positive ones times
+    `options.positive_weight`."""
+    options = options or EstimatorOptions()
     r = np.asarray(rewards, dtype=np.float64)
     if r.shape != (len(group_ids),):
         raise ValueError(f"{r.shape[0] if r.ndim else 1} rewards but {len(group_ids)} group ids")
     if r.size == 0:
         return np.zeros(0, np.float32)
-    return make_estimator(name, options)(r, group_ids)
+    adv = make_estimator(name, options)(r, group_ids)
+    if options.positive_weight != 1.0:
+        adv = np.where(adv > 0, adv * np.float32(options.positive_weight), adv).astype(np.float32)
+    return adv

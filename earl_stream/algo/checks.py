@@ -42,6 +42,8 @@ def algo_problems(cfg: RunConfig) -> list[str]:
     if a.is_correction == "mask" and not a.is_mask_low < 1 < a.is_mask_high:
         out.append(f"algo.is_mask_low={a.is_mask_low} and algo.is_mask_high={a.is_mask_high} must hold 1 "
                    "strictly between them (a token with equal probabilities must be kept)")
+    if a.positive_weight > 1:
+        out.append(f"algo.positive_weight={a.positive_weight} must be <= 1 (it scales positive advantages down)")
     if a.min_lr_ratio > 1:
         out.append(f"algo.min_lr_ratio={a.min_lr_ratio} must be <= 1")
     if a.lr_schedule == "cosine":

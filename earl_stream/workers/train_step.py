@@ -160,7 +160,7 @@ def _advantages(metas: Sequence[SampleMeta], rewards: np.ndarray, lost: set[str]
     keep = [i for i, m in enumerate(metas) if m.sample_id not in lost]
     out = np.zeros(len(metas), np.float32)
     out[keep] = compute_advantages(algo.advantage, rewards[keep], [metas[i].group_id for i in keep],
-                                   options=EstimatorOptions(std_scale=algo.std_scale))
+                                   options=EstimatorOptions(std_scale=algo.std_scale, positive_weight=algo.positive_weight))
     return out
 
 

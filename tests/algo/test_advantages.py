@@ -36,6 +36,15 @@ def test_estimator_by_hand(name: str, std_scale: bool) -> None:
     np.testing.assert_allclose(adv, HAND[name, std_scale], rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_positive_weight_scales_only_positive_advantages(name: str) -> None:
+    # W-REINFORCE: the estimator's advantages, the positive ones times 0.1 (grpo: 1 -> 0.1, 2/sqrt2 -> 0.2/sqrt2)
+    adv = compute_advantages(name, REWARDS, GROUPS, options=EstimatorOptions(eps=0.0, positive_weight=0.1))
+    np.testing.assert_allclose(adv, [a * 0.1 if a > 0 else a for a in HAND[name, True]], rtol=1e-6)
+    only_mistakes = compute_advantages(name, REWARDS, GROUPS, options=EstimatorOptions(eps=0.0, positive_weight=0.0))
+    np.testing.assert_allclose(only_mistakes, [min(a, 0.0) for a in HAND[name, True]], rtol=1e-6)
+
+
 def test_every_builtin_estimator_has_a_hand_computed_example() -> None:
     assert {n for n, _ in HAND} == set(estimator_names())
 
