@@ -1,6 +1,7 @@
 """Exact audit of a Tic-Tac-Toe policy against the random opponent: its expected outcomes and where it loses.
 
-    python bench/policy_audit.py CHECKPOINT_DIR [CHECKPOINT_DIR ...] [--temperature 1.0] [--worst 10] [--json out.json]
+    python bench/policy_audit.py CHECKPOINT_DIR [CHECKPOINT_DIR ...] [--temperature 1.0] [--worst 10] \
+        [--json bench/results/policy_audit.json --note "what the checkpoints are"]
 
 A learning curve's window of 512 games has a standard error of ~0.01; this is the policy's own rate. It
 walks every game the policy can play against `envs/tictactoe.py`'s uniformly random O (the model's turns
@@ -162,7 +163,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=1.0, help="the rollout's sampling temperature")
     ap.add_argument("--min-reach", type=float, default=1e-5, help="finish branches below this with optimal play")
     ap.add_argument("--worst", type=int, default=10, help="positions to list, by value lost")
-    ap.add_argument("--json", default="", help="write the audits here")
+    ap.add_argument("--json", default="", help="write the audits here ({audits: [...], note})")
+    ap.add_argument("--note", default="", help="what the checkpoints are (stored with the audits)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     audits = []
@@ -175,7 +177,8 @@ def main() -> int:
             print(f"  lost {s.value_lost:.4f} reach {s.reach:.4f} plays {s.plays} p(suboptimal) {s.p_suboptimal:.3f}  "
                   f"{s.board}  Q* {s.q}")
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(a) for a in audits], indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"audits": [asdict(a) for a in audits], "note": args.note,
+                                               "optimal_win_rate": round(v_star(("",) * 9), 4)}, indent=1) + "\n")
     return 0
 
 

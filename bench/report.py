@@ -37,6 +37,7 @@ from bench.report_tables import (  # noqa: E402
     render_learning,
     render_memory_model,
     render_openai_endpoint,
+    render_policy_audit,
     render_selector,
     render_weight_sync,
 )
@@ -73,6 +74,10 @@ BENCHMARKS: list[dict[str, Any]] = [
     {"name": "algorithms", "title": "Algorithms: estimators and loss options on the same budget and seeds",
      "script": "bench/algorithms.py", "command": "python bench/algorithms.py --minutes 5 --seeds 0 1",
      "files": ["algorithms.json"], "render": render_algorithms},
+    {"name": "policy_audit", "title": "Exact audits of Tic-Tac-Toe policies: where the win rate stops",
+     "script": "bench/policy_audit.py",
+     "command": "python bench/policy_audit.py RUN_DIR/checkpoints/step_N ... --json bench/results/policy_audit.json",
+     "files": ["policy_audit.json"], "render": render_policy_audit},
     {"name": "context_growth", "title": "Growing contexts: a static context limit vs the selector (EARL's Figure 1)",
      "script": "bench/context_growth.py",
      "command": "python bench/context_growth.py --unbounded --json bench/results/context_growth.json",

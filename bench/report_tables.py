@@ -205,6 +205,20 @@ def render_algorithms(d: dict[str, Any]) -> list[str]:
                          f"to {d.get('target_win_rate')} (s)", "steps", "exact"], rows) + _said(d)
 
 
+def render_policy_audit(d: dict[str, Any]) -> list[str]:
+    """One row per audited checkpoint: exact outcomes, value lost, and the position that loses the most."""
+    rows = []
+    for a in d.get("audits", []):
+        o, worst = a["outcomes"], (a.get("worst") or [{}])[0]
+        rows.append([a["checkpoint"].replace("/tmp/", "").replace("bench/results/", ""), o["win"], o["draw"], o["loss"],
+                     o["illegal"], a["value_lost"], a["value_lost_deterministic"],
+                     f"{worst.get('board')}: plays {worst.get('plays')} (p suboptimal {worst.get('p_suboptimal')}, "
+                     f"loses {worst.get('value_lost')})" if worst else ""])
+    return ([f"Optimal play wins {d.get('optimal_win_rate')} against the random opponent.", ""] +
+            _table(["checkpoint", "win", "draw", "loss", "illegal", "value lost", "of it where the top move is wrong",
+                    "the position that loses the most"], rows) + _said(d))
+
+
 def render_openai_endpoint(d: dict[str, Any]) -> list[str]:
     rows = []
     for model, per_env in d.get("models", {}).items():

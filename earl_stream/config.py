@@ -37,6 +37,9 @@ class ModelConfig:
             object.__setattr__(self, "path", os.path.expanduser(os.path.expandvars(self.path)))
 
 
+GROUP_SEEDS = ("auto", "shared", "per_episode")  # EnvSpec.group_seed
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
     spec: str = _f("tictactoe", "entry-point name, module:Class or path/to/file.py:Class")
@@ -48,7 +51,7 @@ class EnvSpec:
                          "whose seed only draws chance (an opponent's moves), so a group of a near-deterministic "
                          "policy still differs where it errs; auto = per_episode where the environment sets "
                          "seed_per_episode = True (tictactoe, connect_four), else shared",
-                         choices=("auto", "shared", "per_episode"))
+                         choices=GROUP_SEEDS)
 
     @property
     def display_name(self) -> str:

@@ -195,6 +195,7 @@ class EnvAttach(Msg, tag="env_attach", frozen=True):
     name: str = ""
     weight: float = 1.0
     params: dict[str, Any] = {}
+    group_seed: str = "auto"  # EnvSpec.group_seed
 
 
 class EnvDetach(Msg, tag="env_detach", frozen=True):

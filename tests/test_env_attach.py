@@ -30,9 +30,9 @@ def test_attach_and_detach_on_a_live_run(tmp_path: Path, tiny_model_dir: Path) -
         cluster.worker("rollout", "rollout")
         cluster.worker("trainer", "trainer")
         wait_for(lambda: cluster.status()["policy_version"] >= 2, 180, "training to start")
-        out = _cli(cluster, "attach", "connect_four", "--weight", "3")
+        out = _cli(cluster, "attach", "connect_four", "--weight", "3", "--group-seed", "shared")
         assert out.returncode == 0, out.stderr
-        assert "connect_four" in out.stdout
+        assert "connect_four" in out.stdout and "group seed shared" in out.stdout
         s = wait_for(lambda: (st := cluster.status())["envs"].get("connect_four", {}).get("episodes", 0) >= 4 and st,
                      120, "connect_four episodes in the status")
         assert s["envs"]["tictactoe"]["episodes"] > 0

@@ -36,7 +36,7 @@ def _print(envs: list[dict[str, Any]]) -> None:
         if e["errors"]:
             state = "FAILED"
         print(f"{e['name']:16s} {state:9s} weight {e['weight']:<5g} episodes {e['episodes']:<7d} "
-              f"workers {e['loaded_by_workers']}  {e['spec']}")
+              f"workers {e['loaded_by_workers']}  group seed {e.get('group_seed', 'auto')}  {e['spec']}")
         for worker, message in e["errors"].items():
             print(f"    {worker}: {message}")
 
@@ -91,7 +91,7 @@ def run_env_command(args: argparse.Namespace) -> int:
     spec, name, params = args.spec, args.name, _params(args.param)
     if args.address:  # a served environment: SPEC is its name here
         spec, name, params = "remote", args.name or args.spec, {**params, "address": args.address}
-    client.call(P.EnvAttach(spec=spec, name=name, weight=args.weight, params=params))
+    client.call(P.EnvAttach(spec=spec, name=name, weight=args.weight, params=params, group_seed=args.group_seed))
     name = EnvSpec(spec=spec, name=name).display_name
     deadline = time.monotonic() + args.wait
     while args.wait > 0:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from earl_stream.config import TrainerConfig
+from earl_stream.config import GROUP_SEEDS, TrainerConfig
 from earl_stream.errors import EarlError
 
 log = logging.getLogger("earl_stream")
@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     ea.add_argument("--name", default="", help="name in metrics and status (default: from SPEC)")
     ea.add_argument("--weight", type=float, default=1.0, help="relative share of new prompts")
     ea.add_argument("--param", action="append", default=[], metavar="K=V", help="constructor argument (repeatable)")
+    ea.add_argument("--group-seed", default="auto", choices=GROUP_SEEDS,
+                    help="what a GRPO group's episodes reset the environment with: shared = one seed (one task); "
+                    "per_episode = a seed each (where the seed only draws chance, e.g. an opponent); auto = what the "
+                    "environment's seed_per_episode says, else shared (envs[].group_seed)")
     ea.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the workers to load it (0 = don't)")
     ea.add_argument("--address", metavar="HOST:PORT", help="attach the environment `env serve` serves there; SPEC is "
                     "then the NAME it gets in this run")

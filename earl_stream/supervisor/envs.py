@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from earl_stream.config import EnvSpec, config_to_dict
+from earl_stream.config import GROUP_SEEDS, EnvSpec, config_to_dict
 from earl_stream.errors import ConfigError
 
 
@@ -39,8 +39,10 @@ class EnvRegistry:
                 raise ConfigError(f"envs: two environments are named {spec.display_name!r}; give one a `name`")
             self.entries[spec.display_name] = EnvEntry(spec)
 
-    def attach(self, spec: str, name: str, weight: float, params: dict[str, Any]) -> EnvEntry:
-        env = EnvSpec(spec=spec, name=name, weight=weight, params=dict(params))
+    def attach(self, spec: str, name: str, weight: float, params: dict[str, Any], group_seed: str = "auto") -> EnvEntry:
+        if group_seed not in GROUP_SEEDS:
+            raise ConfigError(f"--group-seed must be one of {', '.join(GROUP_SEEDS)}, got {group_seed!r}")
+        env = EnvSpec(spec=spec, name=name, weight=weight, params=dict(params), group_seed=group_seed)
         key = env.display_name
         if key in self.entries and self.entries[key].active:
             raise ConfigError(f"an environment named {key!r} is already attached; detach it or pick another --name")
@@ -83,6 +85,7 @@ class EnvRegistry:
         for name, e in self.entries.items():
             loaded = sum(1 for wid, v in loaded_versions.items() if v >= e.added_version and wid not in e.errors)
             out.append({"name": name, "spec": e.spec.spec, "weight": e.spec.weight, "params": e.spec.params,
+                        "group_seed": e.spec.group_seed,
                         "active": e.active, "usable": e.usable, "loaded_by_workers": loaded, "errors": e.errors,
                         "episodes": episodes.get(name, 0)})
         return out

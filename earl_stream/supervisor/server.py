@@ -249,7 +249,7 @@ class Supervisor:
 
     def _on_envattach(self, msg: P.EnvAttach, now: float) -> P.Msg:
         try:
-            entry = self.envs.attach(msg.spec, msg.name, msg.weight, msg.params)
+            entry = self.envs.attach(msg.spec, msg.name, msg.weight, msg.params, msg.group_seed)
         except ConfigError as exc:
             return P.ErrorReply(message=str(exc))
         self.ledger.envs = self.envs.usable_specs()
