@@ -8,7 +8,8 @@ walks every game the policy can play against `envs/tictactoe.py`'s uniformly ran
 rendered exactly as the agent loop renders them, so the policy sees the whole conversation), branching on
 each legal move by its probability at `--temperature` and on each O reply by 1 / empty cells, and sums
 win / draw / loss / illegal. Probability on anything but a legal cell's digit counts as illegal (the digit's
-end-of-turn token is taken as given). Branches below `--min-reach` are finished with optimal play's value.
+end-of-turn token is taken as given). A branch below `--min-reach` is finished with optimal play's win
+probability, the rest of it counted as a loss (so `draw` can read low when many branches are finished).
 
 Where the lost value is: for each position the policy reaches, value lost = reach x sum over moves of
 p(move) x (V*(position) - Q*(position, move)), V*/Q* being optimal play's win probability against the
@@ -86,6 +87,7 @@ class Position:
 class Audit:
     checkpoint: str
     temperature: float
+    min_reach: float
     outcomes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("win", "draw", "loss", "illegal"), 0.0))
     value_lost: float = 0.0
     value_lost_deterministic: float = 0.0
@@ -101,7 +103,7 @@ def audit(checkpoint: str, *, temperature: float = 1.0, min_reach: float = 1e-5,
     if any(len(d) != 1 for d in digits):
         raise SystemExit(f"{checkpoint}: the tokenizer splits a digit into several tokens; this audit reads one")
     digit_ids = [d[0] for d in digits]
-    out = Audit(checkpoint, temperature)
+    out = Audit(checkpoint, temperature, min_reach)
     seen: list[Position] = []
 
     @torch.no_grad()

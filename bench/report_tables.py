@@ -210,9 +210,10 @@ def render_policy_audit(d: dict[str, Any]) -> list[str]:
     rows = []
     for a in d.get("audits", []):
         o, worst = a["outcomes"], (a.get("worst") or [{}])[0]
+        board = str(worst.get("board")).replace(" | ", " / ")  # a "|" would split the table's cell
         rows.append([a["checkpoint"].replace("/tmp/", "").replace("bench/results/", ""), o["win"], o["draw"], o["loss"],
                      o["illegal"], a["value_lost"], a["value_lost_deterministic"],
-                     f"{worst.get('board')}: plays {worst.get('plays')} (p suboptimal {worst.get('p_suboptimal')}, "
+                     f"{board}: plays {worst.get('plays')} (p suboptimal {worst.get('p_suboptimal')}, "
                      f"loses {worst.get('value_lost')})" if worst else ""])
     return ([f"Optimal play wins {d.get('optimal_win_rate')} against the random opponent.", ""] +
             _table(["checkpoint", "win", "draw", "loss", "illegal", "value lost", "of it where the top move is wrong",
