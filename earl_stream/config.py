@@ -128,7 +128,7 @@ class AlgoConfig:
     loss_agg: str = _f("token-mean", "how per-token losses sum to the step's loss, over the whole step (not per "
                        "micro-batch or rank)", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"))
     positive_weight: float = _f(1.0, "factor on positive advantages, after the estimator (W-REINFORCE, Zhu et al. "
-                                "2025: 0.1 keeps a policy from collapsing onto its first wins while its mistakes "
+                                "2025, use 0.1: the policy sharpens on its successes more slowly while its mistakes "
                                 "are still pushed down); 1 = off, 0 = learn from mistakes only", minimum=0)
     ppo_epochs: int = _f(1, "passes over each step's batch (ratios are against the log-probs before the first)",
                          minimum=1)

@@ -15,9 +15,10 @@ What the loss does with the advantages (aggregation, clipping, off-policy weight
   REINFORCE++ whitens over tokens; here over samples, so a long episode does not weigh more.
 
 Whatever the estimator, `algo.positive_weight` < 1 then scales the positive advantages down (W-REINFORCE,
-Zhu et al. 2025, "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning"): pushing
-successes up is what collapses a policy onto its first wins, while pushing mistakes down moves their
-probability to the other moves in proportion to what the policy gives them, so it keeps exploring.
+Zhu et al. 2025, "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning"). Their
+argument: pushing successes up is what collapses a policy onto its first wins, while pushing mistakes down
+moves their probability to the other answers in proportion to what the policy gives them. (On the embedded
+default it did not keep the missed blocks from setting in: bench/results/policy_audit.json.)
 """
 
 from __future__ import annotations
