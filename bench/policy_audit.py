@@ -32,18 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from earl_stream.chat import ChatFormat  # noqa: E402
 from earl_stream.model.loading import load_model  # noqa: E402
-from envs.tictactoe import _LINES, TicTacToe  # noqa: E402
+from envs.tictactoe import TicTacToe, render_board, winner  # noqa: E402
 
 Board = tuple[str, ...]
-
-
-def _winner(b: Board) -> str:
-    return next((b[i] for i, j, k in _LINES if b[i] and b[i] == b[j] == b[k]), "")
-
-
-def _render(b: Board) -> str:
-    cells = [c or str(i + 1) for i, c in enumerate(b)]
-    return "\n".join(" ".join(cells[r * 3:r * 3 + 3]) for r in range(3))
 
 
 def _put(b: Board, i: int, mark: str) -> Board:
@@ -60,7 +51,7 @@ def v_star(b: Board) -> float:
 def q_star(b: Board, m: int) -> float:
     """X plays cell m (0-based), then optimally: its win probability."""
     b = _put(b, m, "X")
-    if _winner(b):
+    if winner(b):
         return 1.0
     empty = [i for i in range(9) if not b[i]]
     if not empty:
@@ -68,7 +59,7 @@ def q_star(b: Board, m: int) -> float:
     total = 0.0
     for o in empty:
         b2 = _put(b, o, "O")
-        if not _winner(b2) and not all(b2):
+        if not winner(b2) and not all(b2):
             total += v_star(b2)
     return total / len(empty)
 
@@ -123,7 +114,7 @@ def audit(checkpoint: str, *, temperature: float = 1.0, min_reach: float = 1e-5,
         deterministic = top not in legal or q_star(b, top) < v - 1e-9
         out.value_lost += lost
         out.value_lost_deterministic += lost if deterministic else 0.0
-        seen.append(Position(round(reach, 5), _render(b).replace("\n", " | "), round(lost, 5), top + 1,
+        seen.append(Position(round(reach, 5), render_board(b).replace("\n", " | "), round(lost, 5), top + 1,
                              round(sum(p[i] for i in legal if q_star(b, i) < v - 1e-9), 4),
                              [round(q_star(b, i), 3) if i in legal else None for i in range(9)]))
         for i in legal:
@@ -133,7 +124,7 @@ def audit(checkpoint: str, *, temperature: float = 1.0, min_reach: float = 1e-5,
                 out.outcomes["loss"] += r * (1 - q_star(b, i))
                 continue
             bx = _put(b, i, "X")
-            if _winner(bx):
+            if winner(bx):
                 out.outcomes["win"] += r
                 continue
             empty = [k for k in range(9) if not bx[k]]
@@ -143,15 +134,15 @@ def audit(checkpoint: str, *, temperature: float = 1.0, min_reach: float = 1e-5,
             for o in empty:
                 bo = _put(bx, o, "O")
                 ro = r / len(empty)
-                if _winner(bo):
+                if winner(bo):
                     out.outcomes["loss"] += ro
                 elif all(bo):
                     out.outcomes["draw"] += ro
                 else:
-                    walk(ids + [digit_ids[i], fmt.end_token_id] + fmt.next_turn(_render(bo)), bo, ro)
+                    walk(ids + [digit_ids[i], fmt.end_token_id] + fmt.next_turn(render_board(bo)), bo, ro)
 
     empty: Board = ("",) * 9
-    walk(fmt.first_turn(TicTacToe.system_prompt, _render(empty)), empty, 1.0)
+    walk(fmt.first_turn(TicTacToe.system_prompt, render_board(empty)), empty, 1.0)
     out.outcomes = {k: round(v, 4) for k, v in out.outcomes.items()}
     out.value_lost, out.value_lost_deterministic = round(out.value_lost, 4), round(out.value_lost_deterministic, 4)
     out.positions = len(seen)

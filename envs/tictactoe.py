@@ -17,7 +17,7 @@ import random
 from earl_stream.env import StepResult
 from earl_stream.errors import EnvError
 
-__all__ = ["TicTacToe"]
+__all__ = ["TicTacToe", "render_board", "winner"]
 
 _LINES: tuple[tuple[int, int, int], ...] = (
     (0, 1, 2), (3, 4, 5), (6, 7, 8),
@@ -25,6 +25,17 @@ _LINES: tuple[tuple[int, int, int], ...] = (
     (0, 4, 8), (2, 4, 6),
 )
 _MOVES = frozenset("123456789")
+
+
+def render_board(cells: list[str] | tuple[str, ...]) -> str:
+    """9 cells ("X", "O" or "" for empty, row-major) as the model sees them, e.g. "X O 3\\n4 X 6\\n7 8 O"."""
+    shown = [cell or str(i + 1) for i, cell in enumerate(cells)]
+    return "\n".join(" ".join(shown[r * 3:r * 3 + 3]) for r in range(3))
+
+
+def winner(cells: list[str] | tuple[str, ...]) -> str:
+    """The mark ("X" or "O") that holds a line of the 9 cells; "" when none does."""
+    return next((cells[a] for a, b, c in _LINES if cells[a] and cells[a] == cells[b] == cells[c]), "")
 
 
 class TicTacToe:
@@ -76,14 +87,10 @@ class TicTacToe:
 
     def render(self) -> str:
         """The board as the model sees it, e.g. "X O 3\\n4 X 6\\n7 8 O"."""
-        cells = [cell or str(i + 1) for i, cell in enumerate(self._board or [""] * 9)]
-        return "\n".join(" ".join(cells[r * 3:r * 3 + 3]) for r in range(3))
+        return render_board(self._board or [""] * 9)
 
     def _winner(self) -> str:
-        for a, b, c in _LINES:
-            if self._board[a] and self._board[a] == self._board[b] == self._board[c]:
-                return self._board[a]
-        return ""
+        return winner(self._board)
 
     def _finish(self, reward: float, outcome: str) -> StepResult:
         self._done = True
