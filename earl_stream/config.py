@@ -150,6 +150,9 @@ class AlgoConfig:
     kl_coef: float = _f(0.0, "weight of the KL penalty to the initial (reference) policy; 0 = off", minimum=0)
     kl_estimator: str = _f("k3", "KL estimator per token: k1 = log(pi/ref), k2 = (log(pi/ref))^2 / 2, k3 = "
                            "ref/pi - log(ref/pi) - 1", choices=("k1", "k2", "k3"))
+    kl_decay_steps: int = _f(0, "the KL weight falls linearly from kl_coef to 0 at this step, and the reference's "
+                             "forward stops there (a diffuse start that keeps exploring while the policy is weak, "
+                             "then free); 0 = constant", minimum=0)
     kl_in: str = _f("loss", "where the KL penalty goes: loss (a term with its own gradient) or reward (subtracted "
                     "from each sample's reward before the advantages)", choices=("loss", "reward"))
     # 0: where a group's games meet different opponents (envs[].group_seed) a near-deterministic policy still gets

@@ -44,6 +44,8 @@ def algo_problems(cfg: RunConfig) -> list[str]:
                    "strictly between them (a token with equal probabilities must be kept)")
     if a.positive_weight > 1:
         out.append(f"algo.positive_weight={a.positive_weight} must be <= 1 (it scales positive advantages down)")
+    if a.kl_decay_steps > 0 and a.kl_coef == 0:
+        out.append(f"algo.kl_decay_steps={a.kl_decay_steps} decays the KL weight, but algo.kl_coef is 0 (set both)")
     if a.min_lr_ratio > 1:
         out.append(f"algo.min_lr_ratio={a.min_lr_ratio} must be <= 1")
     if a.lr_schedule == "cosine":

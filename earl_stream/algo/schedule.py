@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warm-up, then constant or cosine decay, as a factor of `trainer.lr`.
+"""Schedules over training steps: the learning rate (linear warm-up, then constant or cosine decay, as a
+factor of `trainer.lr`) and the KL weight (`kl_factor`: constant, or a linear fall to 0).
 
 The trainer calls `lr_factor(algo, step, run_steps)` once per training step (a policy version) and sets
 every parameter group's lr to the optimizer's own lr (`trainer.lr`) times that factor (`apply_lr`); the
@@ -31,6 +32,14 @@ def lr_factor(algo: AlgoConfig, step: int, run_steps: int = 0) -> float:
         raise ValueError(f"cosine schedule needs an end step past the warm-up ({algo.warmup_steps}), got {end}")
     progress = min(1.0, (step - algo.warmup_steps) / (end - algo.warmup_steps))
     return algo.min_lr_ratio + (1.0 - algo.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def kl_factor(algo: AlgoConfig, step: int) -> float:
+    """The multiplier of `algo.kl_coef` at training step `step` (0-based): 1 - step / kl_decay_steps down
+    to 0 (then 0), or 1 when kl_decay_steps is 0."""
+    if algo.kl_decay_steps <= 0:
+        return 1.0
+    return max(0.0, 1.0 - step / algo.kl_decay_steps)
 
 
 def apply_lr(optimizer: torch.optim.Optimizer, factor: float) -> float:

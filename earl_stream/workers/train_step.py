@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from earl_stream.algo.advantages import EstimatorOptions, compute_advantages
 from earl_stream.algo.losses import kl_estimate, policy_loss, row_weights
-from earl_stream.algo.schedule import apply_lr, lr_factor
+from earl_stream.algo.schedule import apply_lr, kl_factor, lr_factor
 from earl_stream.config import AlgoConfig, TrainerConfig
 from earl_stream.errors import ConfigError
 from earl_stream.store.experience import Puller, SamplesUnavailable, pull_samples
@@ -89,6 +89,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     tempered distribution the samples were drawn from."""
     start = time.monotonic()
     algo = algo or AlgoConfig()
+    if algo.kl_decay_steps > 0:  # this step's KL weight; at 0 the reference's forward is skipped below
+        algo = dataclasses.replace(algo, kl_coef=algo.kl_coef * kl_factor(algo, step))
     placement = placement or Placement.single(layout, micro_batch_tokens=cfg.micro_batch_tokens)
     if sp_state() != (layout.cp_size, layout.cp_rank):
         raise ConfigError(f"layout has sp={layout.cp_size} (rank {layout.cp_rank}) but the model runs sp={sp_state()}: "

@@ -12,7 +12,8 @@ def test_every_problem_in_one_error() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algo.advantage=ppo_gae", "algo.dual_clip_c=0.5", "algo.is_correction=mask",
                            "algo.is_mask_low=1.5", "algo.lr_decay_steps=0", "algo.mini_batches=9",
-                           "algo.loss_agg=sum", "trainer.clip_eps=0.3", "algo.positive_weight=2"])
+                           "algo.loss_agg=sum", "trainer.clip_eps=0.3", "algo.positive_weight=2",
+                           "algo.kl_decay_steps=100"])
     text = str(err.value)
     for line in ("algo.advantage: 'ppo_gae' is not a known estimator; choose one of dr_grpo, grpo, reinforce_pp, "
                  "reinforce_pp_baseline, rloo",
@@ -22,7 +23,8 @@ def test_every_problem_in_one_error() -> None:
                  "algo.mini_batches=9: a mini-batch holds whole groups, and a step has only trainer.groups_per_step=8",
                  "algo.loss_agg: 'sum' is not allowed; choose one of token-mean, seq-mean-token-mean, seq-mean-token-sum",
                  "trainer.clip_eps: moved to algo.clip_eps_low and algo.clip_eps_high",
-                 "algo.positive_weight=2.0 must be <= 1"):
+                 "algo.positive_weight=2.0 must be <= 1",
+                 "algo.kl_decay_steps=100 decays the KL weight, but algo.kl_coef is 0 (set both)"):
         assert line in text, text
 
 

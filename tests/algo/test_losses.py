@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from earl_stream.algo.losses import clipped_surrogate, kl_estimate, policy_loss, row_weights, token_logprobs
-from earl_stream.algo.schedule import apply_lr, lr_factor
+from earl_stream.algo.schedule import apply_lr, kl_factor, lr_factor
 from earl_stream.config import AlgoConfig
 from earl_stream.workers.mesh import Placement, clip_gradients
 
@@ -154,6 +154,9 @@ def test_lr_schedule_by_hand() -> None:
     # the default: cosine from 1 at step 0 to 0.1 at step 400, constant after
     default = AlgoConfig()
     assert [lr_factor(default, s) for s in (0, 200, 400, 10_000)] == pytest.approx([1.0, 0.55, 0.1, 0.1])
+    # the KL weight: constant by default; with kl_decay_steps=4 it falls 1, 3/4, 1/2, 1/4, then 0 for good
+    assert kl_factor(AlgoConfig(kl_coef=0.1), 10_000) == 1.0
+    assert [kl_factor(AlgoConfig(kl_coef=0.1, kl_decay_steps=4), s) for s in range(7)] == [1, .75, .5, .25, 0, 0, 0]
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.2)
     assert apply_lr(opt, 0.5) == pytest.approx(0.1) and opt.param_groups[0]["lr"] == pytest.approx(0.1)
     assert apply_lr(opt, 1.0) == pytest.approx(0.2)

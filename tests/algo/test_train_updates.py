@@ -136,6 +136,17 @@ def test_kl_in_the_reward_is_the_step_on_shifted_rewards(tiny_model_dir: Path, s
     plain, w_plain = _step(tiny_model_dir, writer.put(shifted), client, dataclasses.replace(algo, kl_coef=0.0))
     assert with_kl.loss == pytest.approx(plain.loss, rel=1e-4)
     _assert_same(w_kl, w_plain, rel=1e-4)
+    # algo.kl_decay_steps: at step 1 of 2 the weight is half of kl_coef (1.0 -> the 0.5 above), at step 2 it is
+    # 0 and the step is the one without KL (a constant lr, so that steps 0, 1 and 2 compare)
+    decayed = dataclasses.replace(algo, kl_coef=1.0, kl_decay_steps=2, lr_schedule="constant")
+    half, w_half = _step(tiny_model_dir, metas, client, decayed, ref_model=ref, step=1)
+    assert half.loss == pytest.approx(with_kl.loss, rel=1e-6) and half.kl == pytest.approx(with_kl.kl, rel=1e-6)
+    _assert_same(w_half, w_kl, rel=1e-6)
+    off, w_off = _step(tiny_model_dir, metas, client, decayed, ref_model=ref, step=2)
+    free, w_free = _step(tiny_model_dir, metas, client, dataclasses.replace(decayed, kl_coef=0.0, kl_decay_steps=0),
+                         ref_model=ref, step=2)
+    assert off.kl == 0 and off.loss == pytest.approx(free.loss, rel=1e-6)
+    _assert_same(w_off, w_free, rel=1e-6)
 
 
 def test_updates_after_the_first_see_ratios_against_the_steps_old_log_probs(tiny_model_dir: Path, store) -> None:
