@@ -86,22 +86,83 @@ class Audit:
     worst: list[Position] = field(default_factory=list)
 
 
-def audit(checkpoint: str, *, temperature: float = 1.0, min_reach: float = 1e-5, worst: int = 10) -> Audit:
-    model, tok = load_model(checkpoint)
-    model.eval()
-    fmt = ChatFormat(tok)
-    digits = [tok.encode(str(d), add_special_tokens=False) for d in range(1, 10)]
-    if any(len(d) != 1 for d in digits):
-        raise SystemExit(f"{checkpoint}: the tokenizer splits a digit into several tokens; this audit reads one")
-    digit_ids = [d[0] for d in digits]
-    out = Audit(checkpoint, temperature, min_reach)
-    seen: list[Position] = []
+class Policy:
+    """A checkpoint as the agent loop drives it: the token ids of a game so far, and its move probabilities."""
+
+    def __init__(self, checkpoint: str, temperature: float = 1.0) -> None:
+        self.model, tok = load_model(checkpoint)
+        self.model.eval()
+        self.fmt = ChatFormat(tok)
+        self.temperature = temperature
+        digits = [tok.encode(str(d), add_special_tokens=False) for d in range(1, 10)]
+        if any(len(d) != 1 for d in digits):
+            raise SystemExit(f"{checkpoint}: the tokenizer splits a digit into several tokens; this audit reads one")
+        self.digit_ids = [d[0] for d in digits]
+
+    def start(self) -> list[int]:
+        """The ids of the first turn (the empty board)."""
+        return self.fmt.first_turn(TicTacToe.system_prompt, render_board(("",) * 9))
+
+    def then(self, ids: list[int], move: int, board: Board) -> list[int]:
+        """`ids` followed by the model's reply `move` (cell 0..8) and the next turn showing `board`."""
+        return ids + [self.digit_ids[move], self.fmt.end_token_id] + self.fmt.next_turn(render_board(board))
 
     @torch.no_grad()
-    def probs(ids: list[int]) -> list[float]:
-        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float() / temperature
+    def probs(self, ids: list[int]) -> list[float]:
+        """The probability of each cell's digit (0..8) as the next token, at the temperature."""
+        logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float() / self.temperature
         p = torch.softmax(logits, -1)
-        return [float(p[i]) for i in digit_ids]
+        return [float(p[i]) for i in self.digit_ids]
+
+
+@dataclass
+class Reply:
+    """The policy's most likely third move after one line of play: X's most likely legal first and second moves."""
+    x_first: int  # cells 1..9
+    o_first: int
+    x_second: int
+    o_second: int
+    x_third: int
+    p_third: float
+    q: float  # Q* of x_third
+    v: float  # V* of the position (q < v: a mistake)
+
+
+def replies(checkpoint: str, temperature: float = 1.0) -> list[Reply]:
+    """For every first O reply to the policy's most likely opening, and every second O reply after its most
+    likely legal answer to that, the policy's most likely third move (an occupied cell scores Q* 0), with
+    optimal play's values: shows whether it reads O's threats or plays a fixed order (a position with a line
+    already won is skipped)."""
+    pol = Policy(checkpoint, temperature)
+    out: list[Reply] = []
+    ids, board = pol.start(), ("",) * 9
+    first = _top(pol.probs(ids))
+    for o1 in (i for i in range(9) if i != first):
+        b1 = _put(_put(board, first, "X"), o1, "O")
+        ids1 = pol.then(ids, first, b1)
+        second = _top(pol.probs(ids1), [i for i in range(9) if not b1[i]])
+        b2x = _put(b1, second, "X")
+        for o2 in (i for i in range(9) if not b2x[i]):
+            b2 = _put(b2x, o2, "O")
+            if winner(b2x) or winner(b2):
+                continue
+            p = pol.probs(pol.then(ids1, second, b2))
+            third = _top(p)
+            out.append(Reply(first + 1, o1 + 1, second + 1, o2 + 1, third + 1, round(p[third], 3),
+                             round(q_star(b2, third), 3) if not b2[third] else 0.0, round(v_star(b2), 3)))
+    return out
+
+
+def _top(p: list[float], among: list[int] | None = None) -> int:
+    """The most likely cell (0..8), or the most likely of `among`."""
+    return max(range(len(p)) if among is None else among, key=p.__getitem__)
+
+
+def audit(checkpoint: str, *, temperature: float = 1.0, min_reach: float = 1e-5, worst: int = 10) -> Audit:
+    pol = Policy(checkpoint, temperature)
+    probs = pol.probs
+    out = Audit(checkpoint, temperature, min_reach)
+    seen: list[Position] = []
 
     def walk(ids: list[int], b: Board, reach: float) -> None:
         p = probs(ids)
@@ -110,7 +171,7 @@ def audit(checkpoint: str, *, temperature: float = 1.0, min_reach: float = 1e-5,
         out.outcomes["illegal"] += reach * illegal
         v = v_star(b)
         lost = reach * (sum(p[i] * (v - q_star(b, i)) for i in legal) + illegal * v)
-        top = max(range(9), key=p.__getitem__)
+        top = _top(p)
         deterministic = top not in legal or q_star(b, top) < v - 1e-9
         out.value_lost += lost
         out.value_lost_deterministic += lost if deterministic else 0.0
@@ -139,10 +200,10 @@ def audit(checkpoint: str, *, temperature: float = 1.0, min_reach: float = 1e-5,
                 elif all(bo):
                     out.outcomes["draw"] += ro
                 else:
-                    walk(ids + [digit_ids[i], fmt.end_token_id] + fmt.next_turn(render_board(bo)), bo, ro)
+                    walk(pol.then(ids, i, bo), bo, ro)
 
     empty: Board = ("",) * 9
-    walk(fmt.first_turn(TicTacToe.system_prompt, render_board(empty)), empty, 1.0)
+    walk(pol.start(), empty, 1.0)
     out.outcomes = {k: round(v, 4) for k, v in out.outcomes.items()}
     out.value_lost, out.value_lost_deterministic = round(out.value_lost, 4), round(out.value_lost_deterministic, 4)
     out.positions = len(seen)
@@ -158,8 +219,26 @@ def main() -> int:
     ap.add_argument("--worst", type=int, default=10, help="positions to list, by value lost")
     ap.add_argument("--json", default="", help="write the audits here ({audits: [...], note})")
     ap.add_argument("--note", default="", help="what the checkpoints are (stored with the audits)")
+    ap.add_argument("--replies", action="store_true", help="instead of auditing, print each checkpoint's most "
+                    "likely third move after every O reply along its own most likely first two moves, marking a "
+                    "mistake (does it read O's threats, or play a fixed order?); with --json, add them to that "
+                    "file's `replies` (by checkpoint), keeping its audits")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.replies:
+        found = {}
+        for ckpt in args.checkpoints:
+            print(f"{ckpt}: third move after X's top first two moves (cells 1..9)")
+            found[ckpt] = replies(ckpt, args.temperature)
+            for r in found[ckpt]:
+                mark = "" if r.q >= r.v - 1e-9 else f"   MISTAKE: Q* {r.q} < V* {r.v}"
+                print(f"  X {r.x_first}, O {r.o_first}, X {r.x_second}, O {r.o_second} -> X {r.x_third} (p {r.p_third}){mark}")
+        if args.json:  # kept beside the audits already in the file
+            path = Path(args.json)
+            d = json.loads(path.read_text()) if path.exists() else {}
+            d.setdefault("replies", {}).update({k: [asdict(r) for r in v] for k, v in found.items()})
+            path.write_text(json.dumps(d, indent=1) + "\n")
+        return 0
     audits = []
     for ckpt in args.checkpoints:
         a = audit(ckpt, temperature=args.temperature, min_reach=args.min_reach, worst=args.worst)

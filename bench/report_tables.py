@@ -215,9 +215,17 @@ def render_policy_audit(d: dict[str, Any]) -> list[str]:
                      o["illegal"], a["value_lost"], a["value_lost_deterministic"],
                      f"{board}: plays {worst.get('plays')} (p suboptimal {worst.get('p_suboptimal')}, "
                      f"loses {worst.get('value_lost')})" if worst else ""])
-    return ([f"Optimal play wins {d.get('optimal_win_rate')} against the random opponent.", ""] +
-            _table(["checkpoint", "win", "draw", "loss", "illegal", "value lost", "of it where the top move is wrong",
-                    "the position that loses the most"], rows) + _said(d))
+    out = ([f"Optimal play wins {d.get('optimal_win_rate')} against the random opponent.", ""] +
+           _table(["checkpoint", "win", "draw", "loss", "illegal", "value lost", "of it where the top move is wrong",
+                   "the position that loses the most"], rows))
+    for ckpt, replies in d.get("replies", {}).items():  # `policy_audit.py --replies`
+        wrong = [r for r in replies if r["q"] < r["v"] - 1e-9]
+        out += [f"Third moves of {ckpt.replace('bench/results/', '')} along its own most likely line: "
+                f"{len(wrong)} mistakes in {len(replies)} positions.", ""]
+        out += _table(["X, O, X, O", "then X", "p", "Q*", "V*"],
+                      [[f"{r['x_first']}, {r['o_first']}, {r['x_second']}, {r['o_second']}", r["x_third"], r["p_third"],
+                        r["q"], r["v"]] for r in wrong])
+    return out + _said(d)
 
 
 def render_openai_endpoint(d: dict[str, Any]) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from policy_audit import audit, q_star, v_star  # noqa: E402
+from policy_audit import audit, q_star, replies, v_star  # noqa: E402
 
 
 def _board(text: str) -> tuple[str, ...]:
@@ -34,3 +34,15 @@ def test_audit_accounts_for_every_game(tiny_model_dir: Path) -> None:
     assert sum(a.outcomes.values()) == pytest.approx(1.0, abs=1e-3)
     assert 0.0 <= a.value_lost_deterministic <= a.value_lost + 1e-9
     assert len(a.worst) == 3 and a.worst[0].value_lost >= a.worst[-1].value_lost
+
+
+def test_replies_follow_the_policys_own_line(tiny_model_dir: Path) -> None:
+    got = replies(str(tiny_model_dir))
+    assert {r.o_first for r in got} == set(range(1, 10)) - {got[0].x_first}  # every first O reply
+    for r in got:
+        assert len({r.x_first, r.o_first, r.x_second, r.o_second}) == 4 and 0 < r.p_third <= 1
+        board = ["X" if c in (r.x_first, r.x_second) else "O" if c in (r.o_first, r.o_second) else ""
+                 for c in range(1, 10)]
+        assert r.v == pytest.approx(v_star(tuple(board)), abs=1e-3)
+        want = 0.0 if board[r.x_third - 1] else q_star(tuple(board), r.x_third - 1)
+        assert r.q == pytest.approx(want, abs=1e-3)
