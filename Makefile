@@ -84,7 +84,8 @@ test-ray:
 	bash scripts/test-ray.sh $(PYTEST_ARGS)
 
 # The Slurm tier (root): Debian's slurm-wlm + munge, slurmctld and three slurmd (nodes n0-n2) on this host,
-# `earl-stream slurm submit` runs a 3-step heterogeneous job on them and its summary is checked (~70 s here);
+# `earl-stream slurm submit` runs a 3-step heterogeneous job on them and its summary is checked, then a job
+# without an end that `scancel --batch --signal=TERM` stops with its last step checkpointed (~80 s for both);
 # then, under `salloc -N 3`, the tests marked `slurm` (`up --launcher slurm` placing the pools as srun steps).
 test-slurm: $(VENV)/.installed
 	PY=$(PY) bash scripts/test-slurm.sh

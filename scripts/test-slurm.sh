@@ -13,7 +13,9 @@
 # Then, under `salloc -N 3`, the tests marked `slurm`: `earl-stream up --launcher slurm` placing the pools
 # as srun steps (extra arguments go to that pytest).
 # Environment: PY (the project's python, default .venv/bin/python), SLURM_TEST_TIMEOUT (seconds the job
-# may take, default 900), SLURM_TEST_KEEP=1 keeps the temp dir.
+# may take, default 900), SLURM_TEST_KEEP=1 keeps the temp dir, SLURM_TEST_SKIP_UP=1 stops after the sbatch
+# jobs, SLURM_TEST_STOP_TIME=00:03:00 lets the second job's time limit stop it (Slurm's --signal) instead
+# of `scancel --batch --signal=TERM`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -157,9 +159,53 @@ print(f"test-slurm: OK: 3 steps, {s['samples_consumed']} samples trained, worker
 EOF
 grep -q "trainer pool exited with 0" "$WORK/run/slurm-$JOB.out"
 
+# 1b) a run without an end, stopped early the way the job's time limit stops it (--signal=B:TERM@...):
+# SIGTERM to the batch shell, which stops the trainer first; its ranks finish the step and checkpoint it.
+sed -e "s|run_dir: $WORK/run|run_dir: $WORK/run2|" -e "s|^steps: 3|steps: 0|" \
+    -e "s|checkpoint_every: 3}|checkpoint_every: 1000}|" "$WORK/run.yaml" > "$WORK/run2.yaml"
+out=$("$BIN/earl-stream" slurm submit --config "$WORK/run2.yaml" trainer.stop_grace_s=30 \
+      "slurm.time=${SLURM_TEST_STOP_TIME:-00:20:00}")
+JOB=$(sed -E 's/^submitted job ([0-9]+).*/\1/' <<<"$out")
+deadline=$(( $(date +%s) + TIMEOUT ))
+steps_done() {  # the run's policy version, from its supervisor (0 until it answers)
+    local ready=$WORK/run2/supervisor-$JOB.json
+    [[ -s $ready ]] || { echo 0; return; }
+    "$BIN/earl-stream" status --secret-file "$WORK/run2/secret" --json --supervisor \
+        "tcp://127.0.0.1:$(grep -o '"address": *"[^"]*"' "$ready" | sed -E 's/.*:([0-9]+)"$/\1/')" 2>/dev/null \
+        | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["policy_version"])' 2>/dev/null || echo 0
+}
+job_state() {  # RUNNING, PENDING, COMPLETED, ... ("" while scontrol does not answer)
+    scontrol show job "$JOB" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | head -n1 | cut -d= -f2
+}
+until (( $(steps_done) >= 2 )); do
+    (( $(date +%s) < deadline )) || { scancel "$JOB"; echo "test-slurm: job $JOB made no 2 steps"; exit 1; }
+    [[ $(job_state) =~ ^(|PENDING|RUNNING|CONFIGURING)$ ]] || { echo "test-slurm: job $JOB ended: $(job_state)"; exit 1; }
+    sleep 2
+done
+[[ ${SLURM_TEST_STOP_TIME:-} ]] || scancel --batch --signal=TERM "$JOB"  # else the time limit's signal
+while [[ $(job_state) =~ ^(|PENDING|RUNNING|CONFIGURING|COMPLETING)$ ]]; do
+    (( $(date +%s) < deadline )) || { scancel "$JOB"; echo "test-slurm: job $JOB did not stop"; exit 1; }
+    sleep 2
+done
+echo "test-slurm: job $JOB ended $(job_state)"
+cat "$WORK/run2/slurm-$JOB.out"
+grep -q "trainer pool exited with 0 (stopped by SIGTERM)" "$WORK/run2/slurm-$JOB.out"
+"$PY" - "$WORK/run2" "$JOB" <<'EOF'
+import json, sys
+from pathlib import Path
+run, job = Path(sys.argv[1]), sys.argv[2]
+s = json.load(open(run / f"summary-{job}.json"))
+steps = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+assert steps and int(steps[-1].split("_")[1]) == s["policy_version"] >= 2, (steps, s["policy_version"])
+assert s["samples_lost"] == 0 and s["duplicates_detected"] == 0, s
+print(f"test-slurm: OK: stopped by SIGTERM after {s['policy_version']} steps, checkpoint {steps[-1]} written, "
+      f"nothing lost")
+EOF
+
 # 2) `up --launcher slurm` inside an allocation of the three nodes: the tests marked `slurm` (the launcher
 # contract, and a run whose trainer pool spans two nodes) run under salloc, which holds the nodes and sets
 # $SLURM_JOB_ID / $SLURM_JOB_NODELIST for them.
+[[ ${SLURM_TEST_SKIP_UP:-0} == 1 ]] && exit 0
 echo "test-slurm: up --launcher slurm under salloc -N 3"
 HF_HUB_OFFLINE=1 timeout "$TIMEOUT" salloc -N 3 --exclusive --time=20 --job-name=earl-up \
     "$BIN/pytest" -q -p no:cacheprovider -m slurm tests "$@"

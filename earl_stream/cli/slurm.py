@@ -5,6 +5,8 @@ trainer pool (`srun` starts one `torchrun` per node, which starts the node's ran
 the rendezvous). Addresses come from the job's node lists (`scontrol show hostnames`), so nothing is
 known before the job starts. The run's directory must be on a filesystem every node sees: it holds
 the config, the cluster secret, the supervisor's ready file and state, logs and checkpoints.
+Stopping (the time limit's `--signal=B:TERM@...`, or `scancel --batch --signal=TERM`) reaches the batch
+shell alone, which stops the trainer first, as `up` does; a plain scancel kills after KillWait.
 
 This module owns the Slurm knobs (`SlurmConfig`), the script and the call to `sbatch`; the processes
 are the same entry points as everywhere (`earl-stream supervisor`, `earl-stream worker`).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import shlex
 import shutil
 import subprocess
@@ -22,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from earl_stream.cli.procs import STOP_GRACE_S
 from earl_stream.config import RunConfig, apply_run_override, config_from_dict, config_to_yaml
 from earl_stream.config_fields import apply_override, build
 from earl_stream.config_fields import field as _f
@@ -103,8 +107,13 @@ def render(cfg: RunConfig, slurm: SlurmConfig, config_file: Path) -> str:
                   [f"--nodes={slurm.rollout_nodes}", f"--ntasks-per-node={slurm.rollout_workers_per_node}",
                    *gpus, *common],
                   [f"--nodes={slurm.trainer_nodes}", "--ntasks-per-node=1", *gpus, *common]]
+    grace = math.ceil(cfg.trainer.stop_grace_s)
+    # the batch shell (B:) alone gets SIGTERM this long before the time limit (Slurm may send it up to 60 s
+    # earlier) and stops the pools in order: the trainer's grace, then STOP_GRACE_S each for the rollout
+    # workers and the supervisor, and 30 s to spare
+    lead = grace + 2 * math.ceil(STOP_GRACE_S) + 30
     header = ["#!/bin/bash", f"#SBATCH --job-name={slurm.job_name}", f"#SBATCH --time={slurm.time}",
-              f"#SBATCH --output={run_dir}/slurm-%j.out",
+              f"#SBATCH --output={run_dir}/slurm-%j.out", f"#SBATCH --signal=B:TERM@{lead}",
               *([f"#SBATCH --partition={slurm.partition}"] if slurm.partition else []),
               *([f"#SBATCH --account={slurm.account}"] if slurm.account else [])]
     for i, opts in enumerate(components):
@@ -112,9 +121,11 @@ def render(cfg: RunConfig, slurm: SlurmConfig, config_file: Path) -> str:
             header.append("#SBATCH hetjob")
         header += [f"#SBATCH {o}" for o in opts]
     world = slurm.trainer_nodes * slurm.trainer_ranks_per_node
-    torchrun = (f"{slurm.torchrun} --nnodes={slurm.trainer_nodes} --nproc-per-node={slurm.trainer_ranks_per_node} "
-                f"--node-rank=$SLURM_NODEID --master-addr=$TRAIN_HOST --master-port={slurm.master_port} --no-python "
-                f"{earl} worker --role trainer --supervisor $ADDR --advertise $(hostname)")
+    # Stopped, torchrun exits 1 (SignalException) even when its ranks finished their step and checkpoint
+    torchrun = (f"stopped=; trap stopped=1 INT; {slurm.torchrun} --nnodes={slurm.trainer_nodes} "
+                f"--nproc-per-node={slurm.trainer_ranks_per_node} --node-rank=$SLURM_NODEID --master-addr=$TRAIN_HOST "
+                f"--master-port={slurm.master_port} --no-python {earl} worker --role trainer --supervisor $ADDR "
+                f'--advertise $(hostname); rc=$?; [ -z "$stopped" ] || rc=0; exit $rc')
     body = f"""
 # Rendered by `earl-stream slurm render`: supervisor (component 0), {slurm.rollout_nodes * slurm.rollout_workers_per_node}
 # rollout worker(s) (component 1), {world} trainer rank(s) on {slurm.trainer_nodes} node(s) (component 2).
@@ -140,18 +151,32 @@ for _ in $(seq {slurm.ready_timeout_s * 10}); do [ -s "$READY" ] && break; kill 
 PORT=$(grep -o '"address": *"[^"]*"' "$READY" | sed -E 's/.*:([0-9]+)"$/\\1/')
 export ADDR="tcp://$SUP_HOST:$PORT" TRAIN_HOST
 echo "supervisor at $ADDR; trainer rendezvous at $TRAIN_HOST:{slurm.master_port}"
-srun --het-group=1 --output="$RUN_DIR/logs/rollout-%j-%t.log" \
+srun --het-group=1 --disable-status --output="$RUN_DIR/logs/rollout-%j-%t.log" \
     bash -c 'exec {earl} worker --role rollout --supervisor $ADDR --advertise $(hostname)' &
 ROLL_PID=$!
-srun --het-group=2 --output="$RUN_DIR/logs/trainer-%j-%t.log" bash -c {q("exec " + torchrun)}
-RC=$?
+# A SIGTERM to this shell (Slurm's, {lead} s before the time limit; or `scancel --batch --signal=TERM JOBID`)
+# stops the pools in order: srun --disable-status passes a SIGINT on to its tasks, the trainer's ranks
+# finish their step and write a checkpoint (trainer.stop_grace_s, {grace} s), then the rollout workers
+# persist the samples they hold, then the supervisor stops. A plain scancel kills after the cluster's KillWait.
+STOPPING=
+stop_run() {{
+    STOPPING=1
+    echo "SIGTERM: stopping the trainer pool (up to {grace} s for its step and checkpoint)"
+    kill -INT $TRAIN_PID 2>/dev/null
+}}
+trap stop_run TERM
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={grace}  # torchrun's wait for its stopping ranks
+srun --het-group=2 --disable-status --output="$RUN_DIR/logs/trainer-%j-%t.log" bash -c {q(torchrun)} &
+TRAIN_PID=$!
+while :; do wait $TRAIN_PID; RC=$?; kill -0 $TRAIN_PID 2>/dev/null || break; done  # a trapped signal ends a wait
 {earl} status --supervisor "$ADDR" --json > "$RUN_DIR/summary-$SLURM_JOB_ID.json" || RC=${{RC:-4}}
-# the rollout workers stop by themselves once the run is finished; the supervisor stops on SIGTERM
+# the rollout workers stop by themselves once the run is finished; stopped early, they are told to
+[ -z "$STOPPING" ] || kill -INT $ROLL_PID 2>/dev/null
 for _ in $(seq 300); do kill -0 $ROLL_PID 2>/dev/null || break; sleep 0.1; done
 kill $ROLL_PID 2>/dev/null
 kill -TERM $SUP_PID 2>/dev/null
 wait
-echo "trainer pool exited with $RC"
+echo "trainer pool exited with $RC${{STOPPING:+ (stopped by SIGTERM)}}"
 exit $RC
 """
     return "\n".join(header) + "\n" + body

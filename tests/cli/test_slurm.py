@@ -40,6 +40,12 @@ def test_render_one_component_per_pool(tmp_path: Path) -> None:
         line = next(ln for ln in text.splitlines() if ln.startswith(f"srun --het-group={group}"))
         assert what in line, line
     assert "--nproc-per-node=8" in text and "SLURM_JOB_NODELIST_HET_GROUP_0" in text
+    # stopping: the time limit's SIGTERM reaches the batch shell alone, early enough for the trainer's grace
+    # (120 s) and the rollout workers' and supervisor's 15 s each plus 30 s; the shell stops the pools in order
+    assert "#SBATCH --signal=B:TERM@180" in components[0] and "trap stop_run TERM" in text
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120" in text
+    for group in (1, 2):  # srun passes a SIGINT on to its tasks only with --disable-status
+        assert "--disable-status" in next(ln for ln in text.splitlines() if ln.startswith(f"srun --het-group={group}"))
     subprocess.run(["bash", "-n", str(script)], check=True)  # valid bash
 
 
