@@ -36,6 +36,10 @@ def test_attach_and_detach_on_a_live_run(tmp_path: Path, tiny_model_dir: Path) -
         s = wait_for(lambda: (st := cluster.status())["envs"].get("connect_four", {}).get("episodes", 0) >= 4 and st,
                      120, "connect_four episodes in the status")
         assert s["envs"]["tictactoe"]["episodes"] > 0
+        # each environment's own outcome rates over the window (the game's win rate apart from the other's)
+        for name in ("tictactoe", "connect_four"):
+            rates = s["envs"][name]["outcomes"]
+            assert rates and set(rates) <= {"win", "draw", "loss", "illegal"} and sum(rates.values()) == pytest.approx(1, abs=1e-3)
 
         bad = tmp_path / "broken.py"
         bad.write_text(BROKEN_ENV)

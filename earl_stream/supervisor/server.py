@@ -15,7 +15,6 @@ from collections import deque
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from earl_stream import metrics as M
 from earl_stream import protocol as P
@@ -24,7 +23,7 @@ from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
 from earl_stream.store.weight_route import WeightRoute, weight_route
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
-from earl_stream.supervisor.episode_window import Finished, outcome_rate, outcome_rate_stderr
+from earl_stream.supervisor.episode_window import Finished, outcome_rate, outcome_rate_stderr, window_stats
 from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
 from earl_stream.supervisor.planning import Planner, PlannerState
 from earl_stream.supervisor.pools import Member, decide, order_of
@@ -368,19 +367,8 @@ class Supervisor:
 
     def status(self, now: float) -> dict[str, Any]:
         c = self.ledger.counters
-        rewards = [e.reward for e in self.recent]
-        outcomes = [e.outcome for e in self.recent]
-        lengths = [e.tokens for e in self.recent]
+        stats = window_stats(self.recent)
         wall = max(time.time() - self.started, 1e-9)
-        pct = {f"p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 99)} if lengths else {}
-        if lengths:
-            pct["max"] = float(max(lengths))
-        per_env: dict[str, dict[str, float]] = {}
-        for ep in self.recent:
-            e = per_env.setdefault(ep.env, {"episodes": 0, "reward_sum": 0.0, "tokens_sum": 0})
-            e["episodes"] += 1
-            e["reward_sum"] += ep.reward
-            e["tokens_sum"] += ep.tokens
         held: dict[str, int] = {}
         for g in self.ledger.groups.values():
             if g.state == PromptState.INFLIGHT:
@@ -398,22 +386,23 @@ class Supervisor:
             # after `up --resume`: samples lost with the earlier run's workers (or since) and played again;
             # None without a resume (samples_lost counts the whole run)
             "samples_replayed_since_resume": self._replayed() if self.lost_before_resume >= 0 else None,
-            "mean_reward_last": float(np.mean(rewards)) if rewards else None,
+            "mean_reward_last": stats.mean_reward,
             "win_rate_last": outcome_rate(self.recent, "win"),
             # clustered by group (a group's games share a prompt, and may share a seed): the window's real uncertainty
             "win_rate_stderr_last": outcome_rate_stderr(self.recent, "win"),
             "groups_last": len({e.group for e in self.recent}),
             # every outcome the environments report (win, correct, truncated, ...) over the statistics window
-            "outcomes_last": {o: round(outcomes.count(o) / len(outcomes), 4) for o in sorted(set(outcomes))},
+            "outcomes_last": stats.outcomes,
             "draw_rate_last": outcome_rate(self.recent, "draw"),
             "tokens_per_second": c.tokens_produced / wall,
-            "context_length": pct,
+            "context_length": stats.context_length,
             "plans": self.planner.status(),
             "pools": {"rollout": self._rollout_pool()},
-            "envs": {e["name"]: {**e, **({"episodes_window": per_env[e["name"]]["episodes"],
-                                          "mean_reward": per_env[e["name"]]["reward_sum"] / per_env[e["name"]]["episodes"],
-                                          "mean_context_tokens": per_env[e["name"]]["tokens_sum"] / per_env[e["name"]]["episodes"]}
-                                         if e["name"] in per_env else {})}
+            # each attached environment with its part of the window: episodes_window, mean_reward,
+            # mean_context_tokens, outcomes (e.g. one environment's win rate where several are attached)
+            "envs": {e["name"]: {**e, **({"episodes_window": w.episodes, "mean_reward": w.mean_reward,
+                                          "mean_context_tokens": w.mean_context_tokens, "outcomes": w.outcomes}
+                                         if (w := stats.envs.get(e["name"])) else {})}
                      for e in self._describe_envs()},
             "trainer": self.trainer_metrics,
             "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
@@ -444,14 +433,10 @@ class Supervisor:
             M.SUP_WORKERS.labels(role.value, "dead").set(sum(not w.alive and not w.drained for w in ws))
             M.SUP_WORKERS.labels(role.value, "draining").set(sum(w.alive and w.draining for w in ws))
             M.SUP_WORKERS.labels(role.value, "drained").set(sum(w.drained for w in ws))
-        if self.recent:
-            M.SUP_REWARD.set(float(np.mean([e.reward for e in self.recent])))
-            lengths = [e.tokens for e in self.recent]
-            for q in (50, 90, 99):
-                M.SUP_CONTEXT.labels(f"p{q}").set(float(np.percentile(lengths, q)))
-            M.SUP_CONTEXT.labels("max").set(max(lengths))
-            by_env: dict[str, list[float]] = {}
-            for ep in self.recent:
-                by_env.setdefault(ep.env, []).append(ep.reward)
-            for env, rs in by_env.items():
-                M.SUP_ENV_REWARD.labels(env).set(float(np.mean(rs)))
+        stats = window_stats(self.recent)
+        if stats.mean_reward is not None:
+            M.SUP_REWARD.set(stats.mean_reward)
+            for label, tokens in stats.context_length.items():
+                M.SUP_CONTEXT.labels(label).set(tokens)
+            for env, w in stats.envs.items():
+                M.SUP_ENV_REWARD.labels(env).set(w.mean_reward)
