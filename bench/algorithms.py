@@ -52,6 +52,9 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--only", default="", help="run only configurations whose label contains this text")
     ap.add_argument("--json", default="bench/results/algorithms.json")
+    ap.add_argument("--add", action="store_true", help="keep the runs already in --json (other seeds or "
+                    "configurations, same budget) and add these; a configuration and seed run again replaces its "
+                    "old run")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = ap.parse_args()
     if args.quick:
@@ -59,6 +62,13 @@ def main() -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     load_before = [round(x, 2) for x in os.getloadavg()]
+    kept: list[dict] = []
+    if args.add and out.exists():
+        old = json.loads(out.read_text())
+        if old.get("budget_minutes") != args.minutes or old.get("overrides", []) != args.overrides:
+            raise SystemExit(f"--add: {out} holds runs of {old.get('budget_minutes')} minutes with overrides "
+                             f"{old.get('overrides')}, not {args.minutes} and {args.overrides}: they would not compare")
+        kept = old.get("runs", [])
     runs = []
     for advantage, options in CONFIGS:
         if args.only not in label(advantage, options):
@@ -81,8 +91,10 @@ def main() -> int:
             print(json.dumps(runs[-1]), flush=True)
     machine = {"cores": os.cpu_count(), "load_avg_before": load_before,
                "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
-    result = {"machine": machine, "budget_minutes": args.minutes, "seeds": args.seeds, "window_games": args.window,
-              "target_win_rate": args.target, "overrides": args.overrides, "runs": runs,
+    new = {(label(r["advantage"], r["options"]), r["seed"]) for r in runs}
+    runs = [r for r in kept if (label(r["advantage"], r["options"]), r["seed"]) not in new] + runs
+    result = {"machine": machine, "budget_minutes": args.minutes, "seeds": sorted({r["seed"] for r in runs}),
+              "window_games": args.window, "target_win_rate": args.target, "overrides": args.overrides, "runs": runs,
               "configs": aggregate(runs)}
     out.write_text(json.dumps(result, indent=2))
     print(table(result["configs"]))
