@@ -17,6 +17,7 @@ import yaml
 from earl_stream import protocol as P
 from earl_stream.config import EnvSpec
 from earl_stream.errors import ConfigError, EnvError
+from earl_stream.files import write_durably
 from earl_stream.security import load_secret
 
 
@@ -64,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("no cluster secret: the environment server is open to anyone who reaches %s", args.bind)
     server = EnvServer(args.spec, _params(args.param), bind=args.bind, secret=secret)
     if args.ready_file:
-        Path(args.ready_file).write_text(json.dumps({"address": server.address}))
+        write_durably(Path(args.ready_file), json.dumps({"address": server.address}).encode())  # whole or absent
     print(f"serving {args.spec} at {server.address}", flush=True)
 
     async def main() -> None:

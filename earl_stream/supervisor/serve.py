@@ -23,6 +23,7 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig
 from earl_stream.errors import ProtocolError
+from earl_stream.files import write_durably
 from earl_stream.security import Refusal, ReplayGuard, check, refusal_text, sign
 from earl_stream.supervisor.server import Supervisor
 from earl_stream.supervisor.wal import StateLog, WalStats
@@ -68,7 +69,8 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     sup.metrics_address = metrics_address
     log.info("supervisor listening on %s (metrics on http://%s/metrics)", address, metrics_address)
     if ready_file:
-        Path(ready_file).write_text(json.dumps({"address": address, "metrics_address": metrics_address}))
+        # whole or absent: a reader polling for the file must never read it half-written
+        write_durably(Path(ready_file), json.dumps({"address": address, "metrics_address": metrics_address}).encode())
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))

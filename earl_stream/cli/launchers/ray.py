@@ -31,6 +31,7 @@ from earl_stream.cli.launchers.ray_host import ProcessHost
 from earl_stream.cli.procs import STOP_GRACE_S
 from earl_stream.config import RayRoleConfig
 from earl_stream.errors import ChildProcessFailed, ConfigError
+from earl_stream.files import write_durably
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0  # an actor call (poll, start, read) that takes longer means its node is gone
@@ -285,7 +286,7 @@ class RayLauncher:
             text = self.call(sup.actor.read.remote("ready.json"), "the supervisor's ready file")
             if text:
                 # here too, so that `earl-stream status` in this directory finds the run and its secret
-                (Path(self.run.cfg.run_dir) / "supervisor.json").write_text(text)
+                write_durably(Path(self.run.cfg.run_dir) / "supervisor.json", text.encode())
                 return str(json.loads(text)["address"])
             if sup.poll() is not None:
                 raise ChildProcessFailed(sup.describe_exit())
