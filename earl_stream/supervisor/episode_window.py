@@ -2,12 +2,14 @@
 
 Owns: `Finished` (what the statistics keep of one episode's metadata row), the outcome rate of a
 window with its standard error, and `window_stats` (what status and the metrics report: mean reward,
-outcome rates, context-length percentiles, the same per environment). The samples of a GRPO group share a prompt, so they need not be
-independent draws: where they also share the environment's seed (`EnvSpec.group_seed`: shared, e.g. one
-opponent) a nearly deterministic policy plays the eight games of a group as one game eight times. The
-standard error is therefore clustered by group (the sandwich estimator for a proportion), not the binomial
-sqrt(p (1 - p) / n) that would treat a 512-game window of 64 groups as 512 independent games; where the
-games are independent the two agree.
+outcome rates, context-length percentiles, the same per environment).
+
+The samples of a GRPO group share a prompt, so they need not be independent draws: where they also
+share the environment's seed (`EnvSpec.group_seed`: shared, e.g. one opponent) a nearly deterministic
+policy plays the eight games of a group as one game eight times. The standard error is therefore
+clustered by group (the sandwich estimator for a proportion), not the binomial sqrt(p (1 - p) / n) that
+would treat a 512-game window of 64 groups as 512 independent games; where the games are independent
+the two agree.
 """
 
 from __future__ import annotations
