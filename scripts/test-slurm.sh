@@ -196,9 +196,12 @@ from pathlib import Path
 run, job = Path(sys.argv[1]), sys.argv[2]
 s = json.load(open(run / f"summary-{job}.json"))
 steps = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-assert steps and int(steps[-1].split("_")[1]) == s["policy_version"] >= 2, (steps, s["policy_version"])
+# a stop during a step finishes it and checkpoints it without publishing it: the checkpoint may hold one
+# step more than the supervisor's version (a resume starts from the checkpoint)
+last = int(steps[-1].split("_")[1]) if steps else -1
+assert s["policy_version"] >= 2 and s["policy_version"] <= last <= s["policy_version"] + 1, (steps, s["policy_version"])
 assert s["samples_lost"] == 0 and s["duplicates_detected"] == 0, s
-print(f"test-slurm: OK: stopped by SIGTERM after {s['policy_version']} steps, checkpoint {steps[-1]} written, "
+print(f"test-slurm: OK: stopped by SIGTERM at version {s['policy_version']}, checkpoint {steps[-1]} written, "
       f"nothing lost")
 EOF
 
