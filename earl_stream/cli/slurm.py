@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from earl_stream.cli.launchers.slurm import stopped_is_success
 from earl_stream.cli.procs import STOP_GRACE_S
 from earl_stream.config import RunConfig, apply_run_override, config_from_dict, config_to_yaml
 from earl_stream.config_fields import apply_override, build
@@ -121,11 +122,10 @@ def render(cfg: RunConfig, slurm: SlurmConfig, config_file: Path) -> str:
             header.append("#SBATCH hetjob")
         header += [f"#SBATCH {o}" for o in opts]
     world = slurm.trainer_nodes * slurm.trainer_ranks_per_node
-    # Stopped, torchrun exits 1 (SignalException) even when its ranks finished their step and checkpoint
-    torchrun = (f"stopped=; trap stopped=1 INT; {slurm.torchrun} --nnodes={slurm.trainer_nodes} "
-                f"--nproc-per-node={slurm.trainer_ranks_per_node} --node-rank=$SLURM_NODEID --master-addr=$TRAIN_HOST "
-                f"--master-port={slurm.master_port} --no-python {earl} worker --role trainer --supervisor $ADDR "
-                f'--advertise $(hostname); rc=$?; [ -z "$stopped" ] || rc=0; exit $rc')
+    torchrun = stopped_is_success(
+        f"{slurm.torchrun} --nnodes={slurm.trainer_nodes} --nproc-per-node={slurm.trainer_ranks_per_node} "
+        f"--node-rank=$SLURM_NODEID --master-addr=$TRAIN_HOST --master-port={slurm.master_port} --no-python "
+        f"{earl} worker --role trainer --supervisor $ADDR --advertise $(hostname)")
     body = f"""
 # Rendered by `earl-stream slurm render`: supervisor (component 0), {slurm.rollout_nodes * slurm.rollout_workers_per_node}
 # rollout worker(s) (component 1), {world} trainer rank(s) on {slurm.trainer_nodes} node(s) (component 2).

@@ -162,8 +162,7 @@ class SlurmLauncher:
                     f"--max-restarts={self.run.restart}", "--no-python"]
         # Stopped, torchrun exits 1 (SignalException) even when its ranks finished cleanly: that exit code
         # would make srun (--kill-on-bad-exit) kill the other nodes' ranks while they finish too.
-        shell = ["bash", "-c", "stopped=; trap stopped=1 INT; " + " ".join(torchrun)
-                 + ' "$@" --advertise "$(hostname)"; rc=$?; [ -z "$stopped" ] || rc=0; exit $rc', "torchrun"]
+        shell = ["bash", "-c", stopped_is_success(" ".join(torchrun) + ' "$@" --advertise "$(hostname)"'), "torchrun"]
         self.trainer = self._start("trainer", nodes, ["worker", "--role", "trainer", "--supervisor", address],
                                    "trainer.log", self._step(nodes) + shell,
                                    env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(grace))})
@@ -211,6 +210,12 @@ class SlurmLauncher:
                 late.append(c)
         if late:
             self.group.stop(only=late)
+
+
+def stopped_is_success(command: str) -> str:
+    """A bash line running `command` (torchrun) that exits 0 when it was stopped by a SIGINT: stopped,
+    torchrun exits 1 (SignalException) even when its ranks finished their step and checkpoint."""
+    return f'stopped=; trap stopped=1 INT; {command}; rc=$?; [ -z "$stopped" ] || rc=0; exit $rc'
 
 
 def _torchrun() -> str:
