@@ -113,13 +113,15 @@ def selector_for(model_dir: Path, cap: int, reserve: int, dtype: str, rows: int,
     from earl_stream.supervisor.decisions import DTYPE_PRECISION
     from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, TrainPlan
     from earl_stream.supervisor.model_shape import ModelShape
-    from earl_stream.supervisor.selector import PoolBudget, TrainerSelector
+    from earl_stream.supervisor.selector import PoolBudget, Thresholds, TrainerSelector
 
     shape = ModelShape.from_hf(json.loads((model_dir / "config.json").read_text()))
     base = TrainPlan(micro_batch=1, seq_len=256, attention=Attention(attention), precision=DTYPE_PRECISION[dtype],
                      logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL)
-    return TrainerSelector(shape, PoolBudget(1, cap, reserve), base=base, allow_tp=False, allow_sp=False,
-                           allow_fsdp=False, step_sequences=rows, max_micro_batch_tokens=1 << 20)
+    # the supervisor's thresholds, with a window and cool-down of one phase (--rows episodes)
+    thresholds = Thresholds(min_episodes=rows, min_episodes_between=rows)
+    return TrainerSelector(shape, PoolBudget(1, cap, reserve), base=base, thresholds=thresholds, allow_tp=False,
+                           allow_sp=False, allow_fsdp=False, step_sequences=rows, max_micro_batch_tokens=1 << 20)
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -134,6 +136,8 @@ def run_strategy(args: argparse.Namespace, strategy: str, model_dir: Path) -> di
 
     from earl_stream.config import TrainerConfig
     from earl_stream.devices import resolve_device
+    from earl_stream.supervisor.context_stats import ContextStats
+    from earl_stream.supervisor.memory_model import predict_train_memory
     from earl_stream.supervisor.selector import Thresholds
     from earl_stream.workers.mesh import RankPlan, TrainerMesh
     from earl_stream.workers.sharding import apply_plan
@@ -150,24 +154,36 @@ def run_strategy(args: argparse.Namespace, strategy: str, model_dir: Path) -> di
         resource.setrlimit(resource.RLIMIT_DATA, (held + cap, resource.RLIM_INFINITY))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     selector = selector_for(model_dir, cap, reserve, args.dtype, args.rows, args.attention)
-    design = Thresholds()
-    fixed = selector.plan_for(design.design_seq_len(args.lengths[0]))
+    decision = selector.initial(Thresholds().design_seq_len(args.lengths[0]))
+    if not hasattr(decision, "plan"):
+        return {"strategy": strategy, "phases": [{"length": args.lengths[0], "crashed": False,
+                                                  "refused": decision.message}], "crashed": False, "refused": True}
+    stats = ContextStats(4 * args.rows)
     phases = []
     for length in args.lengths:
-        decision = fixed if strategy == "static" else selector.plan_for(design.design_seq_len(length))
         phase: dict[str, Any] = {"length": length, "crashed": False}
-        if not hasattr(decision, "plan"):
-            phase.update(refused=decision.message)
-            phases.append(phase)
-            break
+        if strategy == "adaptive":  # the supervisor's path: the finished episodes' lengths, then decide()
+            stats.add_many([length] * args.rows)
+            new = selector.decide(stats.snapshot(), step=len(phases))
+            if new is not None and not hasattr(new, "plan"):
+                phase["infeasible"] = new.message  # the supervisor keeps the current plan
+            elif new is not None:
+                decision = new
         plan = RankPlan(micro_batch_tokens=decision.micro_batch_tokens, recompute=decision.plan.recompute.value != "none",
                         dtype=args.dtype)
         placement = TrainerMesh(1, 0, device).placement(plan)
         apply_plan(model, placement)
         cfg = TrainerConfig(micro_batch_tokens=plan.micro_batch_tokens, dtype=args.dtype)
         phase.update(plan={"micro_batch_tokens": plan.micro_batch_tokens, "recompute": plan.recompute,
-                           "packing": getattr(cfg, "packing", False)},
+                           "packing": getattr(cfg, "packing", False), "version": decision.version},
                      predicted_peak_bytes=decision.predicted_peak_bytes, reason=decision.reason)
+        # the largest micro-batch this phase materialises (rows of one length: k rows of `length` tokens)
+        per_mb = max(1, min(args.rows, plan.micro_batch_tokens // length)) * length
+        phase["predicted_micro_batch_peak_bytes"] = predict_train_memory(
+            selector.shape, dataclasses.replace(decision.plan, micro_batch=1, seq_len=per_mb)).total_bytes
+        if not phases:  # one untimed step first: CUDA context, kernels and allocator warm-up
+            metas, rows = claim(2, 256, model.config.vocab_size, seed=1)
+            train_step(model, optimizer, metas, placement.layout, LocalPuller(rows), cfg, placement=placement)
         tokens, seconds, peaks = 0, 0.0, []
         try:
             for step in range(args.steps):
@@ -204,8 +220,8 @@ def summarise(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> d
         s = next((p for p in static if p["length"] == a["length"] and "tokens_per_s" in p), None)
         if s is not None and "tokens_per_s" in a:
             ratios[str(a["length"])] = round(a["tokens_per_s"] / s["tokens_per_s"], 3)
-    errors = [abs(p["peak_bytes"] - p["predicted_peak_bytes"]) / p["predicted_peak_bytes"]
-              for ph in (static, adaptive) for p in ph if "peak_bytes" in p]
+    errors = [abs(p["peak_bytes"] - p["predicted_micro_batch_peak_bytes"]) / p["predicted_micro_batch_peak_bytes"]
+              for ph in (static, adaptive) for p in ph if "peak_bytes" in p and args.device != "cpu"]  # CPU: RSS
     device = args.device
     if torch.cuda.is_available() and args.device != "cpu":
         device = torch.cuda.get_device_name()

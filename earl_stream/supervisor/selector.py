@@ -13,6 +13,8 @@ x < lower_factor x D (it wastes memory), and not sooner than `min_episodes_betwe
 `min_steps_between` steps) after the previous decision, unless x is past D itself: then waiting
 would train past what the plan was sized for. Right after a decision D' lies in [h x, 2 h x), so x
 sits inside (D'/(2h), D'/h]: `Thresholds` refuses factors for which that band would re-trigger.
+When D fits no plan but x does, the plan is sized for the longest design length in [x, D) that fits
+(the headroom is given up before the pool is left on a plan its contexts outgrew).
 
 Everything is pure and deterministic: the same snapshots and steps give the same decisions.
 """
@@ -45,6 +47,7 @@ from earl_stream.supervisor.memory_model import (
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
 _TP_GAIN = 1.1  # a larger rollout engine must hold >= 10% more sequences in all to be chosen
+_DESIGN_QUANTUM = 64  # design lengths below the headroom's power of two (when it fits no plan): multiples of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +159,7 @@ class _Selector(Generic[_D]):
         self._infeasible: Infeasible | None = None
         self._last: tuple[int, int] | None = None  # (episodes total, step) of the last decision
         self._snapshot: ContextSnapshot | None = None  # the statistics of the latest decide()
+        self._ceiling: tuple[int, int] | None = None  # (headroom design that fits nothing, longest that fits)
 
     @property
     def current(self) -> _D | None:
@@ -187,7 +191,39 @@ class _Selector(Generic[_D]):
         design, reason = hit
         if self._infeasible is not None and self._infeasible.design_seq_len == design:
             return None
-        return self._adopt(self._plan(design, reason, step), snapshot.total, step)
+        observed, current = snapshot.value(self.thresholds.percentile), self._current
+        if current is not None and self._ceiling == (design, current.design_seq_len) and observed <= current.design_seq_len:
+            return None  # the headroom design fits nothing and the current plan is already the longest that fits
+        result = self._plan(design, reason, step)
+        if isinstance(result, Infeasible):
+            result = self._without_headroom(observed, result, step)
+            if (not isinstance(result, Infeasible) and self._current is not None
+                    and result.design_seq_len == self._current.design_seq_len):
+                self._ceiling = (design, result.design_seq_len)
+                return None
+        return self._adopt(result, snapshot.total, step)
+
+    def _without_headroom(self, observed: float, failed: Infeasible, step: int) -> _D | Infeasible:
+        """The headroom design fits no plan: the longest design between the observed length and it that
+        does (multiples of `_DESIGN_QUANTUM` tokens, binary search), so that the pool keeps up with its
+        contexts for as long as any plan can; `failed` when not even the observed length fits."""
+        q = _DESIGN_QUANTUM
+        lo, hi = max(1, math.ceil(observed / q)), (failed.design_seq_len - 1) // q
+        if lo > hi:
+            return failed
+        reason = (f"{failed.reason}, which fits no plan ({failed.message.split(': ', 1)[-1]}); "
+                  "sized for the longest design length that fits instead")
+        best = self._plan(lo * q, reason, step)
+        if isinstance(best, Infeasible):
+            return failed
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            trial = self._plan(mid * q, reason, step)
+            if isinstance(trial, Infeasible):
+                hi = mid - 1
+            else:
+                lo, best = mid, trial
+        return best
 
     def restore(self, decision: _D) -> None:
         """Continue from a persisted decision (e.g. after a supervisor restart)."""

@@ -166,12 +166,21 @@ def test_infeasible_budget_reports_what_would_be_needed(tiny: ModelShape) -> Non
     assert expect.message in bad.message and "nothing fits on 1 device(s)" in bad.message
     assert "needs >= 2 devices (e.g. dp=1 tp=1 sp=2" in bad.message and "or a budget of >= 0.24 GiB" in bad.message
     assert bad.to_dict()["infeasible"] is True and bad.design_seq_len == 2048
-    # During a run: reported once per unreachable design length, the current plan stays.
+    # During a run, a headroom design that fits nothing gives way to the longest design that fits above
+    # the observed length (1500 -> 2048 does not fit; 1728 is the longest multiple of 64 that does), once.
     assert isinstance(sel.initial(1024), PlanDecision)
-    out = feed(sel, [1500] * 50)
-    assert len(out) == 1 and isinstance(out[0], Infeasible) and out[0].design_seq_len == 2048
-    assert "p99 context 1500 > 0.9 x 1024" in out[0].reason
-    assert sel.version == 1 and sel.to_dict()["last_infeasible"]["design_seq_len"] == 2048
+    stats = ContextStats(64)
+    out = feed(sel, [1500] * 50, stats=stats)
+    assert len(out) == 1 and isinstance(out[0], PlanDecision) and out[0].design_seq_len == 1728
+    assert "p99 context 1500 > 0.9 x 1024" in out[0].reason and "sized for the longest design length that fits" \
+        in out[0].reason and "2048" in out[0].reason
+    assert_fits(tiny, out[0], budget)
+    assert isinstance(sel.plan_for(1792), Infeasible)  # 1728 is the longest that fits
+    # Past what any plan fits: reported once per unreachable design length, the current plan stays.
+    out = feed(sel, [1900] * 80, stats=stats)
+    assert len(out) == 1 and isinstance(out[0], Infeasible) and out[0].design_seq_len == 4096
+    assert "p99 context 1900 > 0.9 x 1728" in out[0].reason
+    assert sel.version == 2 and sel.to_dict()["last_infeasible"]["design_seq_len"] == 4096
 
 
 def test_micro_batch_tokens_is_the_largest_budget_that_fits(tiny: ModelShape) -> None:
