@@ -28,8 +28,10 @@ from earl_stream.protocol import plan_name
 from earl_stream.supervisor.memory_model import Precision, TrainPlan
 from earl_stream.supervisor.model_shape import ModelShape
 
-# gloo's all-gather into one tensor gathers into a list first and concatenates: two whole copies
-# of a gathered tensor at its peak (NCCL gathers in place: 1); measured, see tests/supervisor
+# Making a sharded tensor whole holds two whole copies at its peak: gloo gathers into a list and
+# concatenates (measured on CPU: tests/workers/test_reshard_memory.py), and a shard on dim 1 (row-wise
+# tensor parallel) is gathered on dim 0 and re-laid; NCCL's in-place gather of a dim-0 shard needs one,
+# so this is the safe side there
 GATHER_COPIES = 2
 
 
