@@ -1,9 +1,10 @@
 """The memory of a live plan switch on one trainer rank: what `workers.reshard` holds while it moves
 parameters and optimizer state from one placement to another.
 
-Owns `predict_switch` (-> `SwitchMemory`) and `model_layout` (what a plan's parameter placement
-depends on; two plans with the same one switch without moving anything). What a step costs is
-`memory_model`'s; refusing a plan whose switch would not fit is the selector's.
+Owns `predict_switch` (-> `SwitchMemory`), `switch_refusal` (a `Refusal` naming the switch that would
+not fit a rank's budget) and `model_layout` (what a plan's parameter placement depends on; two plans
+with the same one switch without moving anything). What a step costs is `memory_model`'s; which
+plans to weigh and which to adopt is the selector's.
 
 At a step boundary a rank holds its weights and, once the optimizer stepped, its AdamW state (the
 gradients were dropped with `zero_grad(set_to_none=True)`; nothing else is alive). A switch then
@@ -25,9 +26,11 @@ import math
 from collections.abc import Iterator
 
 from earl_stream.protocol import plan_name
+from earl_stream.supervisor.decisions import Refusal
 from earl_stream.supervisor.memory_model import Precision, TrainPlan
 from earl_stream.supervisor.model_shape import ModelShape
 
+MIB = 1 << 20
 # Making a sharded tensor whole holds two whole copies at its peak: gloo gathers into a list and
 # concatenates (measured on CPU: tests/workers/test_reshard_memory.py), and a shard on dim 1 (row-wise
 # tensor parallel) is gathered on dim 0 and re-laid; NCCL's in-place gather of a dim-0 shard needs one,
@@ -168,3 +171,18 @@ def _buckets(items: list[tuple[int, int, bool, int, bool]], bucket_bytes: int
 def plan_label(plan: TrainPlan) -> str:
     """The trainer's name of `plan` (`protocol.plan_name`: dp2, fsdp2, tp2, fsdp2_sp2, ...)."""
     return plan_name(1 if plan.fsdp else plan.dp, plan.dp if plan.fsdp else 1, plan.tp, plan.sp)
+
+
+def switch_refusal(shape: ModelShape, old: TrainPlan, new: TrainPlan, bucket_bytes: int, *, budget_bytes: int,
+                   reserve_bytes: int = 0, stepped: bool = True) -> Refusal | None:
+    """Why the pool cannot switch from `old` to `new` on `budget_bytes` per rank (the switch's peak
+    plus the reserve would not fit), or None when it can (or nothing moves)."""
+    switch = predict_switch(shape, old, new, bucket_bytes, stepped=stepped)
+    if switch.peak_bytes + reserve_bytes <= budget_bytes:
+        return None
+    state = "weights and AdamW state" if stepped else "weights"
+    return Refusal(plan_label(new), f"the switch from {switch.old} would need {switch.peak_bytes / MIB:.1f} MiB per "
+                   f"rank ({state}: {switch.before_bytes / MIB:.1f} MiB held under {switch.old}, "
+                   f"{switch.after_bytes / MIB:.1f} MiB under {switch.new}, moved in buckets of "
+                   f"{bucket_bytes / MIB:g} MiB) + {reserve_bytes / MIB:.1f} MiB reserve, over the "
+                   f"{budget_bytes / MIB:.1f} MiB budget")
