@@ -46,7 +46,7 @@ def meta_like(model: torch.nn.Module) -> torch.nn.Module:
     dtypes = {p.dtype for p in model.parameters()}
     new.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)
     new.train(model.training)
-    return new  # type: ignore[no-any-return]
+    return new
 
 
 def copy_buffers(old: torch.nn.Module, new: torch.nn.Module) -> None:
@@ -106,7 +106,7 @@ def _pairs(old: torch.nn.Module, new: torch.nn.Module) -> list[tuple[str, torch.
     if set(fresh) != set(mine):
         raise ConfigError(f"re-shard: parameters differ between the old and the new model: "
                           f"{sorted(set(fresh) ^ set(mine))[:8]} (a tie broken on one side?)")
-    out = []
+    out: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for name, o in mine.items():
         n = fresh[name]
         if tuple(n.shape) != tuple(o.shape):

@@ -190,8 +190,9 @@ class TrainerRank:
 
         A plan that moves the parameters (FSDP's mesh or the tp degree) re-lays model and optimizer
         state onto the new mesh shard to shard, `trainer.reshard_bucket_bytes` of whole tensors at a
-        time (`sharding.relayout`: the old model and optimizer are spent, never a full replica); sp, micro-batch budget and recomputation change
-        only how the step is cut and what is kept for the backward pass. The math does not change:
+        time (`sharding.relayout`: the old model and optimizer are spent, never a full replica); sp,
+        micro-batch budget and recomputation change only how the step is cut and what is kept for the
+        backward pass. The math does not change:
         the loss is normalised by the claim's token count and gradients are summed over the pool.
         """
         if self.world_size > 1:

@@ -108,11 +108,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     import resource
 
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from earl_stream.supervisor.memory_model import TrainPlan
