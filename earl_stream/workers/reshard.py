@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from earl_stream.errors import ConfigError
@@ -40,8 +41,10 @@ def meta_like(model: torch.nn.Module) -> torch.nn.Module:
 
     hf: Any = model
     config = copy.deepcopy(hf.config)
+    # FSDP2 swaps a sharded module's class for a subclass of FSDPModule: build the model's own class
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with no_init_weights(), torch.device("meta"):
-        new: Any = type(model)(config)
+        new: Any = cls(config)
     new.tie_weights()  # skipped with the initialisation: a tied LM head must share the embedding again
     dtypes = {p.dtype for p in model.parameters()}
     new.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)

@@ -120,6 +120,8 @@ def relayout(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, pl
     tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     new: Any = shard_model(meta_like(model), placement)
     new.to_empty(device=placement.device)
+    if tied and not placement.plan.sharded:  # to_empty gave each module of a plain model a parameter of its own
+        new.tie_weights()
     if tied and new.get_output_embeddings().weight is not new.get_input_embeddings().weight:
         raise ConfigError("re-shard: the tied LM head came apart from the embedding on the new model")
     copy_buffers(model, new)
