@@ -217,10 +217,11 @@ class TrainerRank:
             if self.ref_model is not None:
                 self.ref_model = relayout(self.ref_model, None, placement, self._make_optimizer,
                                           bucket_bytes=bucket).model
+            buckets = relaid.buckets
             del relaid
             free_unused_memory()  # the replaced model and optimizer, before the next step needs the room
-            log.info("step %d: re-laid the model from %s to %s in %.2fs", step, self.placement.plan.name, plan.name,
-                     time.monotonic() - start)
+            log.info("step %d: re-laid the model from %s to %s in %.2fs (%d buckets of <= %d MiB)", step,
+                     self.placement.plan.name, plan.name, time.monotonic() - start, buckets, bucket >> 20)
         apply_plan(self.model, placement, extra_models=[self.ref_model] if self.ref_model is not None else [])
         self.placement = placement
         self.step_cfg = dataclasses.replace(self.step_cfg, micro_batch_tokens=plan.micro_batch_tokens)
