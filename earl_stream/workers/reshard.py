@@ -42,7 +42,7 @@ def meta_like(model: torch.nn.Module) -> torch.nn.Module:
     hf: Any = model
     config = copy.deepcopy(hf.config)
     # FSDP2 swaps a sharded module's class for a subclass of FSDPModule: build the model's own class
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    cls: Any = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with no_init_weights(), torch.device("meta"):
         new: Any = cls(config)
     new.tie_weights()  # skipped with the initialisation: a tied LM head must share the embedding again
