@@ -91,3 +91,13 @@ def test_the_first_plan_switches_from_the_start_up_replicas(shape: ModelShape) -
     # from replicas without optimizer state: what the rank already holds plus the new shards
     s = predict_switch(shape, plan(), first.plan, 64 * MIB, stepped=False)
     assert s.peak_bytes <= 600 * MIB and not [r for r in selector.refused if "switch" in r.reason]
+
+
+def test_the_bucket_is_a_config_field_of_at_least_one_mib() -> None:
+    from earl_stream.config import load_config
+    from earl_stream.errors import ConfigError
+
+    assert load_config().trainer.reshard_bucket_bytes == 64 * MIB
+    assert load_config(overrides=["trainer.reshard_bucket_bytes=2097152"]).trainer.reshard_bucket_bytes == 2 * MIB
+    with pytest.raises(ConfigError, match="reshard_bucket_bytes"):
+        load_config(overrides=["trainer.reshard_bucket_bytes=4096"])

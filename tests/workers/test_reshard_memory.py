@@ -104,92 +104,109 @@ def _full_gather_relayout(model: Any, optimizer: Any, placement: Any, make_optim
     return new, new_optimizer
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    import resource
+def _adam(model: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+
+def _stepped(mesh: Any, name: str) -> tuple[Any, Any]:
+    """The model laid out under plan `name`, after one AdamW step (gradients dropped, as at a step
+    boundary)."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from earl_stream.workers.host_memory import free_unused_memory
+    from earl_stream.workers.mesh import RankPlan
+    from earl_stream.workers.sharding import shard_model
+
+    torch.manual_seed(0)
+    model = shard_model(Qwen2ForCausalLM(Qwen2Config(**MODEL)).train(), mesh.placement(RankPlan(*PLANS[name])))
+    opt = _adam(model)
+    ids = torch.arange(16).reshape(1, 16) % MODEL["vocab_size"]
+    model(input_ids=ids).logits.float().pow(2).mean().backward()
+    if name == "dp2":  # replicas: the same gradients on every rank
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    free_unused_memory()
+    return model, opt
+
+
+def _whole(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """Whole weights and AdamW moments, by name (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    state = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
+    for k, s in get_optimizer_state_dict(model, opt, options=full)["state"].items():
+        state.update({f"{k}:{n}": v.clone() for n, v in s.items() if isinstance(v, torch.Tensor) and v.dim()})
+    return state
+
+
+def _train_plan(name: str) -> Any:
     from earl_stream.supervisor.memory_model import TrainPlan
+
+    dp, fsdp, tp = PLANS[name]
+    return TrainPlan(micro_batch=1, seq_len=16, dp=dp * fsdp, tp=tp, fsdp=fsdp > 1)
+
+
+def _switch(mesh: Any, a: str, b: str) -> dict[str, Any]:
+    """Plan `a` -> `b` by the old path (uncapped) and by `relayout` under the cap: peaks and results."""
+    import resource
+
+    from transformers import Qwen2Config
+
     from earl_stream.supervisor.model_shape import ModelShape
     from earl_stream.supervisor.switch_memory import predict_switch
     from earl_stream.workers.host_memory import free_unused_memory
-    from earl_stream.workers.mesh import RankPlan, TrainerMesh
-    from earl_stream.workers.sharding import relayout, shard_model
+    from earl_stream.workers.mesh import RankPlan
+    from earl_stream.workers.sharding import relayout
+
+    placement = mesh.placement(RankPlan(*PLANS[b]))
+    model, opt = _stepped(mesh, a)
+    base = _status("VmRSS:")
+    _reset_peak()
+    with _DataPeak() as old_data:
+        model, opt = _full_gather_relayout(model, opt, placement, _adam)
+    old_peak = _status("VmHWM:") - base
+    reference = _whole(model, opt)
+    del model, opt
+    free_unused_memory()
+    predicted = predict_switch(ModelShape.from_hf(Qwen2Config(**MODEL)), _train_plan(a), _train_plan(b), BUCKET)
+    cap = predicted.peak_bytes - predicted.before_bytes + SLACK
+    model, opt = _stepped(mesh, a)
+    base = _status("VmRSS:")
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    _reset_peak()
+    resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData:") + cap, hard))
+    try:
+        with _DataPeak() as data:
+            relaid = relayout(model, opt, placement, _adam, bucket_bytes=BUCKET)
+            del model, opt
+        new_peak = _status("VmHWM:") - base
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    moved = _whole(relaid.model, relaid.optimizer)
+    return {"old_peak": old_peak, "new_peak": new_peak, "cap": cap, "buckets": relaid.buckets,
+            "worst": max(float((moved[k] - v).abs().max()) for k, v in reference.items()),
+            "keys": sorted(moved) == sorted(reference), "new_data_peak": data.delta,
+            "old_data_peak": old_data.delta, "predicted": predicted.peak_bytes - predicted.before_bytes}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from earl_stream.workers.host_memory import free_unused_memory
+    from earl_stream.workers.mesh import TrainerMesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
-    mesh = TrainerMesh(world, rank, torch.device("cpu"))
-    config = Qwen2Config(**MODEL)
-    shape = ModelShape.from_hf(config)
-    results: dict[str, Any] = {}
-
-    def adam(m: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-    def stepped(name: str) -> tuple[Any, Any]:
-        torch.manual_seed(0)
-        model = shard_model(Qwen2ForCausalLM(config).train(), mesh.placement(RankPlan(*PLANS[name])))
-        opt = adam(model)
-        ids = torch.arange(16).reshape(1, 16) % config.vocab_size
-        model(input_ids=ids).logits.float().pow(2).mean().backward()
-        if name == "dp2":  # replicas: the same gradients on every rank
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return model, opt
-
-    def whole(model: Any, opt: Any) -> dict[str, torch.Tensor]:
-        full = StateDictOptions(full_state_dict=True)
-        state = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}
-        for k, s in get_optimizer_state_dict(model, opt, options=full)["state"].items():
-            state.update({f"{k}:{n}": v.clone() for n, v in s.items() if isinstance(v, torch.Tensor) and v.dim()})
-        return state
-
-    def train_plan(name: str) -> TrainPlan:
-        dp, fsdp, tp = PLANS[name]
-        return TrainPlan(micro_batch=1, seq_len=16, dp=dp * fsdp, tp=tp, fsdp=fsdp > 1)
-
     try:
+        mesh = TrainerMesh(world, rank, torch.device("cpu"))
+        results = {}
         for a, b in SWITCHES:
-            placement = mesh.placement(RankPlan(*PLANS[b]))
-            # the old path, uncapped: its peak
-            model, opt = stepped(a)
-            free_unused_memory()
-            base = _status("VmRSS:")
-            _reset_peak()
-            with _DataPeak() as old_data:
-                model, opt = _full_gather_relayout(model, opt, placement, adam)
-            old_peak = _status("VmHWM:") - base
-            reference = whole(model, opt)
-            del model, opt
-            free_unused_memory()
-            # the new path under a cap between the two
-            predicted = predict_switch(shape, train_plan(a), train_plan(b), BUCKET)
-            cap = predicted.peak_bytes - predicted.before_bytes + SLACK
-            model, opt = stepped(a)
-            free_unused_memory()
-            base = _status("VmRSS:")
-            soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-            _reset_peak()
-            resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData:") + cap, hard))
-            try:
-                with _DataPeak() as data:
-                    relaid = relayout(model, opt, placement, adam, bucket_bytes=BUCKET)
-                    del model, opt
-                new_peak = _status("VmHWM:") - base
-            finally:
-                resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
-            moved = whole(relaid.model, relaid.optimizer)
-            worst = max(float((moved[k] - v).abs().max()) for k, v in reference.items())
-            results[a, b] = {"old_peak": old_peak, "new_peak": new_peak, "cap": cap, "worst": worst,
-                             "keys": sorted(moved) == sorted(reference), "buckets": relaid.buckets,
-                             "new_data_peak": data.delta, "old_data_peak": old_data.delta,
-                             "predicted": predicted.peak_bytes - predicted.before_bytes}
-            del relaid, moved, reference
+            results[a, b] = _switch(mesh, a, b)
             free_unused_memory()
         torch.save(results, f"{out}.{rank}")
     finally:
