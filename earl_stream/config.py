@@ -115,6 +115,8 @@ class TrainerConfig:
                                     "own, returned to the OS when freed, so that resident memory follows live tensors as "
                                     "the memory model assumes (e.g. 65536 where a rank's memory is capped; steps are "
                                     "slower); 0 = glibc's default, whose freed blocks stay in its heap", minimum=0)
+    reshard_bucket_bytes: int = _f(64 << 20, "a plan switch moves parameters and optimizer state shard to shard, at most "
+                                   "this many bytes of whole tensors at a time (a larger tensor alone)", minimum=1 << 20)
 
 
 @dataclasses.dataclass(frozen=True)

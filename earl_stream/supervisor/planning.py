@@ -146,7 +146,7 @@ class Planner:
                            precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
             allow_fsdp=pool and s.allow_fsdp, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
-            pad_aware=True)
+            pad_aware=True, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes)
         self.rollout = RolloutSelector(shape, PoolBudget(1, memory, s.reserve_bytes), thresholds=thresholds,
                                        dtype_bytes=4, max_sequences=cfg.rollout.max_batch_size, allow_tp=False)
         for selector in (self.trainer, self.rollout):
@@ -256,7 +256,14 @@ class Planner:
             return  # the same report again (a retry across a supervisor restart)
         plan = self._issued.get(version)
         self.trainer_history.append(PlanAdoption(version, step, plan, plan.reason if plan else ""))
+        self._note_running(plan)
         log.info("trainer pool adopted plan v%d (%s) at step %d", version, plan.name if plan else "not sent by us", step)
+
+    def _note_running(self, plan: TrainerPlan | None) -> None:
+        """The layout the trainer pool holds now: the selector weighs each plan's switch from it."""
+        if self.trainer is not None and plan is not None:
+            self.trainer.running = dataclasses.replace(self.trainer.base, dp=plan.dp * plan.fsdp, fsdp=plan.fsdp > 1,
+                                                       tp=plan.tp, sp=plan.sp)
 
     def snapshot(self) -> PlannerState:
         return PlannerState(trainer=self.trainer_plan, rollout=self.rollout_plan, issued=list(self._issued.values()),
@@ -265,6 +272,7 @@ class Planner:
     def restore(self, state: PlannerState) -> None:
         """Continue a restarted supervisor's plans: versions go on from the persisted ones."""
         self.trainer_history = list(state.trainer_history)
+        self._note_running(self.trainer_history[-1].plan if self.trainer_history else None)
         self._issued.update({p.version: p for p in state.issued})
         if self.trainer is not None and state.trainer is not None:
             self._adopt(self.trainer.resume(state.trainer))

@@ -43,6 +43,7 @@ from earl_stream.supervisor.memory_model import (
     predict_rollout_bytes,
     predict_train_memory,
 )
+from earl_stream.supervisor.switch_memory import switch_refusal
 
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -305,13 +306,18 @@ class TrainerSelector(_Selector[PlanDecision]):
     longest: p50 / p99 of the latest statistics, `prior_fill` before any), so that the cost model
     (with its calibrated fixed cost per micro-batch) weighs padding against per-pass overhead.
     Without it, every plan uses the largest budget that fits.
+    A plan whose switch from the plan the pool runs (`running`, else the current decision; before any,
+    the start-up layout: replicated, optimizer without state) would not fit the budget is refused
+    too (`switch_memory.switch_refusal`, parameters and AdamW state moved shard to shard in
+    `reshard_bucket_bytes` buckets), with its reason in `refused` and the log.
     """
 
     def __init__(self, shape: ModelShape, budget: PoolBudget, *, base: TrainPlan, thresholds: Thresholds | None = None,
                  cost_model: StepCostModel | None = None, pool: str = "trainer",
                  recomputes: Sequence[Recompute] = (Recompute.NONE, Recompute.FULL), allow_tp: bool = True,
                  allow_sp: bool = True, allow_fsdp: bool = True, max_micro_batch_tokens: int = 1 << 16,
-                 step_sequences: int = 1, pad_aware: bool = False, prior_fill: float = 0.75) -> None:
+                 step_sequences: int = 1, pad_aware: bool = False, prior_fill: float = 0.75,
+                 reshard_bucket_bytes: int = 64 * MIB) -> None:
         super().__init__(budget, thresholds, pool)
         if Recompute.SELECTIVE in recomputes or not recomputes:
             raise ConfigError(f"recomputes={[r.value for r in recomputes]}: choose from none/full (selective "
@@ -329,6 +335,8 @@ class TrainerSelector(_Selector[PlanDecision]):
         self.pad_aware, self.prior_fill = pad_aware, prior_fill
         self.refused: list[Refusal] = []
         self._logged: set[Refusal] = set()
+        self.reshard_bucket_bytes = reshard_bucket_bytes
+        self.running: TrainPlan | None = None  # the layout the pool holds now, when the planner knows it
 
     def layouts(self, design_seq_len: int) -> list[TrainPlan]:
         """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence
@@ -355,7 +363,7 @@ class TrainerSelector(_Selector[PlanDecision]):
         ranked: list[tuple[RankedPlan, int, float]] = []  # with the micro-batch token budget and the score
         for layout in self.layouts(design):
             if not check_fit(self.shape, layout, self.budget.memory_bytes_per_device,
-                             reserve_bytes=self.budget.reserve_bytes).fits:
+                             reserve_bytes=self.budget.reserve_bytes).fits or not self._switch_fits(layout):
                 continue
             largest = micro_batch_tokens(self.shape, layout, self.budget, max_tokens=cap)
             for tokens in self._budgets(largest, design):
@@ -375,6 +383,23 @@ class TrainerSelector(_Selector[PlanDecision]):
         return PlanDecision(version=self.version + 1, pool=self.pool, plan=best.check.plan, micro_batch_tokens=tokens,
                             design_seq_len=design, predicted_peak_bytes=peak,
                             predicted_tokens_per_s=score, reason=reason, step=step)
+
+    def _switch_fits(self, layout: TrainPlan) -> bool:
+        """Whether the pool can move from the layout it holds to `layout`; if not, the refusal is kept."""
+        held = self.running or (self._current.plan if self._current else None)
+        start = held is None  # start-up: every rank holds a replica, the optimizer has not stepped
+        old = held or dataclasses.replace(self.base, dp=self.budget.devices, tp=1, sp=1, fsdp=False)
+        refusal = switch_refusal(self.shape, old, layout, self.reshard_bucket_bytes,
+                                 budget_bytes=self.budget.memory_bytes_per_device,
+                                 reserve_bytes=self.budget.reserve_bytes, stepped=not start)
+        if refusal is None:
+            return True
+        if refusal not in self.refused:
+            self.refused.append(refusal)
+        if refusal not in self._logged:
+            self._logged.add(refusal)
+            logger.warning("%s: layout %s refused: %s", self.pool, refusal.plan, refusal.reason)
+        return False
 
     def _budgets(self, largest: int, design: int) -> list[int]:
         """Micro-batch token budgets to rank for one layout: the largest that fits (and, pad-aware,
@@ -397,7 +422,9 @@ class TrainerSelector(_Selector[PlanDecision]):
                                    fsdp=False, recompute=self.recomputes[-1], sequence_parallel=False)
         advice = advise(self.shape, plan, self.budget.memory_bytes_per_device, reserve_bytes=self.budget.reserve_bytes,
                         recomputes=self.recomputes, allow_tp=self.allow_tp, allow_sp=self.allow_sp)
-        return f"{self.pool}: no plan fits one {design}-token sequence: {advice.message}"
+        switches = [f"{r.plan}: {r.reason}" for r in self.refused if r.reason.startswith("the switch from")]
+        more = f"; refused for their switch: {'; '.join(switches)}" if switches else ""
+        return f"{self.pool}: no plan fits one {design}-token sequence: {advice.message}{more}"
 
 
 class RolloutSelector(_Selector[RolloutDecision]):

@@ -1,8 +1,8 @@
 """Laying a Hugging Face causal LM out on a trainer placement, and re-laying it live.
 
 Owns `shard_model` (tensor parallel with DTensor `parallelize_module`, then FSDP2 `fully_shard`),
-`relayout` (a plan change at a step boundary: model and optimizer state move onto the new mesh
-through the distributed-checkpoint state-dict APIs; no restart, same math) and `shard_pieces` (which
+`relayout` (a plan change at a step boundary: model and optimizer state move onto the new mesh shard
+to shard, bucket by bucket, with `workers.reshard`; never a full replica; no restart, same math) and `shard_pieces` (which
 parameter pieces this rank holds and publishes). Works for the Llama / Qwen2 / Mistral family:
 decoder layers under `model.layers` with q/k/v/o attention projections and gate/up/down MLPs.
 
@@ -17,20 +17,12 @@ mixed-precision policy gathers bf16 weights per layer and reduces gradients in f
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -39,13 +31,13 @@ from transformers import PreTrainedModel
 from earl_stream.errors import ConfigError
 from earl_stream.store.weights import WeightPiece
 from earl_stream.workers.mesh import Placement, is_shard
+from earl_stream.workers.reshard import DEFAULT_BUCKET_BYTES, copy_buffers, meta_like, move_state
 from earl_stream.workers.ulysses import set_sequence_parallel
 
 log = logging.getLogger(__name__)
 
 _COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-_FULL = StateDictOptions(full_state_dict=True)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -104,45 +96,38 @@ def shard_model(model: torch.nn.Module, placement: Placement) -> torch.nn.Module
     return model
 
 
-def fresh_like(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
-    """An uninitialised plain copy of `model`'s architecture on `device` (its weights come next)."""
-    from transformers.initialization import no_init_weights
-
-    config = copy.deepcopy(model.config)
-    with no_init_weights(), torch.device(device):
-        new = type(model)(config)
-    new.tie_weights()  # skipped with the initialisation: a tied LM head must share the embedding again
-    new.float()
-    new.train(model.training)
-    return new
-
-
 @dataclasses.dataclass
 class Relaid:
     model: PreTrainedModel
     optimizer: torch.optim.Optimizer | None
+    buckets: int = 0  # how many buckets the move took
 
 
 def relayout(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, placement: Placement,
-             make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Relaid:
+             make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer], *,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Relaid:
     """The same weights and optimizer state on a new model laid out under `placement`.
 
-    Collective (every rank of the pool, together). Full state dicts are gathered from the current
-    placement and loaded into the new one, which keeps only its own shards; the math of the next
-    step does not change. An optimizer that has not stepped yet has no state to move and is made
-    fresh (moving it would initialise it and advance Adam's step count).
+    Collective (every rank of the pool, together). The new model is built and laid out on the meta
+    device, then only this rank's shards are materialised on `placement.device`; parameters and
+    AdamW state move into them shard to shard, `bucket_bytes` of whole tensors at a time
+    (`reshard.move_state`), so no rank ever holds a replica it would not hold under either plan. The
+    old model and optimizer are spent (their storage is freed as it moves). The math of the next step
+    does not change. An optimizer that has not stepped yet has no state to move and is made fresh
+    (moving it would initialise it and advance Adam's step count).
     """
-    model_state = get_model_state_dict(model, options=_FULL)
-    optim_state = None
-    if optimizer is not None and optimizer.state:
-        optim_state = get_optimizer_state_dict(model, optimizer, options=_FULL)
-    new = shard_model(fresh_like(model, placement.device), placement)
-    set_model_state_dict(new, model_state, options=_FULL)
-    del model_state
+    hf: Any = model
+    tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    new: Any = shard_model(meta_like(model), placement)
+    new.to_empty(device=placement.device)
+    if tied and not placement.plan.sharded:  # to_empty gave each module of a plain model a parameter of its own
+        new.tie_weights()
+    if tied and new.get_output_embeddings().weight is not new.get_input_embeddings().weight:
+        raise ConfigError("re-shard: the tied LM head came apart from the embedding on the new model")
+    copy_buffers(model, new)
     new_optimizer = make_optimizer(new) if optimizer is not None else None
-    if new_optimizer is not None and optim_state is not None:
-        set_optimizer_state_dict(new, new_optimizer, optim_state, options=_FULL)
-    return Relaid(new, new_optimizer)  # type: ignore[arg-type]
+    buckets = move_state(model, new, optimizer, new_optimizer, bucket_bytes=bucket_bytes)
+    return Relaid(new, new_optimizer, buckets)
 
 
 def shard_pieces(state: dict[str, torch.Tensor], placement: Placement) -> list[WeightPiece]:

@@ -189,8 +189,10 @@ class TrainerRank:
         """Adopt the selector's plan at this step boundary; every rank adopts rank 0's, together.
 
         A plan that moves the parameters (FSDP's mesh or the tp degree) re-lays model and optimizer
-        state onto the new mesh (`sharding.relayout`); sp, micro-batch budget and recomputation change
-        only how the step is cut and what is kept for the backward pass. The math does not change:
+        state onto the new mesh shard to shard, `trainer.reshard_bucket_bytes` of whole tensors at a
+        time (`sharding.relayout`: the old model and optimizer are spent, never a full replica); sp,
+        micro-batch budget and recomputation change only how the step is cut and what is kept for the
+        backward pass. The math does not change:
         the loss is normalised by the claim's token count and gradients are summed over the pool.
         """
         if self.world_size > 1:
@@ -209,14 +211,17 @@ class TrainerRank:
         if plan.model_layout != self.placement.plan.model_layout:
             log.info("step %d: re-laying the model from %s to %s", step, self.placement.plan.name, plan.name)
             start = time.monotonic()
-            relaid = relayout(self.model, self.optimizer, placement, self._make_optimizer)
+            bucket = self.cfg.trainer.reshard_bucket_bytes
+            relaid = relayout(self.model, self.optimizer, placement, self._make_optimizer, bucket_bytes=bucket)
             self.model, self.optimizer = relaid.model, relaid.optimizer or self.optimizer
             if self.ref_model is not None:
-                self.ref_model = relayout(self.ref_model, None, placement, self._make_optimizer).model
+                self.ref_model = relayout(self.ref_model, None, placement, self._make_optimizer,
+                                          bucket_bytes=bucket).model
+            buckets = relaid.buckets
             del relaid
             free_unused_memory()  # the replaced model and optimizer, before the next step needs the room
-            log.info("step %d: re-laid the model from %s to %s in %.2fs", step, self.placement.plan.name, plan.name,
-                     time.monotonic() - start)
+            log.info("step %d: re-laid the model from %s to %s in %.2fs (%d buckets of <= %d MiB)", step,
+                     self.placement.plan.name, plan.name, time.monotonic() - start, buckets, bucket >> 20)
         apply_plan(self.model, placement, extra_models=[self.ref_model] if self.ref_model is not None else [])
         self.placement = placement
         self.step_cfg = dataclasses.replace(self.step_cfg, micro_batch_tokens=plan.micro_batch_tokens)

@@ -1,0 +1,188 @@
+"""The memory of a live plan switch on one trainer rank: what `workers.reshard` holds while it moves
+parameters and optimizer state from one placement to another.
+
+Owns `predict_switch` (-> `SwitchMemory`), `switch_refusal` (a `Refusal` naming the switch that would
+not fit a rank's budget) and `model_layout` (what a plan's parameter placement depends on; two plans
+with the same one switch without moving anything). What a step costs is `memory_model`'s; which
+plans to weigh and which to adopt is the selector's.
+
+At a step boundary a rank holds its weights and, once the optimizer stepped, its AdamW state (the
+gradients were dropped with `zero_grad(set_to_none=True)`; nothing else is alive). A switch then
+materialises the new model's local shards (all at once), and walks the tensors in the model's order,
+`bucket_bytes` of whole tensors at a time: a tensor sharded under the old plan is all-gathered whole
+(its old shard freed at once), a replicated one is its own whole; this rank's new piece is copied
+out (into the new parameter, or a new optimizer state), and the old tensor and the whole copies go.
+`predict_switch` replays that walk over the model's tensors with the per-rank share of each under
+either plan and returns its highest point. Under tensor parallelism q/k/v/gate/up (weights and
+biases) are split on their rows, o/down weights on their columns, the embedding and LM head on the
+vocabulary; norms and the row-wise biases stay whole. FSDP splits every tensor over dp x sp ranks
+(on top of tp). The largest share (the first rank's, FSDP's chunks are ceil-sized) is counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+from earl_stream.protocol import plan_name
+from earl_stream.supervisor.decisions import Refusal
+from earl_stream.supervisor.memory_model import Precision, TrainPlan
+from earl_stream.supervisor.model_shape import ModelShape
+
+MIB = 1 << 20
+# Making a sharded tensor whole holds two whole copies at its peak: gloo gathers into a list and
+# concatenates (measured on CPU: tests/workers/test_reshard_memory.py), and a shard on dim 1 (row-wise
+# tensor parallel) is gathered on dim 0 and re-laid; NCCL's in-place gather of a dim-0 shard needs one,
+# so this is the safe side there
+GATHER_COPIES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One parameter: its shape and how tensor parallelism splits it (dim, or None = replicated)."""
+
+    rows: int
+    cols: int
+    tp_dim: int | None
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchMemory:
+    """One rank's bytes during a switch from `old` to `new`: `before` (old weights + optimizer state),
+    `after` (new), and `peak` (the highest point of the move; 0 when the switch moves nothing)."""
+
+    old: str
+    new: str
+    before_bytes: int
+    after_bytes: int
+    peak_bytes: int
+    bucket_bytes: int
+
+    @property
+    def moves(self) -> bool:
+        return self.peak_bytes > 0
+
+
+def model_layout(plan: TrainPlan) -> tuple[int, int]:
+    """What the placement of the parameters depends on (as `workers.mesh.RankPlan.model_layout`):
+    FSDP's shard degree (dp x sp; 0 without FSDP) and the tp degree."""
+    return (plan.dp * plan.sp if plan.fsdp else 0, plan.tp)
+
+
+def _tensors(shape: ModelShape) -> Iterator[_Tensor]:
+    """The parameters in the order `named_parameters()` yields them (Llama / Qwen2 / Mistral)."""
+    h, inter, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    yield _Tensor(v, h, 0)  # embed_tokens
+    for _ in range(shape.num_layers):
+        for out in (q, kv, kv):
+            yield _Tensor(out, h, 0)
+            if shape.qkv_bias:
+                yield _Tensor(out, 1, 0)
+        yield _Tensor(h, q, 1)
+        if shape.o_bias:
+            yield _Tensor(h, 1, None)
+        for dims in ((inter, h, 0), (inter, h, 0), (h, inter, 1)):
+            yield _Tensor(*dims)
+            if shape.mlp_bias:
+                yield _Tensor(dims[0], 1, 0 if dims[2] == 0 else None)
+        yield _Tensor(h, 1, None)
+        yield _Tensor(h, 1, None)
+    yield _Tensor(h, 1, None)  # the final norm
+    if not shape.tie_word_embeddings:
+        yield _Tensor(v, h, 0)  # lm_head
+
+
+def _share(t: _Tensor, plan: TrainPlan) -> tuple[int, bool]:
+    """(elements on the fullest rank, whether the tensor is a DTensor) of `t` under `plan`."""
+    rows, cols = t.rows, t.cols
+    split = False
+    if plan.tp > 1 and t.tp_dim is not None:
+        rows, cols = (rows // plan.tp, cols) if t.tp_dim == 0 else (rows, cols // plan.tp)
+        split = True
+    if plan.fsdp and plan.dp * plan.sp > 1:
+        rows, split = math.ceil(rows / (plan.dp * plan.sp)), True
+    return rows * cols, split
+
+
+def _bytes(precision: Precision) -> tuple[int, int]:
+    """(weight, optimizer state) bytes per element at a step boundary: fp32 master weights under
+    autocast (its bf16 copies live only during the step)."""
+    w, _, opt, _ = precision.element_bytes
+    return (4 if precision is Precision.AUTOCAST_BF16 else w), opt
+
+
+def predict_switch(shape: ModelShape, old: TrainPlan, new: TrainPlan, bucket_bytes: int, *,
+                   stepped: bool = True) -> SwitchMemory:
+    """One rank's memory while the trainer switches from plan `old` to plan `new` (same pool, same
+    precision), moving `bucket_bytes` of whole tensors at a time; `stepped`: the optimizer holds its
+    state (False before the first step: only weights move, the new optimizer starts empty)."""
+    w, o = _bytes(old.precision)
+    o = o if stepped else 0
+    tensors = list(_tensors(shape))
+    olds = [_share(t, old) for t in tensors]
+    news = [_share(t, new) for t in tensors]
+    before = sum(n for n, _ in olds) * (w + o)
+    after = sum(n for n, _ in news) * (w + o)
+    if model_layout(old) == model_layout(new):
+        return SwitchMemory(plan_label(old), plan_label(new), before, before, 0, bucket_bytes)
+    # (whole bytes, old shard bytes, old is a DTensor, new piece bytes, is a state) per item, moved in order
+    items = []
+    for t, (old_n, old_split), (new_n, _) in zip(tensors, olds, news):
+        items.append((t.numel * w, old_n * w, old_split, new_n * w, False))
+        if o:
+            items.extend([(t.numel * o // 2, old_n * o // 2, old_split, new_n * o // 2, True)] * 2)
+    held = before + sum(n for n, _ in news) * w  # the new model's shards are materialised first
+    peak = held
+    for bucket in _buckets(items, bucket_bytes):
+        gathered = 0
+        for whole, old_b, split, _, _ in bucket:  # whole copies of the old shards, each freed once gathered
+            if split:
+                peak = max(peak, held + gathered + GATHER_COPIES * whole)
+                gathered += whole
+                held -= old_b
+        for _, old_b, split, new_b, state in bucket:  # new pieces in; replicated olds out once copied
+            held += new_b if state else 0
+            peak = max(peak, held + gathered)
+            held -= 0 if split else old_b
+        # the whole copies go with the bucket
+    return SwitchMemory(plan_label(old), plan_label(new), before, after, peak, bucket_bytes)
+
+
+def _buckets(items: list[tuple[int, int, bool, int, bool]], bucket_bytes: int
+             ) -> Iterator[list[tuple[int, int, bool, int, bool]]]:
+    bucket: list[tuple[int, int, bool, int, bool]] = []
+    size = 0
+    for item in items:
+        if bucket and size + item[0] > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(item)
+        size += item[0]
+    if bucket:
+        yield bucket
+
+
+def plan_label(plan: TrainPlan) -> str:
+    """The trainer's name of `plan` (`protocol.plan_name`: dp2, fsdp2, tp2, fsdp2_sp2, ...)."""
+    return plan_name(1 if plan.fsdp else plan.dp, plan.dp if plan.fsdp else 1, plan.tp, plan.sp)
+
+
+def switch_refusal(shape: ModelShape, old: TrainPlan, new: TrainPlan, bucket_bytes: int, *, budget_bytes: int,
+                   reserve_bytes: int = 0, stepped: bool = True) -> Refusal | None:
+    """Why the pool cannot switch from `old` to `new` on `budget_bytes` per rank (the switch's peak
+    plus the reserve would not fit), or None when it can (or nothing moves)."""
+    switch = predict_switch(shape, old, new, bucket_bytes, stepped=stepped)
+    if switch.peak_bytes + reserve_bytes <= budget_bytes:
+        return None
+    state = "weights and AdamW state" if stepped else "weights"
+    return Refusal(plan_label(new), f"the switch from {switch.old} would need {switch.peak_bytes / MIB:.1f} MiB per "
+                   f"rank ({state}: {switch.before_bytes / MIB:.1f} MiB held under {switch.old}, "
+                   f"{switch.after_bytes / MIB:.1f} MiB under {switch.new}, moved in buckets of "
+                   f"{bucket_bytes / MIB:g} MiB) + {reserve_bytes / MIB:.1f} MiB reserve, over the "
+                   f"{budget_bytes / MIB:.1f} MiB budget")
