@@ -5,9 +5,9 @@
 A 2-rank gloo trainer pool trains while the episode context grows 8x (four phases whose episodes
 reach 256, 512, 1,024 and 2,048 tokens; each step holds one episode at the phase's maximum and seven
 uniform in [0.5, 1] x it; GRPO on synthetic episodes, AdamW, a ~18.9M-parameter Qwen2 with a 16k
-untied vocabulary and eager attention, one thread per rank). Untied because `relayout` of AdamW state
-fails on a tied embedding (DCP's set_optimizer_state_dict: "Missing optimizer state for parameter
-'lm_head.weight'"). Each rank is its own process with its own
+untied vocabulary and eager attention, one thread per rank). Untied because the DCP state-dict path that
+`relayout` used when this benchmark was written failed on a tied embedding's AdamW state (the shard-to-shard
+re-shard of workers/reshard.py that replaced it keeps tied heads tied). Each rank is its own process with its own
 real memory cap: after start-up (torch imported, gloo joined) it sets `resource.setrlimit(RLIMIT_DATA,
 VmData + BUDGET)` and only then builds the model, so weights, gradients and AdamW states count against
 the cap as much as activations do. Past the cap an allocation fails (torch: `RuntimeError:
