@@ -127,6 +127,16 @@ def packed_token_ranges(micro_batches: Sequence[Sequence[int]], lengths: Sequenc
     return ranges
 
 
+def rank_windows(micro_batches: Sequence[Sequence[int]], lengths: Sequence[int], sp: int, sp_rank: int, *,
+                 packed: bool) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int]]] | None]:
+    """This sp rank's window (a, n) in each micro-batch, packed or padded, and the token ranges it pulls
+    of each row (None when sp == 1: whole rows)."""
+    windows = (packed_windows if packed else sp_windows)(micro_batches, lengths, sp, sp_rank)
+    if sp == 1:
+        return windows, None
+    return windows, (packed_token_ranges if packed else sp_token_ranges)(micro_batches, lengths, windows)
+
+
 _INT_FIELDS = ("input_ids", "policy_version")
 
 

@@ -41,10 +41,7 @@ from earl_stream.workers.batches import (
     dummy_batch,
     local_batch,
     packed_local_batch,
-    packed_token_ranges,
-    packed_windows,
-    sp_token_ranges,
-    sp_windows,
+    rank_windows,
 )
 from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
@@ -195,9 +192,7 @@ def _plan(metas: Sequence[SampleMeta], layout: Layout, placement: Placement, mic
         idx = [i for i, m in enumerate(metas) if m.group_id in part]
         lengths = [metas[i].total_tokens for i in idx]
         p = partition(lengths, layout, micro_batch_tokens=micro_batch_tokens, packed=packed)
-        windows = (packed_windows if packed else sp_windows)(p.micro_batches, lengths, layout.cp_size, layout.cp_rank)
-        ranges = ((packed_token_ranges if packed else sp_token_ranges)(p.micro_batches, lengths, windows)
-                  if layout.cp_size > 1 else None)
+        windows, ranges = rank_windows(p.micro_batches, lengths, layout.cp_size, layout.cp_rank, packed=packed)
         weights = row_weights([metas[i].response_tokens for i in idx], algo.loss_agg)
         out.append(_Mini(rows=[idx[j] for j in p.rows], micro_batches=[[idx[j] for j in mb] for mb in p.micro_batches],
                          windows=windows, ranges=None if ranges is None else {idx[j]: r for j, r in ranges.items()},
