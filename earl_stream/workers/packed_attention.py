@@ -120,6 +120,7 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]

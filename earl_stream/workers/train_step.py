@@ -36,13 +36,7 @@ from earl_stream.errors import ConfigError
 from earl_stream.store.experience import Puller, SamplesUnavailable, pull_samples
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta
-from earl_stream.workers.batches import (
-    agree_on_lost,
-    dummy_batch,
-    local_batch,
-    packed_local_batch,
-    rank_windows,
-)
+from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, packed_local_batch, rank_windows
 from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
 from earl_stream.workers.ulysses import sp_state

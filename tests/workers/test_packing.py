@@ -14,13 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from earl_stream.store.layout import Layout, materialised_tokens, partition
-from earl_stream.workers.batches import (
-    local_batch,
-    packed_local_batch,
-    packed_token_ranges,
-    packed_windows,
-    sp_windows,
-)
+from earl_stream.workers.batches import local_batch, packed_local_batch, packed_token_ranges, packed_windows, sp_windows
 from earl_stream.workers.packed_attention import PACKED, packed_segments, segment_attention, segment_bounds
 
 
@@ -62,9 +56,15 @@ def _rows(lengths: list[int], vocab: int, seed: int = 0) -> list[dict[str, np.nd
     return out
 
 
-def test_packed_forward_equals_the_padded_forward_row_by_row(tiny_model_dir: Path) -> None:
+def test_packed_forward_equals_the_padded_forward_row_by_row(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and transformers builds no packed-sequence (S x S) mask for it."""
+    import transformers.masking_utils as masking
+
     from earl_stream.modeling import load_model
     from earl_stream.workers.vocab_parallel import forward_logprobs
+
+    def no_mask(*_: object, **__: object) -> None:
+        raise AssertionError("transformers looked for packed sequences to build their mask")
 
     torch.set_num_threads(1)
     model, _ = load_model(tiny_model_dir)
@@ -74,8 +74,9 @@ def test_packed_forward_equals_the_padded_forward_row_by_row(tiny_model_dir: Pat
     packed = packed_local_batch(rows, lengths, (0, sum(lengths)), 1)
     with torch.no_grad():
         want = forward_logprobs(model, padded)[1]
-        with packed_segments([model], packed["segments"]):
+        with packed_segments([model], packed["segments"]), monkeypatch.context() as m:
             assert model.config._attn_implementation == PACKED
+            m.setattr(masking, "find_packed_sequence_indices", no_mask)
             got = forward_logprobs(model, packed)[1][0]
         assert model.config._attn_implementation != PACKED  # restored on exit
     o = 0

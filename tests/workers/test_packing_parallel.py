@@ -25,8 +25,8 @@ PLANS = [("dp2", 2, 1, 1, 1, False, 100), ("fsdp2", 1, 2, 1, 1, False, 100), ("t
 def _step(model_dir: str, claim: Any, placement: Any, packing: bool, algo: Any, rank: int = 0,
           ref: bool = False) -> tuple[float, float, dict[str, torch.Tensor]]:
     """(loss, grad norm, full weights after) of one SGD(lr=1) step of a fresh model under `placement`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from test_parallel_equivalence import CountingPuller
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from earl_stream.config import TrainerConfig
     from earl_stream.modeling import load_model
