@@ -10,8 +10,10 @@ all-to-all (`workers.ulysses`). Which tokens a rank holds and how rows are packe
 
 The core runs, per row segment [c_i, c_{i+1}) of the packed sequence, exact causal attention: on
 CUDA in half precision with `flash_attn`'s varlen kernel when it is importable (one call over all
-rows), else the model's own implementation (sdpa or eager) on each segment in turn. Peak attention
-memory is that of the longest row (its scores are n_i x n_i in eager), never S x S.
+rows), else the model's own implementation (sdpa or eager) on `buckets` of segments, rows
+right-padded to a bucket's longest, a bucket's rows x length^2 never above the longest row's
+length^2. Peak attention memory is then that of the micro-batch's longest row alone (n x n scores
+per head in eager or in SDPA's math kernel), never S x S.
 
 No mask is built: "earl_packed" is not registered with transformers' mask interface, so the model
 passes `attention_mask=None` (its mask helpers return early for an implementation they do not know)
@@ -27,6 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 PACKED = "earl_packed"
 BASE_ATTR = "_earl_base_attn_implementation"  # the model's own implementation, kept on its config
@@ -98,14 +101,37 @@ def _flash_varlen() -> Any:
     return flash_attn_varlen_func
 
 
+def buckets(bounds: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """The segments grouped for batched attention: longest first, each bucket's rows right-padded to its
+    first (longest) row, and a bucket grows while (rows + 1) x its length^2 <= the longest row's
+    length^2, so that no bucket's scores exceed those of the micro-batch's longest row alone."""
+    segs = sorted(zip(bounds[:-1], bounds[1:]), key=lambda s: (s[0] - s[1], s[0]))
+    cap = (segs[0][1] - segs[0][0]) ** 2 if segs else 0
+    out: list[list[tuple[int, int]]] = []
+    for seg in segs:
+        if out and (len(out[-1]) + 1) * (out[-1][0][1] - out[-1][0][0]) ** 2 <= cap:
+            out[-1].append(seg)
+        else:
+            out.append([seg])
+    return out
+
+
+def _rows(t: torch.Tensor, bucket: Sequence[tuple[int, int]], n: int) -> torch.Tensor:
+    """[1, heads, S, d] -> [rows, heads, n, d]: the bucket's segments right-padded to n (a view for one)."""
+    if len(bucket) == 1:
+        return t[:, :, bucket[0][0]: bucket[0][1]]
+    return torch.cat([F.pad(t[:, :, a:b], (0, 0, 0, n - (b - a))) for a, b in bucket])
+
+
 def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       bounds: Sequence[int], *, base: str, dropout: float = 0.0,
                       scaling: float | None = None) -> torch.Tensor:
     """Causal attention within each segment [bounds[i], bounds[i+1]) of one packed sequence.
 
     q [1, H, S, d], k/v [1, KV, S, d] (KV divides H; `module.num_key_value_groups` = H / KV) ->
-    [1, S, H, d]. `base`: the implementation run per segment off the varlen kernel ("eager" builds
-    each segment's causal mask; anything else runs SDPA with is_causal).
+    [1, S, H, d]. Off the varlen kernel the segments run in `buckets`, each a batch [rows, H, L, d]
+    of rows right-padded to its longest L (exact: under a causal mask right padding reaches no real
+    token) through `base` ("eager" builds an L x L causal mask; anything else runs SDPA with is_causal).
     """
     s = query.shape[2]
     if bounds[0] != 0 or bounds[-1] != s:
@@ -121,17 +147,19 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    outs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
+    pieces: dict[int, torch.Tensor] = {}
+    for bucket in buckets(bounds):
+        n = bucket[0][1] - bucket[0][0]
+
+        q, k, v = (_rows(t, bucket, n) for t in (query, key, value))
         if base == "eager":
-            n = b - a
             mask = torch.full((n, n), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
             out, _ = eager_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)
         else:
             out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)
-        outs.append(out)
-    return torch.cat(outs, dim=1)
+        for i, (a, b) in enumerate(bucket):  # out [rows, n, H, d]
+            pieces[a] = out[i: i + 1, : b - a]
+    return torch.cat([pieces[a] for a in bounds[:-1]], dim=1)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

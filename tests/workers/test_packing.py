@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from earl_stream.store.layout import Layout, materialised_tokens, partition
 from earl_stream.workers.batches import local_batch, packed_local_batch, packed_token_ranges, packed_windows, sp_windows
-from earl_stream.workers.packed_attention import PACKED, packed_segments, segment_attention, segment_bounds
+from earl_stream.workers.packed_attention import PACKED, buckets, packed_segments, segment_attention, segment_bounds
 
 
 def _masked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...]) -> torch.Tensor:
@@ -37,6 +37,8 @@ def test_segment_attention_equals_a_block_diagonal_causal_mask(base: str) -> Non
     gen = torch.Generator().manual_seed(0)
     bounds = segment_bounds([5, 1, 9, 3], 20)  # four rows and two alignment-padding positions
     assert bounds == (0, 5, 6, 15, 18, 20)
+    # batched: rows padded to a bucket's longest, never more scores than the longest row's 9 x 9
+    assert buckets(bounds) == [[(6, 15)], [(0, 5), (15, 18), (18, 20)], [(5, 6)]]
     q = torch.randn(1, 4, 20, 8, generator=gen)
     k, v = torch.randn(1, 2, 20, 8, generator=gen), torch.randn(1, 2, 20, 8, generator=gen)
     shim = types.SimpleNamespace(num_key_value_groups=2, training=False, is_causal=True)
@@ -103,6 +105,9 @@ def test_sp_slices_of_a_packed_micro_batch_hold_exactly_their_tokens(sp: int) ->
             assert torch.equal(part[key][0], whole[key][0, a: a + n]), (r, key)
         assert part["segments"] == whole["segments"] == segment_bounds(lengths, sp * n)
         assert sum(b - a for ((a, b),) in ranges.values()) <= n + len(lengths)  # its slice, plus one label each
+    lost = packed_local_batch([rows[0], None, rows[2], rows[3]], lengths, (0, 52), 1)  # row 1 lost since planning
+    assert torch.equal(lost["input_ids"][0, :7], whole["input_ids"][0, :7]) and lost["segments"] == (0, 7, 37, 40, 52)
+    assert not lost["loss_mask"][0, 7:37].any() and torch.equal(lost["loss_mask"][0, 37:], whole["loss_mask"][0, 37:52])
 
 
 @settings(max_examples=200, deadline=None)
