@@ -103,16 +103,18 @@ def _flash_varlen() -> Any:
 
 def buckets(bounds: Sequence[int]) -> list[list[tuple[int, int]]]:
     """The segments grouped for batched attention: longest first, each bucket's rows right-padded to its
-    first (longest) row, and a bucket grows while (rows + 1) x its length^2 <= the longest row's
-    length^2, so that no bucket's scores exceed those of the micro-batch's longest row alone."""
+    first (longest) row L. A row joins the bucket while it is at least 3/4 L long (at most a third
+    of a bucket's positions are padding) and (rows + 1) x L^2 <= the longest row's length^2, so
+    that no bucket's scores exceed those of the micro-batch's longest row alone."""
     segs = sorted(zip(bounds[:-1], bounds[1:]), key=lambda s: (s[0] - s[1], s[0]))
     cap = (segs[0][1] - segs[0][0]) ** 2 if segs else 0
     out: list[list[tuple[int, int]]] = []
-    for seg in segs:
-        if out and (len(out[-1]) + 1) * (out[-1][0][1] - out[-1][0][0]) ** 2 <= cap:
-            out[-1].append(seg)
+    for a, b in segs:
+        top = out[-1][0][1] - out[-1][0][0] if out else 0
+        if out and 4 * (b - a) >= 3 * top and (len(out[-1]) + 1) * top ** 2 <= cap:
+            out[-1].append((a, b))
         else:
-            out.append([seg])
+            out.append([(a, b)])
     return out
 
 

@@ -35,15 +35,15 @@ def _masked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds:
 @pytest.mark.parametrize("base", ["sdpa", "eager"])
 def test_segment_attention_equals_a_block_diagonal_causal_mask(base: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    bounds = segment_bounds([5, 1, 9, 3], 20)  # four rows and two alignment-padding positions
-    assert bounds == (0, 5, 6, 15, 18, 20)
-    # batched: rows padded to a bucket's longest, never more scores than the longest row's 9 x 9
-    assert buckets(bounds) == [[(6, 15)], [(0, 5), (15, 18), (18, 20)], [(5, 6)]]
-    q = torch.randn(1, 4, 20, 8, generator=gen)
-    k, v = torch.randn(1, 2, 20, 8, generator=gen), torch.randn(1, 2, 20, 8, generator=gen)
+    bounds = segment_bounds([5, 1, 9, 4, 4], 25)  # five rows and two alignment-padding positions
+    assert bounds == (0, 5, 6, 15, 19, 23, 25)
+    # batched: rows padded to a bucket's longest (>= 3/4 of it), never more scores than the longest row's 9 x 9
+    assert buckets(bounds) == [[(6, 15)], [(0, 5), (15, 19), (19, 23)], [(23, 25)], [(5, 6)]]
+    q = torch.randn(1, 4, 25, 8, generator=gen)
+    k, v = torch.randn(1, 2, 25, 8, generator=gen), torch.randn(1, 2, 25, 8, generator=gen)
     shim = types.SimpleNamespace(num_key_value_groups=2, training=False, is_causal=True)
     got = segment_attention(shim, q, k, v, bounds, base=base, scaling=8 ** -0.5)
-    assert got.shape == (1, 20, 4, 8)
+    assert got.shape == (1, 25, 4, 8)
     assert torch.allclose(got, _masked_reference(q, k, v, bounds), atol=1e-6)
 
 
