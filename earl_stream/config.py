@@ -100,6 +100,8 @@ class TrainerConfig:
                             "one being trained (older tokens are masked; a group with none left is played again)",
                             minimum=0)
     micro_batch_tokens: int = _f(8192, "token budget of one micro-batch", minimum=1)
+    packing: bool = _f(True, "pack a micro-batch's rows into one sequence (position ids restarting per row, attention "
+                       "within each row) instead of right-padding them to the longest")
     threads: int = _f(1, "torch threads per trainer rank", minimum=1)
     cpus: str = _f("", "CPU ids each trainer rank is pinned to, e.g. '1' or '0-1' (torch threads = their count); "
                    "empty = no pinning")

@@ -33,7 +33,7 @@ from earl_stream import metrics as M
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
 from earl_stream.protocol import RolloutPlan, TrainerPlan
-from earl_stream.store.layout import Layout, partition
+from earl_stream.store.layout import Layout, materialised_tokens, partition
 from earl_stream.store.schema import SampleMeta, table_from_ipc
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
 from earl_stream.supervisor.cost_model import StepCostModel
@@ -179,17 +179,25 @@ class Planner:
             for old in [k for k in self._step_plans if k < step - 64]:  # never reported (e.g. a trainer restart)
                 del self._step_plans[old]
 
-    def micro_batches(self, lengths: list[int]) -> list[TrainPlan]:
+    def micro_batches(self, lengths: list[int], *, packing: bool | None = None) -> list[TrainPlan]:
         """The micro-batches rank 0 of the trainer runs for a claim of rows of `lengths` tokens under
-        the current plan: `TrainPlan`s of its rows, padded to the longest (as `train_step` cuts it)."""
+        the current plan, as `train_step` cuts them (`packing`: `trainer.packing`, by default the
+        planner's `packing` attribute, else on). Each is a `TrainPlan` of what it materialises
+        (`store.layout.materialised_tokens`): packed, b = 1 and s = the packed length with its
+        alignment padding; unpacked, b = its rows and s = the longest row rounded up to sp."""
         decision = self.trainer_plan
         if decision is None:
             return []
+        packed = bool(getattr(self, "packing", True)) if packing is None else packing
         plan = decision.plan
         layout = Layout.from_rank(0, dp=plan.dp, tp=plan.tp, cp=plan.sp)
-        part = partition(lengths, layout, micro_batch_tokens=decision.rank_micro_batch_tokens)
-        return [dataclasses.replace(plan, micro_batch=len(mb), seq_len=max(lengths[i] for i in mb))
-                for mb in part.micro_batches if mb]
+        part = partition(lengths, layout, micro_batch_tokens=decision.rank_micro_batch_tokens, packed=packed)
+        out = []
+        for mb in part.micro_batches:
+            tokens = materialised_tokens([lengths[i] for i in mb], plan.sp, packed=packed)
+            rows = 1 if packed else len(mb)
+            out.append(dataclasses.replace(plan, micro_batch=rows, seq_len=max(1, tokens // rows)))
+        return out
 
     def on_trained(self, step: int, metrics: dict[str, float]) -> StepCostModel | None:
         """The trainer measured `step` (its PublishVersion metrics: step_seconds, pull_seconds): keep
