@@ -87,6 +87,7 @@ class Counters:
     requests_repeated: int = 0  # RequestPrompts retried after a lost reply, answered with the same prompts
     prompts_dropped: int = 0  # queued prompts of an environment detached (or unloadable) before they were played
     samples_recovered: int = 0  # persisted by a producer, taken back after it restarted (not re-played)
+    samples_too_long: int = 0  # episodes stopped (or refused) as longer than the largest plan the pools can run
 
 
 class LedgerState(msgspec.Struct):
@@ -250,6 +251,7 @@ class Ledger:
                 continue
             group.rows.append(row)
             self.counters.samples_produced += 1
+            self.counters.samples_too_long += too_long_of(row)
             self.counters.tokens_produced += row.total_tokens
             if len(group.rows) == group.prompt.group_size:
                 group.state = PromptState.READY
@@ -444,3 +446,13 @@ def outcome_of(meta: SampleMeta) -> str:
         return str(json.loads(meta.info_json or "{}").get("outcome", ""))
     except ValueError:
         return ""
+
+
+def too_long_of(meta: SampleMeta) -> bool:
+    """The episode was stopped or refused for its length (`info["too_long"]`, set by the agent loop)."""
+    if "too_long" not in (meta.info_json or ""):
+        return False
+    try:
+        return bool(json.loads(meta.info_json).get("too_long"))
+    except (ValueError, AttributeError):
+        return False

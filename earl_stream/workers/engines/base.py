@@ -1,7 +1,8 @@
 """The inference-engine plug-in contract shared by every backend (built-in torch, vLLM, SGLang).
 
-It owns the request/result types and the `Engine` Protocol. It leaves batching across asyncio
-episodes to `batcher.AsyncBatcher`, and everything about how tokens are computed to the backends.
+It owns the request/result types, the `Engine` Protocol and `RequestRefused` (a request too large
+for the engine's capacity). It leaves batching across asyncio episodes to `batcher.AsyncBatcher`,
+and everything about how tokens are computed to the backends.
 
 Log-prob convention (what the trainer's importance ratios rely on): `GenerateResult.logprobs[i]` is
 the natural-log probability of `token_ids[i]` under the distribution it was actually sampled from,
@@ -17,6 +18,14 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from earl_stream.errors import EngineError
+
+
+class RequestRefused(EngineError):
+    """A request the engine cannot serve at its current capacity even alone (its prompt plus
+    `max_new_tokens` exceed the KV budget): refused before it runs, never a crash. The message says
+    what it needs and what the engine has; the agent loop ends its episode as too long."""
 
 
 class FinishReason(enum.Enum):
