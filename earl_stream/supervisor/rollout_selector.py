@@ -12,7 +12,9 @@ shared `selector._Selector`'s; the byte counts are `memory_model`'s.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+from pathlib import Path
 
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
@@ -63,6 +65,23 @@ def rollout_selector_for(cfg: RunConfig, shape: ModelShape, memory_bytes: int, m
                            thresholds=thresholds, dtype_bytes=DTYPE_BYTES[r.dtype], max_sequences=r.max_batch_size,
                            allow_tp=False, extra_weight_params=fused_copy_params(shape) if r.engine == "torch" else 0,
                            max_episode_tokens=max_episode_tokens, memory_source=memory_source)
+
+
+def engine_kv_capacity(cfg: RunConfig, model_dir: Path, memory_bytes: int, memory_source: str) -> int:
+    """KV tokens an engine of `memory_bytes` holds for the model in `model_dir` (0 when the memory model
+    cannot read its config.json); ConfigError, with what the smallest plan needs, when not even one
+    sequence of the smallest design length fits (a rollout worker checks this at start)."""
+    try:
+        shape = ModelShape.from_hf(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, ValueError, ConfigError) as exc:
+        logger.info("engine memory not checked: the memory model cannot read %s/config.json (%s)", model_dir, exc)
+        return 0
+    sel = rollout_selector_for(cfg, shape, memory_bytes, memory_source)
+    smallest = sel.plan_for(sel.thresholds.min_design_seq_len)
+    if isinstance(smallest, Infeasible):
+        raise ConfigError(f"rollout engine memory {memory_bytes / MIB:.0f} MiB ({memory_source}, less "
+                          f"selector.reserve_bytes) holds no plan: {smallest.message}")
+    return sel.kv_capacity_tokens()
 
 
 class RolloutSelector(_Selector[RolloutDecision]):

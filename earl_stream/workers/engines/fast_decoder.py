@@ -96,12 +96,18 @@ class StaticKV:
 
     def reserve(self, tokens: int, rows: int = 0, *, exact: bool = False) -> None:
         """Make room for `tokens` more positions and `rows` more rows. Positions grow by doubling (appends
-        stay amortised O(1)) unless `exact` (the caller knows the final length); rows grow exactly."""
+        stay amortised O(1)) and rows exactly; with `exact` (the caller knows the final size: a join) a
+        storage that must grow is re-allocated to exactly the live rows + `rows` x length + `tokens`,
+        dropping rows and positions no longer used (the engine's admission counts that size). One layer
+        is re-allocated at a time: old and new storage coexist for that layer only."""
         need_len, need_rows = self.length + tokens, self.rows + rows
         if need_len <= self.capacity and need_rows <= self.row_capacity:
             return
-        new_cap = self.capacity if need_len <= self.capacity else max(need_len, 0 if exact else 2 * self.capacity)
-        new_rows = max(need_rows, self.row_capacity)
+        if exact:
+            new_cap, new_rows = need_len, need_rows
+        else:
+            new_cap = self.capacity if need_len <= self.capacity else max(need_len, 2 * self.capacity)
+            new_rows = max(need_rows, self.row_capacity)
         for layer in self.layers:
             for name in ("k_store", "v_store"):
                 old = getattr(layer, name)

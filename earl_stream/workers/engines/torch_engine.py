@@ -7,8 +7,10 @@ prefilling a prompt that several admitted requests share (a GRPO group) once and
 each of them (`prefix_sharing`); per-row sampling with each request's own parameters and generator,
 so a seeded row's tokens and log-probs do not depend on which rows share its batch (to ~1e-5);
 reusing the KV caches kept between the turns of an episode (`cache_key`; `kv_store.KVStore`); and
-one KV bound: the running batch's KV storage plus the kept caches stay within `kv_budget_tokens`
-(admission waits while the batch is full; kept caches are evicted first). Each sampled token is handed
+one KV bound: the running batch's KV storage, the rows joining it and the kept caches stay within
+`kv_budget_tokens` (`admission`: rows wait while they do not fit, so fewer run at once as contexts
+grow; kept caches are evicted first; a request too large even alone is refused with
+`RequestRefused`). The KV positions in use, the running rows and the budget are Prometheus gauges. Each sampled token is handed
 to its request's `on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
 It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, and
 tokenisation to the agent loop. CPU/fp32 is the tested configuration.
@@ -34,7 +36,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from earl_stream import metrics as M
 from earl_stream.errors import EngineError
+from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
 from earl_stream.workers.engines.kv_store import KVStore
@@ -44,7 +48,7 @@ from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
 _LOG = logging.getLogger(__name__)
 _HANDOFF_S = 0.002  # how often a thread whose rows another thread is driving checks whether to take over
 _COUNTERS = ("batches", "forward_calls", "prefill_tokens", "reused_tokens", "generated", "shared_prefix_tokens",
-             "admitted_while_running", "peak_kv_tokens")
+             "admitted_while_running", "peak_kv_tokens", "refused")
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,9 @@ class EngineStats:
     shared_prefix_tokens: int = 0  # prompt tokens not run because an identical prompt was admitted with them
     admitted_while_running: int = 0  # rows that joined a batch that was already decoding
     running_kv_tokens: int = 0  # KV positions the running batch holds now (rows x positions of its storage)
-    peak_kv_tokens: int = 0  # most KV positions held at once (running batch + kept caches), after each step
+    peak_kv_tokens: int = 0  # most KV positions held at once (running batch, rows joining it, kept caches)
+    running_rows: int = 0  # rows decoding now
+    refused: int = 0  # requests refused as larger than the KV budget on their own (RequestRefused)
 
 
 class TorchEngine:
@@ -111,6 +117,8 @@ class TorchEngine:
         self._continuous = continuous and self._fast is not None
         self._sharing = prefix_sharing
         self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._layers = int(config.num_hidden_layers)
+        M.ROLLOUT_KV_BUDGET_TOKENS.set(kv_budget_tokens)
 
     # ---------------------------------------------------------------- Engine protocol
 
@@ -132,6 +140,7 @@ class TorchEngine:
         _check_capacity(capacity)
         self._capacity = capacity
         self._kv.set_budget(capacity.kv_budget_tokens)
+        M.ROLLOUT_KV_BUDGET_TOKENS.set(capacity.kv_budget_tokens)
 
     @property
     def stats(self) -> EngineStats:
@@ -140,7 +149,7 @@ class TorchEngine:
         return EngineStats(
             c["batches"], c["forward_calls"], c["prefill_tokens"], c["reused_tokens"], c["generated"], self._kv.tokens,
             c["shared_prefix_tokens"], c["admitted_while_running"], batch.held_tokens if batch else 0,
-            c["peak_kv_tokens"],
+            c["peak_kv_tokens"], len(batch.rows) if batch else 0, c["refused"],
         )
 
     def release(self, cache_key: str) -> None:
@@ -202,6 +211,8 @@ class TorchEngine:
                 self._fail_running(exc)
         held = (self._batch.held_tokens if self._batch else 0) + self._kv.tokens
         self._counts["peak_kv_tokens"] = max(self._counts["peak_kv_tokens"], held)
+        M.ROLLOUT_KV_TOKENS_IN_USE.set(held)
+        M.ROLLOUT_ADMITTED_SEQUENCES.set(len(self._batch.rows) if self._batch else 0)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `state` into the live parameters (strict by name and shape), drop kept caches, set the version.
@@ -246,33 +257,29 @@ class TorchEngine:
             raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {self._vocab})")
 
     def _take_admissible(self) -> list[Row]:
-        """Queued rows, oldest first, that fit the running batch: at most max_concurrent_sequences rows,
-        and rows x (longest context + most tokens still to come) within the KV budget. A lone request
-        larger than the budget still runs (alone): refusing it would stall its caller forever."""
+        """Queued rows, oldest first, that fit next to the running batch (`admission.take_admissible`);
+        rows too large for the budget even alone are refused. Evicts kept caches to make room."""
         batch = self._batch
         if not self._admitting or (batch is not None and not self._continuous):
             return []
         cap = self._capacity
-        running = batch.rows if batch is not None else []
-        length = batch.length if batch is not None else 0
-        room = max((r.remaining for r in running), default=0)
-        held_rows = batch.cache.row_capacity if batch is not None and isinstance(batch.cache, StaticKV) else 0
-        taken: list[Row] = []
+        plan = KVPlan(self._layers)
+        if batch is not None:
+            storage = batch.cache if isinstance(batch.cache, StaticKV) else None
+            plan = KVPlan(self._layers, storage.row_capacity if storage else len(batch.rows),
+                          storage.capacity if storage else batch.length, len(batch.rows), batch.length,
+                          max(r.remaining for r in batch.rows))
         with self._intake_lock:
-            while self._intake:
-                row = self._intake[0]
-                count = len(running) + len(taken) + 1
-                length_after = max(length, len(row.prompt))
-                room_after = max(room, row.req.max_new_tokens)
-                fits = count <= cap.max_concurrent_sequences
-                fits = fits and max(count, held_rows) * (length_after + room_after) <= cap.kv_budget_tokens
-                if not fits and (running or taken):
-                    break
-                taken.append(self._intake.popleft())
-                length, room = length_after, room_after
+            taken, refused, plan = take_admissible(self._intake, plan, cap)
             if taken:
-                self._kv.evict_to(max(0, cap.kv_budget_tokens - max(len(running) + len(taken), held_rows)
-                                      * (length + room)))
+                self._kv.evict_to(max(0, cap.kv_budget_tokens - plan.peak_tokens))
+                self._counts["peak_kv_tokens"] = max(self._counts["peak_kv_tokens"], plan.peak_tokens + self._kv.tokens)
+        for row in refused:
+            self._counts["refused"] += 1
+            M.ROLLOUT_REQUESTS_REFUSED.inc()
+            error = refusal(row, cap)
+            _LOG.warning("refused: %s", error)
+            row.finish(error=error)
         return taken
 
     def _admit(self) -> None:
@@ -327,8 +334,14 @@ class TorchEngine:
         """
         sources, index = self._sources(rows)
         cached = [len(r.kept.tokens) if r.kept is not None else 0 for r in sources]
-        width_c = max(cached)
         width_n = max(len(r.prompt) - c for r, c in zip(sources, cached))
+        width_c = max(len(r.prompt) for r in sources) - width_n
+        # the cache is as wide as the longest prompt (what admission counted): kept KV that would reach
+        # into another row's new tokens is used only up to width_c, the rest of that row is recomputed
+        cached = [min(c, width_c) for c in cached]
+        for row, c in zip(sources, cached):
+            if row.kept is not None and len(row.kept.tokens) > c:
+                row.kept = row.kept.prefix(c) if c else None
         ids = torch.full((len(sources), width_n), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(sources), width_c + width_n), dtype=torch.long)
         for b, (row, c) in enumerate(zip(sources, cached)):
@@ -398,7 +411,9 @@ class TorchEngine:
             if row.reason is None:
                 stay.append(j)
                 continue
-            if row.keep_key is not None:
+            if row.keep_key is not None:  # room first: its copy is made while the batch still holds the row
+                self._kv.evict_to(max(0, self._capacity.kv_budget_tokens - batch.held_tokens
+                                      - len(row.prompt) - len(row.tokens)))
                 self._kv.put(row.keep_key, kept_kv(row, batch.cache, batch.mask, j))
             self._live_keys.discard(row.keep_key or "")
             row.finish(GenerateResult(row.tokens, row.logprobs, row.reason, self._version))
