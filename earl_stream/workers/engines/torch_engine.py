@@ -411,9 +411,10 @@ class TorchEngine:
             if row.reason is None:
                 stay.append(j)
                 continue
-            if row.keep_key is not None:  # room first: its copy is made while the batch still holds the row
-                self._kv.evict_to(max(0, self._capacity.kv_budget_tokens - batch.held_tokens
-                                      - len(row.prompt) - len(row.tokens)))
+            # its copy is made while the batch still holds the row: kept only if both fit the budget
+            room = self._capacity.kv_budget_tokens - batch.held_tokens - (len(row.prompt) + len(row.tokens) - 1)
+            if row.keep_key is not None and room >= 0:
+                self._kv.evict_to(room)
                 self._kv.put(row.keep_key, kept_kv(row, batch.cache, batch.mask, j))
             self._live_keys.discard(row.keep_key or "")
             row.finish(GenerateResult(row.tokens, row.logprobs, row.reason, self._version))
