@@ -104,10 +104,18 @@ class StaticKV:
         if need_len <= self.capacity and need_rows <= self.row_capacity:
             return
         if exact:
-            new_cap, new_rows = need_len, need_rows
-        else:
-            new_cap = self.capacity if need_len <= self.capacity else max(need_len, 2 * self.capacity)
-            new_rows = max(need_rows, self.row_capacity)
+            self._reallocate(need_rows, need_len)
+            return
+        new_cap = self.capacity if need_len <= self.capacity else max(need_len, 2 * self.capacity)
+        self._reallocate(max(need_rows, self.row_capacity), new_cap)
+
+    def compact(self, room: int) -> None:
+        """Shrink the storage to exactly the live rows x (length + `room`) positions, freeing what rows
+        that left and positions no row will use held (one layer at a time, as `reserve`)."""
+        if self.rows * (self.length + room) < self.held_tokens:
+            self._reallocate(self.rows, self.length + room)
+
+    def _reallocate(self, new_rows: int, new_cap: int) -> None:
         for layer in self.layers:
             for name in ("k_store", "v_store"):
                 old = getattr(layer, name)

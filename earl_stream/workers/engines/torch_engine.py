@@ -28,6 +28,7 @@ driving, so a request arriving mid-batch joins it instead of waiting for the bat
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +49,7 @@ from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
 _LOG = logging.getLogger(__name__)
 _HANDOFF_S = 0.002  # how often a thread whose rows another thread is driving checks whether to take over
 _COUNTERS = ("batches", "forward_calls", "prefill_tokens", "reused_tokens", "generated", "shared_prefix_tokens",
-             "admitted_while_running", "peak_kv_tokens", "refused")
+             "admitted_while_running", "peak_kv_tokens", "refused", "compactions")
 
 
 @dataclass(frozen=True)
@@ -258,19 +259,27 @@ class TorchEngine:
 
     def _take_admissible(self) -> list[Row]:
         """Queued rows, oldest first, that fit next to the running batch (`admission.take_admissible`);
-        rows too large for the budget even alone are refused. Evicts kept caches to make room."""
+        rows too large for the budget even alone are refused. When the oldest waits only because the
+        batch's storage still holds rows that left, the storage is compacted first. Evicts kept
+        caches to make room."""
         batch = self._batch
         if not self._admitting or (batch is not None and not self._continuous):
             return []
-        cap = self._capacity
-        plan = KVPlan(self._layers)
+        cap, plan = self._capacity, KVPlan(self._layers)
+        storage = batch.cache if batch is not None and isinstance(batch.cache, StaticKV) else None
         if batch is not None:
-            storage = batch.cache if isinstance(batch.cache, StaticKV) else None
             plan = KVPlan(self._layers, storage.row_capacity if storage else len(batch.rows),
                           storage.capacity if storage else batch.length, len(batch.rows), batch.length,
                           max(r.remaining for r in batch.rows))
         with self._intake_lock:
             taken, refused, plan = take_admissible(self._intake, plan, cap)
+            tight = self._compacted(plan, cap) if not taken and self._intake and storage is not None else None
+            if storage is not None and tight is not None:  # one layer re-allocated at a time: room for it first
+                self._kv.evict_to(max(0, cap.kv_budget_tokens - plan.held_tokens - -(-tight.held_tokens // self._layers)))
+                storage.compact(tight.room)
+                self._counts["compactions"] += 1
+                taken, more, plan = take_admissible(self._intake, tight, cap)
+                refused += more
             if taken:
                 self._kv.evict_to(max(0, cap.kv_budget_tokens - plan.peak_tokens))
                 self._counts["peak_kv_tokens"] = max(self._counts["peak_kv_tokens"], plan.peak_tokens + self._kv.tokens)
@@ -281,6 +290,17 @@ class TorchEngine:
             _LOG.warning("refused: %s", error)
             row.finish(error=error)
         return taken
+
+    def _compacted(self, plan: KVPlan, cap: EngineCapacity) -> KVPlan | None:
+        """The plan with a storage of only the live rows' positions, if the oldest queued row fits next
+        to that and not next to the storage as it is (None otherwise)."""
+        tight = dataclasses.replace(plan, row_capacity=plan.rows, capacity=plan.length + plan.room)
+        if tight.held_tokens >= plan.held_tokens:
+            return None
+        head = self._intake[0]
+        trial = tight.join(len(head.prompt), head.req.max_new_tokens)
+        fits = trial.rows <= cap.max_concurrent_sequences and trial.peak_tokens <= cap.kv_budget_tokens
+        return tight if fits else None
 
     def _admit(self) -> None:
         rows = self._take_admissible()

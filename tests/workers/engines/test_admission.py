@@ -106,6 +106,30 @@ def test_kv_plan_counts_the_joining_rows_and_a_growing_storage() -> None:
     assert not roomy.grows and roomy.peak_tokens == 800 + 120
 
 
+def test_storage_left_by_finished_rows_is_compacted_to_admit_a_new_row(model: Qwen2ForCausalLM) -> None:
+    """A long row keeps the batch alive after three short ones left: their storage (4 rows x 110
+    positions) would not leave room for a new row, the compacted storage (1 row) does."""
+    engine = TorchEngine(model, kv_budget_tokens=500)
+    reqs = [GenerateRequest(tokens(10, 1), 100, seed=1)] + [GenerateRequest(tokens(10, i), 3, seed=i) for i in (2, 3, 4)]
+    rows = engine.submit(reqs)
+    while not all(r.done.is_set() for r in rows[1:]):
+        engine.step()
+    assert engine.stats.running_rows == 1 and engine.stats.running_kv_tokens == 4 * 110
+    late = GenerateRequest(tokens(30, 5), 10, seed=5)
+    (late_row,) = engine.submit([late])
+    engine.step()
+    stats = engine.stats
+    assert stats.running_rows == 2 and stats.admitted_while_running == 1 and engine._counts["compactions"] == 1
+    while not (rows[0].done.is_set() and late_row.done.is_set()):
+        engine.step()
+    assert engine.stats.peak_kv_tokens <= 500
+    alone = TorchEngine(model, continuous=False)
+    for row, req in zip(rows + [late_row], reqs + [late]):
+        want = alone.generate([req])[0]
+        assert row.result is not None and row.result.token_ids == want.token_ids
+        assert row.result.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
 def test_a_request_too_large_alone_is_refused_and_the_others_run(model: Qwen2ForCausalLM) -> None:
     engine = TorchEngine(model, kv_budget_tokens=100)
 
