@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from earl_stream.errors import EngineError
-from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, RequestRefused
 
 _LOG = logging.getLogger(__name__)
 
@@ -113,8 +113,8 @@ def check_request(i: int, req: GenerateRequest, vocab_size: int, max_len: int) -
     lo, hi = min(req.prompt_ids), max(req.prompt_ids)
     if lo < 0 or hi >= vocab_size:
         raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {vocab_size})")
-    if len(req.prompt_ids) + req.max_new_tokens > max_len:
-        raise EngineError(
+    if len(req.prompt_ids) + req.max_new_tokens > max_len:  # refused, not failed: the agent loop ends it as too long
+        raise RequestRefused(
             f"{where}: {len(req.prompt_ids)} prompt + {req.max_new_tokens} new tokens exceed the engine's "
             f"context of {max_len} tokens (kv_budget_tokens or the model's max_position_embeddings)"
         )

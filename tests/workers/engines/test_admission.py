@@ -16,7 +16,7 @@ from earl_stream.chat import ChatFormat
 from earl_stream.env import StepResult, env_options
 from earl_stream.model import load_model
 from earl_stream.workers.agent_loop import Sampling, play_episode
-from earl_stream.workers.engines import AsyncBatcher, GenerateRequest, TorchEngine
+from earl_stream.workers.engines import AsyncBatcher, FinishReason, GenerateRequest, GenerateResult, TorchEngine
 from earl_stream.workers.engines.admission import KVPlan
 from earl_stream.workers.engines.base import RequestRefused
 from earl_stream.workers.engines.fast_decoder import StaticKV
@@ -146,6 +146,34 @@ def test_a_request_too_large_alone_is_refused_and_the_others_run(model: Qwen2For
     assert isinstance(big, RequestRefused) and "90 prompt + 20 new tokens" in str(big) and "100 tokens" in str(big)
     assert not isinstance(small, BaseException) and len(small.token_ids) == 20  # type: ignore[attr-defined]
     assert engine.stats.refused == 1 and engine.stats.peak_kv_tokens <= 100
+
+
+class Checked:
+    """An engine that checks a whole batch before running it, as the vLLM and SGLang backends do."""
+
+    policy_version, capacity = 0, None
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        if any(len(r.prompt_ids) + r.max_new_tokens > 100 for r in requests):
+            raise RequestRefused("request 0: too long for the engine's context of 100 tokens")
+        return [GenerateResult([1] * r.max_new_tokens, [0.0] * r.max_new_tokens, FinishReason.LENGTH, 0)
+                for r in requests]
+
+    def release(self, cache_key: str) -> None:
+        pass
+
+
+def test_a_batch_checked_whole_refuses_only_the_request_too_large() -> None:
+    async def go() -> list[object]:
+        batcher = AsyncBatcher(Checked(), max_wait_s=0.05)  # type: ignore[arg-type]
+        try:
+            return await asyncio.gather(batcher.generate(GenerateRequest([1] * 90, 20)),
+                                        batcher.generate(GenerateRequest([1] * 30, 20)), return_exceptions=True)
+        finally:
+            await batcher.aclose()
+
+    big, small = asyncio.run(go())
+    assert isinstance(big, RequestRefused) and isinstance(small, GenerateResult) and len(small.token_ids) == 20
 
 
 class Growing:
