@@ -40,7 +40,7 @@ from transformers import DynamicCache, PreTrainedModel
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
-from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
 from earl_stream.workers.engines.kv_store import KVStore
 from earl_stream.workers.engines.running import Row, RunningBatch, draw_uniforms, fill_kept, kept_kv, merged_kept, select_rows
@@ -181,7 +181,7 @@ class TorchEngine:
         Nothing runs until some thread calls `step` or `drive` (as `generate` does)."""
         reqs = list(requests)
         for i, req in enumerate(reqs):
-            self._check_request(i, req)
+            check_request(i, req, self._vocab)
         rows = [Row(req, list(req.prompt_ids), torch.Generator().manual_seed(req.seed) if req.seed is not None else None,
                     on_done=on_done) for req in reqs]
         with self._intake_lock:
@@ -241,21 +241,6 @@ class TorchEngine:
         _LOG.info("loaded policy version %d (%d tensors)", version, len(state))
 
     # ---------------------------------------------------------------- scheduling
-
-    def _check_request(self, i: int, req: GenerateRequest) -> None:
-        where = f"request {i}"
-        if len(req.prompt_ids) == 0:
-            raise EngineError(f"{where}: prompt_ids is empty; it must hold the full context (>= 1 token)")
-        if req.max_new_tokens < 1:
-            raise EngineError(f"{where}: max_new_tokens={req.max_new_tokens}, must be >= 1")
-        if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
-            raise EngineError(
-                f"{where}: temperature={req.temperature} (>= 0), top_p={req.top_p} (in (0, 1]), "
-                f"top_k={req.top_k} (>= 0): a value is out of range"
-            )
-        lo, hi = min(req.prompt_ids), max(req.prompt_ids)
-        if lo < 0 or hi >= self._vocab:
-            raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {self._vocab})")
 
     def _take_admissible(self) -> list[Row]:
         """Queued rows, oldest first, that fit next to the running batch (`admission.take_admissible`);
