@@ -122,6 +122,7 @@ class Planner:
         self.trainer_history: list[PlanAdoption] = []
         self.last_infeasible = ""
         self._memory_configured = cfg.rollout.memory_bytes > 0
+        self._initial_seq_len = cfg.selector.initial_seq_len  # a rollout plan's design length before any decision
         self.max_trainable_tokens = 0  # the longest sequence a trainer plan fits (0: unknown)
         self.rollout_memory: EngineMemory | None = None  # what the rollout plan is sized by, and where it came from
         config_file = Path(cfg.model.path) / "config.json" if cfg.model.path else None
@@ -147,9 +148,15 @@ class Planner:
         self.rollout = self._rollout_selector(cfg, shape, thresholds)
         for selector in (self.trainer, self.rollout):
             result = selector.initial(s.initial_seq_len)
-            if isinstance(result, Infeasible):
+            if isinstance(result, Infeasible) and selector is self.rollout and not self._memory_configured:
+                # sized by a guess (this host's RAM share): the workers' own memory may hold it (a GPU)
+                log.warning("no rollout plan fits this host's RAM share; waiting for the rollout workers to report "
+                            "their memory: %s", result.message)
+                self.last_infeasible = result.message
+            elif isinstance(result, Infeasible):
                 raise ConfigError(f"no {selector.pool} plan fits: {result.message}")
-            self._adopt(result)
+            else:
+                self._adopt(result)
 
     def _rollout_selector(self, cfg: RunConfig, shape: ModelShape, thresholds: Thresholds) -> RolloutSelector:
         """Sized by the engine's own memory (rollout.memory_bytes; until the workers report theirs, this
@@ -170,13 +177,15 @@ class Planner:
         worker, smallest = min(reported.items(), key=lambda kv: kv[1])
         memory = EngineMemory(smallest, f"reported by {worker}, the smallest of {len(reported)} rollout worker(s)")
         budget = dataclasses.replace(self.rollout.budget, memory_bytes_per_device=max(1, smallest))
-        result = self.rollout.resize(budget, memory.source, step=step)
+        result = self.rollout.resize(budget, memory.source, step=step, design_seq_len=self._initial_seq_len)
         self.rollout_memory = memory if result is not None else self.rollout_memory
         if isinstance(result, Infeasible):
             log.error("rollout: no plan fits the reported engine memory: %s", result.message)
             self.last_infeasible = result.message
         elif result is not None:
             self._adopt(result)
+            if self.last_infeasible.startswith(f"{self.rollout.pool}:"):
+                self.last_infeasible = ""
 
     def add(self, rows: list[SampleMeta]) -> None:
         self.stats.add_many(r.total_tokens for r in rows)

@@ -122,20 +122,23 @@ class RolloutSelector(_Selector[RolloutDecision]):
         per_token = predict_kv_cache_bytes(self.shape, 1, dtype_bytes=self.dtype_bytes, tp=tp)
         return max(0, free // per_token)
 
-    def resize(self, budget: PoolBudget, memory_source: str, *, step: int = 0) -> RolloutDecision | Infeasible | None:
+    def resize(self, budget: PoolBudget, memory_source: str, *, step: int = 0,
+               design_seq_len: int = 0) -> RolloutDecision | Infeasible | None:
         """Adopt a new memory figure (e.g. reported by the workers): the decision for the current design
-        length on `budget` as the next version; None if nothing changes. When nothing fits the new
-        budget the current decision stays and the Infeasible is returned (and logged)."""
-        if budget == self.budget:
+        length (`design_seq_len` if there is no decision yet) on `budget` as the next version; None if
+        nothing changes. When nothing fits the new budget the current decision (if any) stays and the
+        Infeasible is returned (and logged)."""
+        current = self._current
+        if budget == self.budget and (current is not None or not design_seq_len):
             return None
         old, self.budget, self.memory_source = self.budget, budget, memory_source
-        current = self._current
-        if current is None:
+        design = current.design_seq_len if current is not None else design_seq_len
+        if not design:
             return None
         reason = (f"engine memory now {budget.memory_bytes_per_device / MIB:.0f} MiB ({memory_source}; was "
-                  f"{old.memory_bytes_per_device / MIB:.0f} MiB); design length {current.design_seq_len} kept")
+                  f"{old.memory_bytes_per_device / MIB:.0f} MiB); design length {design}")
         last = self._last
-        result = self._adopt(self._plan(current.design_seq_len, reason, step), last[0] if last else 0, step)
+        result = self._adopt(self._plan(design, reason, step), last[0] if last else 0, step)
         if not isinstance(result, Infeasible):
             self._last = last  # a new memory figure is no context decision: hysteresis timing is unchanged
         return result

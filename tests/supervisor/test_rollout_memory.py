@@ -17,11 +17,13 @@ from earl_stream.cli.up import make_summary
 from earl_stream.config import load_config
 from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta
+from earl_stream.supervisor import planning
 from earl_stream.supervisor.memory_model import ModelShape, predict_kv_cache_bytes
 from earl_stream.supervisor.planning import Planner
 from earl_stream.supervisor.rollout_selector import engine_kv_capacity, fused_copy_params
 from earl_stream.supervisor.selector import Infeasible
 from earl_stream.supervisor.server import Supervisor
+from earl_stream.workers.engines.memory import EngineMemory
 
 MIB = 1 << 20
 SMALL = {"model_type": "qwen2", "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -75,6 +77,20 @@ def test_the_rollout_plan_follows_the_smallest_memory_the_workers_report(tmp_pat
     again = wire(P.Heartbeat(worker_id=ids[0], stats={"memory_bytes": float(ROLLOUT_MEMORY)})).plan
     assert again == smaller  # the smallest still rules: no new version
     assert sup.status(time.time())["plans"]["rollout_memory"]["bytes"] == ROLLOUT_MEMORY // 2
+
+
+def test_a_supervisor_host_too_small_for_the_model_waits_for_the_workers_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Derived memory on the supervisor's host is only a guess (the workers may have GPUs): a guess too
+    small is no start-up failure; the first worker's report makes the plan."""
+    monkeypatch.setattr(planning, "host_share", lambda processes: EngineMemory(50 * MIB, "a small host"))
+    sup = Supervisor(_cfg(tmp_path))
+    assert sup.planner.rollout_wire is None and "does not fit" in sup.status(time.time())["plans"]["infeasible"]
+    worker = sup.handle(P.Register(role=P.Role.ROLLOUT, host="h", pid=1, shard_address="127.0.0.1:1"),
+                        time.time()).worker_id
+    plan = sup.handle(P.Heartbeat(worker_id=worker, stats={"memory_bytes": float(ROLLOUT_MEMORY)}), time.time()).plan
+    assert plan is not None and plan.version == 1 and plan.memory_bytes == ROLLOUT_MEMORY and plan.design_seq_len == 256
+    assert sup.status(time.time())["plans"]["infeasible"] is None
 
 
 def test_configured_memory_is_not_overridden_and_a_too_small_engine_fails_at_start(tmp_path: Path) -> None:
