@@ -296,20 +296,24 @@ class Ledger:
         stale when even its newest token is older than `min_policy_version` (older tokens of a newer
         group are masked by the trainer); stale groups are played again. With dynamic sampling a group
         whose rewards are all equal is dropped for good (`samples_filtered`), and the step waits for
-        other groups, which the freed room lets `issue` hand out.
+        other groups, which the freed room lets `issue` hand out; so is a group with no model token at all
+        (every episode refused as too long).
         """
         if step in self.claims:
             return self.claims[step][0], {}
         to_free: dict[str, list[str]] = {}
         for ordinal in list(self.ready):
             group = self.groups[ordinal]
-            if group.max_version < min_policy_version:
+            # no model token at all: every episode was refused as too long (a prompt longer than any plan);
+            # nothing to train, and played again it would be refused again: dropped, as filtered
+            untrainable = group.max_version < 0
+            if not untrainable and group.max_version < min_policy_version:
                 self.ready.remove(ordinal)
                 self.counters.samples_stale += len(group.rows)
                 for r in group.rows:
                     to_free.setdefault(r.producer_address, []).append(r.sample_id)
                 self._reissue(ordinal)
-            elif self.dynamic_sampling and group.uniform:
+            elif untrainable or (self.dynamic_sampling and group.uniform):
                 self.ready.remove(ordinal)
                 self.counters.samples_filtered += len(group.rows)
                 for r in group.rows:

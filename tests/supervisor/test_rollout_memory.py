@@ -105,11 +105,12 @@ def test_configured_memory_is_not_overridden_and_a_too_small_engine_fails_at_sta
         Planner(_cfg(tmp_path, f"rollout.memory_bytes={100 * MIB}"))
 
 
-def _rows(prompt: P.Prompt, info: list[dict[str, Any]]) -> list[SampleMeta]:
+def _rows(prompt: P.Prompt, info: list[dict[str, Any]], version: int = 0) -> list[SampleMeta]:
     return [SampleMeta(schema_version=SCHEMA_VERSION, sample_id=f"{prompt.group_id}-{i}",
                        prompt_ordinal=prompt.prompt_ordinal, episode_id=str(i), group_id=prompt.group_id,
                        env=prompt.env, turns=1, prompt_tokens=3, response_tokens=97, total_tokens=100,
-                       reward=float(i), advantage=None, policy_version_min=0, policy_version_max=0, producer_id="w",
+                       reward=float(i), advantage=None, policy_version_min=version, policy_version_max=version,
+                       producer_id="w",
                        producer_address="127.0.0.1:1", checksum=0, created_at=time.time(),
                        info_json=json.dumps(info[i % len(info)]))
             for i in range(prompt.group_size)]
@@ -133,3 +134,20 @@ def test_episodes_longer_than_any_plan_are_bounded_and_counted(tmp_path: Path) -
     assert status["samples_too_long"] == (prompt.group_size + 1) // 2
     assert status["plans"]["max_trainable_tokens"] == largest
     assert make_summary(status, wall=1.0)["samples_too_long"] == status["samples_too_long"]
+
+
+def test_a_group_refused_whole_is_dropped_not_played_again(tmp_path: Path) -> None:
+    """Every episode of a group refused before its first turn (its prompt alone longer than any plan):
+    no model token (policy versions -1), nothing to train; played again it would be refused again."""
+    sup = Supervisor(_cfg(tmp_path, f"rollout.memory_bytes={ROLLOUT_MEMORY}", "trainer.groups_per_step=1"))
+    worker = sup.handle(P.Register(role=P.Role.ROLLOUT, host="h", pid=1, shard_address="127.0.0.1:1"),
+                        time.time()).worker_id
+    refused, played = sup.handle(P.RequestPrompts(worker_id=worker, max_groups=2), time.time()).prompts
+    too_long = {"outcome": "truncated", "too_long": "refused after 0 turns: its context reached the bound"}
+    sup.handle(P.PutMeta(worker_id=worker, rows=_rows(refused, [too_long], version=-1)), time.time())
+    sup.handle(P.PutMeta(worker_id=worker, rows=_rows(played, [{"outcome": "win"}])), time.time())
+    claimed = sup.handle(P.Claim(worker_id=worker, step=0, num_groups=1, min_policy_version=0), time.time())
+    assert claimed.ready
+    status = sup.status(time.time())
+    assert status["samples_filtered"] == refused.group_size and status["samples_stale"] == 0
+    assert status["samples_too_long"] == refused.group_size and status["prompts_reissued"] == 0
