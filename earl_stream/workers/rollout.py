@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from earl_stream import metrics as M
 from earl_stream import openai_api
@@ -122,16 +121,17 @@ class RolloutWorker:
         (`self.memory`, reported in heartbeats) is measured before the model loads; the engine starts
         with at most the KV tokens that memory holds, until the supervisor's plan arrives."""
         model_dir, r = model_path(self.cfg), self.cfg.rollout
-        device = resolve_device(r.device, key="rollout.device", local_rank=int(os.environ.get("LOCAL_RANK", "0"))) \
-            if r.engine == "torch" else ("cuda" if torch.cuda.is_available() else "cpu")  # vLLM, SGLang place themselves
-        self.memory = engine_memory(r.memory_bytes, str(device), r.workers + self.cfg.trainer.nproc)
-        kv_tokens = self._kv_capacity(model_dir, self.memory)
         model = None
         if r.engine == "torch":
+            device = resolve_device(r.device, key="rollout.device", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+            self.memory = engine_memory(r.memory_bytes, str(device), r.workers + self.cfg.trainer.nproc)
+            kv_tokens = self._kv_capacity(model_dir, self.memory)
             model, self.tokenizer = load_model(model_dir, dtype=torch_dtype(r.dtype))
             model.to(device).eval()  # type: ignore[arg-type]
             log.info("built-in engine generates on %s (%s)", device, r.dtype)
-        else:
+        else:  # vLLM and SGLang place and size themselves: no CUDA probe in this process (0: nothing reported)
+            self.memory = EngineMemory(r.memory_bytes, "rollout.memory_bytes" if r.memory_bytes else f"{r.engine}'s own")
+            kv_tokens = self._kv_capacity(model_dir, self.memory)
             self.tokenizer = load_tokenizer(model_dir)
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
                            kv_budget_tokens=min(kv_tokens or 65536, 65536))
@@ -140,7 +140,9 @@ class RolloutWorker:
         """KV tokens this engine's memory holds (0: unknown); fails at start, saying what the smallest plan
         needs, when that memory cannot hold one."""
         log.info("rollout engine memory: %d MiB (%s)", memory.bytes >> 20, memory.source)
-        return engine_kv_capacity(self.cfg, model_dir, memory.bytes, memory.source) if self.cfg.selector.enabled else 0
+        if not memory.bytes or not self.cfg.selector.enabled:
+            return 0
+        return engine_kv_capacity(self.cfg, model_dir, memory.bytes, memory.source)
 
     def _bind_endpoint(self) -> tuple[Any, str]:
         """The OpenAI endpoint's listening socket (rollout.openai_bind) and its advertised URL."""
