@@ -17,13 +17,16 @@ is alive while it is copied into the batch storage; if that storage must grow, i
 and an engine admits only while that, plus the kept caches (evicted first), stays within
 `kv_budget_tokens`. As contexts grow, each row costs more and fewer rows run at once; a request
 whose prompt + max_new_tokens exceed the budget on its own is refused, never run out of memory.
-Prefill activations are not KV: they are part of the memory the selector keeps in reserve.
+Prefill activations are not KV: they are part of the memory the selector keeps in reserve, and the
+engine bounds them by admitting, past the first row, at most `max_prefill_tokens` prompt positions
+(those without kept KV) per prefill.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 from earl_stream.workers.engines.base import EngineCapacity, RequestRefused
 from earl_stream.workers.engines.running import Row
@@ -46,6 +49,7 @@ class KVPlan:
     new_rows: int = 0
     new_width: int = 0
     new_room: int = 0
+    new_part: int = 0  # the most prompt tokens any joining row runs through the model (no kept KV for them)
 
     @property
     def held_tokens(self) -> int:
@@ -55,6 +59,11 @@ class KVPlan:
     def joining_tokens(self) -> int:
         """The joining rows' prefill cache."""
         return self.new_rows * (self.new_width + self.new_room)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Token positions the joining rows' prefill forward runs (rows x their longest new part, at most)."""
+        return self.new_rows * self.new_part
 
     @property
     def grows(self) -> bool:
@@ -75,11 +84,13 @@ class KVPlan:
         layer = -(-self.after_tokens // self.layers) if self.grows else 0
         return max(self.held_tokens, self.after_tokens) + self.joining_tokens + layer
 
-    def join(self, prompt: int, max_new_tokens: int) -> KVPlan:
-        """This plan with one more joining row of `prompt` tokens and up to `max_new_tokens` new ones."""
+    def join(self, prompt: int, max_new_tokens: int, new_part: int | None = None) -> KVPlan:
+        """This plan with one more joining row of `prompt` tokens (`new_part` of them without kept KV: all
+        when None) and up to `max_new_tokens` new ones."""
         return dataclasses.replace(self, rows=self.rows + 1, length=max(self.length, prompt),
                                    room=max(self.room, max_new_tokens), new_rows=self.new_rows + 1,
-                                   new_width=max(self.new_width, prompt), new_room=max(self.new_room, max_new_tokens))
+                                   new_width=max(self.new_width, prompt), new_room=max(self.new_room, max_new_tokens),
+                                   new_part=max(self.new_part, prompt if new_part is None else new_part))
 
 
 def refusal(row: Row, capacity: EngineCapacity) -> RequestRefused:
@@ -89,12 +100,16 @@ def refusal(row: Row, capacity: EngineCapacity) -> RequestRefused:
                           "(the rollout plan's, from the engine's memory and rollout.dtype)")
 
 
-def take_admissible(intake: collections.deque[Row], plan: KVPlan,
-                    capacity: EngineCapacity) -> tuple[list[Row], list[Row], KVPlan]:
+def take_admissible(intake: collections.deque[Row], plan: KVPlan, capacity: EngineCapacity, *,
+                    max_prefill_tokens: int = 0,
+                    new_part: Callable[[Row], int] | None = None) -> tuple[list[Row], list[Row], KVPlan]:
     """Pop from `intake`, oldest first, the rows that fit next to the running batch described by
-    `plan`: at most `max_concurrent_sequences` live rows and a peak within `kv_budget_tokens`; stops at
-    the first that does not fit (it waits for rows to finish). Rows that cannot fit even alone are
-    popped as refused. Returns (admitted, refused, the plan with the admitted rows)."""
+    `plan`: at most `max_concurrent_sequences` live rows and a peak within `kv_budget_tokens`, and (past
+    the first) at most `max_prefill_tokens` positions in their prefill (0: no bound; `new_part(row)`:
+    the prompt tokens a row runs through the model, its whole prompt when None): that bounds the
+    prefill's activations, which the KV budget does not count. Stops at the first that does not fit
+    (it waits for rows to finish, or for the next step). Rows that cannot fit even alone are popped as
+    refused. Returns (admitted, refused, the plan with the admitted rows)."""
     taken: list[Row] = []
     refused: list[Row] = []
     while intake:
@@ -102,8 +117,10 @@ def take_admissible(intake: collections.deque[Row], plan: KVPlan,
         if len(row.prompt) + row.req.max_new_tokens > capacity.kv_budget_tokens:
             refused.append(intake.popleft())
             continue
-        trial = plan.join(len(row.prompt), row.req.max_new_tokens)
+        trial = plan.join(len(row.prompt), row.req.max_new_tokens, new_part(row) if new_part else None)
         if trial.rows > capacity.max_concurrent_sequences or trial.peak_tokens > capacity.kv_budget_tokens:
+            break
+        if taken and max_prefill_tokens and trial.prefill_tokens > max_prefill_tokens:
             break
         taken.append(intake.popleft())
         plan = trial

@@ -10,7 +10,8 @@ reusing the KV caches kept between the turns of an episode (`cache_key`; `kv_sto
 one KV bound: the running batch's KV storage, the rows joining it and the kept caches stay within
 `kv_budget_tokens` (`admission`: rows wait while they do not fit, so fewer run at once as contexts
 grow; kept caches are evicted first; a request too large even alone is refused with
-`RequestRefused`). The KV positions in use, the running rows and the budget are Prometheus gauges. Each sampled token is handed
+`RequestRefused`; one prefill runs at most `max_prefill_tokens` positions past its first row, which
+bounds its activations). The KV positions in use, the running rows and the budget are Prometheus gauges. Each sampled token is handed
 to its request's `on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
 It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, and
 tokenisation to the agent loop. CPU/fp32 is the tested configuration.
@@ -87,10 +88,12 @@ class TorchEngine:
         fast_forward: bool = True,
         continuous: bool = True,
         prefix_sharing: bool = True,
+        max_prefill_tokens: int = 8192,
     ) -> None:
         """`fast_forward=False` always uses the HF model's forward (for comparisons and debugging);
         `continuous=False` admits requests only into an empty batch (batch-to-completion);
-        `prefix_sharing=False` prefills every row's prompt separately."""
+        `prefix_sharing=False` prefills every row's prompt separately; `max_prefill_tokens` bounds the
+        prompt positions (without kept KV) one prefill runs, past its first row (0: no bound)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
@@ -117,6 +120,7 @@ class TorchEngine:
         self._fast = FastDecoder(model) if fast_forward and self._can_keep and FastDecoder.supports(model) else None
         self._continuous = continuous and self._fast is not None
         self._sharing = prefix_sharing
+        self._max_prefill = max_prefill_tokens
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._layers = int(config.num_hidden_layers)
         M.ROLLOUT_KV_BUDGET_TOKENS.set(kv_budget_tokens)
@@ -257,13 +261,15 @@ class TorchEngine:
                           storage.capacity if storage else batch.length, len(batch.rows), batch.length,
                           max(r.remaining for r in batch.rows))
         with self._intake_lock:
-            taken, refused, plan = take_admissible(self._intake, plan, cap)
+            taken, refused, plan = take_admissible(self._intake, plan, cap, max_prefill_tokens=self._max_prefill,
+                                                   new_part=self._new_part)
             tight = self._compacted(plan, cap) if not taken and self._intake and storage is not None else None
             if storage is not None and tight is not None:  # one layer re-allocated at a time: room for it first
                 self._kv.evict_to(max(0, cap.kv_budget_tokens - plan.held_tokens - -(-tight.held_tokens // self._layers)))
                 storage.compact(tight.room)
                 self._counts["compactions"] += 1
-                taken, more, plan = take_admissible(self._intake, tight, cap)
+                taken, more, plan = take_admissible(self._intake, tight, cap, max_prefill_tokens=self._max_prefill,
+                                                    new_part=self._new_part)
                 refused += more
             if taken:
                 self._kv.evict_to(max(0, cap.kv_budget_tokens - plan.peak_tokens))
@@ -276,6 +282,13 @@ class TorchEngine:
             row.finish(error=error)
         return taken
 
+    def _new_part(self, row: Row) -> int:
+        """The prompt tokens `row` would run through the model: those its kept KV does not cover."""
+        key = row.req.cache_key
+        if key is None or not self._can_keep or key in self._live_keys:
+            return len(row.prompt)
+        return len(row.prompt) - self._kv.reusable(key, row.prompt)
+
     def _compacted(self, plan: KVPlan, cap: EngineCapacity) -> KVPlan | None:
         """The plan with a storage of only the live rows' positions, if the oldest queued row fits next
         to that and not next to the storage as it is (None otherwise)."""
@@ -283,7 +296,7 @@ class TorchEngine:
         if tight.held_tokens >= plan.held_tokens:
             return None
         head = self._intake[0]
-        trial = tight.join(len(head.prompt), head.req.max_new_tokens)
+        trial = tight.join(len(head.prompt), head.req.max_new_tokens, self._new_part(head))
         fits = trial.rows <= cap.max_concurrent_sequences and trial.peak_tokens <= cap.kv_budget_tokens
         return tight if fits else None
 

@@ -130,6 +130,22 @@ def test_storage_left_by_finished_rows_is_compacted_to_admit_a_new_row(model: Qw
         assert row.result.logprobs == pytest.approx(want.logprobs, abs=1e-5)
 
 
+def test_a_prefill_runs_at_most_max_prefill_tokens_new_positions(model: Qwen2ForCausalLM) -> None:
+    """Prefill activations are not KV: each admission's prefill is bounded in the positions it runs
+    (past its first row), counting only what kept caches do not cover."""
+    engine = TorchEngine(model, max_prefill_tokens=100)
+    first = [GenerateRequest(tokens(40, i), 3, seed=i, cache_key=f"ep{i}") for i in range(5)]
+    done = engine.generate(first)
+    assert engine.stats.batches == 3  # 2 + 2 + 1 rows of 40 new tokens
+    again = [GenerateRequest(r.prompt_ids + d.token_ids + tokens(5, 10 + i), 3, seed=i, cache_key=f"ep{i}")
+             for i, (r, d) in enumerate(zip(first, done))]
+    before = engine.stats.batches
+    engine.generate(again)  # each row's kept KV covers all but ~7 tokens: one prefill for all five
+    assert engine.stats.batches == before + 1 and engine.stats.reused_tokens > 0
+    alone = TorchEngine(model, max_prefill_tokens=100).generate([GenerateRequest(tokens(150, 9), 3, seed=9)])
+    assert len(alone[0].token_ids) == 3  # a single row longer than the bound still runs (alone)
+
+
 def test_a_request_too_large_alone_is_refused_and_the_others_run(model: Qwen2ForCausalLM) -> None:
     engine = TorchEngine(model, kv_budget_tokens=100)
 
