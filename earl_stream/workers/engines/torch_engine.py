@@ -44,7 +44,16 @@ from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissib
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
 from earl_stream.workers.engines.kv_store import KVStore
-from earl_stream.workers.engines.running import Row, RunningBatch, draw_uniforms, fill_kept, kept_kv, merged_kept, select_rows
+from earl_stream.workers.engines.running import (
+    Row,
+    RunningBatch,
+    draw_uniforms,
+    fill_kept,
+    kept_kv,
+    merged_kept,
+    prefill_layout,
+    select_rows,
+)
 from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
 
 _LOG = logging.getLogger(__name__)
@@ -345,30 +354,11 @@ class TorchEngine:
     # ---------------------------------------------------------------- forward passes
 
     def _prefill(self, rows: list[Row]) -> RunningBatch:
-        """One forward over the new prompt tokens of the admitted rows, each distinct prompt once.
-
-        Rows that start from no kept cache and carry the same prompt (a GRPO group) share one source
-        row; its KV and logits are then copied to each of them.
-        """
-        sources, index = self._sources(rows)
-        cached = [len(r.kept.tokens) if r.kept is not None else 0 for r in sources]
-        width_n = max(len(r.prompt) - c for r, c in zip(sources, cached))
-        width_c = max(len(r.prompt) for r in sources) - width_n
-        # the cache is as wide as the longest prompt (what admission counted): kept KV that would reach
-        # into another row's new tokens is used only up to width_c, the rest of that row is recomputed
-        cached = [min(c, width_c) for c in cached]
-        for row, c in zip(sources, cached):
-            if row.kept is not None and len(row.kept.tokens) > c:
-                row.kept = row.kept.prefix(c) if c else None
-        ids = torch.full((len(sources), width_n), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(sources), width_c + width_n), dtype=torch.long)
-        for b, (row, c) in enumerate(zip(sources, cached)):
-            new = row.prompt[c:]
-            ids[b, width_n - len(new) :] = torch.tensor(new, dtype=torch.long)
-            mask[b, width_c - c : width_c] = 1
-            mask[b, width_c + width_n - len(new) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
-        ids, mask, positions = ids.to(self._device), mask.to(self._device), positions.to(self._device)
+        """One forward over the new prompt tokens of the admitted rows, laid out by `prefill_layout`: each
+        distinct prompt once, its KV and logits then copied to every row that shares it."""
+        lay = prefill_layout(rows, self._sharing, self._pad_id)
+        sources, index, cached, width_c, width_n = lay.sources, lay.index, lay.cached, lay.width_c, lay.width_n
+        ids, mask, positions = lay.ids.to(self._device), lay.mask.to(self._device), lay.positions.to(self._device)
         cache: DynamicCache | StaticKV | None
         if self._fast is not None:
             capacity = width_c + width_n + max(r.req.max_new_tokens for r in rows)
@@ -393,22 +383,6 @@ class TorchEngine:
             select_rows(cache, idx)
             logits, mask = logits[idx], mask[idx]
         return RunningBatch(rows, cache, mask, mask.sum(-1), logits.float())
-
-    def _sources(self, rows: list[Row]) -> tuple[list[Row], list[int]]:
-        """The rows to run through the model, and for each admitted row the index of its source."""
-        sources: list[Row] = []
-        index: list[int] = []
-        by_prompt: dict[tuple[int, ...], int] = {}
-        for row in rows:
-            key = tuple(row.prompt) if self._sharing and row.kept is None else None
-            if key is not None and key in by_prompt:
-                index.append(by_prompt[key])
-                continue
-            if key is not None:
-                by_prompt[key] = len(sources)
-            index.append(len(sources))
-            sources.append(row)
-        return sources, index
 
     def _sample_and_retire(self, batch: RunningBatch) -> torch.Tensor:
         """Sample one token per row; finished rows keep their KV (if keyed), get their result and leave.
