@@ -80,6 +80,10 @@ class RolloutConfig:
                      "sees one, else cpu; vllm and sglang place themselves", choices=("auto", "cpu", "cuda"))
     dtype: str = _f("fp32", "weights and compute of the built-in engine (bf16 works on CPU too; the trainer's "
                     "fp32 weights are cast on load); vllm and sglang choose their own", choices=("fp32", "bf16"))
+    memory_bytes: int = _f(0, "memory of each rollout worker's engine, which sizes its KV budget (with rollout.dtype); "
+                           "0 = derived: the CUDA device's memory where the engine runs on CUDA, else the host's RAM "
+                           "(or the process's RLIMIT_AS) shared among this host's rollout workers and trainer ranks",
+                           minimum=0)
     openai_bind: str = _f("127.0.0.1:0", "HOST:PORT of each worker's OpenAI-compatible endpoint (port 0 = any free "
                           "port; bearer token = the cluster secret); empty = no endpoint")
     openai_model: str = _f("policy", "model id the OpenAI endpoint serves (requests must name it)")

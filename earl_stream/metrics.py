@@ -103,3 +103,12 @@ def start_metrics_server(host: str = "127.0.0.1", port: int = 0) -> str:
     server, _thread = start_http_server(port, addr=host)
     bound_host, bound_port = server.server_address[:2]
     return f"{bound_host!s}:{bound_port}"
+
+
+# the built-in rollout engine's admission (workers/engines/admission.py): one engine per rollout worker process
+ROLLOUT_KV_TOKENS_IN_USE = Gauge("earl_rollout_kv_tokens_in_use", "KV cache positions (tokens) the engine holds now: "
+                                 "running batch storage and caches kept between turns")
+ROLLOUT_KV_BUDGET_TOKENS = Gauge("earl_rollout_kv_budget_tokens", "The engine's KV budget in tokens (rollout plan)")
+ROLLOUT_ADMITTED_SEQUENCES = Gauge("earl_rollout_admitted_sequences", "Sequences the engine decodes together now")
+ROLLOUT_REQUESTS_REFUSED = Counter("earl_rollout_requests_refused_total", "Requests refused as larger than the "
+                                   "engine's KV budget on their own")

@@ -111,7 +111,10 @@ class TrainerPlan(msgspec.Struct, frozen=True):
 class RolloutPlan(msgspec.Struct, frozen=True):
     """A rollout engine's capacity, version `version`, sized for `design_seq_len`-token episodes: per
     engine of `engine_tp` devices (`replicas` engines fill the pool's devices) at most
-    `max_concurrent_sequences` sequences and `kv_budget_tokens` tokens of KV cache at once."""
+    `max_concurrent_sequences` sequences and `kv_budget_tokens` tokens of KV cache at once. Workers stop
+    an episode once its context reaches `max_episode_tokens` (the longest a trainer plan or the KV
+    budget can hold; 0 = no bound). `memory_bytes` is the engine memory per device it was sized for;
+    `sizing` says what it admits and why."""
 
     version: int
     max_concurrent_sequences: int
@@ -121,6 +124,9 @@ class RolloutPlan(msgspec.Struct, frozen=True):
     replicas: int
     reason: str
     step: int
+    max_episode_tokens: int = 0
+    memory_bytes: int = 0
+    sizing: str = ""
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("version", "max_concurrent_sequences", "kv_budget_tokens",

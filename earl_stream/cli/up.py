@@ -209,6 +209,8 @@ def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
         "samples_replayed_since_resume": status.get("samples_replayed_since_resume"),  # None: not resumed
         "samples_stale": status.get("samples_stale", 0),
         "samples_filtered": status.get("samples_filtered", 0),  # equal-reward groups dropped (algo.dynamic_sampling)
+        # episodes stopped or refused as longer than the largest plan the pools can run (rollout plan max_episode_tokens)
+        "samples_too_long": status.get("samples_too_long", 0),
         "prompts_reissued": status.get("prompts_reissued", 0),
         "duplicates_detected": status.get("duplicates_detected", 0),
         "samples_in_store": status.get("samples_in_store", 0),

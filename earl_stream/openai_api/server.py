@@ -42,7 +42,7 @@ from earl_stream.openai_api import http
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan
 from earl_stream.openai_api.messages import BadRequest, ChatRenderer, Message, api_message, check_tools, normalize, reply_message
 from earl_stream.openai_api.streaming import Ending, ReplyText, StreamHead, TokenFeed, chat_events, cut_at_stop, text_events
-from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult, RequestRefused
 from earl_stream.workers.engines.batcher import AsyncBatcher
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,8 @@ class OpenAIEndpoint:
             return await self._completion(req, body)
         except BadRequest as exc:
             return _error(exc.status, str(exc), code=exc.code, param=exc.param)
+        except RequestRefused as exc:  # larger than the engine's KV budget even alone: the request's size, not a failure
+            return _error(400, str(exc), code="context_length_exceeded", param="messages")
         except EngineError as exc:
             log.warning("engine refused an OpenAI request: %s", exc)
             return _error(503, f"the engine could not serve this request: {exc}", kind="server_error")
