@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -131,8 +132,10 @@ def main() -> int:
         engine = TorchEngine(model, max_batch_size=rows, kv_budget_tokens=budget)
         result[name] = episodes(engine, a.episodes, turns, first, observation, reply)
         del engine, model
+        gc.collect()  # the batcher's loop objects hold the engine in reference cycles
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
     print(f"{result['device']} {dtype}: memory {a.memory_mib} MiB, KV budget {kv_tokens} tokens "
           f"({per_token} B/token), predicted peak {predicted / MIB:.0f} MiB")
     print(f"{'run':9} {'crashed':8} {'most rows per turn (context tokens)':60} {'peak KV tok':>11} {'peak MiB':>9}")
