@@ -23,9 +23,12 @@ OVERRIDES_HELP = "dotted config overrides, e.g. trainer.lr=3e-4 rollout.workers=
 
 
 def _add_secret_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--secret-file", metavar="PATH", help="cluster secret guarding the control and data planes "
-                   "(default: $EARL_STREAM_SECRET_FILE, else the secret of the run in this directory, or in runs/*/, "
-                   "whose ready file names the --supervisor address; `up` creates one in its run directory)")
+    p.add_argument("--secret-file", metavar="PATH", help="cluster secret guarding the control and data planes, "
+                   "or a role key from `earl-stream keys derive ROLE` (a command then signs with that key, and the "
+                   "supervisor refuses what its role may not do); with the cluster secret a command signs with the "
+                   "key of the role it needs (default: $EARL_STREAM_SECRET_FILE, else the secret of the run in this "
+                   "directory, or in runs/*/, whose ready file names the --supervisor address; `up` creates one in "
+                   "its run directory)")
     p.add_argument("--encrypt", action="store_true", help="the run encrypts both planes (security.encrypt=true): "
                    "connect with CURVE and encrypted data frames (default: $EARL_STREAM_ENCRYPT=1, else the run "
                    "found in this directory says so in its config.yaml, else off)")
@@ -138,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
         _add_secret_arg(e)
 
-    from earl_stream.cli import scale, slurm
+    from earl_stream.cli import keys, scale, slurm
 
     scale.add_parser(sub, _add_secret_arg)
+    keys.add_parser(sub, _add_secret_arg)
     slurm.add_parser(sub)
 
     p = sub.add_parser("config", help="configuration tools")
@@ -247,6 +251,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.cli.scale import run_scale
 
         return run_scale(args)
+    if args.command == "keys":
+        from earl_stream.cli.keys import run_keys_command
+
+        return run_keys_command(args)
     if args.command == "slurm":
         from earl_stream.cli.slurm import run
 
@@ -279,9 +287,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from earl_stream import protocol as P
     from earl_stream.cli.live import status_line
+    from earl_stream.keys import KeyRole, key_for
     from earl_stream.security import load_secret
 
-    client = P.ControlClient(args.supervisor, timeout_s=5, secret=load_secret())
+    client = P.ControlClient(args.supervisor, timeout_s=5, secret=key_for(load_secret(), KeyRole.READONLY))
     status = json.loads(client.call(P.StatusRequest(), what="status").status_json)
     if args.json:
         print(json.dumps(status, indent=2))
