@@ -3,9 +3,9 @@
 
 Requests are served by the worker's engine through its batcher, so they share batches with the
 worker's own episodes and run with the current policy. It owns the API's shape (parameters, answers,
-OpenAI error objects with the right HTTP status; never a traceback), the bearer-token check against
-the cluster secret, and which episode a request belongs to (`X-Episode-Id` header, else the `user`
-field). Token accounting per episode is `episodes`'s; reading HTTP is `http`'s; streamed replies are
+OpenAI error objects with the right HTTP status; never a traceback) and which episode a request belongs
+to (`X-Episode-Id` header, else the `user` field; an agent key's own episode: `auth`, which checks bearer
+tokens). Token accounting per episode is `episodes`'s; reading HTTP is `http`'s; streamed replies are
 `streaming`'s.
 
 Streaming (`stream: true`) is token by token: the request's tokens come from the engine as they are
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import socket
@@ -39,6 +38,7 @@ from transformers import PreTrainedTokenizerBase
 from earl_stream.chat import ChatFormat
 from earl_stream.errors import EngineError
 from earl_stream.openai_api import http
+from earl_stream.openai_api.auth import Denied, EndpointAuth
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan
 from earl_stream.openai_api.messages import BadRequest, ChatRenderer, Message, api_message, check_tools, normalize, reply_message
 from earl_stream.openai_api.streaming import Ending, ReplyText, StreamHead, TokenFeed, chat_events, cut_at_stop, text_events
@@ -102,7 +102,7 @@ class OpenAIEndpoint:
         self.batcher, self.chat, self.model = batcher, chat, model
         self._tok = tokenizer
         self.renderer = ChatRenderer(tokenizer)
-        self._token = secret.decode() if secret else None
+        self.auth = EndpointAuth(secret, lambda key: key in self.agents)  # agent keys hold while their episode runs
         self.max_context, self.default_max_tokens = max_context, default_max_tokens
         self._defaults = (temperature, top_p, top_k)
         self._policy_version = policy_version
@@ -136,8 +136,13 @@ class OpenAIEndpoint:
             await self._server.wait_closed()
 
     def expect(self, key: str) -> None:
-        """An agent of this worker starts episode `key`: its requests are waited for when batching."""
+        """An agent of this worker starts episode `key`: its requests are waited for when batching, and its
+        agent key (`agent_key`) holds until `take_episode`."""
         self.agents.add(key)
+
+    def agent_key(self, key: str, ttl_s: float) -> str:
+        """The API key of episode `key`'s agent program (auth.py): valid for that episode's requests only."""
+        return self.auth.agent_key(key, ttl_s)
 
     def take_episode(self, key: str) -> Episode | None:
         """The episode's accounting, removed from the endpoint (None if it made no successful request)."""
@@ -158,9 +163,10 @@ class OpenAIEndpoint:
         methods = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
         if route not in methods and not route.startswith("/v1/models/"):
             return _error(404, f"unknown path {req.path}; this endpoint serves {sorted(methods)}", code="unknown_url")
-        if not self._authorized(req):
-            return _error(401, "missing or wrong API key: pass the cluster secret as the bearer token",
-                          code="invalid_api_key")
+        try:
+            grant = self.auth.grant(req.headers.get("authorization", ""))
+        except Denied as exc:
+            return _error(exc.status, str(exc), code=exc.code)
         if route.startswith("/v1/models"):
             if req.method != "GET":
                 return _error(405, f"{req.method} is not allowed on {route}")
@@ -174,20 +180,19 @@ class OpenAIEndpoint:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         try:
+            key = EndpointAuth.episode_of(grant, self._episode_key(req, body))
+            if key and req.headers.get(EPISODE_HEADER) != key:  # an agent key's request that named no episode
+                req = dataclasses.replace(req, headers={**req.headers, EPISODE_HEADER: key})
             if route == "/v1/chat/completions":
                 return await self._chat(req, body)
             return await self._completion(req, body)
         except BadRequest as exc:
             return _error(exc.status, str(exc), code=exc.code, param=exc.param)
+        except Denied as exc:
+            return _error(exc.status, str(exc), code=exc.code)
         except EngineError as exc:
             log.warning("engine refused an OpenAI request: %s", exc)
             return _error(503, f"the engine could not serve this request: {exc}", kind="server_error")
-
-    def _authorized(self, req: http.Request) -> bool:
-        if self._token is None:
-            return True
-        scheme, _, token = req.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._token.encode())
 
     def _models(self, route: str) -> http.Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "earl_stream",

@@ -3,13 +3,14 @@ and the Python of its `openai` client, several milliseconds a request) runs in a
 worker, so it does not take turns with the engine's batcher on the worker's event loop and core.
 
 The worker's side is `AgentRunner`: it starts the child on first use, sends each episode as an
-`AgentJob` (the environment's registry spec and params, the seed, the endpoint's URL and bearer token,
-the episode's key, the timeout) over a socket pair, and waits for its `AgentDone` (the reward, or why it
+`AgentJob` (the environment's registry spec and params, the seed, the endpoint's URL, the episode's
+agent key as bearer token, the episode's id, the timeout) over a socket pair, and waits for its `AgentDone` (the reward, or why it
 failed). The child (`python -m earl_stream.workers.agent_runner --fd N`) makes the environment for each
 episode as the worker would, runs it with an `openai.AsyncOpenAI` client whose requests carry the
 episode's key, and answers. The endpoint, the token accounting and the sample stay in the worker
 (`earl_stream.workers.agent_episode`). A child that dies fails only the episodes it was running; the
-next episode starts a new child. What the agent prints goes to the worker's log.
+next episode starts a new child. What the agent prints goes to the worker's log. The child's environment
+holds no cluster secret (`agent_environment`).
 
 Frames: a 4-byte big-endian length, then a msgpack-encoded message.
 """
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import struct
 import sys
@@ -28,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from earl_stream.security import SECRET_ENV
 from earl_stream.workers.agent_loop import EpisodeFailed
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,14 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(size)
 
 
+def agent_environment() -> dict[str, str]:
+    """The agent process's environment: the worker's, less the variable that names the cluster secret's file.
+    Its programs get each episode's agent key instead (openai_api/auth.py). (They run as the worker's user: a
+    program that goes looking can still read files that user can, the secret's included; run agent programs
+    under another user or in a sandbox for a hard boundary.)"""
+    return {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+
+
 class AgentRunner:
     """One child process that runs agent episodes, any number at a time (asyncio tasks there)."""
 
@@ -103,7 +114,7 @@ class AgentRunner:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "earl_stream.workers.agent_runner", "--fd", str(child.fileno()),
-                    "--name", self.name, pass_fds=(child.fileno(),))
+                    "--name", self.name, pass_fds=(child.fileno(),), env=agent_environment())
             finally:
                 child.close()
             reader, writer = await asyncio.open_connection(sock=parent)

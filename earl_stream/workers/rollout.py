@@ -379,9 +379,9 @@ class RolloutWorker:
         if is_agent_env(env):
             if self.endpoint is None:
                 raise EpisodeFailed("agent environments need the OpenAI endpoint (rollout.openai_bind is empty)")
-            return await play_agent_episode(env, self.endpoint, api_key=self.secret.decode() if self.secret else "none",
-                                            env_name=prompt.env, seed=seed, prompt_ordinal=prompt.prompt_ordinal,
-                                            group_id=prompt.group_id, runner=self.agent_runners,
+            return await play_agent_episode(env, self.endpoint, env_name=prompt.env, seed=seed,
+                                            prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id,
+                                            runner=self.agent_runners,
                                             spec=(spec.spec, dict(spec.params)))
         return await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=seed,
                                   prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
