@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trainer pool (--nproc, --restart): on SIGTERM or SIGINT its ranks get this long to finish their "
                         "step and write a checkpoint before they are killed; a second signal stops them at once. `up` "
                         "passes trainer.stop_grace_s")
+    p.add_argument("--tls", action="store_true", help="the run serves its HTTP endpoints over TLS (security.tls=true; "
+                   "implied by --encrypt): this worker's OpenAI and metrics endpoints serve HTTPS with a certificate "
+                   "from the run CA (derived from the cluster secret), and its metrics ask for the read-only key")
     _add_secret_arg(p)
 
     p = sub.add_parser("status", help="show the state of a running system")
@@ -184,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from earl_stream.encryption import export_encrypt
 
         export_encrypt(True)
+    if getattr(args, "tls", False):
+        from earl_stream.tls import TLS_ENV
+
+        os.environ[TLS_ENV] = "1"
     try:
         return _dispatch(args)
     except EarlError as exc:

@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream import protocol as P
+from earl_stream.cli.keys import write_key
 from earl_stream.cli.launchers import Launcher, Placed, RunSpec, make_launcher
 from earl_stream.cli.live import LiveView
 from earl_stream.config import RunConfig, config_to_yaml, replace
 from earl_stream.encryption import export_encrypt
 from earl_stream.errors import ChildProcessFailed, EarlError
+from earl_stream.keys import KeyRole, role_token
 from earl_stream.security import RUN_SECRET, SECRET_ENV, create_secret_file, find_run_secret, load_secret
 from earl_stream.store.durable import EXPERIENCE_DIR
+from earl_stream.tls import CA_FILE, READONLY_KEY_FILE, tls_env, write_run_ca
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",
@@ -85,6 +88,28 @@ def worker_commands(address: str, secret_file: str, encrypt: bool = False) -> li
             f"from another directory or host: {full}", note]
 
 
+def endpoint_settings(cfg: RunConfig, run_dir: Path, secret: bytes) -> list[str]:
+    """Under TLS or metrics_auth: write the files clients need (RUN_DIR/tls/ca.pem, the run CA's certificate
+    unless the user gave a CA; RUN_DIR/keys/readonly, the metrics bearer token) and say how agents and
+    Prometheus use them. Validates the TLS files given (a ConfigError names every problem)."""
+    sec = cfg.security
+    tls_env(sec)
+    lines: list[str] = []
+    if sec.tls_on:
+        ca = Path(sec.tls_ca_file).expanduser().resolve() if sec.tls_ca_file else \
+            write_run_ca(secret, run_dir / CA_FILE).resolve()
+        lines += [f"HTTPS endpoints (security.tls): clients trust the CA in {ca}",
+                  f"  agent programs: base URL https://HOST:PORT/v1 (status --json: openai_url), SSL_CERT_FILE={ca}, "
+                  "api_key: an agent key per episode (`earl-stream keys derive agent --episode ID`); the run's own "
+                  "agents get theirs from their worker",
+                  f"  Prometheus: scheme: https, tls_config: {{ca_file: {ca}}} (dashboards/prometheus.yml)"]
+    if sec.metrics_auth_on:
+        token = write_key(run_dir / READONLY_KEY_FILE, role_token(secret, KeyRole.READONLY)).resolve()
+        lines.append(f"  metrics need the read-only key as bearer token: Prometheus authorization: "
+                     f"{{credentials_file: {token}}}")
+    return lines
+
+
 def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = None, resume: bool = False,
        restart: int = 0) -> int:
     """Run until `steps` (or a signal), the processes placed by the launcher `launcher.kind` names.
@@ -100,6 +125,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
         shutil.rmtree(run_dir / EXPERIENCE_DIR, ignore_errors=True)  # and the samples it had persisted
     secret = _run_secret(run_dir)
     export_encrypt(cfg.security.encrypt)  # for this process's own clients; the launcher passes it on
+    endpoint_lines = endpoint_settings(cfg, run_dir, secret)
     launcher = make_launcher(RunSpec(cfg, config_file, Path(os.environ[SECRET_ENV]), bind, resume, restart))
     stopping: list[str] = []
     signal.signal(signal.SIGINT, lambda s, f: stopping.append("interrupted"))
@@ -109,7 +135,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     view = LiveView(cfg)
     try:
         sup, address = launcher.start_supervisor()
-        for line in worker_commands(address, os.environ[SECRET_ENV], encrypt=cfg.security.encrypt):
+        for line in worker_commands(address, os.environ[SECRET_ENV], encrypt=cfg.security.encrypt) + endpoint_lines:
             view.message(line)
         rollout = [launcher.start_rollout_worker(i, address) for i in range(cfg.rollout.workers)]
         placed = [sup] + rollout

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,6 +42,7 @@ from earl_stream.openai_api import http
 from earl_stream.openai_api.auth import Denied, EndpointAuth
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan
 from earl_stream.openai_api.messages import BadRequest, ChatRenderer, Message, api_message, check_tools, normalize, reply_message
+from earl_stream.tls import client_ca_pem, server_context, tls_enabled
 from earl_stream.openai_api.streaming import Ending, ReplyText, StreamHead, TokenFeed, chat_events, cut_at_stop, text_events
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
 from earl_stream.workers.engines.batcher import AsyncBatcher
@@ -116,17 +118,24 @@ class OpenAIEndpoint:
         self._in_engine = 0  # requests handed to the batcher and not answered yet
         self.url = ""  # advertised (status --json's openai_url)
         self.local_url = ""  # what agents in this process use
+        self.ca_pem = ""  # under TLS: the CA certificate (PEM) the agents trust
         self._server: asyncio.Server | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self, sock: socket.socket, advertise_host: str) -> str:
-        """Serve on a listening socket (`http.bind_socket`); returns the base URL (…/v1)."""
-        self._server = await http.serve(self.handle, sock)
+    async def start(self, sock: socket.socket, advertise_host: str, tls: ssl.SSLContext | None = None,
+                    ca_pem: str = "") -> str:
+        """Serve on a listening socket (`http.bind_socket`); returns the base URL (…/v1). HTTPS with `tls`
+        (whose certificate `ca_pem` signed), else where the run turns TLS on (earl_stream/tls.py)."""
+        if tls is None and tls_enabled():
+            tls, ca_pem = server_context([advertise_host]), client_ca_pem()
+        self.ca_pem = ca_pem if tls is not None else ""
+        self._server = await http.serve(self.handle, sock, tls)
         host, port = sock.getsockname()[:2]
-        self.url = f"http://{advertise_host}:{port}/v1"
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://{advertise_host}:{port}/v1"
         local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        self.local_url = f"http://[{local}]:{port}/v1" if ":" in local else f"http://{local}:{port}/v1"
+        self.local_url = f"{scheme}://[{local}]:{port}/v1" if ":" in local else f"{scheme}://{local}:{port}/v1"
         log.info("OpenAI-compatible endpoint at %s (model %r)", self.url, self.model)
         return self.url
 

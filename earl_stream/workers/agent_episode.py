@@ -38,9 +38,9 @@ async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, env_name: st
             if spec is None:
                 raise ValueError("an agent process makes the environment from its spec: pass spec=(name, params)")
             reward = await runner.run(spec[0], spec[1], seed, url=endpoint.local_url, api_key=api_key,
-                                      episode_key=key, timeout_s=timeout_s)
+                                      episode_key=key, timeout_s=timeout_s, ca_pem=endpoint.ca_pem)
         else:
-            reward = await run_agent(env, seed, endpoint.local_url, api_key, key, timeout_s)
+            reward = await run_agent(env, seed, endpoint.local_url, api_key, key, timeout_s, endpoint.ca_pem)
     finally:
         episode = endpoint.take_episode(key)
     if episode is None:

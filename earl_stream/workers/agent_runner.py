@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from earl_stream.security import SECRET_ENV
+from earl_stream.tls import client_context
 from earl_stream.workers.agent_loop import EpisodeFailed
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class AgentJob(msgspec.Struct, tag="job", frozen=True):
     api_key: str
     episode_key: str  # sent as the episode header with every request of the episode
     timeout_s: float
+    ca_pem: str = ""  # under TLS: the CA certificate the endpoint's certificate is signed by
 
 
 class AgentCancel(msgspec.Struct, tag="cancel", frozen=True):
@@ -148,7 +150,7 @@ class AgentRunner:
             log.warning("%s (pid %d) exited with code %s%s: %d episodes failed", self.name, proc.pid, code, why, len(failed))
 
     async def run(self, spec: str, params: dict[str, Any], seed: int, *, url: str, api_key: str, episode_key: str,
-                  timeout_s: float) -> float:
+                  timeout_s: float, ca_pem: str = "") -> float:
         """Play one episode in the child; returns its reward or raises `EpisodeFailed`."""
         try:
             await self._ensure_started()
@@ -159,7 +161,8 @@ class AgentRunner:
         future: asyncio.Future[AgentDone] = asyncio.get_running_loop().create_future()
         self._pending[job] = future
         try:
-            self._writer.write(_frame(AgentJob(job, spec, dict(params), seed, url, api_key, episode_key, timeout_s)))
+            self._writer.write(_frame(AgentJob(job, spec, dict(params), seed, url, api_key, episode_key, timeout_s,
+                                               ca_pem)))
             await self._writer.drain()
             done = await asyncio.wait_for(future, timeout_s + GRACE_S)
         except (ConnectionError, RuntimeError) as exc:
@@ -215,8 +218,9 @@ class AgentRunners:
 _clients: dict[tuple[str, str], Any] = {}
 
 
-def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float) -> Any:
-    """An `openai.AsyncOpenAI` client on the endpoint at `url`, its requests filed under `episode_key`.
+def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float, ca_pem: str = "") -> Any:
+    """An `openai.AsyncOpenAI` client on the endpoint at `url`, its requests filed under `episode_key` and
+    authorised by `api_key` (the episode's agent key); under TLS it trusts only `ca_pem`.
 
     Every episode's client is a copy of one client per endpoint, sharing its connection pool: a new
     client builds an SSL context (~30 ms here), which would cost more than a short turn.
@@ -227,19 +231,22 @@ def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float) -
         import openai
     except ImportError:
         raise EpisodeFailed("agent environments need the openai package (pip install 'earl_stream[agents]')") from None
-    base = _clients.get((url, api_key))
+    base = _clients.get((url, ca_pem))
     if base is None or base.is_closed():
-        base = _clients[(url, api_key)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0)
-    return base.with_options(timeout=timeout_s, default_headers={EPISODE_HEADER: episode_key})
+        http_client = openai.DefaultAsyncHttpxClient(verify=client_context(ca_pem)) if ca_pem else None
+        base = _clients[(url, ca_pem)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0,
+                                                            http_client=http_client)
+    return base.with_options(api_key=api_key, timeout=timeout_s, default_headers={EPISODE_HEADER: episode_key})
 
 
-async def run_agent(env: Any, seed: int, url: str, api_key: str, episode_key: str, timeout_s: float) -> float:
+async def run_agent(env: Any, seed: int, url: str, api_key: str, episode_key: str, timeout_s: float,
+                    ca_pem: str = "") -> float:
     """`env.run(client, env.task(seed))` with an episode client, its reward; any failure is `EpisodeFailed`."""
     try:
         task = env.task(seed)
     except Exception as exc:  # the environment's own code
         raise EpisodeFailed(f"agent task({seed}) raised {type(exc).__name__}: {exc}") from None
-    client = episode_client(url, api_key, episode_key, timeout_s)
+    client = episode_client(url, api_key, episode_key, timeout_s, ca_pem)
     try:
         return float(await asyncio.wait_for(env.run(client, task), timeout_s))
     except asyncio.TimeoutError:
@@ -254,7 +261,7 @@ async def _episode(job: AgentJob, writer: asyncio.StreamWriter) -> None:
     try:
         env = make_env(job.spec, job.params)
         done = AgentDone(job.job, reward=await run_agent(env, job.seed, job.url, job.api_key, job.episode_key,
-                                                         job.timeout_s))
+                                                         job.timeout_s, job.ca_pem))
     except EpisodeFailed as exc:
         done = AgentDone(job.job, error=str(exc))
     except Exception as exc:  # the environment's constructor is user code too
