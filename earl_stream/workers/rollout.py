@@ -41,6 +41,7 @@ from earl_stream.store.experience import ExperienceWriter
 from earl_stream.store.node import ShardNode
 from earl_stream.store.relay import sync_weights
 from earl_stream.store.weight_route import WeightRoute
+from earl_stream.tls import tls_enabled
 from earl_stream.tools import with_tools
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_env_seed, episode_sample_seed, play_episode
@@ -138,7 +139,7 @@ class RolloutWorker:
             raise EarlError(f"rollout.openai_bind={bind!r}: cannot listen there: {exc}") from exc
         host, port = sock.getsockname()[:2]
         advertise = self.host if host in ("0.0.0.0", "::") else host
-        return sock, f"http://{advertise}:{port}/v1"
+        return sock, f"{'https' if tls_enabled() else 'http'}://{advertise}:{port}/v1"  # HTTPS: earl_stream/tls.py
 
     def _max_context(self) -> int:
         """The model's context length (the endpoint refuses longer requests)."""
