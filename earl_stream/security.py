@@ -29,8 +29,8 @@ import secrets
 import socket
 import struct
 import time
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 

@@ -16,16 +16,7 @@ from cluster import Cluster
 
 from earl_stream import protocol as P
 from earl_stream.errors import ConfigError, ProtocolError
-from earl_stream.keys import (
-    AgentKeyError,
-    KeyRole,
-    agent_key,
-    check_agent_key,
-    key_for,
-    parse_role_token,
-    role_of,
-    role_token,
-)
+from earl_stream.keys import AgentKeyError, KeyRole, agent_key, check_agent_key, key_for, parse_role_token, role_of, role_token
 from earl_stream.security import load_secret
 
 SECRET = b"0123456789abcdef" * 4

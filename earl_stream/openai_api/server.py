@@ -42,8 +42,8 @@ from earl_stream.openai_api import http
 from earl_stream.openai_api.auth import Denied, EndpointAuth
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan
 from earl_stream.openai_api.messages import BadRequest, ChatRenderer, Message, api_message, check_tools, normalize, reply_message
-from earl_stream.tls import client_ca_pem, server_context, tls_enabled
 from earl_stream.openai_api.streaming import Ending, ReplyText, StreamHead, TokenFeed, chat_events, cut_at_stop, text_events
+from earl_stream.tls import client_ca_pem, server_context, tls_enabled
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
 from earl_stream.workers.engines.batcher import AsyncBatcher
 
