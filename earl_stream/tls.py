@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
@@ -197,6 +198,8 @@ def tls_env(security: SecurityConfig) -> dict[str, str]:
     if any(given.values()) and not all(given.values()):
         problems.append("give security.tls_cert_file, tls_key_file and tls_ca_file together (missing: "
                         + ", ".join(f"security.{n}" for n, p in given.items() if not p) + ")")
+    if not problems and all(given.values()):
+        problems += _mismatches(*(Path(p).expanduser() for p in given.values()))
     if problems:
         raise ConfigError("invalid TLS files:\n  " + "\n  ".join(problems))
     env = {TLS_ENV: "1" if security.tls_on else "0", METRICS_AUTH_ENV: "1" if security.metrics_auth_on else "0"}
@@ -205,3 +208,24 @@ def tls_env(security: SecurityConfig) -> dict[str, str]:
                     TLS_KEY_ENV: str(Path(security.tls_key_file).expanduser().resolve()),
                     TLS_CA_ENV: str(Path(security.tls_ca_file).expanduser().resolve())})
     return env
+
+
+def _mismatches(cert_file: Path, key_file: Path, ca_file: Path) -> list[str]:
+    """What does not fit together in the TLS files given: the key is not the certificate's, or the CA did not
+    sign it (checked once at `up`, so that no endpoint of the run starts with them)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+        ca = x509.load_pem_x509_certificate(ca_file.read_bytes())
+    except (OSError, ValueError) as exc:
+        return [f"cannot read a PEM certificate from {cert_file} or {ca_file}: {exc}"]
+    problems = []
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        problems.append(f"security.tls_key_file {key_file} is not the key of {cert_file} ({exc})")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        problems.append(f"security.tls_ca_file {ca_file} did not sign {cert_file}: clients trusting it would refuse "
+                        "the endpoints")
+    return problems

@@ -158,3 +158,31 @@ def test_ssl_module_rejects_an_untrusted_handshake_at_once() -> None:
     address = M.start_metrics_server("127.0.0.1", tls=server_context(["127.0.0.1"], secret=SECRET))
     with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
         urllib.request.urlopen(f"https://{address}/metrics", timeout=10, context=ssl.create_default_context())
+
+
+def test_tls_files_that_do_not_fit_together_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from earl_stream.config import load_config
+    from earl_stream.tls import issue
+
+    cert, key = issue(SECRET, ["127.0.0.1"])
+    _, other_key = issue(SECRET, ["127.0.0.1"])
+    files = {"cert": cert, "key": key, "other_key": other_key, "ca": run_ca_pem(SECRET).encode(),
+             "other_ca": run_ca_pem(OTHER).encode()}
+    for name, data in files.items():
+        (tmp_path / f"{name}.pem").write_bytes(data)
+
+    def env(key_name: str, ca_name: str) -> dict[str, str]:
+        return tls_env(load_config(None, ["security.tls=true", f"security.tls_cert_file={tmp_path / 'cert.pem'}",
+                                          f"security.tls_key_file={tmp_path / key_name}.pem",
+                                          f"security.tls_ca_file={tmp_path / ca_name}.pem"]).security)
+
+    given = env("key", "ca")
+    assert given["EARL_STREAM_TLS_CERT"] == str(tmp_path / "cert.pem")
+    for name, value in given.items():  # what a process of the run finds in its environment: the files win
+        monkeypatch.setenv(name, value)
+    address = M.start_metrics_server("127.0.0.1", token=b"t0ken")
+    assert _get(f"https://{address}/metrics", ca=files["ca"].decode(), token=b"t0ken")[0] == 200
+    with pytest.raises(ConfigError, match="did not sign"):
+        env("key", "other_ca")
+    with pytest.raises(ConfigError, match="is not the key of"):
+        env("other_key", "ca")

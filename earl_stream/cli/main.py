@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "passes trainer.stop_grace_s")
     p.add_argument("--tls", action="store_true", help="the run serves its HTTP endpoints over TLS (security.tls=true; "
                    "implied by --encrypt): this worker's OpenAI and metrics endpoints serve HTTPS with a certificate "
-                   "from the run CA (derived from the cluster secret), and its metrics ask for the read-only key")
+                   "from the run CA (derived from the cluster secret), and its metrics ask for the read-only key; with "
+                   "your own certificate set EARL_STREAM_TLS_CERT, EARL_STREAM_TLS_KEY and EARL_STREAM_TLS_CA to its files")
     _add_secret_arg(p)
 
     p = sub.add_parser("status", help="show the state of a running system")

@@ -67,12 +67,13 @@ def _run_secret(run_dir: Path) -> bytes:
     return secret
 
 
-def worker_commands(address: str, secret_file: str, encrypt: bool = False) -> list[str]:
+def worker_commands(address: str, secret_file: str, encrypt: bool = False, tls: bool = False) -> list[str]:
     """What `up` prints so that a rollout worker can be added by pasting one line: from this directory
     (where the CLI finds the run's secret by the address), and from anywhere else (with --secret-file;
-    and --encrypt when the run encrypts its planes)."""
+    and --encrypt when the run encrypts its planes, --tls when it serves its endpoints over TLS)."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
-    base = f"earl-stream worker --role rollout --supervisor {address}" + (" --encrypt" if encrypt else "")
+    base = f"earl-stream worker --role rollout --supervisor {address}" + (" --encrypt" if encrypt else "") \
+        + (" --tls" if tls and not encrypt else "")
     full = f"{base} --secret-file {Path(secret_file).resolve()}"
     run = find_run_secret(address)
     here = base if run is not None and run.secret_file.resolve() == Path(secret_file).resolve() else full
@@ -135,7 +136,8 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     view = LiveView(cfg)
     try:
         sup, address = launcher.start_supervisor()
-        for line in worker_commands(address, os.environ[SECRET_ENV], encrypt=cfg.security.encrypt) + endpoint_lines:
+        for line in worker_commands(address, os.environ[SECRET_ENV], encrypt=cfg.security.encrypt,
+                                    tls=cfg.security.tls) + endpoint_lines:
             view.message(line)
         rollout = [launcher.start_rollout_worker(i, address) for i in range(cfg.rollout.workers)]
         placed = [sup] + rollout
