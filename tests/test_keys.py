@@ -125,6 +125,8 @@ def test_commands_sign_with_the_key_of_their_role(tmp_path: Path, tiny_model_dir
             refused = _cli(cluster, *args, *ro)
             assert refused.returncode == 2 and "Traceback" not in refused.stderr
             assert "needs the operator key" in refused.stderr, refused.stderr
+        exported = _cli(cluster, "episodes", "export", str(tmp_path / "eps.parquet"), *ro)  # metadata: read-only
+        assert exported.returncode == 0 and "wrote 0 episodes" in exported.stdout, exported.stderr
         # with the cluster secret a command derives its role's key: scale signs as the operator
         assert _cli(cluster, "scale", "--replicas", "1", "--supervisor", cluster.address).returncode == 0
         assert cluster.status()["pools"]["rollout"]["desired"] == 1

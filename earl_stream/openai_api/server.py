@@ -42,6 +42,8 @@ from earl_stream.openai_api import http
 from earl_stream.openai_api.auth import Denied, EndpointAuth
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan
 from earl_stream.openai_api.messages import BadRequest, ChatRenderer, Message, api_message, check_tools, normalize, reply_message
+from earl_stream.openai_api.params import integer, number
+from earl_stream.openai_api.params import stops as stops_of
 from earl_stream.openai_api.streaming import Ending, ReplyText, StreamHead, TokenFeed, chat_events, cut_at_stop, text_events
 from earl_stream.tls import client_ca_pem, server_context, tls_enabled
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
@@ -60,25 +62,6 @@ REQUESTS = Counter("earl_openai_requests_total", "Requests to the OpenAI endpoin
 PREFIX_MISMATCH = Counter("earl_openai_prefix_mismatch_total", "Requests whose messages did not extend the tokens "
                           "held for their episode (a new segment was started)", ["worker"])
 GENERATED = Counter("earl_openai_generated_tokens_total", "Tokens generated for OpenAI endpoint requests", ["worker"])
-
-
-def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise BadRequest(f"{key} must be a number in [{lo}, {hi}], got {value!r}", param=key)
-    return float(value)
-
-
-def _int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise BadRequest(f"{key} must be an integer {bound}, got {value!r}", param=key)
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +234,7 @@ class OpenAIEndpoint:
 
     def _request(self, plan: TurnPlan, body: dict[str, Any], episode: Episode,
                  on_token: Callable[[int], None] | None) -> GenerateRequest:
-        asked = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
+        asked = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
         room = self.max_context - len(plan.prompt_ids)
         if room < 1 or (asked is not None and asked > room):
             raise BadRequest(f"this model's maximum context length is {self.max_context} tokens; the prompt has "
@@ -260,8 +243,8 @@ class OpenAIEndpoint:
         temperature, top_p, top_k = self._defaults
         return GenerateRequest(
             prompt_ids=plan.prompt_ids, max_new_tokens=asked or min(self.default_max_tokens, room),
-            stop_token_ids=self.chat.stop_token_ids, temperature=_number(body, "temperature", temperature, 0, 2),
-            top_p=_number(body, "top_p", top_p, 1e-6, 1), top_k=top_k, seed=_int(body, "seed", 0, MAX_SEED),
+            stop_token_ids=self.chat.stop_token_ids, temperature=number(body, "temperature", temperature, 0, 2),
+            top_p=number(body, "top_p", top_p, 1e-6, 1), top_k=top_k, seed=integer(body, "seed", 0, MAX_SEED),
             cache_key=episode.key or None, on_token=on_token)
 
     async def _generate(self, request: GenerateRequest, n: int) -> list[GenerateResult]:
@@ -290,7 +273,7 @@ class OpenAIEndpoint:
         async with episode.lock:
             planned = plan()
             results = await self._generate(self._request(planned, body, episode, feed.push if feed else None), n)
-            stops = _stops(body)
+            stops = stops_of(body)
             turn = Turn(planned, results, [cut_at_stop(self.chat.reply_text(list(r.token_ids)), stops) for r in results])
             commit(turn)
         GENERATED.labels(self.worker).inc(sum(len(r.token_ids) for r in results))
@@ -329,7 +312,7 @@ class OpenAIEndpoint:
         self._check_common(body)
         messages = normalize(body.get("messages"))
         tools = [] if body.get("tool_choice") == "none" else check_tools(body.get("tools"))
-        stops = _stops(body)
+        stops = stops_of(body)
         key = self._episode_key(req, body)
         n = self._choices(body, key)
         episode = self._episode(key)
@@ -372,7 +355,7 @@ class OpenAIEndpoint:
             raise BadRequest("echo is not supported", param="echo")
         if token_prompt and not all(0 <= int(t) < len(self._tok) for t in prompt):
             raise BadRequest(f"prompt token ids must be in [0, {len(self._tok)})", param="prompt")
-        stops = _stops(body)
+        stops = stops_of(body)
         key = self._episode_key(req, body)
         n = self._choices(body, key)
         episode = self._episode(key)
@@ -418,14 +401,6 @@ class OpenAIEndpoint:
         content = self._logprobs(result)
         return {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
                 "top_logprobs": None, "text_offset": []}
-
-
-def _stops(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    return stops
 
 
 def _finish(result: GenerateResult) -> str:

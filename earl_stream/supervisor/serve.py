@@ -39,10 +39,7 @@ MAX_MESSAGE_BYTES = 16 << 20  # the largest control message taken (metadata of ~
 def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
           state_dir: str | None = None, forget_workers: bool = False) -> None:
     """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
-    held = role_of(secret)
-    if held is not None and held is not KeyRole.CLUSTER:
-        raise ConfigError(f"the supervisor needs the cluster secret; it was given the {held.value} key "
-                          "(a derived key is for clients: status, scale, env, episodes)")
+    keys = _keyring(secret)
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -81,7 +78,6 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     guard = ReplayGuard()  # refuses replayed and stale signed messages (security.py)
-    keys = keyring(secret) if secret is not None else None  # each role's key (keys.py, supervisor/access.py)
     last_tick = 0.0
     exported = WalStats()
     while not stopping:
@@ -110,6 +106,15 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     state.close(sup)
     sock.close(0)
     log.info("supervisor stopped")
+
+
+def _keyring(secret: bytes | None) -> dict[KeyRole, bytes] | None:
+    """Every role's key that messages may be signed with (keys.py, supervisor/access.py); None: an open run."""
+    held = role_of(secret)
+    if held is not None and held is not KeyRole.CLUSTER:
+        raise ConfigError(f"the supervisor needs the cluster secret; it was given the {held.value} key "
+                          "(a derived key is for clients: status, scale, env, episodes)")
+    return keyring(secret) if secret is not None else None
 
 
 def _answer(sup: Supervisor, state: StateLog, guard: ReplayGuard, keys: dict[KeyRole, bytes] | None,
