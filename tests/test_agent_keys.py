@@ -48,17 +48,15 @@ async def run(client, task):
 '''
 
 
-def test_endpoint_auth_grants_an_agent_key_only_its_running_episode() -> None:
-    live = {"g-1"}
-    auth = EndpointAuth(SECRET, live.__contains__)
+def test_endpoint_auth_grants_an_agent_key_only_its_episode_until_it_ends_or_expires() -> None:
+    auth = EndpointAuth(SECRET)
     key = auth.agent_key("g-1", 60)
     assert auth.grant(f"Bearer {key}") == Grant("g-1") and auth.grant(f"Bearer {SECRET.decode()}") == Grant()
     assert EndpointAuth.episode_of(Grant("g-1"), "") == "g-1"  # a request naming no episode is filed under its own
     with pytest.raises(Denied, match="for episode 'g-1', not 'g-2'") as wrong:
         EndpointAuth.episode_of(Grant("g-1"), "g-2")
     assert wrong.value.status == 403
-    cases = {f"Bearer {agent_key(SECRET, 'g-2', 60)}": "not running on this worker",
-             f"Bearer {agent_key(SECRET, 'g-1', 1, now=0)}": "expired",
+    cases = {f"Bearer {agent_key(SECRET, 'g-1', 1, now=0)}": "expired",
              f"Bearer {agent_key(b'another secret of 32 bytes long!', 'g-1', 60)}": "not this run's",
              f"Bearer {role_token(SECRET, KeyRole.READONLY).decode()}": "readonly key is not accepted",
              "Bearer nope": "wrong API key", "": "missing API key"}
@@ -66,10 +64,13 @@ def test_endpoint_auth_grants_an_agent_key_only_its_running_episode() -> None:
         with pytest.raises(Denied, match=why) as refused:
             auth.grant(header)
         assert refused.value.status == 401
-    live.clear()  # the episode ended: its key no longer holds (a replayed key)
-    with pytest.raises(Denied, match="not running on this worker"):
+    derived = agent_key(SECRET, "mine", 60)  # `keys derive agent --episode mine`: a user's own agent program
+    assert auth.grant(f"Bearer {derived}") == Grant("mine")
+    auth.ended("g-1")  # the worker's episode ended: its key no longer holds (a replayed key), long before expiry
+    with pytest.raises(Denied, match="no longer valid: that episode has ended"):
         auth.grant(f"Bearer {key}")
-    assert EndpointAuth(None, live.__contains__).grant("") == Grant()  # an open run
+    assert auth.grant(f"Bearer {derived}") == Grant("mine")
+    assert EndpointAuth(None).grant("") == Grant()  # an open run
 
 
 @pytest.mark.slow
@@ -99,7 +100,7 @@ def test_an_agent_program_never_sees_the_secret_and_its_key_opens_only_its_episo
             assert record.reward == 1.0 and record.turns == 1  # the refused request left no trace in the sample
             key = json.loads(out.read_text())["api_key"]
             late = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
-            with pytest.raises(openai.AuthenticationError, match="not running on this worker"):
+            with pytest.raises(openai.AuthenticationError, match="that episode has ended"):
                 await late.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
             await late.close()
         finally:

@@ -2,9 +2,11 @@
 
 - No cluster secret (an open run): anyone.
 - The cluster secret: any request, in any episode or none (a user's own agent program, as before).
-- An agent key (`keys.agent_key`): the requests of its own episode, while that episode runs on this worker and
-  until the key expires; a request naming another episode is refused (403), one naming none is filed under
-  the key's episode, and `GET /v1/models` is allowed (agent frameworks ask it first).
+- An agent key (`keys.agent_key`): the requests of its own episode until the key expires; a request naming
+  another episode is refused (403), one naming none is filed under the key's episode, and `GET /v1/models`
+  is allowed (agent frameworks ask it first). A key this worker made for an episode it runs is refused as
+  soon as that episode has ended (`ended`), not only at its expiry: a replayed key opens nothing. Keys made
+  with `earl-stream keys derive agent --episode ID` serve a user's own agent program until they expire.
 - Anything else, a role key included, is refused (401) with what was wrong.
 
 The rollout worker makes each episode's key (`EndpointAuth.agent_key`) and hands it to the agent program as
@@ -14,7 +16,7 @@ its `api_key`; the agent never sees the cluster secret.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 
 from earl_stream.keys import AGENT_PREFIX, AgentKeyError, agent_key, check_agent_key, role_of
@@ -36,11 +38,12 @@ class Denied(Exception):
 
 
 class EndpointAuth:
-    """Checks bearer tokens against the cluster secret and this worker's running agent episodes (`live`)."""
+    """Checks bearer tokens against the cluster secret; remembers the agent keys it made until they expire."""
 
-    def __init__(self, secret: bytes | None, live: Callable[[str], bool]) -> None:
+    def __init__(self, secret: bytes | None) -> None:
         self._secret = secret
-        self._live = live
+        self._made: dict[str, float] = {}  # episode -> expiry of the key made for it, while the episode runs
+        self._ended: dict[str, float] = {}  # episode -> expiry, for keys whose episode ended before it
 
     @property
     def open(self) -> bool:
@@ -48,7 +51,19 @@ class EndpointAuth:
 
     def agent_key(self, episode: str, ttl_s: float) -> str:
         """The key an agent program uses for `episode` ("none" on an open endpoint)."""
-        return "none" if self._secret is None else agent_key(self._secret, episode, ttl_s)
+        if self._secret is None:
+            return "none"
+        self._made[episode] = time.time() + ttl_s + 1.0
+        return agent_key(self._secret, episode, ttl_s)
+
+    def ended(self, episode: str) -> None:
+        """`episode` (run by this worker) ended: its key opens nothing from now on."""
+        expiry = self._made.pop(episode, None)
+        now = time.time()
+        if expiry is not None and expiry > now:
+            self._ended[episode] = expiry
+        for gone in [e for e, t in self._ended.items() if t <= now]:  # expired keys are refused anyway
+            del self._ended[gone]
 
     def grant(self, authorization: str) -> Grant:
         """What the `Authorization` header's token allows; `Denied` says why it allows nothing."""
@@ -66,9 +81,9 @@ class EndpointAuth:
                 episode = check_agent_key(self._secret, token)
             except AgentKeyError as exc:
                 raise Denied(401, f"{exc}: pass a current agent key of this run", "invalid_api_key") from None
-            if not self._live(episode):
-                raise Denied(401, f"the agent key of episode {episode!r} is not valid here: that episode is not "
-                             "running on this worker (it ended, or runs elsewhere)", "invalid_api_key")
+            if episode in self._ended:
+                raise Denied(401, f"the agent key of episode {episode!r} is no longer valid: that episode has ended",
+                             "invalid_api_key")
             return Grant(episode)
         role = role_of(token.encode())
         if role is not None and role.value != "cluster":

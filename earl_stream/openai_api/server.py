@@ -87,7 +87,7 @@ class OpenAIEndpoint:
         self.batcher, self.chat, self.model = batcher, chat, model
         self._tok = tokenizer
         self.renderer = ChatRenderer(tokenizer)
-        self.auth = EndpointAuth(secret, lambda key: key in self.agents)  # agent keys hold while their episode runs
+        self.auth = EndpointAuth(secret)  # the cluster secret, or an episode's agent key
         self.max_context, self.default_max_tokens = max_context, default_max_tokens
         self._defaults = (temperature, top_p, top_k)
         self._policy_version = policy_version
@@ -139,6 +139,7 @@ class OpenAIEndpoint:
     def take_episode(self, key: str) -> Episode | None:
         """The episode's accounting, removed from the endpoint (None if it made no successful request)."""
         self.agents.discard(key)
+        self.auth.ended(key)
         episode = self.episodes.pop(key)
         return episode if episode is not None and episode.has_tokens else None
 

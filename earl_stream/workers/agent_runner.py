@@ -31,7 +31,6 @@ from typing import Any
 import msgspec
 
 from earl_stream.security import SECRET_ENV
-from earl_stream.tls import client_context
 from earl_stream.workers.agent_loop import EpisodeFailed
 
 log = logging.getLogger(__name__)
@@ -233,6 +232,8 @@ def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float, c
         raise EpisodeFailed("agent environments need the openai package (pip install 'earl_stream[agents]')") from None
     base = _clients.get((url, ca_pem))
     if base is None or base.is_closed():
+        from earl_stream.tls import client_context  # (only under TLS: the child starts faster without it)
+
         http_client = openai.DefaultAsyncHttpxClient(verify=client_context(ca_pem)) if ca_pem else None
         base = _clients[(url, ca_pem)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0,
                                                             http_client=http_client)
