@@ -132,3 +132,38 @@ def test_commands_sign_with_the_key_of_their_role(tmp_path: Path, tiny_model_dir
         assert cluster.status()["pools"]["rollout"]["desired"] == 1
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_a_command_given_an_agent_key_is_told_what_it_is(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cluster = Cluster(tmp_path, tiny_model_dir)
+    try:
+        cluster.start_supervisor()
+        secret = load_secret(str(cluster.secret_file))
+        assert secret is not None
+        (tmp_path / "agent.key").write_text(agent_key(secret, "g-1", 60))
+        out = _cli(cluster, "status", "--supervisor", cluster.address, "--secret-file", str(tmp_path / "agent.key"))
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert "authentication failed" in out.stderr and "holds an agent key" in out.stderr, out.stderr
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_a_role_key_reaches_an_encrypting_supervisor(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A role key carries the supervisor's CURVE public key: its holder connects without the secret."""
+    cluster = Cluster(tmp_path, tiny_model_dir, "security.encrypt=true")
+    try:
+        cluster.start_supervisor()
+        secret = load_secret(str(cluster.secret_file))
+        assert secret is not None
+        readonly = role_token(secret, KeyRole.READONLY)
+        client = P.ControlClient(cluster.address, timeout_s=10, secret=readonly, encrypt=True)
+        try:
+            assert isinstance(client.call(P.StatusRequest()), P.StatusReply)
+            with pytest.raises(ProtocolError, match="needs the operator key"):
+                client.call(P.Scale(replicas=1))
+        finally:
+            client.close()
+    finally:
+        cluster.stop()

@@ -197,11 +197,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EarlError as exc:
         message = str(exc)
         if is_secret_refusal(message):
-            message += secret_refusal_hint(address)
+            message += _agent_key_hint() or secret_refusal_hint(address)
         print(f"earl-stream {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _agent_key_hint() -> str:
+    """When the credential given is an agent key: why the control plane refused it."""
+    from earl_stream.keys import KeyRole, role_of
+    from earl_stream.security import load_secret
+
+    try:
+        held = role_of(load_secret())
+    except EarlError:
+        return ""
+    return ("; the file given holds an agent key, which only the OpenAI endpoint takes (for its episode's "
+            "requests): commands need the cluster secret or a role key (`earl-stream keys derive ROLE`)"
+            if held is KeyRole.AGENT else "")
 
 
 def _run_encrypts(run_dir: Path) -> bool:
