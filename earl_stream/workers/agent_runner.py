@@ -81,11 +81,13 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
 
 
 def agent_environment() -> dict[str, str]:
-    """The agent process's environment: the worker's, less the variable that names the cluster secret's file.
-    Its programs get each episode's agent key instead (openai_api/auth.py). (They run as the worker's user: a
-    program that goes looking can still read files that user can, the secret's included; run agent programs
-    under another user or in a sandbox for a hard boundary.)"""
-    return {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    """The agent process's environment: the worker's, less the variables that name the cluster secret's file
+    and the TLS key's. Its programs get each episode's agent key instead (openai_api/auth.py). (They run as the
+    worker's user: a program that goes looking can still read files that user can, the secret's included; run
+    agent programs under another user or in a sandbox for a hard boundary.)"""
+    from earl_stream.tls import TLS_KEY_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, TLS_KEY_ENV)}
 
 
 class AgentRunner:
