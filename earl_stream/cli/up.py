@@ -106,8 +106,8 @@ def endpoint_settings(cfg: RunConfig, run_dir: Path, secret: bytes) -> list[str]
                   f"  Prometheus: scheme: https, tls_config: {{ca_file: {ca}}} (dashboards/prometheus.yml)"]
     if sec.metrics_auth_on:
         token = write_key(run_dir / READONLY_KEY_FILE, role_token(secret, KeyRole.READONLY)).resolve()
-        lines.append(f"  metrics need the read-only key as bearer token: Prometheus authorization: "
-                     f"{{credentials_file: {token}}}")
+        lines.append(f"{'  ' if sec.tls_on else ''}metrics need the read-only key as bearer token: Prometheus "
+                     f"authorization: {{credentials_file: {token}}}")
     return lines
 
 
