@@ -286,6 +286,26 @@ class SecurityConfig:
                        "ZMQ CURVE, data-plane frames with ChaCha20 under their MACs (earl_stream/encryption.py); "
                        "shared memory and UCX bytes are not encrypted, so UCX is not used. Workers started by "
                        "hand then need `--encrypt`")
+    tls: bool = _f(False, "serve the OpenAI and metrics endpoints over HTTPS (on whenever encrypt is): certificates "
+                   "from a run CA derived from the cluster secret, whose certificate `up` writes to RUN_DIR/tls/ca.pem "
+                   "for clients to trust (earl_stream/tls.py), or the files below")
+    tls_cert_file: str = _f("", "a server certificate (PEM) for every process instead of the run CA's; it must name "
+                            "every host the endpoints are served from (give tls_key_file and tls_ca_file with it)")
+    tls_key_file: str = _f("", "the private key (PEM) of tls_cert_file")
+    tls_ca_file: str = _f("", "the CA certificate (PEM) that signed tls_cert_file: what agents and Prometheus trust")
+    metrics_auth: bool = _f(False, "metrics endpoints answer only requests whose bearer token is the run's read-only "
+                            "key (`earl-stream keys derive readonly`; `up` writes it to RUN_DIR/keys/readonly); on "
+                            "whenever TLS is")
+
+    @property
+    def tls_on(self) -> bool:
+        """Whether the HTTP endpoints serve TLS."""
+        return self.tls or self.encrypt
+
+    @property
+    def metrics_auth_on(self) -> bool:
+        """Whether the metrics endpoints require the read-only key."""
+        return self.metrics_auth or self.tls_on
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,7 @@ from earl_stream.store.node import ShardNode
 from earl_stream.store.relay import sync_weights
 from earl_stream.store.weight_route import WeightRoute
 from earl_stream.supervisor.rollout_selector import engine_kv_capacity
+from earl_stream.tls import tls_enabled
 from earl_stream.tools import with_tools
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_env_seed, episode_sample_seed, play_episode
@@ -155,7 +156,7 @@ class RolloutWorker:
             raise EarlError(f"rollout.openai_bind={bind!r}: cannot listen there: {exc}") from exc
         host, port = sock.getsockname()[:2]
         advertise = self.host if host in ("0.0.0.0", "::") else host
-        return sock, f"http://{advertise}:{port}/v1"
+        return sock, f"{'https' if tls_enabled() else 'http'}://{advertise}:{port}/v1"  # HTTPS: earl_stream/tls.py
 
     def _max_context(self) -> int:
         """The model's context length (the endpoint refuses longer requests)."""
@@ -399,9 +400,9 @@ class RolloutWorker:
         if is_agent_env(env):
             if self.endpoint is None:
                 raise EpisodeFailed("agent environments need the OpenAI endpoint (rollout.openai_bind is empty)")
-            return await play_agent_episode(env, self.endpoint, api_key=self.secret.decode() if self.secret else "none",
-                                            env_name=prompt.env, seed=seed, prompt_ordinal=prompt.prompt_ordinal,
-                                            group_id=prompt.group_id, runner=self.agent_runners,
+            return await play_agent_episode(env, self.endpoint, env_name=prompt.env, seed=seed,
+                                            prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id,
+                                            runner=self.agent_runners,
                                             spec=(spec.spec, dict(spec.params)))
         return await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=seed,
                                   prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
