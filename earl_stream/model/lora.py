@@ -68,13 +68,18 @@ class LoraSpec:
                           target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
-def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, spec: LoraSpec, *, seed: int = 0) -> torch.nn.Module:
     """Add `spec`'s adapters to `model` in place (peft's default init: A random, B zero, so the
-    adapted model starts equal to the base) and freeze everything else. Returns `model`."""
+    adapted model starts equal to the base) and freeze everything else. Returns `model`.
+
+    A is drawn from its own generator seeded with `seed` (the global RNG is left as it was), so every
+    trainer rank of a pool starts from the same adapters."""
     from peft import inject_adapter_in_model
 
     try:
-        inject_adapter_in_model(spec.peft_config(), model)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            inject_adapter_in_model(spec.peft_config(), model)
     except ValueError as exc:
         raise ModelError(f"model.lora.target_modules={list(spec.target_modules)}: {exc}") from None
     for name, p in model.named_parameters():

@@ -133,7 +133,9 @@ def _items(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], old_optimizer: t
         if not moving:
             continue
         assert old_optimizer is not None and new_optimizer is not None
-        state = old_optimizer.state.get(o, {})
+        if o not in old_optimizer.state:  # a frozen parameter (LoRA's base) has no state to move
+            continue
+        state = old_optimizer.state[o]
         target: dict[str, Any] = new_optimizer.state[n]
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(o.shape) and value.dim() > 0:

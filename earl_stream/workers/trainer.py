@@ -74,7 +74,7 @@ class TrainerRank:
         self.model, self.tokenizer = load_model(model_path(self.cfg))
         self.lora = LoraSpec.from_config(self.cfg.model.lora)
         if self.lora is not None:  # adapters on a frozen base: only they train, move and are checkpointed
-            apply_lora(self.model, self.lora)
+            apply_lora(self.model, self.lora, seed=self.cfg.seed)
         self.model.to(device).train()  # type: ignore[arg-type]
         log.info("trainer rank %d computes on %s (%s)", rank, device, t.dtype)
         self.ref_model = None
