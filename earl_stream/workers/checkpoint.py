@@ -171,7 +171,7 @@ def state_fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     """A short exact summary of model and optimizer state to compare across processes and pool sizes:
     the float64 sums of the first parameter and of every parameter, and of Adam's first and second
     moments (`exp_avg`, `exp_avg_sq`) and the Adam step of the first parameter."""
-    params = [p for p in model.parameters()]
+    params = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())  # LoRA: the adapters
     total = sum(float(p.detach().double().sum()) for p in params)
     st = optimizer.state.get(params[0], {})
     m = float(st["exp_avg"].double().sum()) if "exp_avg" in st else 0.0
