@@ -22,7 +22,6 @@ from earl_stream.config_fields import field_help as _field_help
 from earl_stream.config_fields import to_dict as config_to_dict
 from earl_stream.errors import ConfigError
 
-
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from test_parallel_equivalence import REL_TOL, CountingPuller, _claim, _free_port
 
 PLANS = {"dp2": (2, 1), "fsdp2": (1, 2)}

@@ -64,7 +64,8 @@ class LoraSpec:
     def peft_config(self) -> Any:
         from peft import LoraConfig
 
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+        alpha: Any = self.alpha  # peft annotates an int; a fractional alpha works all the same
+        return LoraConfig(r=self.rank, lora_alpha=alpha, lora_dropout=self.dropout,
                           target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
 
 

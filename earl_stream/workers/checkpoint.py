@@ -41,8 +41,14 @@ from torch.distributed.tensor import DTensor
 
 from earl_stream.errors import ModelError
 from earl_stream.model.lora import lora_spec
-from earl_stream.model.lora_export import (ADAPTER_DIR, check_resumed_shape, checkpoint_model_state, side_info,
-                                           whole_adapters, write_adapter_dir)
+from earl_stream.model.lora_export import (
+    ADAPTER_DIR,
+    check_resumed_shape,
+    checkpoint_model_state,
+    side_info,
+    whole_adapters,
+    write_adapter_dir,
+)
 
 log = logging.getLogger(__name__)
 
