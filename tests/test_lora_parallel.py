@@ -81,6 +81,11 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
             state = adapter_state(model)
             pieces = [(p.name, p.offset, p.tensor.clone()) for p in shard_pieces(state, placement)]
             results[name] = (loss, {k: v - init[k] for k, v in full(model).items()}, pieces)
+            if name == "fsdp2":  # a sharded LoRA checkpoint: the adapters alone, whole in its adapter/ directory
+                from earl_stream.workers import checkpoint as ckpt
+                state = ckpt.RunState(step=1, policy_version=1, rng=torch.get_rng_state(), unreleased=[],
+                                      world_size=world)
+                ckpt.save_checkpoint(f"{out}.ckpt", state, model, torch.optim.AdamW(trainable(model)), None, rank=rank)
         if rank == 0:
             model = _lora(model_dir)
             apply_plan(model, Placement.single())
@@ -119,7 +124,7 @@ def two_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     mp.start_processes(_worker, args=(2, _free_port(), str(tiny_model_dir), out), nprocs=2, join=True,
                        start_method="spawn")
-    return [torch.load(f"{out}.{r}") for r in range(2)]
+    return [{**torch.load(f"{out}.{r}"), "out": out} for r in range(2)]
 
 
 def test_lora_step_on_dp2_and_fsdp2_equals_the_single_process_step(two_ranks: list[dict[Any, Any]]) -> None:
@@ -154,3 +159,24 @@ def test_live_reshard_keeps_the_adapters_and_their_adam_state(two_ranks: list[di
             scale = max(float(v.abs().max()) for k, v in stay.items() if ".lora_" in k)
             worst = max(float((stay[k] - switched[k]).abs().max()) for k in stay)
             assert worst <= REL_TOL * scale, f"{key}: re-shard changed the weights by {worst:.3g}"
+
+
+def test_a_sharded_lora_checkpoint_holds_the_whole_adapters_only(two_ranks: list[dict[Any, Any]],
+                                                                  tiny_model_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    from earl_stream.model.lora import wire_name
+    from earl_stream.workers.checkpoint import load_model_weights
+
+    path = Path(two_ranks[0]["out"] + ".ckpt") / "checkpoints" / "step_000001"
+    init = _lora(str(tiny_model_dir)).state_dict()
+    delta = two_ranks[0]["fsdp2"][1]
+    saved = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+    adapters = {k: init[k] + d for k, d in delta.items() if ".lora_" in k}
+    assert set(saved) == {"base_model.model." + wire_name(k) for k in adapters}
+    for k, want in adapters.items():
+        assert torch.allclose(saved["base_model.model." + wire_name(k)], want, atol=1e-6), k
+    plain = _lora(str(tiny_model_dir))
+    load_model_weights(path, plain)  # DCP: the adapters come back, the base is the model's own
+    for k, want in adapters.items():
+        assert torch.allclose(plain.state_dict()[k], want, atol=1e-6), k
