@@ -9,8 +9,8 @@ Measured here (what this script does today):
   engine's copy of the base). Medians over the versions; one process, loopback.
 - the trainer's peak per rank for one micro-batch (forward, backward, AdamW step) in a fresh process:
   measured as peak RSS (VmHWM) minus RSS before the model was loaded (CPU), against `memory_model`'s
-  prediction for the same plan. The weights are memory-mapped from safetensors and become resident as
-  they are read, so the measured base is what the step touched.
+  prediction for the same plan. The weights are copied out of their memory-mapped safetensors first, so
+  that all of them are resident, as the model assumes.
 
 Not measured yet (the JSON holds null for them): held-out success before/after a 60-minute run of each
 and trained tokens/s (`bench/real_model.py`'s protocol), and TRL's GRPOTrainer with `peft_config`; so
@@ -112,6 +112,9 @@ def peak(kind: str, model_dir: str, seq_len: int) -> dict[str, float]:
     torch.set_num_threads(1)
     before = _rss_bytes()
     model, _ = load_model(model_dir)
+    with torch.no_grad():  # resident copies: memory-mapped weights would count only where read (and be evictable)
+        for p in model.parameters():
+            p.data = p.data.clone()
     if kind == "lora":
         apply_lora(model, _spec())
     model.train()
