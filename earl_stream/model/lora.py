@@ -157,8 +157,8 @@ class AdapterMerger:
             if tuple(b.shape) != (base.shape[0], a.shape[0]) or a.shape[1] != base.shape[1]:
                 problems.append(f"{module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit {tuple(base.shape)}")
                 continue
-            f32 = {"device": base.device, "dtype": torch.float32}
-            out[target] = torch.addmm(base.to(**f32), b.to(**f32), a.to(**f32)).to(base.dtype)  # one fused pass
+            dev, f32 = base.device, torch.float32
+            out[target] = torch.addmm(base.to(dev, f32), b.to(dev, f32), a.to(dev, f32)).to(base.dtype)  # one pass
         if problems:
             raise EngineError("adapter rejected, nothing was loaded: " + "; ".join(sorted(set(problems))[:8]))
         for target in out:
