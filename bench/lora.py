@@ -7,10 +7,11 @@ Measured here (what this script does today):
   state dict, or `model.lora.adapter_state`: the adapters alone) into a `ShardNode`, a `ShardClient`'s
   `pull_weights` of it, and the built-in engine's `load_state_dict` (a LoRA version is merged into the
   engine's copy of the base). Medians over the versions; one process, loopback.
-- the trainer's peak per rank for one micro-batch (forward, backward, AdamW step) in a fresh process:
+- the trainer's peak per rank for a micro-batch (forward, backward, AdamW step; two steps) in a fresh process:
   measured as peak RSS (VmHWM) minus RSS before the model was loaded (CPU), against `memory_model`'s
-  prediction for the same plan. The weights are copied out of their memory-mapped safetensors first, so
-  that all of them are resident, as the model assumes.
+  prediction for the same plan. The weights are copied out of their memory-mapped safetensors first (so
+  that all of them are resident, as the model assumes) and the high-water mark is reset after that copy;
+  freed blocks go back to the OS (glibc's mmap threshold at 64 KiB, as `trainer.malloc_mmap_threshold`).
 
 Not measured yet (the JSON holds null for them): held-out success before/after a 60-minute run of each
 and trained tokens/s (`bench/real_model.py`'s protocol), and TRL's GRPOTrainer with `peft_config`; so
@@ -108,20 +109,25 @@ def peak(kind: str, model_dir: str, seq_len: int) -> dict[str, float]:
     from earl_stream.model import load_model
     from earl_stream.model.lora import apply_lora
     from earl_stream.supervisor.memory_model import ModelShape, TrainPlan, predict_train_memory
+    from earl_stream.workers.host_memory import set_malloc_mmap_threshold
 
     torch.set_num_threads(1)
+    set_malloc_mmap_threshold(65536)  # freed blocks go back to the OS: RSS follows live tensors (trainer.malloc_mmap_threshold)
     before = _rss_bytes()
     model, _ = load_model(model_dir)
     with torch.no_grad():  # resident copies: memory-mapped weights would count only where read (and be evictable)
         for p in model.parameters():
             p.data = p.data.clone()
+    _reset_peak()  # the copy above held file pages and their copy at once: not the step's peak
     if kind == "lora":
         apply_lora(model, _spec())
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(5, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
+    for _ in range(2):  # the second step is the steady state: AdamW's state exists from the first on
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # as train_step does
     measured = _hwm_bytes() - before
     shape = ModelShape.from_hf(model.config)
     plan = TrainPlan(micro_batch=1, seq_len=seq_len,
@@ -134,6 +140,15 @@ def _hwm_bytes() -> int:
     with open("/proc/self/status") as f:
         line = next(x for x in f if x.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
+
+
+def _reset_peak() -> None:
+    """Start VmHWM again from the current RSS (Linux: `5` into /proc/self/clear_refs)."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _rss_bytes() -> int:
