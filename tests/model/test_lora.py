@@ -173,3 +173,21 @@ def test_checkpoint_holds_the_adapter_resumes_and_exports(tiny_model_dir: Path, 
                                              pad_token_id=0), want)
     adapter = export_model(tmp_path / "run", tmp_path / "adapter")
     assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+
+
+def test_the_smollm2_lora_config_is_the_full_one_with_adapters(tmp_path: Path) -> None:
+    import json
+
+    from earl_stream.config import config_to_dict
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    (tmp_path / "config.json").write_text(json.dumps({  # SmolLM2-135M's shape: its config alone is read
+        "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 2, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}))
+    path = f"model.path={tmp_path}"
+    lora, full = (config_to_dict(load_config(root / name, [path]))
+                  for name in ("smollm2_arithmetic_lora.yaml", "smollm2_arithmetic.yaml"))
+    assert lora["model"]["lora"]["enabled"] and lora["model"]["lora"]["rank"] == 16
+    for d in (lora, full):
+        d["model"].pop("lora"), d["trainer"].pop("lr"), d.pop("run_dir")
+    assert lora == full
