@@ -66,3 +66,17 @@ def test_a_lora_run_takes_plans_a_full_fine_tune_cannot(tmp_path: Path) -> None:
     assert predict_train_memory(shape, lora).total_bytes < budget
     chosen = _planner(tmp_path, lora=True, memory=budget).trainer_plan
     assert chosen is not None and not chosen.plan.fsdp  # replicated: no need to shard a frozen base
+
+
+def test_a_lora_switch_moves_adam_state_of_the_adapters_only() -> None:
+    from earl_stream.supervisor.switch_memory import predict_switch
+
+    shape = ModelShape.from_hf(SMOL)
+    dp2, fsdp2 = TrainPlan(micro_batch=1, seq_len=256, dp=2), TrainPlan(micro_batch=1, seq_len=256, dp=2, fsdp=True)
+    adapters = shape.lora_params(16, TARGETS)
+    full = predict_switch(shape, dp2, fsdp2, 64 * MIB)
+    lora = predict_switch(shape, *(dataclasses.replace(p, lora_params=adapters) for p in (dp2, fsdp2)), 64 * MIB)
+    # before: the whole model with AdamW (12 B a parameter) against the base (4 B) + adapters (12 B)
+    assert full.before_bytes == shape.num_params() * 12
+    assert lora.before_bytes == shape.num_params() * 4 + adapters * 12
+    assert lora.peak_bytes < full.peak_bytes / 2
