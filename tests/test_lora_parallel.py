@@ -142,14 +142,25 @@ def test_lora_step_on_dp2_and_fsdp2_equals_the_single_process_step(two_ranks: li
                 assert moved == (".lora_" in k), f"{name}: {k} {'changed' if moved else 'did not change'}"
 
 
-def test_ranks_publish_each_adapter_block_once_and_nothing_else(two_ranks: list[dict[Any, Any]]) -> None:
+def test_ranks_publish_each_adapter_block_once_and_nothing_else(two_ranks: list[dict[Any, Any]],
+                                                                tiny_model_dir: Path) -> None:
+    from earl_stream.model.lora import wire_name
+
     shapes = two_ranks[0]["reference"][2]
+    init = _lora(str(tiny_model_dir)).state_dict()
     for name in PLANS:
         seen: dict[str, torch.Tensor] = {k: torch.zeros(s, dtype=torch.int32) for k, s in shapes.items()}
+        got: dict[str, torch.Tensor] = {k: torch.zeros(s) for k, s in shapes.items()}
         for r in two_ranks:
             for key, offset, tensor in r[name][2]:
-                seen[key][tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))] += 1
+                block = tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))
+                seen[key][block] += 1
+                got[key][block] = tensor
         assert all(bool((c == 1).all()) for c in seen.values()), name
+        for k, d in two_ranks[0][name][1].items():  # the trained adapters, B scaled by alpha / r = 2
+            if ".lora_" in k:
+                want = (init[k] + d) * (2.0 if ".lora_B." in k else 1.0)
+                assert torch.allclose(got[wire_name(k)], want, atol=1e-6), (name, k)
 
 
 def test_live_reshard_keeps_the_adapters_and_their_adam_state(two_ranks: list[dict[Any, Any]]) -> None:
