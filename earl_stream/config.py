@@ -96,6 +96,10 @@ class RolloutConfig:
                      "sees one, else cpu; vllm and sglang place themselves", choices=("auto", "cpu", "cuda"))
     dtype: str = _f("fp32", "weights and compute of the built-in engine (bf16 works on CPU too; the trainer's "
                     "fp32 weights are cast on load); vllm and sglang choose their own", choices=("fp32", "bf16"))
+    memory_bytes: int = _f(0, "memory of each rollout worker's engine, which sizes its KV budget (with rollout.dtype); "
+                           "0 = derived: the CUDA device's memory where the engine runs on CUDA, else the host's RAM "
+                           "(or the process's RLIMIT_AS) shared among this host's rollout workers and trainer ranks",
+                           minimum=0)
     openai_bind: str = _f("127.0.0.1:0", "HOST:PORT of each worker's OpenAI-compatible endpoint (port 0 = any free "
                           "port; bearer token = the cluster secret); empty = no endpoint")
     openai_model: str = _f("policy", "model id the OpenAI endpoint serves (requests must name it)")
@@ -116,6 +120,8 @@ class TrainerConfig:
                             "one being trained (older tokens are masked; a group with none left is played again)",
                             minimum=0)
     micro_batch_tokens: int = _f(8192, "token budget of one micro-batch", minimum=1)
+    packing: bool = _f(True, "pack a micro-batch's rows into one sequence (position ids restarting per row, attention "
+                       "within each row) instead of right-padding them to the longest")
     threads: int = _f(1, "torch threads per trainer rank", minimum=1)
     cpus: str = _f("", "CPU ids each trainer rank is pinned to, e.g. '1' or '0-1' (torch threads = their count); "
                    "empty = no pinning")
@@ -296,6 +302,26 @@ class SecurityConfig:
                        "ZMQ CURVE, data-plane frames with ChaCha20 under their MACs (earl_stream/encryption.py); "
                        "shared memory and UCX bytes are not encrypted, so UCX is not used. Workers started by "
                        "hand then need `--encrypt`")
+    tls: bool = _f(False, "serve the OpenAI and metrics endpoints over HTTPS (on whenever encrypt is): certificates "
+                   "from a run CA derived from the cluster secret, whose certificate `up` writes to RUN_DIR/tls/ca.pem "
+                   "for clients to trust (earl_stream/tls.py), or the files below")
+    tls_cert_file: str = _f("", "a server certificate (PEM) for every process instead of the run CA's; it must name "
+                            "every host the endpoints are served from (give tls_key_file and tls_ca_file with it)")
+    tls_key_file: str = _f("", "the private key (PEM) of tls_cert_file")
+    tls_ca_file: str = _f("", "the CA certificate (PEM) that signed tls_cert_file: what agents and Prometheus trust")
+    metrics_auth: bool = _f(False, "metrics endpoints answer only requests whose bearer token is the run's read-only "
+                            "key (`earl-stream keys derive readonly`; `up` writes it to RUN_DIR/keys/readonly); on "
+                            "whenever TLS is")
+
+    @property
+    def tls_on(self) -> bool:
+        """Whether the HTTP endpoints serve TLS."""
+        return self.tls or self.encrypt
+
+    @property
+    def metrics_auth_on(self) -> bool:
+        """Whether the metrics endpoints require the read-only key."""
+        return self.metrics_auth or self.tls_on
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,8 +50,10 @@ class TrainerPlan(msgspec.Struct, frozen=True):
     parameters, gradients and optimizer states are sharded over fsdp x sp ranks, torchtitan's
     dp_shard x cp); `tp`: tensor parallel; `sp`: Ulysses sequence parallel. The `data_ranks` (dp x fsdp)
     get different rows; the tp x sp ranks of one data rank get the same rows (sp ranks their token
-    slices). `micro_batch_tokens`: summed full-sequence tokens of one micro-batch, padding included
-    (the memory model's b x s); `predicted_peak_bytes`: the memory model's per-device peak for the
+    slices). `micro_batch_tokens`: the tokens one micro-batch materialises over its sp ranks,
+    `store.layout.materialised_tokens` (packed: its rows' total length with the alignment padding to
+    a multiple of sp; unpacked: rows x longest row, padded; the memory model's b x s: b = 1 and s =
+    the packed length when packed); `predicted_peak_bytes`: the memory model's per-device peak for the
     worst micro-batch under that bound. `dtype`: "fp32", or "bf16" (bf16 compute, fp32 master
     weights and optimizer state). `step`: the step at which the supervisor made the plan.
     """
@@ -91,7 +93,7 @@ class TrainerPlan(msgspec.Struct, frozen=True):
 
     @property
     def rank_micro_batch_tokens(self) -> int:
-        """The micro-batch budget in `store.layout.partition`'s units (ceil(length / sp) per row)."""
+        """The micro-batch budget in `store.layout.partition`'s units: tokens one sp rank materialises."""
         return self.micro_batch_tokens // self.sp
 
     @property
@@ -109,7 +111,10 @@ class TrainerPlan(msgspec.Struct, frozen=True):
 class RolloutPlan(msgspec.Struct, frozen=True):
     """A rollout engine's capacity, version `version`, sized for `design_seq_len`-token episodes: per
     engine of `engine_tp` devices (`replicas` engines fill the pool's devices) at most
-    `max_concurrent_sequences` sequences and `kv_budget_tokens` tokens of KV cache at once."""
+    `max_concurrent_sequences` sequences and `kv_budget_tokens` tokens of KV cache at once. Workers stop
+    an episode once its context reaches `max_episode_tokens` (the longest a trainer plan or the KV
+    budget can hold; 0 = no bound). `memory_bytes` is the engine memory per device it was sized for;
+    `sizing` says what it admits and why."""
 
     version: int
     max_concurrent_sequences: int
@@ -119,6 +124,9 @@ class RolloutPlan(msgspec.Struct, frozen=True):
     replicas: int
     reason: str
     step: int
+    max_episode_tokens: int = 0
+    memory_bytes: int = 0
+    sizing: str = ""
 
     def __post_init__(self) -> None:
         bad = [f"{k}={getattr(self, k)}" for k in ("version", "max_concurrent_sequences", "kv_budget_tokens",

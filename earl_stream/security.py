@@ -29,8 +29,10 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from earl_stream.errors import ConfigError
 
@@ -39,6 +41,7 @@ MAC_BYTES = 32
 READY_FILE = "supervisor.json"  # in RUN_DIR: {address, metrics_address}, written by the supervisor `up` starts
 RUN_SECRET = "secret"  # in RUN_DIR: the run's secret (or a link to the file `up` was given)
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", ""})
+K = TypeVar("K")
 
 
 def load_secret(path: str | None = None) -> bytes | None:
@@ -140,6 +143,20 @@ def check(secret: bytes | None, frame: bytes, guard: ReplayGuard | None = None) 
         if why is not None:
             return why
     return stamped[_STAMP.size:]
+
+
+def check_keys(keys: Mapping[K, bytes], frame: bytes, guard: ReplayGuard) -> tuple[K, bytes] | Refusal:
+    """Which of `keys` signed the frame, and its payload; or why it is refused. The supervisor's check:
+    each role's key is tried (`keys.keyring`), and the guard admits the nonce once, after a MAC verified."""
+    if len(frame) < SIGNED_OVERHEAD:
+        return guard._refuse(Refusal.UNSIGNED)
+    mac, stamped = frame[:MAC_BYTES], frame[MAC_BYTES:]
+    for name, key in keys.items():
+        if hmac.compare_digest(mac, hmac.new(key, stamped, hashlib.sha256).digest()):
+            nonce, stamp = _STAMP.unpack_from(stamped)
+            why = guard.admit(nonce, stamp)
+            return why if why is not None else (name, stamped[_STAMP.size:])
+    return guard._refuse(Refusal.UNSIGNED)
 
 
 def verify(secret: bytes | None, frame: bytes, guard: ReplayGuard | None = None) -> bytes | None:

@@ -73,7 +73,10 @@ def test_planner_refits_from_the_trainers_step_times_and_stores_it(tmp_path: Pat
         planner.stats.add_many(lengths)
         planner.on_step(step, _claim(step, lengths))
         mbs = planner.micro_batches(lengths)
-        assert sum(p.micro_batch for p in mbs) == 8 and all(p.seq_len <= 240 + 20 * step for p in mbs)
+        # packed (trainer.packing's default): one sequence per micro-batch, its rows' total length
+        assert all(p.micro_batch == 1 for p in mbs) and sum(p.seq_len for p in mbs) == sum(lengths)
+        unpacked = planner.micro_batches(lengths, packing=False)
+        assert sum(p.micro_batch for p in unpacked) == 8 and all(p.seq_len <= 240 + 20 * step for p in unpacked)
         pull = 0.002
         seconds = TRUTH.predict_step(planner.shape, mbs) * (3.0 if step == 0 else 1.0)  # step 0: warm-up
         adopted.append(planner.on_trained(step, {"step_seconds": seconds + pull, "pull_seconds": pull}))

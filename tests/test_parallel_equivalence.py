@@ -100,13 +100,12 @@ def _claim(model: torch.nn.Module) -> tuple[list[Any], dict[str, np.ndarray]]:
 def _share_bytes(metas: Sequence[Any], plan: Any, rank: int) -> int:
     """The bytes `rank`'s layout needs: its rows (its sp slice of each, plus the next token)."""
     from earl_stream.store.layout import partition
-    from earl_stream.workers.batches import sp_token_ranges, sp_windows
+    from earl_stream.workers.batches import rank_windows
 
     layout = plan.layout(rank)
     lengths = [m.total_tokens for m in metas]
-    part = partition(lengths, layout, micro_batch_tokens=plan.micro_batch_tokens)
-    windows = sp_windows(part.micro_batches, lengths, layout.cp_size, layout.cp_rank)
-    ranges = sp_token_ranges(part.micro_batches, lengths, windows)
+    part = partition(lengths, layout, micro_batch_tokens=plan.micro_batch_tokens)  # packed: TrainerConfig's default
+    _, ranges = rank_windows(part.micro_batches, lengths, layout.cp_size, layout.cp_rank, packed=True)
     per_token = 4 + 1 + 4  # int32 ids, uint8 mask, float32 log-probs
     return sum((b - a) * per_token for i in part.rows for a, b in ([(0, lengths[i])] if layout.cp_size == 1 else ranges[i]))
 

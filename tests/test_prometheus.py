@@ -148,3 +148,51 @@ def test_prometheus_scrapes_every_role(prometheus_binary: str, tmp_path: Path, t
             _poll("trainer steps > 1", lambda: _query(prom.base, 'sum(earl_trainer_steps_total) > 1'), 20, logs)
             assert prom.proc is not None and prom.proc.poll() is None
         assert prom.proc.returncode is not None
+
+
+def _tls_block() -> dict[str, Any]:
+    """The TLS scrape settings dashboards/prometheus.yml shows in comments (after "Uncomment:"), parsed."""
+    lines = SHIPPED_CONFIG.read_text().split("Uncomment:\n", 1)[1].splitlines()
+    block = [line.split("# ", 1)[1] for line in lines if line.lstrip().startswith("# ") and "(security" not in line]
+    return yaml.safe_load("\n".join(block))  # type: ignore[no-any-return]
+
+
+def test_prometheus_scrapes_a_tls_run_with_its_ca_and_read_only_key(prometheus_binary: str, tmp_path: Path,
+                                                                    tiny_model_dir: Path) -> None:
+    """With security.tls=true, the shipped TLS settings (pointed at the run's CA and read-only key files) scrape
+    every role; a job trusting another CA, and one without the key, scrape none."""
+    from earl_stream.tls import run_ca_pem
+
+    with RunningUp(tmp_path, tiny_model_dir, "security.tls=true") as up:
+        up.wait_for_roles(ROLES, timeout_s=90)
+        cfg = yaml.safe_load(_config(up.targets_file, tmp_path / "base.yml").read_text())
+        (job,) = cfg["scrape_configs"]
+        tls = _tls_block()
+        assert tls["scheme"] == "https" and tls["authorization"]["type"] == "Bearer"
+        tls["tls_config"]["ca_file"] = str(up.run_dir / "tls" / "ca.pem")
+        tls["authorization"]["credentials_file"] = str(up.run_dir / "keys" / "readonly")
+        job.update(tls)
+        (tmp_path / "other_ca.pem").write_text(run_ca_pem(b"another cluster secret of 32 bytes"))
+        wrong_ca = {**job, "job_name": "wrong_ca", "tls_config": {"ca_file": str(tmp_path / "other_ca.pem")}}
+        no_key = {k: v for k, v in {**job, "job_name": "no_key"}.items() if k != "authorization"}
+        cfg["scrape_configs"] = [job, wrong_ca, no_key]
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yaml.safe_dump(cfg))
+        with Prometheus(prometheus_binary, config, tmp_path) as prom:
+            def logs() -> str:
+                return f"--- prometheus ---\n{prom.log_tail()}\n--- up ---\n{up.log_tail()}"
+
+            _poll("prometheus to be ready", prom.ready, 30, logs)
+
+            def roles_up() -> set[str]:
+                healthy = {r["metric"]["role"] for r in _query(prom.base, 'up{job="earl_stream"} == 1')}
+                return healthy if set(ROLES) <= healthy else set()
+
+            _poll("every role scraped over HTTPS with the read-only key", roles_up, 40, logs)
+            _poll("a positive rollout token rate", lambda: _query(
+                prom.base, 'sum(rate(earl_rollout_tokens_total{job="earl_stream"}[5s])) > 0'), 30, logs)
+            for refused in ("wrong_ca", "no_key"):
+                down = _poll(f"the {refused} job's targets scraped and down", lambda j=refused: _query(
+                    prom.base, f'count(up{{job="{j}"}} == 0) >= {len(ROLES)}'), 30, logs)
+                assert down
+                assert not _query(prom.base, f'up{{job="{refused}"}} == 1')

@@ -18,6 +18,7 @@ from earl_stream import protocol as P
 from earl_stream.config import EnvSpec
 from earl_stream.errors import ConfigError, EnvError
 from earl_stream.files import write_durably
+from earl_stream.keys import KeyRole, key_for
 from earl_stream.security import load_secret
 
 
@@ -82,7 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
 def run_env_command(args: argparse.Namespace) -> int:
     if args.env_command == "serve":
         return _serve(args)
-    client = P.ControlClient(args.supervisor, timeout_s=10, secret=load_secret())
+    role = KeyRole.READONLY if args.env_command == "list" else KeyRole.OPERATOR
+    client = P.ControlClient(args.supervisor, timeout_s=10, secret=key_for(load_secret(), role))
     if args.env_command == "list":
         _print(json.loads(client.call(P.EnvList()).envs_json))
         return 0

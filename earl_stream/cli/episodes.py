@@ -17,13 +17,17 @@ import pyarrow.parquet as pq
 
 from earl_stream import protocol as P
 from earl_stream.errors import ConfigError, StoreError
+from earl_stream.keys import KeyRole, key_for, role_of
 from earl_stream.records import transcript_key
 from earl_stream.security import load_secret
 from earl_stream.store.client import ShardClient
 from earl_stream.store.schema import SampleMeta, table_from_ipc, table_to_metas
 
+NO_TRANSCRIPT = "(transcript no longer held by its producer)"
+ROLE_KEY_TRANSCRIPT = "(transcript not pulled: shard nodes take only the cluster secret, not a role key)"
 
-def fetch(client: P.ControlClient, store: ShardClient, since: int,
+
+def fetch(client: P.ControlClient, store: ShardClient | None, since: int,
           limit: int | None = None) -> tuple[int, list[SampleMeta], list[str | None]]:
     """Episodes finished after cursor `since` (at most the first `limit`), their transcripts, and the
     cursor to ask from next."""
@@ -33,6 +37,8 @@ def fetch(client: P.ControlClient, store: ShardClient, since: int,
     if limit is not None and len(metas) > limit:  # more finished since `since` was chosen (a live run)
         metas, cursor = metas[:limit], since + limit
     texts: list[str | None] = []
+    if store is None:  # a read-only key: metadata only
+        return cursor, metas, [None] * len(metas)
     for m in metas:
         key = transcript_key(m.sample_id)
         try:
@@ -49,8 +55,9 @@ def fetch(client: P.ControlClient, store: ShardClient, since: int,
 
 def run_episodes_command(args: argparse.Namespace) -> int:
     secret = load_secret()
-    client = P.ControlClient(args.supervisor, timeout_s=10, secret=secret)
-    store = ShardClient(secret=secret, timeout_s=10)
+    client = P.ControlClient(args.supervisor, timeout_s=10, secret=key_for(secret, KeyRole.READONLY))
+    # transcripts are pulled from the producers' shard nodes, which take only the cluster secret
+    store = ShardClient(secret=secret, timeout_s=10) if role_of(secret) in (None, KeyRole.CLUSTER) else None
     try:
         if args.episodes_command == "export":
             return _export(client, store, Path(args.path), args.format)
@@ -60,22 +67,23 @@ def run_episodes_command(args: argparse.Namespace) -> int:
             cursor, metas, texts = fetch(client, store, cursor, limit)
             limit = None
             for m, text in zip(metas, texts):
-                _show(m, text)
+                _show(m, text, NO_TRANSCRIPT if store is not None else ROLE_KEY_TRANSCRIPT)
             if not args.follow:
                 return 0
             time.sleep(1.0)
     finally:
-        store.close()
+        if store is not None:
+            store.close()
         client.close()
 
 
-def _show(m: SampleMeta, text: str | None) -> None:
+def _show(m: SampleMeta, text: str | None, missing: str) -> None:
     print(f"=== {m.sample_id}  env={m.env} reward={m.reward:+.2f} turns={m.turns} tokens={m.total_tokens} "
           f"policy v{m.policy_version_min}-{m.policy_version_max} {m.info_json}")
-    print(text if text is not None else "(transcript no longer held by its producer)", flush=True)
+    print(text if text is not None else missing, flush=True)
 
 
-def _export(client: P.ControlClient, store: ShardClient, path: Path, fmt: str) -> int:
+def _export(client: P.ControlClient, store: ShardClient | None, path: Path, fmt: str) -> int:
     if fmt != "parquet":
         raise ConfigError(f"--format {fmt!r} is not supported; use parquet")
     _, metas, texts = fetch(client, store, 0)

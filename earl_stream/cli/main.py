@@ -23,9 +23,12 @@ OVERRIDES_HELP = "dotted config overrides, e.g. trainer.lr=3e-4 rollout.workers=
 
 
 def _add_secret_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--secret-file", metavar="PATH", help="cluster secret guarding the control and data planes "
-                   "(default: $EARL_STREAM_SECRET_FILE, else the secret of the run in this directory, or in runs/*/, "
-                   "whose ready file names the --supervisor address; `up` creates one in its run directory)")
+    p.add_argument("--secret-file", metavar="PATH", help="cluster secret guarding the control and data planes, "
+                   "or a role key from `earl-stream keys derive ROLE` (a command then signs with that key, and the "
+                   "supervisor refuses what its role may not do); with the cluster secret a command signs with the "
+                   "key of the role it needs (default: $EARL_STREAM_SECRET_FILE, else the secret of the run in this "
+                   "directory, or in runs/*/, whose ready file names the --supervisor address; `up` creates one in "
+                   "its run directory)")
     p.add_argument("--encrypt", action="store_true", help="the run encrypts both planes (security.encrypt=true): "
                    "connect with CURVE and encrypted data frames (default: $EARL_STREAM_ENCRYPT=1, else the run "
                    "found in this directory says so in its config.yaml, else off)")
@@ -92,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trainer pool (--nproc, --restart): on SIGTERM or SIGINT its ranks get this long to finish their "
                         "step and write a checkpoint before they are killed; a second signal stops them at once. `up` "
                         "passes trainer.stop_grace_s")
+    p.add_argument("--tls", action="store_true", help="the run serves its HTTP endpoints over TLS (security.tls=true; "
+                   "implied by --encrypt): this worker's OpenAI and metrics endpoints serve HTTPS with a certificate "
+                   "from the run CA (derived from the cluster secret), and its metrics ask for the read-only key; with "
+                   "your own certificate set EARL_STREAM_TLS_CERT, EARL_STREAM_TLS_KEY and EARL_STREAM_TLS_CA to its files")
     _add_secret_arg(p)
 
     p = sub.add_parser("status", help="show the state of a running system")
@@ -138,9 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
         _add_secret_arg(e)
 
-    from earl_stream.cli import scale, slurm
+    from earl_stream.cli import keys, scale, slurm
 
     scale.add_parser(sub, _add_secret_arg)
+    keys.add_parser(sub, _add_secret_arg)
     slurm.add_parser(sub)
 
     p = sub.add_parser("config", help="configuration tools")
@@ -180,16 +188,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         from earl_stream.encryption import export_encrypt
 
         export_encrypt(True)
+    if getattr(args, "tls", False):
+        from earl_stream.tls import TLS_ENV
+
+        os.environ[TLS_ENV] = "1"
     try:
         return _dispatch(args)
     except EarlError as exc:
         message = str(exc)
         if is_secret_refusal(message):
-            message += secret_refusal_hint(address)
+            message += _agent_key_hint() or secret_refusal_hint(address)
         print(f"earl-stream {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _agent_key_hint() -> str:
+    """When the credential given is an agent key: why the control plane refused it."""
+    from earl_stream.keys import KeyRole, role_of
+    from earl_stream.security import load_secret
+
+    try:
+        held = role_of(load_secret())
+    except EarlError:
+        return ""
+    return ("; the file given holds an agent key, which only the OpenAI endpoint takes (for its episode's "
+            "requests): commands need the cluster secret or a role key (`earl-stream keys derive ROLE`)"
+            if held is KeyRole.AGENT else "")
 
 
 def _run_encrypts(run_dir: Path) -> bool:
@@ -247,6 +273,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.cli.scale import run_scale
 
         return run_scale(args)
+    if args.command == "keys":
+        from earl_stream.cli.keys import run_keys_command
+
+        return run_keys_command(args)
     if args.command == "slurm":
         from earl_stream.cli.slurm import run
 
@@ -279,9 +309,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from earl_stream import protocol as P
     from earl_stream.cli.live import status_line
+    from earl_stream.keys import KeyRole, key_for
     from earl_stream.security import load_secret
 
-    client = P.ControlClient(args.supervisor, timeout_s=5, secret=load_secret())
+    client = P.ControlClient(args.supervisor, timeout_s=5, secret=key_for(load_secret(), KeyRole.READONLY))
     status = json.loads(client.call(P.StatusRequest(), what="status").status_json)
     if args.json:
         print(json.dumps(status, indent=2))

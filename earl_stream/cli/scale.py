@@ -16,6 +16,7 @@ from typing import Any
 
 from earl_stream import protocol as P
 from earl_stream.errors import ControlPlaneTimeout
+from earl_stream.keys import KeyRole, key_for
 from earl_stream.security import load_secret
 
 
@@ -34,7 +35,7 @@ def add_parser(sub: Any, add_secret_arg: Any) -> None:
 
 
 def run_scale(args: argparse.Namespace) -> int:
-    client = P.ControlClient(args.supervisor, timeout_s=10, secret=load_secret())
+    client = P.ControlClient(args.supervisor, timeout_s=10, secret=key_for(load_secret(), KeyRole.OPERATOR))
     try:
         reply = client.call(P.Scale(role=P.Role(args.role), replicas=args.replicas), what="scale")
         print(f"{args.role} pool: {reply.replicas} wanted, {reply.active} active")

@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream import protocol as P
+from earl_stream.cli.keys import write_key
 from earl_stream.cli.launchers import Launcher, Placed, RunSpec, make_launcher
 from earl_stream.cli.live import LiveView
 from earl_stream.config import RunConfig, config_to_yaml, replace
 from earl_stream.encryption import export_encrypt
 from earl_stream.errors import ChildProcessFailed, EarlError
+from earl_stream.keys import KeyRole, role_token
 from earl_stream.security import RUN_SECRET, SECRET_ENV, create_secret_file, find_run_secret, load_secret
 from earl_stream.store.durable import EXPERIENCE_DIR
+from earl_stream.tls import CA_FILE, READONLY_KEY_FILE, tls_env, write_run_ca
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",
@@ -64,12 +67,13 @@ def _run_secret(run_dir: Path) -> bytes:
     return secret
 
 
-def worker_commands(address: str, secret_file: str, encrypt: bool = False) -> list[str]:
+def worker_commands(address: str, secret_file: str, encrypt: bool = False, tls: bool = False) -> list[str]:
     """What `up` prints so that a rollout worker can be added by pasting one line: from this directory
     (where the CLI finds the run's secret by the address), and from anywhere else (with --secret-file;
-    and --encrypt when the run encrypts its planes)."""
+    and --encrypt when the run encrypts its planes, --tls when it serves its endpoints over TLS)."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
-    base = f"earl-stream worker --role rollout --supervisor {address}" + (" --encrypt" if encrypt else "")
+    base = f"earl-stream worker --role rollout --supervisor {address}" + (" --encrypt" if encrypt else "") \
+        + (" --tls" if tls and not encrypt else "")
     full = f"{base} --secret-file {Path(secret_file).resolve()}"
     run = find_run_secret(address)
     here = base if run is not None and run.secret_file.resolve() == Path(secret_file).resolve() else full
@@ -83,6 +87,28 @@ def worker_commands(address: str, secret_file: str, encrypt: bool = False) -> li
         note = "(on another host: copy the secret file there and add --advertise ITS_ADDRESS)"
     return [f"supervisor at {address} — add a rollout worker from this directory with: {here}",
             f"from another directory or host: {full}", note]
+
+
+def endpoint_settings(cfg: RunConfig, run_dir: Path, secret: bytes) -> list[str]:
+    """Under TLS or metrics_auth: write the files clients need (RUN_DIR/tls/ca.pem, the run CA's certificate
+    unless the user gave a CA; RUN_DIR/keys/readonly, the metrics bearer token) and say how agents and
+    Prometheus use them. Validates the TLS files given (a ConfigError names every problem)."""
+    sec = cfg.security
+    tls_env(sec)
+    lines: list[str] = []
+    if sec.tls_on:
+        ca = Path(sec.tls_ca_file).expanduser().resolve() if sec.tls_ca_file else \
+            write_run_ca(secret, run_dir / CA_FILE).resolve()
+        lines += [f"HTTPS endpoints (security.tls): clients trust the CA in {ca}",
+                  f"  agent programs: base URL https://HOST:PORT/v1 (status --json: openai_url), SSL_CERT_FILE={ca}, "
+                  "api_key: an agent key per episode (`earl-stream keys derive agent --episode ID`); the run's own "
+                  "agents get theirs from their worker",
+                  f"  Prometheus: scheme: https, tls_config: {{ca_file: {ca}}} (dashboards/prometheus.yml)"]
+    if sec.metrics_auth_on:
+        token = write_key(run_dir / READONLY_KEY_FILE, role_token(secret, KeyRole.READONLY)).resolve()
+        lines.append(f"{'  ' if sec.tls_on else ''}metrics need the read-only key as bearer token: Prometheus "
+                     f"authorization: {{credentials_file: {token}}}")
+    return lines
 
 
 def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = None, resume: bool = False,
@@ -100,6 +126,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
         shutil.rmtree(run_dir / EXPERIENCE_DIR, ignore_errors=True)  # and the samples it had persisted
     secret = _run_secret(run_dir)
     export_encrypt(cfg.security.encrypt)  # for this process's own clients; the launcher passes it on
+    endpoint_lines = endpoint_settings(cfg, run_dir, secret)
     launcher = make_launcher(RunSpec(cfg, config_file, Path(os.environ[SECRET_ENV]), bind, resume, restart))
     stopping: list[str] = []
     signal.signal(signal.SIGINT, lambda s, f: stopping.append("interrupted"))
@@ -109,7 +136,8 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     view = LiveView(cfg)
     try:
         sup, address = launcher.start_supervisor()
-        for line in worker_commands(address, os.environ[SECRET_ENV], encrypt=cfg.security.encrypt):
+        for line in worker_commands(address, os.environ[SECRET_ENV], encrypt=cfg.security.encrypt,
+                                    tls=cfg.security.tls) + endpoint_lines:
             view.message(line)
         rollout = [launcher.start_rollout_worker(i, address) for i in range(cfg.rollout.workers)]
         placed = [sup] + rollout
@@ -209,6 +237,8 @@ def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
         "samples_replayed_since_resume": status.get("samples_replayed_since_resume"),  # None: not resumed
         "samples_stale": status.get("samples_stale", 0),
         "samples_filtered": status.get("samples_filtered", 0),  # equal-reward groups dropped (algo.dynamic_sampling)
+        # episodes stopped or refused as longer than the largest plan the pools can run (rollout plan max_episode_tokens)
+        "samples_too_long": status.get("samples_too_long", 0),
         "prompts_reissued": status.get("prompts_reissued", 0),
         "duplicates_detected": status.get("duplicates_detected", 0),
         "samples_in_store": status.get("samples_in_store", 0),

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +76,8 @@ def bind_socket(bind: str) -> socket.socket:
     return sock
 
 
-async def serve(handler: Handler, sock: socket.socket) -> asyncio.Server:
-    """Serve `handler` on a listening socket (from `bind_socket`) on the running loop."""
+async def serve(handler: Handler, sock: socket.socket, tls: ssl.SSLContext | None = None) -> asyncio.Server:
+    """Serve `handler` on a listening socket (from `bind_socket`) on the running loop; HTTPS with `tls`."""
 
     async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -86,7 +87,8 @@ async def serve(handler: Handler, sock: socket.socket) -> asyncio.Server:
         finally:
             writer.close()
 
-    return await asyncio.start_server(on_connection, sock=sock, limit=MAX_LINE)
+    return await asyncio.start_server(on_connection, sock=sock, limit=MAX_LINE, ssl=tls,
+                                      ssl_handshake_timeout=10.0 if tls is not None else None)
 
 
 async def _connection(handler: Handler, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

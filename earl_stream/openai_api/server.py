@@ -3,9 +3,9 @@
 
 Requests are served by the worker's engine through its batcher, so they share batches with the
 worker's own episodes and run with the current policy. It owns the API's shape (parameters, answers,
-OpenAI error objects with the right HTTP status; never a traceback), the bearer-token check against
-the cluster secret, and which episode a request belongs to (`X-Episode-Id` header, else the `user`
-field). Token accounting per episode is `episodes`'s; reading HTTP is `http`'s; streamed replies are
+OpenAI error objects with the right HTTP status; never a traceback) and which episode a request belongs
+to (`X-Episode-Id` header, else the `user` field; an agent key's own episode: `auth`, which checks bearer
+tokens). Token accounting per episode is `episodes`'s; reading HTTP is `http`'s; streamed replies are
 `streaming`'s.
 
 Streaming (`stream: true`) is token by token: the request's tokens come from the engine as they are
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,10 +39,14 @@ from transformers import PreTrainedTokenizerBase
 from earl_stream.chat import ChatFormat
 from earl_stream.errors import EngineError
 from earl_stream.openai_api import http
+from earl_stream.openai_api.auth import Denied, EndpointAuth
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan
 from earl_stream.openai_api.messages import BadRequest, ChatRenderer, Message, api_message, check_tools, normalize, reply_message
+from earl_stream.openai_api.params import integer, number
+from earl_stream.openai_api.params import stops as stops_of
 from earl_stream.openai_api.streaming import Ending, ReplyText, StreamHead, TokenFeed, chat_events, cut_at_stop, text_events
-from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
+from earl_stream.tls import client_ca_pem, server_context, tls_enabled
+from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult, RequestRefused
 from earl_stream.workers.engines.batcher import AsyncBatcher
 
 log = logging.getLogger(__name__)
@@ -58,25 +62,6 @@ REQUESTS = Counter("earl_openai_requests_total", "Requests to the OpenAI endpoin
 PREFIX_MISMATCH = Counter("earl_openai_prefix_mismatch_total", "Requests whose messages did not extend the tokens "
                           "held for their episode (a new segment was started)", ["worker"])
 GENERATED = Counter("earl_openai_generated_tokens_total", "Tokens generated for OpenAI endpoint requests", ["worker"])
-
-
-def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise BadRequest(f"{key} must be a number in [{lo}, {hi}], got {value!r}", param=key)
-    return float(value)
-
-
-def _int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise BadRequest(f"{key} must be an integer {bound}, got {value!r}", param=key)
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +87,7 @@ class OpenAIEndpoint:
         self.batcher, self.chat, self.model = batcher, chat, model
         self._tok = tokenizer
         self.renderer = ChatRenderer(tokenizer)
-        self._token = secret.decode() if secret else None
+        self.auth = EndpointAuth(secret)  # the cluster secret, or an episode's agent key
         self.max_context, self.default_max_tokens = max_context, default_max_tokens
         self._defaults = (temperature, top_p, top_k)
         self._policy_version = policy_version
@@ -116,17 +101,24 @@ class OpenAIEndpoint:
         self._in_engine = 0  # requests handed to the batcher and not answered yet
         self.url = ""  # advertised (status --json's openai_url)
         self.local_url = ""  # what agents in this process use
+        self.ca_pem = ""  # under TLS: the CA certificate (PEM) the agents trust
         self._server: asyncio.Server | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self, sock: socket.socket, advertise_host: str) -> str:
-        """Serve on a listening socket (`http.bind_socket`); returns the base URL (…/v1)."""
-        self._server = await http.serve(self.handle, sock)
+    async def start(self, sock: socket.socket, advertise_host: str, tls: ssl.SSLContext | None = None,
+                    ca_pem: str = "") -> str:
+        """Serve on a listening socket (`http.bind_socket`); returns the base URL (…/v1). HTTPS with `tls`
+        (whose certificate `ca_pem` signed), else where the run turns TLS on (earl_stream/tls.py)."""
+        if tls is None and tls_enabled():
+            tls, ca_pem = server_context([advertise_host]), client_ca_pem()
+        self.ca_pem = ca_pem if tls is not None else ""
+        self._server = await http.serve(self.handle, sock, tls)
         host, port = sock.getsockname()[:2]
-        self.url = f"http://{advertise_host}:{port}/v1"
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://{advertise_host}:{port}/v1"
         local = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        self.local_url = f"http://[{local}]:{port}/v1" if ":" in local else f"http://{local}:{port}/v1"
+        self.local_url = f"{scheme}://[{local}]:{port}/v1" if ":" in local else f"{scheme}://{local}:{port}/v1"
         log.info("OpenAI-compatible endpoint at %s (model %r)", self.url, self.model)
         return self.url
 
@@ -136,12 +128,18 @@ class OpenAIEndpoint:
             await self._server.wait_closed()
 
     def expect(self, key: str) -> None:
-        """An agent of this worker starts episode `key`: its requests are waited for when batching."""
+        """An agent of this worker starts episode `key`: its requests are waited for when batching, and its
+        agent key (`agent_key`) holds until `take_episode`."""
         self.agents.add(key)
+
+    def agent_key(self, key: str, ttl_s: float) -> str:
+        """The API key of episode `key`'s agent program (auth.py): valid for that episode's requests only."""
+        return self.auth.agent_key(key, ttl_s)
 
     def take_episode(self, key: str) -> Episode | None:
         """The episode's accounting, removed from the endpoint (None if it made no successful request)."""
         self.agents.discard(key)
+        self.auth.ended(key)
         episode = self.episodes.pop(key)
         return episode if episode is not None and episode.has_tokens else None
 
@@ -158,9 +156,10 @@ class OpenAIEndpoint:
         methods = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
         if route not in methods and not route.startswith("/v1/models/"):
             return _error(404, f"unknown path {req.path}; this endpoint serves {sorted(methods)}", code="unknown_url")
-        if not self._authorized(req):
-            return _error(401, "missing or wrong API key: pass the cluster secret as the bearer token",
-                          code="invalid_api_key")
+        try:
+            grant = self.auth.grant(req.headers.get("authorization", ""))
+        except Denied as exc:
+            return _error(exc.status, str(exc), code=exc.code)
         if route.startswith("/v1/models"):
             if req.method != "GET":
                 return _error(405, f"{req.method} is not allowed on {route}")
@@ -174,20 +173,21 @@ class OpenAIEndpoint:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         try:
+            key = EndpointAuth.episode_of(grant, self._episode_key(req, body))
+            if key and req.headers.get(EPISODE_HEADER) != key:  # an agent key's request that named no episode
+                req = dataclasses.replace(req, headers={**req.headers, EPISODE_HEADER: key})
             if route == "/v1/chat/completions":
                 return await self._chat(req, body)
             return await self._completion(req, body)
         except BadRequest as exc:
             return _error(exc.status, str(exc), code=exc.code, param=exc.param)
+        except RequestRefused as exc:  # larger than the engine's KV budget even alone: the request's size, not a failure
+            return _error(400, str(exc), code="context_length_exceeded", param="messages")
+        except Denied as exc:
+            return _error(exc.status, str(exc), code=exc.code)
         except EngineError as exc:
             log.warning("engine refused an OpenAI request: %s", exc)
             return _error(503, f"the engine could not serve this request: {exc}", kind="server_error")
-
-    def _authorized(self, req: http.Request) -> bool:
-        if self._token is None:
-            return True
-        scheme, _, token = req.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._token.encode())
 
     def _models(self, route: str) -> http.Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "earl_stream",
@@ -237,7 +237,7 @@ class OpenAIEndpoint:
 
     def _request(self, plan: TurnPlan, body: dict[str, Any], episode: Episode,
                  on_token: Callable[[int], None] | None) -> GenerateRequest:
-        asked = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
+        asked = integer(body, "max_completion_tokens", 1) or integer(body, "max_tokens", 1)
         room = self.max_context - len(plan.prompt_ids)
         if room < 1 or (asked is not None and asked > room):
             raise BadRequest(f"this model's maximum context length is {self.max_context} tokens; the prompt has "
@@ -246,8 +246,8 @@ class OpenAIEndpoint:
         temperature, top_p, top_k = self._defaults
         return GenerateRequest(
             prompt_ids=plan.prompt_ids, max_new_tokens=asked or min(self.default_max_tokens, room),
-            stop_token_ids=self.chat.stop_token_ids, temperature=_number(body, "temperature", temperature, 0, 2),
-            top_p=_number(body, "top_p", top_p, 1e-6, 1), top_k=top_k, seed=_int(body, "seed", 0, MAX_SEED),
+            stop_token_ids=self.chat.stop_token_ids, temperature=number(body, "temperature", temperature, 0, 2),
+            top_p=number(body, "top_p", top_p, 1e-6, 1), top_k=top_k, seed=integer(body, "seed", 0, MAX_SEED),
             cache_key=episode.key or None, on_token=on_token)
 
     async def _generate(self, request: GenerateRequest, n: int) -> list[GenerateResult]:
@@ -276,7 +276,7 @@ class OpenAIEndpoint:
         async with episode.lock:
             planned = plan()
             results = await self._generate(self._request(planned, body, episode, feed.push if feed else None), n)
-            stops = _stops(body)
+            stops = stops_of(body)
             turn = Turn(planned, results, [cut_at_stop(self.chat.reply_text(list(r.token_ids)), stops) for r in results])
             commit(turn)
         GENERATED.labels(self.worker).inc(sum(len(r.token_ids) for r in results))
@@ -315,7 +315,7 @@ class OpenAIEndpoint:
         self._check_common(body)
         messages = normalize(body.get("messages"))
         tools = [] if body.get("tool_choice") == "none" else check_tools(body.get("tools"))
-        stops = _stops(body)
+        stops = stops_of(body)
         key = self._episode_key(req, body)
         n = self._choices(body, key)
         episode = self._episode(key)
@@ -358,7 +358,7 @@ class OpenAIEndpoint:
             raise BadRequest("echo is not supported", param="echo")
         if token_prompt and not all(0 <= int(t) < len(self._tok) for t in prompt):
             raise BadRequest(f"prompt token ids must be in [0, {len(self._tok)})", param="prompt")
-        stops = _stops(body)
+        stops = stops_of(body)
         key = self._episode_key(req, body)
         n = self._choices(body, key)
         episode = self._episode(key)
@@ -404,14 +404,6 @@ class OpenAIEndpoint:
         content = self._logprobs(result)
         return {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
                 "top_logprobs": None, "text_offset": []}
-
-
-def _stops(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    return stops
 
 
 def _finish(result: GenerateResult) -> str:

@@ -5,6 +5,10 @@ which maps the claimed rows' lengths plus a layout to the rows, micro-batches an
 rank must pull. `partition` is a pure, deterministic function of its arguments: every rank computes
 it from the same claimed metadata (in claim order), so no one has to send the answer.
 
+The micro-batch budget has one definition, `materialised_tokens`: the tokens a micro-batch
+materialises (packed: its concatenated length with the alignment padding to a multiple of sp;
+unpacked: rows x longest row). The plan, this packer and the memory model's b x s share it.
+
 Balance guarantee (data parallel): rows go longest-cost first to the least-loaded dp rank (Graham's
 LPT). Its makespan is at most (4/3 - 1/(3*dp)) * OPT, and at most total/dp + (largest row cost)
 (list scheduling). It is NOT always within 4/3 of the simple lower bound max(total/dp, max row):
@@ -117,8 +121,25 @@ def zigzag_ranges(length: int, cp_size: int, cp_rank: int) -> list[tuple[int, in
     return [(bounds[first], bounds[first + 1]), (bounds[second], bounds[second + 1])]
 
 
-def pack_micro_batches(rows: Sequence[int], tokens: Sequence[int], budget: int | None) -> list[list[int]]:
-    """First-fit decreasing of rows (with `tokens[row]` each) into bins of at most `budget` tokens.
+def materialised_tokens(lengths: Sequence[int], sp: int = 1, *, packed: bool = True) -> int:
+    """The one definition of a micro-batch's size: tokens it materialises over its sp ranks.
+
+    Packed (rows concatenated into one [1, S] sequence): S = sum(lengths) rounded up to a multiple of
+    sp (the alignment padding is counted). Unpacked (rows right-padded into [B, W]): B x W, W = the
+    longest row rounded up to a multiple of sp. Always a multiple of sp; one sp rank holds 1/sp of it.
+    The plan's `micro_batch_tokens`, `partition`'s bins and the memory model's b x s all mean this.
+    """
+    if not lengths:
+        return 0
+    if packed:
+        return -(-sum(lengths) // sp) * sp
+    return len(lengths) * -(-max(lengths) // sp) * sp
+
+
+def pack_micro_batches(rows: Sequence[int], lengths: Sequence[int], budget: int | None, *, sp: int = 1,
+                       packed: bool = True) -> list[list[int]]:
+    """First-fit decreasing of rows (of `lengths[row]` tokens) into micro-batches that each materialise
+    at most `budget` tokens per sp rank (`materialised_tokens(...) // sp <= budget`).
 
     A row longer than the budget gets a micro-batch of its own (never dropped). Each micro-batch lists
     its rows ascending; micro-batches are ordered by their first row.
@@ -128,16 +149,24 @@ def pack_micro_batches(rows: Sequence[int], tokens: Sequence[int], budget: int |
     if budget is None:
         return [sorted(rows)]
     bins: list[list[int]] = []
-    fill: list[int] = []
-    for row in sorted(rows, key=lambda r: (-tokens[r], r)):
-        for b, used in enumerate(fill):
-            if used + tokens[row] <= budget:
+    total: list[int] = []  # summed lengths of each bin (packed)
+    longest: list[int] = []  # its first row's length: rows arrive longest first (unpacked)
+
+    def fits(b: int, n: int) -> bool:
+        size = [total[b] + n] if packed else [longest[b]] * (len(bins[b]) + 1)
+        return materialised_tokens(size, sp, packed=packed) // sp <= budget
+
+    for row in sorted(rows, key=lambda r: (-lengths[r], r)):
+        n = lengths[row]
+        for b in range(len(bins)):
+            if fits(b, n):
                 bins[b].append(row)
-                fill[b] += tokens[row]
+                total[b] += n
                 break
         else:
             bins.append([row])
-            fill.append(tokens[row])
+            total.append(n)
+            longest.append(n)
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
@@ -147,11 +176,14 @@ def partition(
     *,
     micro_batch_tokens: int | None = None,
     quadratic_weight: float = 0.0,
+    packed: bool = True,
 ) -> Partition:
     """This rank's rows, micro-batches and token ranges of a claim with row `lengths` (tokens).
 
-    `micro_batch_tokens` bounds the tokens one rank holds per micro-batch, counting ceil(length /
-    cp_size) per row so that every cp rank of a group forms the same micro-batches.
+    `micro_batch_tokens` bounds the tokens one cp rank materialises per micro-batch:
+    `materialised_tokens(rows, cp_size, packed=packed) // cp_size` (packed: the concatenated rows with
+    their alignment padding; unpacked: rows x longest row), so that every cp rank of a group forms
+    the same micro-batches.
     """
     lengths = [int(n) for n in lengths]
     if any(n < 0 for n in lengths):
@@ -162,8 +194,7 @@ def partition(
         raise ConfigError(f"quadratic_weight={quadratic_weight} must be >= 0")
     per_rank, loads = assign_dp(lengths, layout.dp_size, quadratic_weight)
     cp = layout.cp_size
-    rank_tokens = [-(-n // cp) for n in lengths]
-    all_mbs = [pack_micro_batches(rows, rank_tokens, micro_batch_tokens) for rows in per_rank]
+    all_mbs = [pack_micro_batches(rows, lengths, micro_batch_tokens, sp=cp, packed=packed) for rows in per_rank]
     rows = per_rank[layout.dp_rank]
     return Partition(
         rows=rows,

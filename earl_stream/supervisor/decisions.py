@@ -56,8 +56,9 @@ class Refusal:
 class PlanDecision:
     """A trainer pool's plan, version `version`, sized for `design_seq_len`-token episodes.
 
-    `micro_batch_tokens` bounds one micro-batch: summed *full* sequence lengths, padding included
-    (rows x longest row), i.e. the memory model's b x s. `plan` is the representative micro-batch
+    `micro_batch_tokens` bounds the tokens one micro-batch materialises (`store.layout.materialised_tokens`:
+    packed, its rows' lengths summed and rounded up to a multiple of sp; padded, rows x longest row), i.e.
+    the memory model's b x s. `plan` is the representative micro-batch
     (micro_batch = micro_batch_tokens // design_seq_len rows of design length). `predicted_peak_bytes`
     is the memory model's per-device peak for a single packed sequence of `micro_batch_tokens`
     tokens, the worst micro-batch under that bound (reserve not included).
@@ -109,7 +110,9 @@ class RolloutDecision:
     """A rollout engine's capacity, version `version`, sized for `design_seq_len`-token episodes.
 
     Per engine (of `engine_tp` devices; `replicas` engines fill the budget's devices): at most
-    `max_concurrent_sequences` sequences and `kv_budget_tokens` tokens of KV cache at once.
+    `max_concurrent_sequences` sequences and `kv_budget_tokens` tokens of KV cache at once; episodes
+    stop at `max_episode_tokens` (0 = no bound). `memory_bytes` is the per-device memory it was sized
+    for and `sizing` says, in words, what it admits and why.
     """
 
     version: int
@@ -122,6 +125,9 @@ class RolloutDecision:
     predicted_peak_bytes: int = 0  # per device: weights + a full KV budget
     pool: str = "rollout"
     step: int = 0
+    max_episode_tokens: int = 0
+    memory_bytes: int = 0
+    sizing: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,7 +135,9 @@ class RolloutDecision:
     def to_wire(self) -> RolloutPlan:
         return RolloutPlan(version=self.version, max_concurrent_sequences=self.max_concurrent_sequences,
                            kv_budget_tokens=self.kv_budget_tokens, design_seq_len=self.design_seq_len,
-                           engine_tp=self.engine_tp, replicas=self.replicas, reason=self.reason, step=self.step)
+                           engine_tp=self.engine_tp, replicas=self.replicas, reason=self.reason, step=self.step,
+                           max_episode_tokens=self.max_episode_tokens, memory_bytes=self.memory_bytes,
+                           sizing=self.sizing)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RolloutDecision:

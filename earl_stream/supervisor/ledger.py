@@ -87,6 +87,7 @@ class Counters:
     requests_repeated: int = 0  # RequestPrompts retried after a lost reply, answered with the same prompts
     prompts_dropped: int = 0  # queued prompts of an environment detached (or unloadable) before they were played
     samples_recovered: int = 0  # persisted by a producer, taken back after it restarted (not re-played)
+    samples_too_long: int = 0  # episodes stopped (or refused) as longer than the largest plan the pools can run
 
 
 class LedgerState(msgspec.Struct):
@@ -250,6 +251,7 @@ class Ledger:
                 continue
             group.rows.append(row)
             self.counters.samples_produced += 1
+            self.counters.samples_too_long += too_long_of(row)
             self.counters.tokens_produced += row.total_tokens
             if len(group.rows) == group.prompt.group_size:
                 group.state = PromptState.READY
@@ -294,20 +296,24 @@ class Ledger:
         stale when even its newest token is older than `min_policy_version` (older tokens of a newer
         group are masked by the trainer); stale groups are played again. With dynamic sampling a group
         whose rewards are all equal is dropped for good (`samples_filtered`), and the step waits for
-        other groups, which the freed room lets `issue` hand out.
+        other groups, which the freed room lets `issue` hand out; so is a group with no model token at all
+        (every episode refused as too long).
         """
         if step in self.claims:
             return self.claims[step][0], {}
         to_free: dict[str, list[str]] = {}
         for ordinal in list(self.ready):
             group = self.groups[ordinal]
-            if group.max_version < min_policy_version:
+            # no model token at all: every episode was refused as too long (a prompt longer than any plan);
+            # nothing to train, and played again it would be refused again: dropped, as filtered
+            untrainable = group.max_version < 0
+            if not untrainable and group.max_version < min_policy_version:
                 self.ready.remove(ordinal)
                 self.counters.samples_stale += len(group.rows)
                 for r in group.rows:
                     to_free.setdefault(r.producer_address, []).append(r.sample_id)
                 self._reissue(ordinal)
-            elif self.dynamic_sampling and group.uniform:
+            elif untrainable or (self.dynamic_sampling and group.uniform):
                 self.ready.remove(ordinal)
                 self.counters.samples_filtered += len(group.rows)
                 for r in group.rows:
@@ -444,3 +450,13 @@ def outcome_of(meta: SampleMeta) -> str:
         return str(json.loads(meta.info_json or "{}").get("outcome", ""))
     except ValueError:
         return ""
+
+
+def too_long_of(meta: SampleMeta) -> bool:
+    """The episode was stopped or refused for its length (`info["too_long"]`, set by the agent loop)."""
+    if "too_long" not in (meta.info_json or ""):
+        return False
+    try:
+        return bool(json.loads(meta.info_json).get("too_long"))
+    except (ValueError, AttributeError):
+        return False

@@ -33,21 +33,15 @@ from earl_stream import metrics as M
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
 from earl_stream.protocol import RolloutPlan, TrainerPlan
-from earl_stream.store.layout import Layout, partition
+from earl_stream.store.layout import Layout, materialised_tokens, partition
 from earl_stream.store.schema import SampleMeta, table_from_ipc
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
 from earl_stream.supervisor.cost_model import StepCostModel
 from earl_stream.supervisor.decisions import DTYPE_PRECISION
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, ModelShape, TrainPlan
-from earl_stream.supervisor.selector import (
-    Infeasible,
-    PlanDecision,
-    PoolBudget,
-    RolloutDecision,
-    RolloutSelector,
-    Thresholds,
-    TrainerSelector,
-)
+from earl_stream.supervisor.rollout_selector import RolloutSelector, largest_trainable_seq_len, rollout_selector_for
+from earl_stream.supervisor.selector import Infeasible, PlanDecision, PoolBudget, RolloutDecision, Thresholds, TrainerSelector
+from earl_stream.workers.engines.memory import EngineMemory, host_share
 
 log = logging.getLogger(__name__)
 _WARMUP_STEPS = 1  # the first measured steps pay one-off costs (allocator, lazy init): not calibrated on
@@ -118,6 +112,7 @@ class Planner:
         self._measured = 0
         self._fit_at = 0
         self.stats = ContextStats(s.context_window)
+        self.packing = cfg.trainer.packing  # how the trainer cuts a claim into micro-batches (micro_batches)
         self.trainer: TrainerSelector | None = None
         self.rollout: RolloutSelector | None = None
         self.trainer_plan: PlanDecision | None = None
@@ -127,6 +122,10 @@ class Planner:
         self._issued: dict[int, TrainerPlan] = {}
         self.trainer_history: list[PlanAdoption] = []
         self.last_infeasible = ""
+        self._memory_configured = cfg.rollout.memory_bytes > 0
+        self._initial_seq_len = cfg.selector.initial_seq_len  # a rollout plan's design length before any decision
+        self.max_trainable_tokens = 0  # the longest sequence a trainer plan fits (0: unknown)
+        self.rollout_memory: EngineMemory | None = None  # what the rollout plan is sized by, and where it came from
         config_file = Path(cfg.model.path) / "config.json" if cfg.model.path else None
         if not s.enabled or config_file is None or not config_file.is_file():
             if s.enabled:
@@ -148,14 +147,48 @@ class Planner:
                            lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
             allow_fsdp=pool and s.allow_fsdp, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
-            pad_aware=True, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes)
-        self.rollout = RolloutSelector(shape, PoolBudget(1, memory, s.reserve_bytes), thresholds=thresholds,
-                                       dtype_bytes=4, max_sequences=cfg.rollout.max_batch_size, allow_tp=False)
+            pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes)
+        self.rollout = self._rollout_selector(cfg, shape, thresholds)
         for selector in (self.trainer, self.rollout):
             result = selector.initial(s.initial_seq_len)
-            if isinstance(result, Infeasible):
+            if isinstance(result, Infeasible) and selector is self.rollout and not self._memory_configured:
+                # sized by a guess (this host's RAM share): the workers' own memory may hold it (a GPU)
+                log.warning("no rollout plan fits this host's RAM share; waiting for the rollout workers to report "
+                            "their memory: %s", result.message)
+                self.last_infeasible = result.message
+            elif isinstance(result, Infeasible):
                 raise ConfigError(f"no {selector.pool} plan fits: {result.message}")
+            else:
+                self._adopt(result)
+
+    def _rollout_selector(self, cfg: RunConfig, shape: ModelShape, thresholds: Thresholds) -> RolloutSelector:
+        """Sized by the engine's own memory (rollout.memory_bytes; until the workers report theirs, this
+        host's RAM share per process) in rollout.dtype; episodes bounded by the longest trainer plan."""
+        assert self.trainer is not None
+        r = cfg.rollout
+        self.rollout_memory = (EngineMemory(r.memory_bytes, "rollout.memory_bytes") if r.memory_bytes
+                               else host_share(r.workers + cfg.trainer.nproc))
+        self.max_trainable_tokens = largest_trainable_seq_len(self.trainer)
+        return rollout_selector_for(cfg, shape, self.rollout_memory.bytes, self.rollout_memory.source,
+                                    thresholds=thresholds, max_episode_tokens=self.max_trainable_tokens)
+
+    def on_rollout_memory(self, reported: dict[str, int], step: int = 0) -> None:
+        """The rollout workers' own memory (worker -> bytes, from their heartbeats): unless rollout.memory_bytes
+        is set, the rollout plan is sized by the smallest (a new version when that changes)."""
+        if self.rollout is None or not reported or self._memory_configured:
+            return
+        worker, smallest = min(reported.items(), key=lambda kv: kv[1])
+        memory = EngineMemory(smallest, f"reported by {worker}, the smallest of {len(reported)} rollout worker(s)")
+        budget = dataclasses.replace(self.rollout.budget, memory_bytes_per_device=max(1, smallest))
+        result = self.rollout.resize(budget, memory.source, step=step, design_seq_len=self._initial_seq_len)
+        self.rollout_memory = memory if result is not None else self.rollout_memory
+        if isinstance(result, Infeasible):
+            log.error("rollout: no plan fits the reported engine memory: %s", result.message)
+            self.last_infeasible = result.message
+        elif result is not None:
             self._adopt(result)
+            if self.last_infeasible.startswith(f"{self.rollout.pool}:"):
+                self.last_infeasible = ""
 
     def add(self, rows: list[SampleMeta]) -> None:
         self.stats.add_many(r.total_tokens for r in rows)
@@ -181,17 +214,25 @@ class Planner:
             for old in [k for k in self._step_plans if k < step - 64]:  # never reported (e.g. a trainer restart)
                 del self._step_plans[old]
 
-    def micro_batches(self, lengths: list[int]) -> list[TrainPlan]:
+    def micro_batches(self, lengths: list[int], *, packing: bool | None = None) -> list[TrainPlan]:
         """The micro-batches rank 0 of the trainer runs for a claim of rows of `lengths` tokens under
-        the current plan: `TrainPlan`s of its rows, padded to the longest (as `train_step` cuts it)."""
+        the current plan, as `train_step` cuts them (`packing`: `trainer.packing`, by default the
+        planner's `packing` attribute, else on). Each is a `TrainPlan` of what it materialises
+        (`store.layout.materialised_tokens`): packed, b = 1 and s = the packed length with its
+        alignment padding; unpacked, b = its rows and s = the longest row rounded up to sp."""
         decision = self.trainer_plan
         if decision is None:
             return []
+        packed = self.packing if packing is None else packing
         plan = decision.plan
         layout = Layout.from_rank(0, dp=plan.dp, tp=plan.tp, cp=plan.sp)
-        part = partition(lengths, layout, micro_batch_tokens=decision.rank_micro_batch_tokens)
-        return [dataclasses.replace(plan, micro_batch=len(mb), seq_len=max(lengths[i] for i in mb))
-                for mb in part.micro_batches if mb]
+        part = partition(lengths, layout, micro_batch_tokens=decision.rank_micro_batch_tokens, packed=packed)
+        out = []
+        for mb in part.micro_batches:
+            tokens = materialised_tokens([lengths[i] for i in mb], plan.sp, packed=packed)
+            rows = 1 if packed else len(mb)
+            out.append(dataclasses.replace(plan, micro_batch=rows, seq_len=max(1, tokens // rows)))
+        return out
 
     def on_trained(self, step: int, metrics: dict[str, float]) -> StepCostModel | None:
         """The trainer measured `step` (its PublishVersion metrics: step_seconds, pull_seconds): keep
@@ -287,4 +328,6 @@ class Planner:
         return {"trainer": trainer, "rollout": self.rollout_plan.to_dict() if self.rollout_plan else None,
                 "trainer_history": [h.to_dict() for h in self.trainer_history],
                 "refused": [r.to_dict() for r in self.trainer.refused] if self.trainer else [],
-                "infeasible": self.last_infeasible or None, "cost_model": self.calibration}
+                "infeasible": self.last_infeasible or None, "cost_model": self.calibration,
+                "max_trainable_tokens": self.max_trainable_tokens or None,
+                "rollout_memory": dataclasses.asdict(self.rollout_memory) if self.rollout_memory else None}

@@ -2,10 +2,11 @@
 
 Owns: a pool's memory budget (`PoolBudget`), the re-plan thresholds with hysteresis (`Thresholds`),
 the versioned decisions it makes (`decisions`: `PlanDecision`, `RolloutDecision`, `Infeasible`,
-`Refusal`, re-exported here), the micro-batch token budget of a plan (`micro_batch_tokens`) and
-the two selectors. Which layouts a pool can run (and which it refuses) is `layouts`' answer, what a
-plan costs in memory `memory_model`'s, how fast it runs `cost_model`'s; the statistics come from
-`context_stats`; applying a plan is the pools' job.
+`Refusal`, re-exported here), the micro-batch token budget of a plan (`micro_batch_tokens`), what
+both selectors share (`_Selector`) and the trainer's selector (the rollout engine's is
+`rollout_selector.RolloutSelector`). Which layouts a pool can run (and which it refuses) is
+`layouts`' answer, what a plan costs in memory `memory_model`'s, how fast it runs `cost_model`'s;
+the statistics come from `context_stats`; applying a plan is the pools' job.
 
 Hysteresis: a plan is sized for a *design length* D = the next power of two >= headroom x the
 observed percentile x. It is replaced when x > upper_factor x D (contexts outgrew it) or
@@ -32,22 +33,11 @@ from earl_stream.supervisor.context_stats import ContextSnapshot, Percentile
 from earl_stream.supervisor.cost_model import RankedPlan, StepCostModel, rank_plans
 from earl_stream.supervisor.decisions import Infeasible, PlanDecision, Refusal, RolloutDecision
 from earl_stream.supervisor.layouts import pool_layouts
-from earl_stream.supervisor.memory_model import (
-    GIB,
-    ModelShape,
-    Recompute,
-    TrainPlan,
-    advise,
-    check_fit,
-    predict_kv_cache_bytes,
-    predict_rollout_bytes,
-    predict_train_memory,
-)
+from earl_stream.supervisor.memory_model import ModelShape, Recompute, TrainPlan, advise, check_fit, predict_train_memory
 from earl_stream.supervisor.switch_memory import switch_refusal
 
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
-_TP_GAIN = 1.1  # a larger rollout engine must hold >= 10% more sequences in all to be chosen
 _DESIGN_QUANTUM = 64  # design lengths below the headroom's power of two (when it fits no plan): multiples of this
 
 
@@ -426,58 +416,3 @@ class TrainerSelector(_Selector[PlanDecision]):
         more = f"; refused for their switch: {'; '.join(switches)}" if switches else ""
         return f"{self.pool}: no plan fits one {design}-token sequence: {advice.message}{more}"
 
-
-class RolloutSelector(_Selector[RolloutDecision]):
-    """Chooses an engine's concurrent sequences, KV budget and tensor-parallel size from the KV cache
-    model: per device, what the budget leaves after the weights holds the KV of the sequences."""
-
-    def __init__(self, shape: ModelShape, budget: PoolBudget, *, thresholds: Thresholds | None = None,
-                 pool: str = "rollout", dtype_bytes: int = 2, max_sequences: int = 0, allow_tp: bool = True) -> None:
-        super().__init__(budget, thresholds, pool)
-        if dtype_bytes < 1 or max_sequences < 0:
-            raise ConfigError(f"dtype_bytes={dtype_bytes} must be >= 1 and max_sequences={max_sequences} >= 0")
-        self.shape = shape
-        self.dtype_bytes, self.max_sequences, self.allow_tp = dtype_bytes, max_sequences, allow_tp
-
-    def _admissible(self, decision: RolloutDecision) -> bool:
-        again = self._plan(decision.design_seq_len, decision.reason, decision.step)
-        return not isinstance(again, Infeasible) and dataclasses.replace(again, version=decision.version) == decision
-
-    def kv_capacity_tokens(self, tp: int = 1) -> int:
-        """Tokens of KV cache one engine of `tp` devices can hold within the budget (0 if none)."""
-        free = (self.budget.memory_bytes_per_device - self.budget.reserve_bytes
-                - predict_rollout_bytes(self.shape, 0, dtype_bytes=self.dtype_bytes, tp=tp))
-        per_token = predict_kv_cache_bytes(self.shape, 1, dtype_bytes=self.dtype_bytes, tp=tp)
-        return max(0, free // per_token)
-
-    def _plan(self, design: int, reason: str, step: int) -> RolloutDecision | Infeasible:
-        n = self.budget.devices
-        options = []  # (sequences per engine, tp), smallest tp first
-        for tp in [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0] if self.allow_tp else [1]:
-            seqs = self.kv_capacity_tokens(tp) // design if self.shape.num_heads % tp == 0 else 0
-            seqs = min(seqs, self.max_sequences) if self.max_sequences else seqs
-            if seqs >= 1:
-                options.append((seqs, tp))
-        if not options:
-            return Infeasible(self._infeasible_message(design), self.pool, design, reason, step)
-        # A bigger engine pays communication and gives up replicas: take it only for a clear gain
-        # in sequences held across all engines.
-        most = max(seqs * (n // tp) for seqs, tp in options)
-        seqs, tp = next((s, t) for s, t in options if s * (n // t) * _TP_GAIN >= most)
-        kv_tokens = self.kv_capacity_tokens(tp)
-        peak = predict_rollout_bytes(self.shape, kv_tokens, dtype_bytes=self.dtype_bytes, tp=tp)
-        return RolloutDecision(version=self.version + 1, max_concurrent_sequences=seqs, kv_budget_tokens=kv_tokens,
-                               design_seq_len=design, reason=reason, engine_tp=tp, replicas=n // tp,
-                               predicted_peak_bytes=peak, pool=self.pool, step=step)
-
-    def _infeasible_message(self, design: int) -> str:
-        def need(tp: int) -> int:
-            return self.budget.reserve_bytes + predict_rollout_bytes(self.shape, design, dtype_bytes=self.dtype_bytes,
-                                                                     tp=tp)
-
-        fits_tp = [tp for tp in (1 << i for i in range(1, 11))
-                   if self.shape.num_heads % tp == 0 and need(tp) <= self.budget.memory_bytes_per_device]
-        more = f", or an engine tensor-parallel size of >= {fits_tp[0]} devices" if fits_tp else ""
-        return (f"{self.pool}: one {design}-token sequence does not fit an engine of {self.budget.devices} device(s) "
-                f"with {self.budget.memory_bytes_per_device / MIB:.1f} MiB each: weights + its KV cache + reserve "
-                f"need {need(1) / MIB:.1f} MiB ({need(1) / GIB:.3f} GiB) per device on one device{more}")

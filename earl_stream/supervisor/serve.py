@@ -22,9 +22,11 @@ from earl_stream import encryption
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig
-from earl_stream.errors import ProtocolError
+from earl_stream.errors import ConfigError, ProtocolError
 from earl_stream.files import write_durably
-from earl_stream.security import Refusal, ReplayGuard, check, refusal_text, sign
+from earl_stream.keys import KeyRole, keyring, role_of
+from earl_stream.security import Refusal, ReplayGuard, check_keys, refusal_text, sign
+from earl_stream.supervisor import access
 from earl_stream.supervisor.server import Supervisor
 from earl_stream.supervisor.wal import StateLog, WalStats
 
@@ -37,6 +39,7 @@ MAX_MESSAGE_BYTES = 16 << 20  # the largest control message taken (metadata of ~
 def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
           state_dir: str | None = None, forget_workers: bool = False) -> None:
     """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
+    keys = _keyring(secret)
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -82,7 +85,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
             replies: list[list[bytes]] = []
             while len(replies) < BATCH and sock.poll(0):
                 frames = sock.recv_multipart()
-                replies.append([frames[0], b"", _answer(sup, state, guard, secret, frames)])
+                replies.append([frames[0], b"", _answer(sup, state, guard, keys, frames)])
             _write_journal(sup, journal_path)
             state.commit()  # write-ahead: durable before any peer of the batch hears back
             for reply in replies:
@@ -105,21 +108,42 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     log.info("supervisor stopped")
 
 
-def _answer(sup: Supervisor, state: StateLog, guard: ReplayGuard, secret: bytes | None, frames: list[bytes]) -> bytes:
-    """The reply (signed) to one message, which is logged if it changed the state."""
-    payload = check(secret, frames[-1], guard)
-    if isinstance(payload, Refusal):
-        M.SECURITY_REFUSED.labels("control", payload.value).inc()
-        log.warning("refused a control message (%s) from peer %s", payload.value, frames[0].hex()[:16])
-        return P.encode(P.ErrorReply(message=refusal_text(payload, guard.window_s)))
+def _keyring(secret: bytes | None) -> dict[KeyRole, bytes] | None:
+    """Every role's key that messages may be signed with (keys.py, supervisor/access.py); None: an open run."""
+    held = role_of(secret)
+    if held is not None and held is not KeyRole.CLUSTER:
+        raise ConfigError(f"the supervisor needs the cluster secret; it was given the {held.value} key "
+                          "(a derived key is for clients: status, scale, env, episodes)")
+    return keyring(secret) if secret is not None else None
+
+
+def _answer(sup: Supervisor, state: StateLog, guard: ReplayGuard, keys: dict[KeyRole, bytes] | None,
+            frames: list[bytes]) -> bytes:
+    """The reply (signed with the key the message was signed with) to one message, which is logged if it
+    changed the state. `keys`: every role's key (keys.keyring); None: an open run."""
+    role, payload = KeyRole.CLUSTER, frames[-1]
+    if keys is not None:
+        checked = check_keys(keys, frames[-1], guard)
+        if isinstance(checked, Refusal):
+            M.SECURITY_REFUSED.labels("control", checked.value).inc()
+            log.warning("refused a control message (%s) from peer %s", checked.value, frames[0].hex()[:16])
+            return P.encode(P.ErrorReply(message=refusal_text(checked, guard.window_s)))
+        role, payload = checked
+    key = keys[role] if keys is not None else None
     try:
         msg = P.decode(payload)
+        refused = access.refusal(role, msg)
+        if refused is not None:  # nothing of it is handled or logged
+            M.SECURITY_REFUSED.labels("control", "role").inc()
+            log.warning("refused %s from peer %s: signed with the %s key", type(msg).__name__, frames[0].hex()[:16],
+                        role.value)
+            return sign(key, P.encode(P.ErrorReply(message=refused)))
         reply = sup.handle(msg, time.monotonic())
         state.append_message(msg, payload)
     except ProtocolError as exc:
         log.warning("bad control message from peer %s: %s", frames[0].hex()[:16], exc)
         reply = P.ErrorReply(message=str(exc))
-    return sign(secret, P.encode(reply))
+    return sign(key, P.encode(reply))
 
 
 def _write_journal(sup: Supervisor, path: Path) -> None:

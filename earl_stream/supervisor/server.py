@@ -141,6 +141,8 @@ class Supervisor:
             return P.HeartbeatReply(known=False, policy_version=self.policy_version)
         worker.stats = dict(msg.stats)
         worker.envs_version = msg.envs_version
+        if worker.role == P.Role.ROLLOUT and "memory_bytes" in msg.stats:
+            self._rollout_memory()  # before the reply: the plan it carries is sized for this worker's memory
         if msg.env_errors and self.envs.report(worker.worker_id, msg.env_errors):
             log.warning("%s cannot load %s: those environments get no new prompts", worker.worker_id, msg.env_errors)
             self.ledger.envs = self.envs.usable_specs()
@@ -170,6 +172,12 @@ class Supervisor:
                                 envs_json=envs_json, plan=self.planner.rollout_wire, drain=worker.draining,
                                 drained=drained, weights_relay=route.relay, weights_via=route.via,
                                 checkpoint_version=self.checkpoint_version)
+
+    def _rollout_memory(self) -> None:
+        """The rollout plan follows the smallest engine memory the live rollout workers report."""
+        reported = {w.worker_id: int(w.stats["memory_bytes"]) for w in self.workers.values()
+                    if w.role == P.Role.ROLLOUT and w.alive and w.stats.get("memory_bytes", 0) > 0}
+        self.planner.on_rollout_memory(reported, step=self.policy_version)
 
     def _weight_route(self, worker: Worker) -> WeightRoute:
         """How `worker` pulls new weights (store.weight_sync; store/weight_route.py). The pool it is routed

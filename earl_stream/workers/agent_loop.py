@@ -21,7 +21,7 @@ from earl_stream.chat import ChatFormat
 from earl_stream.env import Environment, EnvOptions, StepResult, env_options, env_reset, env_step
 from earl_stream.errors import EnvError
 from earl_stream.records import SampleRecord
-from earl_stream.workers.engines.base import FinishReason, GenerateRequest
+from earl_stream.workers.engines.base import FinishReason, GenerateRequest, RequestRefused
 from earl_stream.workers.engines.batcher import AsyncBatcher
 
 
@@ -73,6 +73,24 @@ class TokenTrace:
         self.logprobs += logprobs
         self.versions += [version] * len(tokens)
 
+    def cut(self, n: int) -> None:
+        """Keep the first `n` tokens of every field."""
+        del self.ids[n:], self.mask[n:], self.logprobs[n:], self.versions[n:]
+
+
+def _room(trace: TokenTrace, options: EnvOptions, cap: int) -> int:
+    """New tokens the next turn may generate: the environment's per-turn limit, within `cap` (0 = no
+    cap) tokens of context counting the end token a cut turn is closed with."""
+    return options.max_turn_tokens if cap <= 0 else min(options.max_turn_tokens, cap - len(trace.ids) - 1)
+
+
+def _too_long(trace: TokenTrace, keep: int, turns: int, why: str) -> dict[str, Any]:
+    """End an episode the pools cannot run further, keeping its first `keep` tokens (after the model's
+    last turn; with no turn played, its first prompt cut to the bound: nothing to learn from, but its
+    group completes). Returns the episode's info: "truncated", and `too_long` saying why."""
+    trace.cut(max(1, keep))
+    return {"outcome": "truncated", "too_long": f"{'stopped' if turns else 'refused'} after {turns} turns: {why}"}
+
 
 async def play_episode(
     env: Environment,
@@ -89,6 +107,7 @@ async def play_episode(
     decode: Callable[[list[int]], object],
     step_timeout_s: float = 30.0,
     sample_seed: int | None = None,
+    max_episode_tokens: Callable[[], int] | None = None,
 ) -> SampleRecord:
     """Play one episode to its end. Raises EpisodeFailed if the environment misbehaves.
 
@@ -96,6 +115,10 @@ async def play_episode(
 
     With `sample_seed`, turn k samples with the engine's per-request seed `sample_seed + k` (see
     `episode_sample_seed`); without, from the engine's shared generator.
+
+    `max_episode_tokens()`: the longest context the pools can run now (the rollout plan's; 0 = no
+    bound). A turn generates at most up to it; an episode that reaches it, or whose request the
+    engine refuses (`RequestRefused`), ends as "truncated" with `info["too_long"]` saying why.
     """
     episode_id = uuid.uuid4().hex[:16]
     observation = await _guard(env_reset(env, seed), step_timeout_s, "reset")
@@ -107,18 +130,30 @@ async def play_episode(
     trace = TokenTrace()
     trace.add_context(chat.first_turn(options.system_prompt, observation))
     prompt_tokens = len(trace.ids)
-    reward, turns, info = 0.0, 0, {}
+    reward, turns, info, keep = 0.0, 0, {}, len(trace.ids)  # keep: the trace up to the model's last turn
     while True:
-        request = GenerateRequest(prompt_ids=list(trace.ids), max_new_tokens=options.max_turn_tokens,
+        cap = max_episode_tokens() if max_episode_tokens is not None else 0
+        bound = f"the {cap}-token bound of the rollout plan (the longest a trainer plan or the KV budget holds)"
+        if (room := _room(trace, options, cap)) < 1:
+            info = _too_long(trace, keep if turns else cap, turns, f"its context reached {bound}")
+            break
+        request = GenerateRequest(prompt_ids=list(trace.ids), max_new_tokens=room,
                                   stop_token_ids=chat.stop_token_ids, temperature=sampling.temperature,
                                   top_p=sampling.top_p, top_k=sampling.top_k, cache_key=episode_id,
                                   seed=None if sample_seed is None else sample_seed + turns)
-        result = await batcher.generate(request)
+        try:
+            result = await batcher.generate(request)
+        except RequestRefused as exc:
+            info = _too_long(trace, keep if turns else (cap or len(trace.ids)), turns, str(exc))
+            break
         version = result.policy_version if result.policy_version is not None else policy_version()
         trace.add_model(list(result.token_ids), list(result.logprobs), version)
         if result.finish_reason == FinishReason.LENGTH:
             trace.add_context([chat.end_token_id])  # close the turn so the next one renders right
         turns += 1
+        if result.finish_reason == FinishReason.LENGTH and room < options.max_turn_tokens:
+            info = _too_long(trace, len(trace.ids), turns, f"turn {turns} was cut at {bound}")
+            break
         reply = decode([t for t in result.token_ids if t not in chat.stop_token_ids])
         assert isinstance(reply, str), "one sequence decodes to one string"
         step: StepResult = await _guard(env_step(env, reply), step_timeout_s, "step")
@@ -129,10 +164,11 @@ async def play_episode(
         if options.max_episode_tokens is not None and len(trace.ids) >= options.max_episode_tokens:
             info = {"outcome": "truncated"}
             break
+        keep = len(trace.ids)
         trace.add_context(chat.next_turn(step.observation))
     batcher.release(episode_id)
     return trace_record(trace, episode_id=episode_id, group_id=group_id, prompt_ordinal=prompt_ordinal, env_name=env_name,
-                        turns=turns, prompt_tokens=prompt_tokens, reward=reward, info=info)
+                        turns=turns, prompt_tokens=min(prompt_tokens, len(trace.ids)), reward=reward, info=info)
 
 
 def trace_record(trace: TokenTrace, *, episode_id: str, group_id: str, prompt_ordinal: int, env_name: str, turns: int,

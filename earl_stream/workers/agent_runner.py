@@ -3,13 +3,14 @@ and the Python of its `openai` client, several milliseconds a request) runs in a
 worker, so it does not take turns with the engine's batcher on the worker's event loop and core.
 
 The worker's side is `AgentRunner`: it starts the child on first use, sends each episode as an
-`AgentJob` (the environment's registry spec and params, the seed, the endpoint's URL and bearer token,
-the episode's key, the timeout) over a socket pair, and waits for its `AgentDone` (the reward, or why it
+`AgentJob` (the environment's registry spec and params, the seed, the endpoint's URL, the episode's
+agent key as bearer token, the episode's id, the timeout) over a socket pair, and waits for its `AgentDone` (the reward, or why it
 failed). The child (`python -m earl_stream.workers.agent_runner --fd N`) makes the environment for each
 episode as the worker would, runs it with an `openai.AsyncOpenAI` client whose requests carry the
 episode's key, and answers. The endpoint, the token accounting and the sample stay in the worker
 (`earl_stream.workers.agent_episode`). A child that dies fails only the episodes it was running; the
-next episode starts a new child. What the agent prints goes to the worker's log.
+next episode starts a new child. What the agent prints goes to the worker's log. The child's environment
+holds no cluster secret (`agent_environment`).
 
 Frames: a 4-byte big-endian length, then a msgpack-encoded message.
 """
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import struct
 import sys
@@ -28,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from earl_stream.security import SECRET_ENV
 from earl_stream.workers.agent_loop import EpisodeFailed
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class AgentJob(msgspec.Struct, tag="job", frozen=True):
     api_key: str
     episode_key: str  # sent as the episode header with every request of the episode
     timeout_s: float
+    ca_pem: str = ""  # under TLS: the CA certificate the endpoint's certificate is signed by
 
 
 class AgentCancel(msgspec.Struct, tag="cancel", frozen=True):
@@ -76,6 +80,16 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(size)
 
 
+def agent_environment() -> dict[str, str]:
+    """The agent process's environment: the worker's, less the variables that name the cluster secret's file
+    and the TLS key's. Its programs get each episode's agent key instead (openai_api/auth.py). (They run as the
+    worker's user: a program that goes looking can still read files that user can, the secret's included; run
+    agent programs under another user or in a sandbox for a hard boundary.)"""
+    from earl_stream.tls import TLS_KEY_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, TLS_KEY_ENV)}
+
+
 class AgentRunner:
     """One child process that runs agent episodes, any number at a time (asyncio tasks there)."""
 
@@ -103,7 +117,7 @@ class AgentRunner:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "earl_stream.workers.agent_runner", "--fd", str(child.fileno()),
-                    "--name", self.name, pass_fds=(child.fileno(),))
+                    "--name", self.name, pass_fds=(child.fileno(),), env=agent_environment())
             finally:
                 child.close()
             reader, writer = await asyncio.open_connection(sock=parent)
@@ -137,7 +151,7 @@ class AgentRunner:
             log.warning("%s (pid %d) exited with code %s%s: %d episodes failed", self.name, proc.pid, code, why, len(failed))
 
     async def run(self, spec: str, params: dict[str, Any], seed: int, *, url: str, api_key: str, episode_key: str,
-                  timeout_s: float) -> float:
+                  timeout_s: float, ca_pem: str = "") -> float:
         """Play one episode in the child; returns its reward or raises `EpisodeFailed`."""
         try:
             await self._ensure_started()
@@ -148,7 +162,8 @@ class AgentRunner:
         future: asyncio.Future[AgentDone] = asyncio.get_running_loop().create_future()
         self._pending[job] = future
         try:
-            self._writer.write(_frame(AgentJob(job, spec, dict(params), seed, url, api_key, episode_key, timeout_s)))
+            self._writer.write(_frame(AgentJob(job, spec, dict(params), seed, url, api_key, episode_key, timeout_s,
+                                               ca_pem)))
             await self._writer.drain()
             done = await asyncio.wait_for(future, timeout_s + GRACE_S)
         except (ConnectionError, RuntimeError) as exc:
@@ -204,8 +219,9 @@ class AgentRunners:
 _clients: dict[tuple[str, str], Any] = {}
 
 
-def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float) -> Any:
-    """An `openai.AsyncOpenAI` client on the endpoint at `url`, its requests filed under `episode_key`.
+def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float, ca_pem: str = "") -> Any:
+    """An `openai.AsyncOpenAI` client on the endpoint at `url`, its requests filed under `episode_key` and
+    authorised by `api_key` (the episode's agent key); under TLS it trusts only `ca_pem`.
 
     Every episode's client is a copy of one client per endpoint, sharing its connection pool: a new
     client builds an SSL context (~30 ms here), which would cost more than a short turn.
@@ -216,19 +232,24 @@ def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float) -
         import openai
     except ImportError:
         raise EpisodeFailed("agent environments need the openai package (pip install 'earl_stream[agents]')") from None
-    base = _clients.get((url, api_key))
+    base = _clients.get((url, ca_pem))
     if base is None or base.is_closed():
-        base = _clients[(url, api_key)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0)
-    return base.with_options(timeout=timeout_s, default_headers={EPISODE_HEADER: episode_key})
+        from earl_stream.tls import client_context  # (only under TLS: the child starts faster without it)
+
+        http_client = openai.DefaultAsyncHttpxClient(verify=client_context(ca_pem)) if ca_pem else None
+        base = _clients[(url, ca_pem)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0,
+                                                            http_client=http_client)
+    return base.with_options(api_key=api_key, timeout=timeout_s, default_headers={EPISODE_HEADER: episode_key})
 
 
-async def run_agent(env: Any, seed: int, url: str, api_key: str, episode_key: str, timeout_s: float) -> float:
+async def run_agent(env: Any, seed: int, url: str, api_key: str, episode_key: str, timeout_s: float,
+                    ca_pem: str = "") -> float:
     """`env.run(client, env.task(seed))` with an episode client, its reward; any failure is `EpisodeFailed`."""
     try:
         task = env.task(seed)
     except Exception as exc:  # the environment's own code
         raise EpisodeFailed(f"agent task({seed}) raised {type(exc).__name__}: {exc}") from None
-    client = episode_client(url, api_key, episode_key, timeout_s)
+    client = episode_client(url, api_key, episode_key, timeout_s, ca_pem)
     try:
         return float(await asyncio.wait_for(env.run(client, task), timeout_s))
     except asyncio.TimeoutError:
@@ -243,7 +264,7 @@ async def _episode(job: AgentJob, writer: asyncio.StreamWriter) -> None:
     try:
         env = make_env(job.spec, job.params)
         done = AgentDone(job.job, reward=await run_agent(env, job.seed, job.url, job.api_key, job.episode_key,
-                                                         job.timeout_s))
+                                                         job.timeout_s, job.ca_pem))
     except EpisodeFailed as exc:
         done = AgentDone(job.job, error=str(exc))
     except Exception as exc:  # the environment's constructor is user code too

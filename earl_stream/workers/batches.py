@@ -11,17 +11,27 @@ sp group gets the same rows and micro-batches from `partition` (cp = sp), and pu
 [a, b + 1) (its slice plus the next token), so a step moves each token about once per sp group. The
 slices are contiguous, not `partition`'s zig-zag `token_ranges` (those balance ring attention;
 Ulysses computes attention over the whole sequence on every rank, so it needs no balancing).
+
+Packed micro-batches (`trainer.packing`, `packed_windows`, `packed_token_ranges`,
+`packed_local_batch`): the micro-batch's rows are concatenated in order into one sequence of L
+tokens, right-padded to W = ceil(L/sp)*sp (alignment padding), with position ids restarting at 0 per
+row; sp rank r runs packed positions [r W/sp, (r+1) W/sp). A position's label is the next token of
+its own row: a row's last position has a zero mask, never the next row's first token. A rank pulls
+of each row only the tokens inside its slice plus the next one of the same row. Both layouts hold
+`store.layout.materialised_tokens` tokens per micro-batch over the sp group, the plan's budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from earl_stream.workers.packed_attention import segment_bounds
 
 
 def shard_batch(batch: dict[str, torch.Tensor], sp: int, sp_rank: int) -> dict[str, torch.Tensor]:
@@ -89,6 +99,86 @@ def local_batch(rows: Sequence[dict[str, np.ndarray]], advantages: np.ndarray, w
     return {"input_ids": ids[:, :n], "position_ids": torch.arange(a, a + n).unsqueeze(0).expand(b, n),
             "labels": ids[:, 1:], "loss_mask": mask[:, 1:], "behaviour_logprobs": blp[:, 1:],
             "advantages": torch.from_numpy(np.asarray(advantages, dtype=np.float32))}
+
+
+def packed_windows(micro_batches: Sequence[Sequence[int]], lengths: Sequence[int], sp: int,
+                   sp_rank: int) -> list[tuple[int, int]]:
+    """(start a, tokens n) of this sp rank in each packed micro-batch: its rows' total length rounded up
+    to a multiple of sp, and rank r runs packed positions [r n, (r + 1) n)."""
+    out = []
+    for mb in micro_batches:
+        n = -(-sum(lengths[i] for i in mb) // sp)
+        out.append((sp_rank * n, n))
+    return out
+
+
+def packed_token_ranges(micro_batches: Sequence[Sequence[int]], lengths: Sequence[int],
+                        windows: Sequence[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
+    """Row -> the [start, end) range of its tokens this sp rank pulls for a packed micro-batch: those
+    inside its slice [a, a+n) plus the next token of the row (its last position's label); empty when
+    the row has no token in the slice."""
+    ranges = {}
+    for mb, (a, n) in zip(micro_batches, windows):
+        o = 0
+        for i in mb:
+            lo, hi = max(a, o), min(a + n, o + lengths[i])
+            ranges[i] = [(lo - o, min(hi + 1, o + lengths[i]) - o)] if lo < hi else [(0, 0)]
+            o += lengths[i]
+    return ranges
+
+
+def rank_windows(micro_batches: Sequence[Sequence[int]], lengths: Sequence[int], sp: int, sp_rank: int, *,
+                 packed: bool) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int]]] | None]:
+    """This sp rank's window (a, n) in each micro-batch, packed or padded, and the token ranges it pulls
+    of each row (None when sp == 1: whole rows)."""
+    windows = (packed_windows if packed else sp_windows)(micro_batches, lengths, sp, sp_rank)
+    if sp == 1:
+        return windows, None
+    return windows, (packed_token_ranges if packed else sp_token_ranges)(micro_batches, lengths, windows)
+
+
+_INT_FIELDS = ("input_ids", "policy_version")
+
+
+def packed_local_batch(rows: Sequence[Mapping[str, np.ndarray] | None], lengths: Sequence[int],
+                       window: tuple[int, int], sp: int, fill: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """This sp rank's slice of a packed micro-batch whose rows have `lengths` (in packing order).
+
+    `rows[j]`: row j's fields, whole or as pulled with `packed_token_ranges`; None for a row lost since
+    the micro-batch was planned (its span stays in place as padding, so no rank's slice moves).
+    Returns input_ids / position_ids (restarting at 0 per row) [1, n] of packed positions [a, a+n);
+    labels, loss_mask, behaviour_logprobs and any further field (e.g. policy_version, `fill[field]`
+    where there is no token) [1, n] of positions [a+1, a+n+1), zero where that position is in another
+    row; `token_rows` [n] int64 (the row j whose next token position t scores, -1 where none); and
+    `segments`, the packed sequence's row boundaries over its whole width (`segment_bounds`).
+    """
+    a, n = window
+    fill = fill or {}
+    keys = sorted({k for r in rows if r is not None for k in r} | {"input_ids", "loss_mask", "behaviour_logprobs"})
+    buf = {k: np.full(n + 1, fill.get(k, 0), np.float64) for k in keys}
+    row_of = np.full(n + 1, -1, np.int64)
+    pos = np.arange(a, a + n + 1, dtype=np.int64) - sum(lengths)  # padding: positions past the rows
+    o = 0
+    for j, (r, length) in enumerate(zip(rows, lengths)):
+        lo, hi = max(a, o), min(a + n + 1, o + length)
+        if lo < hi:
+            row_of[lo - a: hi - a] = j
+            pos[lo - a: hi - a] = np.arange(lo - o, hi - o)
+            for k, v in (r or {}).items():
+                part = v[lo - o: hi - o] if len(v) == length else v  # a whole row, or the range pulled
+                buf[k][lo - a: lo - a + len(part)] = part
+        o += length
+    same = (row_of[1:] == row_of[:-1]) & (row_of[:-1] >= 0)
+
+    def shifted(k: str) -> torch.Tensor:
+        x = torch.from_numpy(np.where(same, buf[k][1:], fill.get(k, 0)))
+        return (x.long() if k in _INT_FIELDS else x.float())[None]
+
+    out: dict[str, Any] = {k: shifted(k) for k in keys if k != "input_ids"}
+    ids = torch.from_numpy(buf["input_ids"]).long()
+    out.update(input_ids=ids[None, :n], position_ids=torch.from_numpy(pos[:n])[None], labels=shifted("input_ids"),
+               token_rows=torch.from_numpy(np.where(same, row_of[:n], -1)), segments=segment_bounds(lengths, sp * n))
+    return out
 
 
 def agree_on_lost(metas: Sequence[Any], pulled: dict[int, Any], lost: list[str]) -> tuple[dict[int, Any], list[str]]:

@@ -37,8 +37,10 @@ from earl_stream.store.layout import Layout
 class RankPlan:
     """What a trainer rank runs. Ranks = dp * fsdp * tp * sp.
 
-    `micro_batch_tokens` is in `store.layout.partition`'s units: tokens one rank holds per
-    micro-batch, counting ceil(length / sp) per row.
+    `micro_batch_tokens` is in `store.layout.partition`'s units: tokens one sp rank materialises per
+    micro-batch, `store.layout.materialised_tokens(rows, sp) // sp` (packed: its slice of the rows'
+    total length with the alignment padding; unpacked: rows x its slice of the longest row). The
+    wire plan's budget (all sp ranks) divided by sp.
     """
 
     dp: int = 1

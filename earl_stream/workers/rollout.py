@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ from earl_stream.store.experience import ExperienceWriter
 from earl_stream.store.node import ShardNode
 from earl_stream.store.relay import sync_weights
 from earl_stream.store.weight_route import WeightRoute
+from earl_stream.supervisor.rollout_selector import engine_kv_capacity
+from earl_stream.tls import tls_enabled
 from earl_stream.tools import with_tools
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_env_seed, episode_sample_seed, play_episode
@@ -49,6 +52,7 @@ from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, regist
 from earl_stream.workers.durable import DurableSamples
 from earl_stream.workers.engines.base import Engine, EngineCapacity
 from earl_stream.workers.engines.batcher import AsyncBatcher
+from earl_stream.workers.engines.memory import EngineMemory, engine_memory
 from earl_stream.workers.engines.registry import make_engine
 
 log = logging.getLogger(__name__)
@@ -84,6 +88,7 @@ class RolloutWorker:
         self.envs = {e.display_name: e for e in self.cfg.envs}
         self.envs_version = 0
         self.plan_version = 0
+        self.max_episode_tokens = 0  # the rollout plan's bound on an episode's context (0: none)
         self.transcripts: deque[str] = deque()
         self.env_errors: dict[str, str] = {}
         self.episodes_done = 0
@@ -113,19 +118,32 @@ class RolloutWorker:
             thread.join()
 
     def _make_engine(self) -> Engine:
-        """The configured backend; only the built-in engine needs the model in this process."""
-        model_dir = model_path(self.cfg)
+        """The configured backend; only the built-in engine needs the model in this process. Its memory
+        (`self.memory`, reported in heartbeats) is measured before the model loads; the engine starts
+        with at most the KV tokens that memory holds, until the supervisor's plan arrives."""
+        model_dir, r = model_path(self.cfg), self.cfg.rollout
         model = None
-        if self.cfg.rollout.engine == "torch":
-            model, self.tokenizer = load_model(model_dir, dtype=torch_dtype(self.cfg.rollout.dtype))
-            device = resolve_device(self.cfg.rollout.device, key="rollout.device",
-                                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        if r.engine == "torch":
+            device = resolve_device(r.device, key="rollout.device", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+            self.memory = engine_memory(r.memory_bytes, str(device), r.workers + self.cfg.trainer.nproc)
+            kv_tokens = self._kv_capacity(model_dir, self.memory)
+            model, self.tokenizer = load_model(model_dir, dtype=torch_dtype(r.dtype))
             model.to(device).eval()  # type: ignore[arg-type]
-            log.info("built-in engine generates on %s (%s)", device, self.cfg.rollout.dtype)
-        else:
+            log.info("built-in engine generates on %s (%s)", device, r.dtype)
+        else:  # vLLM and SGLang place and size themselves: no CUDA probe in this process (0: nothing reported)
+            self.memory = EngineMemory(r.memory_bytes, "rollout.memory_bytes" if r.memory_bytes else f"{r.engine}'s own")
+            kv_tokens = self._kv_capacity(model_dir, self.memory)
             self.tokenizer = load_tokenizer(model_dir)
-        return make_engine(self.cfg.rollout.engine, model_dir, model, max_batch_size=self.cfg.rollout.max_batch_size,
-                           seed=self.cfg.seed)
+        return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
+                           kv_budget_tokens=min(kv_tokens or 65536, 65536))
+
+    def _kv_capacity(self, model_dir: Path, memory: EngineMemory) -> int:
+        """KV tokens this engine's memory holds (0: unknown); fails at start, saying what the smallest plan
+        needs, when that memory cannot hold one."""
+        log.info("rollout engine memory: %d MiB (%s)", memory.bytes >> 20, memory.source)
+        if not memory.bytes or not self.cfg.selector.enabled:
+            return 0
+        return engine_kv_capacity(self.cfg, model_dir, memory.bytes, memory.source)
 
     def _bind_endpoint(self) -> tuple[Any, str]:
         """The OpenAI endpoint's listening socket (rollout.openai_bind) and its advertised URL."""
@@ -138,7 +156,7 @@ class RolloutWorker:
             raise EarlError(f"rollout.openai_bind={bind!r}: cannot listen there: {exc}") from exc
         host, port = sock.getsockname()[:2]
         advertise = self.host if host in ("0.0.0.0", "::") else host
-        return sock, f"http://{advertise}:{port}/v1"
+        return sock, f"{'https' if tls_enabled() else 'http'}://{advertise}:{port}/v1"  # HTTPS: earl_stream/tls.py
 
     def _max_context(self) -> int:
         """The model's context length (the endpoint refuses longer requests)."""
@@ -170,6 +188,7 @@ class RolloutWorker:
         self.batcher = AsyncBatcher(self.engine, max_batch_size=self.cfg.rollout.max_batch_size,
                                     join_running=self.cfg.rollout.join_running_batch)
         self.version_changed = asyncio.Condition()
+        self.planned = asyncio.Event()  # set by the first heartbeat reply: episodes wait for its plan
         slots = [asyncio.create_task(self._group_slot(i)) for i in range(self.cfg.rollout.groups_in_flight)]
         self._slots = slots
         self.endpoint: openai_api.OpenAIEndpoint | None = None
@@ -203,7 +222,8 @@ class RolloutWorker:
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
             stats: dict[str, float] = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
-                     "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held}
+                     "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held,
+                     "memory_bytes": self.memory.bytes}
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
                     worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors,
@@ -221,6 +241,7 @@ class RolloutWorker:
                 continue
             if reply.plan is not None:
                 await self._apply_plan(reply.plan)
+            self.planned.set()  # the first reply carries a plan sized for this worker's memory (if any)
             if reply.envs_json:
                 await asyncio.to_thread(self._update_envs, reply.envs_json, reply.envs_version)
             if reply.free_sample_ids:
@@ -250,11 +271,11 @@ class RolloutWorker:
     async def _apply_plan(self, plan: P.RolloutPlan) -> None:
         if plan.version == self.plan_version:
             return
-        self.plan_version = plan.version
+        self.plan_version, self.max_episode_tokens = plan.version, plan.max_episode_tokens
         capacity = EngineCapacity(plan.max_concurrent_sequences, plan.kv_budget_tokens)
         await self.batcher.run_exclusive(lambda: self.engine.set_capacity(capacity))
-        log.info("adopted rollout plan v%d: %d concurrent sequences, KV budget %d tokens (%s)", self.plan_version,
-                 capacity.max_concurrent_sequences, capacity.kv_budget_tokens, plan.reason)
+        log.info("adopted rollout plan v%d: %d concurrent sequences, KV budget %d tokens (%s; %s)", self.plan_version,
+                 capacity.max_concurrent_sequences, capacity.kv_budget_tokens, plan.reason, plan.sizing or "-")
 
     def _keep_transcripts(self, records: list[SampleRecord]) -> None:
         """Readable transcripts of the last episodes, for `earl-stream episodes` (bounded)."""
@@ -306,7 +327,7 @@ class RolloutWorker:
         for n in itertools.count():
             if self.stop:
                 break
-            if self.draining:
+            if self.draining or not self.planned.is_set():
                 await asyncio.sleep(0.1)
                 continue
             # a retry after a lost reply re-sends this id and gets the same prompt, not a second one
@@ -379,14 +400,15 @@ class RolloutWorker:
         if is_agent_env(env):
             if self.endpoint is None:
                 raise EpisodeFailed("agent environments need the OpenAI endpoint (rollout.openai_bind is empty)")
-            return await play_agent_episode(env, self.endpoint, api_key=self.secret.decode() if self.secret else "none",
-                                            env_name=prompt.env, seed=seed, prompt_ordinal=prompt.prompt_ordinal,
-                                            group_id=prompt.group_id, runner=self.agent_runners,
+            return await play_agent_episode(env, self.endpoint, env_name=prompt.env, seed=seed,
+                                            prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id,
+                                            runner=self.agent_runners,
                                             spec=(spec.spec, dict(spec.params)))
         return await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=seed,
                                   prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
                                   policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
-                                  sample_seed=episode_sample_seed(prompt.seed, index))
+                                  sample_seed=episode_sample_seed(prompt.seed, index),
+                                  max_episode_tokens=lambda: self.max_episode_tokens)
 
 
 def run_rollout_worker(supervisor: str, host: str = "127.0.0.1", drain_on_term: bool = False) -> None:

@@ -11,6 +11,10 @@ starting weights are computed once, before the first update, and every ratio is 
 
 Tokens sampled by a policy older than `min_version` (the staleness bound, per token) are masked out
 of the loss; they stay in the context. The math of the loss is `earl_stream.algo.losses`.
+
+With `trainer.packing` a micro-batch is one packed sequence [1, n] (`workers.batches`), run with
+per-row attention (`workers.packed_attention`); the loss sees each of its tokens as a row of one
+token with its own row's advantage and weight, so the sums are those of the padded layout.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from earl_stream.errors import ConfigError
 from earl_stream.store.experience import Puller, SamplesUnavailable, pull_samples
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta
-from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, sp_token_ranges, sp_windows
+from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, packed_local_batch, rank_windows
 from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
+from earl_stream.workers.packed_attention import packed_segments
 from earl_stream.workers.ulysses import sp_state
 from earl_stream.workers.vocab_parallel import forward_logprobs, vocab_entropy
 
@@ -76,6 +81,7 @@ class _Mini:
     ranges: dict[int, list[tuple[int, int]]] | None
     passes: int  # micro-batch passes this rank runs (lockstep plans: the most any data rank has)
     weights: dict[int, float]  # every row of the update (all ranks'): its per-token loss weight
+    packed: bool = False  # micro-batches are packed sequences (windows from `packed_windows`)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: Sequence[SampleMeta], layout: Layout,
@@ -95,7 +101,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     if sp_state() != (layout.cp_size, layout.cp_rank):
         raise ConfigError(f"layout has sp={layout.cp_size} (rank {layout.cp_rank}) but the model runs sp={sp_state()}: "
                           "apply the plan (workers.sharding / workers.ulysses.set_sequence_parallel) first")
-    minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo)
+    minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo, packed=cfg.packing)
     fields = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
     pull_start = time.monotonic()
     ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} if layout.cp_size > 1 else None
@@ -115,7 +121,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
                           samples=0, tokens=0, step_seconds=time.monotonic() - start, pull_seconds=pull_seconds,
                           pull_bytes=pull_bytes, lost_sample_ids=lost)
     run = _MicroBatchRunner(model, ref_model, algo, placement, temperature)
-    batches = {(u, k): _batch(mini, k, pulled, layout.cp_rank, min_version) for u, mini in enumerate(minis)
+    lengths = [m.total_tokens for m in metas]
+    batches = {(u, k): _batch(mini, k, pulled, layout, min_version, lengths) for u, mini in enumerate(minis)
                for k in range(mini.passes)}
     rewards = np.array([m.reward for m in metas], dtype=np.float64)
     kl_in_reward = 0.0
@@ -167,7 +174,7 @@ def _advantages(metas: Sequence[SampleMeta], rewards: np.ndarray, lost: set[str]
 
 
 def _plan(metas: Sequence[SampleMeta], layout: Layout, placement: Placement, micro_batch_tokens: int,
-          algo: AlgoConfig) -> list[_Mini]:
+          algo: AlgoConfig, *, packed: bool = True) -> list[_Mini]:
     """The step's updates: its groups, in prompt order, cut into `algo.mini_batches` contiguous parts,
     each partitioned over the pool like a claim of its own. (Prompt order, not claim order: a claim
     lists groups as they completed, which varies from run to run.)"""
@@ -178,39 +185,55 @@ def _plan(metas: Sequence[SampleMeta], layout: Layout, placement: Placement, mic
     for part in parts:
         idx = [i for i, m in enumerate(metas) if m.group_id in part]
         lengths = [metas[i].total_tokens for i in idx]
-        p = partition(lengths, layout, micro_batch_tokens=micro_batch_tokens)
-        windows = sp_windows(p.micro_batches, lengths, layout.cp_size, layout.cp_rank)
-        ranges = sp_token_ranges(p.micro_batches, lengths, windows) if layout.cp_size > 1 else None
+        p = partition(lengths, layout, micro_batch_tokens=micro_batch_tokens, packed=packed)
+        windows, ranges = rank_windows(p.micro_batches, lengths, layout.cp_size, layout.cp_rank, packed=packed)
         weights = row_weights([metas[i].response_tokens for i in idx], algo.loss_agg)
         out.append(_Mini(rows=[idx[j] for j in p.rows], micro_batches=[[idx[j] for j in mb] for mb in p.micro_batches],
                          windows=windows, ranges=None if ranges is None else {idx[j]: r for j, r in ranges.items()},
                          passes=p.max_micro_batches if placement.lockstep else len(p.micro_batches),
-                         weights=dict(zip(idx, weights))))
+                         weights=dict(zip(idx, weights)), packed=packed))
     return out
 
 
-def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], cp_rank: int,
-           min_version: int) -> dict[str, Any]:
+def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout: Layout, min_version: int,
+           lengths: Sequence[int]) -> dict[str, Any]:
     """Pass k's micro-batch of this rank (a zero-loss dummy when it has no rows there but must take
-    part), with `rows`, per-row `weights` and the too-stale tokens taken out of `loss_mask` (`stale`)."""
+    part), with `rows`, `weights` and the too-stale tokens taken out of `loss_mask` (`stale`).
+
+    Padded: tensors [B, n], `weights` [B] per row. Packed: tensors [1, n], `segments`, and per token
+    `token_rows` [n] (its claim row, -1 where it scores nothing) and `weights` [n]."""
     mb = mini.micro_batches[k] if k < len(mini.micro_batches) else []
     rows = [i for i in mb if i in pulled]
     if not rows:
-        batch: dict[str, Any] = dict(dummy_batch(cp_rank))
+        batch: dict[str, Any] = dict(dummy_batch(layout.cp_rank))
         batch.update(rows=[], weights=torch.zeros(1), stale=0.0)
         return batch
-    batch = dict(local_batch([pulled[i] for i in rows], np.zeros(len(rows), np.float32), mini.windows[k]))
+    if mini.packed:
+        batch = packed_local_batch([pulled.get(i) for i in mb], [lengths[i] for i in mb], mini.windows[k],
+                                   layout.cp_size, fill={VERSION: min_version})
+        j = batch["token_rows"]
+        valid = j >= 0
+        batch["token_rows"] = torch.where(valid, torch.tensor(mb, dtype=torch.int64)[j.clamp(min=0)], -1)
+        row_weights = torch.tensor([mini.weights[i] if i in pulled else 0.0 for i in mb], dtype=torch.float32)
+        weights = row_weights[j.clamp(min=0)] * valid
+        versions = batch.pop(VERSION, None)
+    else:
+        batch = dict(local_batch([pulled[i] for i in rows], np.zeros(len(rows), np.float32), mini.windows[k]))
+        weights = torch.tensor([mini.weights[i] for i in rows], dtype=torch.float32)
+        versions = None
+        if VERSION in pulled[rows[0]]:
+            a, n = mini.windows[k]
+            full = torch.full((len(rows), n + 1), min_version, dtype=torch.int64)
+            for r, i in enumerate(rows):
+                v = pulled[i][VERSION]
+                full[r, : len(v)] = torch.from_numpy(v.astype(np.int64))
+            versions = full[:, 1:]
     stale = 0.0
-    if VERSION in pulled[rows[0]]:
-        a, n = mini.windows[k]
-        versions = torch.full((len(rows), n + 1), min_version, dtype=torch.int64)
-        for j, i in enumerate(rows):
-            v = pulled[i][VERSION]
-            versions[j, : len(v)] = torch.from_numpy(v.astype(np.int64))
-        old = (versions[:, 1:] < min_version) & (batch["loss_mask"] > 0)
+    if versions is not None:
+        old = (versions < min_version) & (batch["loss_mask"] > 0)
         stale = float(old.sum())
         batch["loss_mask"] = batch["loss_mask"] * (~old).float()
-    batch.update(rows=rows, weights=torch.tensor([mini.weights[i] for i in rows], dtype=torch.float32), stale=stale)
+    batch.update(rows=rows, weights=weights, stale=stale)
     return batch
 
 
@@ -230,6 +253,10 @@ class _MicroBatchRunner:
         self.sums = dict.fromkeys(_STATS, 0.0)
         self.kl_in_reward = algo.kl_coef > 0 and algo.kl_in == "reward"
 
+    def _packed(self, batch: dict[str, Any]) -> Any:
+        """Per-row attention for a packed micro-batch, over its forward and backward (a no-op padded)."""
+        return packed_segments([m for m in (self.model, self.ref_model) if m is not None], batch.get("segments"))
+
     def _forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.placement.autocast_dtype
         with torch.autocast(self.placement.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -246,12 +273,18 @@ class _MicroBatchRunner:
         with torch.no_grad():
             for batch in batches.values():
                 dev = self._on_device(batch)
-                batch["old_logprobs"] = self._forward(self.model, dev)[1].float()
-                if self.ref_model is not None and self.algo.kl_coef > 0:
-                    batch["ref_logprobs"] = self._forward(self.ref_model, dev)[1].float()
-                    if self.kl_in_reward and batch["rows"]:
-                        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], self.algo.kl_estimator)
-                        kl_rows[batch["rows"]] += (kl * dev["loss_mask"]).sum(-1).double().cpu()
+                with self._packed(batch):
+                    batch["old_logprobs"] = self._forward(self.model, dev)[1].float()
+                    if self.ref_model is not None and self.algo.kl_coef > 0:
+                        batch["ref_logprobs"] = self._forward(self.ref_model, dev)[1].float()
+                if "ref_logprobs" in batch and self.kl_in_reward and batch["rows"]:
+                    kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], self.algo.kl_estimator)
+                    per = (kl * dev["loss_mask"]).double().cpu()
+                    if "token_rows" in batch:  # packed [1, n]: each token's sum goes to its own row
+                        j = batch["token_rows"]
+                        kl_rows.index_add_(0, j[j >= 0], per[0][j >= 0])
+                    else:
+                        kl_rows[batch["rows"]] += per.sum(-1)
         if self.kl_in_reward and self.placement.world > 1:
             dist.all_reduce(kl_rows)
             kl_rows /= self.placement.plan.tp  # the ranks of a tp group computed the same sums
@@ -260,16 +293,18 @@ class _MicroBatchRunner:
     def __call__(self, batch: dict[str, Any], advantages: np.ndarray) -> None:
         algo = self.algo
         dev = self._on_device(batch)
-        logits, logp = self._forward(self.model, dev)
-        ref = dev.get("ref_logprobs")
-        if ref is None and self.ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
-            with torch.no_grad():
-                ref = self._forward(self.ref_model, dev)[1]
-        ent = vocab_entropy(logits.detach() if algo.entropy_coef == 0 else logits, group=self.vocab["group"])
-        adv = torch.from_numpy(advantages[batch["rows"]] if batch["rows"] else np.zeros(1, np.float32))
-        terms = policy_loss(logp, dev["behaviour_logprobs"], adv.to(logp.device), dev["loss_mask"], dev["weights"],
-                            algo, old_logprobs=dev.get("old_logprobs"), ref_logprobs=ref, entropy=ent)
-        terms.loss.backward()
+        with self._packed(batch):
+            logits, logp = self._forward(self.model, dev)
+            ref = dev.get("ref_logprobs")
+            if ref is None and self.ref_model is not None and algo.kl_coef > 0 and algo.kl_in == "loss":
+                with torch.no_grad():
+                    ref = self._forward(self.ref_model, dev)[1]
+            ent = vocab_entropy(logits.detach() if algo.entropy_coef == 0 else logits, group=self.vocab["group"])
+            adv, view = _loss_rows(batch, advantages)
+            terms = policy_loss(view(logp), view(dev["behaviour_logprobs"]), adv.to(logp.device), view(dev["loss_mask"]),
+                                dev["weights"], algo, old_logprobs=view(dev.get("old_logprobs")), ref_logprobs=view(ref),
+                                entropy=view(ent))
+            terms.loss.backward()
         for k, v in terms.stats.items():
             if k in self.sums:
                 self.sums[k] += v
@@ -282,6 +317,16 @@ class _MicroBatchRunner:
             dist.all_reduce(stats)
             stats /= self.placement.plan.tp
         return dict(zip(_STATS, (float(x) for x in stats)))
+
+
+def _loss_rows(batch: dict[str, Any], advantages: np.ndarray) -> tuple[torch.Tensor, Any]:
+    """(advantages per loss row, a view of [B, n] tensors as loss rows). Padded: the batch's rows [B],
+    tensors as they are. Packed: every token is a row of one, [n] advantages and [n, 1] tensors."""
+    if "token_rows" not in batch:
+        return torch.from_numpy(advantages[batch["rows"]] if batch["rows"] else np.zeros(1, np.float32)), lambda x: x
+    j = batch["token_rows"]
+    adv = torch.from_numpy(advantages)[j.clamp(min=0)] * (j >= 0)
+    return adv, lambda x: None if x is None else x.reshape(-1, 1)
 
 
 def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],

@@ -9,6 +9,9 @@ tp share, so the two compose (heads % (tp x sp) == 0). Which tokens a rank holds
 `workers.batches`' answer; which groups exist is `workers.mesh`'s.
 
 Right padding never leaks into real tokens under a causal mask, so the padding mask is ignored.
+On a packed micro-batch (`workers.packed_attention.packed_segments` in force) each rank holds a
+contiguous 1/sp slice of the packed sequence, and after the all-to-all the attention runs per row
+segment with the micro-batch's global boundaries, which every rank of the group knows from the claim.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from earl_stream.errors import ConfigError
+from earl_stream.workers.packed_attention import base_implementation, packed_bounds, segment_attention
 
 ULYSSES = "ulysses"
-_BASE_ATTR = "_earl_base_attn_implementation"
 
 @dataclasses.dataclass
 class _SpState:
@@ -43,15 +46,14 @@ def set_sequence_parallel(models: Iterable[PreTrainedModel], group: Any, size: i
     _STATE.group, _STATE.size, _STATE.rank = (group, size, rank) if size > 1 else (None, 1, 0)
     for model in models:
         config: Any = model.config  # _attn_implementation is set on the instance
-        if not hasattr(config, _BASE_ATTR):
-            setattr(config, _BASE_ATTR, config._attn_implementation or "eager")
+        base = base_implementation(config)
         if size > 1:
             heads = config.num_attention_heads
             if heads % size:
                 raise ConfigError(f"sequence-parallel size {size} must divide the model's {heads} attention heads")
             config._attn_implementation = ULYSSES
         else:
-            config._attn_implementation = getattr(config, _BASE_ATTR)
+            config._attn_implementation = base
 
 
 class _AllToAll(torch.autograd.Function):
@@ -96,9 +98,10 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """Hugging Face attention interface: q [b, H, n, d], k/v [b, KV, n, d] of this rank's n tokens
     (rotary embedding already applied with global positions) -> ([b, n, H, d], None).
 
-    Causal over the whole sequence; `attention_mask` is ignored (right padding only, see the module
-    docstring). kv heads are all-to-all'ed at their own width when sp divides them, else repeated
-    to H first. The core runs the model's own implementation (eager materialises the scores).
+    Causal over the whole sequence, or within each row of a packed one; `attention_mask` is ignored
+    (right padding only, see the module docstring). kv heads are all-to-all'ed at their own width when
+    sp divides them, else repeated to H first. The core runs the model's own implementation (eager
+    materialises the scores; per row when packed).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
@@ -114,9 +117,12 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = (_heads_to_sequence(t, p, group) for t in (query, key, value))
     shim = types.SimpleNamespace(num_key_value_groups=groups, training=module.training, is_causal=True,
                                  layer_idx=getattr(module, "layer_idx", 0))
-    base = getattr(module.config, _BASE_ATTR, "eager")
+    base = base_implementation(module.config)
     s = q.shape[2]
-    if base == "eager":
+    bounds = packed_bounds()
+    if bounds is not None:
+        out = segment_attention(shim, q, k, v, bounds, base=base, dropout=dropout, scaling=scaling)
+    elif base == "eager":
         mask = torch.full((s, s), torch.finfo(q.dtype).min, dtype=q.dtype).triu(1)[None, None]
         out, _ = eager_attention_forward(shim, q, k, v, mask, dropout=dropout, scaling=scaling)  # type: ignore[arg-type]
     else:

@@ -78,8 +78,10 @@ def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, 
 
     `temperature` is the rollout's: the logits are divided by it, so that the log-probs are those of
     the distribution the engine sampled from (the built-in engine and vLLM report theirs after the
-    temperature); 0 (greedy) and 1 leave them as they are."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    temperature); 0 (greedy) and 1 leave them as they are. A packed batch ([1, n], position ids
+    restarting per row) runs inside `workers.packed_attention.packed_segments`."""
+    # no KV cache: nothing is generated (a cache would also turn off transformers' packed-position checks)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     return logits, vocab_logprobs(logits, batch["labels"], group=group, vocab_start=vocab_start)

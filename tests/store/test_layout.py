@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from earl_stream.errors import ConfigError
-from earl_stream.store.layout import Layout, Partition, assign_dp, partition, row_cost, zigzag_ranges
+from earl_stream.store.layout import Layout, Partition, assign_dp, materialised_tokens, partition, row_cost, zigzag_ranges
 
 lengths_st = st.lists(st.integers(min_value=0, max_value=300), min_size=0, max_size=40)
 sizes_st = st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4))  # dp, tp, cp
@@ -62,22 +62,25 @@ def test_every_token_reaches_every_rank_that_needs_it_exactly_once(
 
 
 @settings(max_examples=150, deadline=None)
-@given(lengths=lengths_st, sizes=sizes_st, budget=budget_st, qw=qw_st)
+@given(lengths=lengths_st, sizes=sizes_st, budget=budget_st, qw=qw_st, packed=st.booleans())
 def test_micro_batches_respect_the_budget_and_cover_the_rows(
-    lengths: list[int], sizes: tuple[int, int, int], budget: int | None, qw: float
+    lengths: list[int], sizes: tuple[int, int, int], budget: int | None, qw: float, packed: bool
 ) -> None:
     dp, tp, cp = sizes
     layout = Layout.from_rank(dp * tp * cp - 1, dp, tp, cp)
-    part = partition(lengths, layout, micro_batch_tokens=budget, quadratic_weight=qw)
+    part = partition(lengths, layout, micro_batch_tokens=budget, quadratic_weight=qw, packed=packed)
     flat = [row for mb in part.micro_batches for row in mb]
     assert sorted(flat) == part.rows == sorted(part.rows) and len(set(flat)) == len(flat)
     for mb in part.micro_batches:
-        tokens = sum(-(-lengths[r] // cp) for r in mb)
+        rows = [lengths[r] for r in mb]
+        # what one cp rank materialises: its slice of the packed length, or rows x its slice of the longest
+        tokens = -(-sum(rows) // cp) if packed else len(rows) * -(-max(rows) // cp)
+        assert tokens * cp == materialised_tokens(rows, cp, packed=packed)
         assert mb, "no empty micro-batches"
         assert budget is None or tokens <= budget or len(mb) == 1  # a longer row goes alone, never dropped
     assert part.max_micro_batches >= len(part.micro_batches)
     # Recomputing from an equal copy of the claim gives the identical answer.
-    again = partition(list(lengths), layout, micro_batch_tokens=budget, quadratic_weight=qw)
+    again = partition(list(lengths), layout, micro_batch_tokens=budget, quadratic_weight=qw, packed=packed)
     assert again == part and again.dp_loads == part.dp_loads
 
 

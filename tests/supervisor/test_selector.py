@@ -23,13 +23,13 @@ from earl_stream.supervisor.memory_model import (
     check_fit,
     predict_train_memory,
 )
+from earl_stream.supervisor.rollout_selector import RolloutSelector
 from earl_stream.supervisor.selector import (
     MIB,
     Infeasible,
     PlanDecision,
     PoolBudget,
     RolloutDecision,
-    RolloutSelector,
     Thresholds,
     TrainerSelector,
     micro_batch_tokens,

@@ -53,9 +53,12 @@ class RunSpec:
     restart: int = 0  # times a dead trainer pool (from its checkpoint), rollout worker or supervisor restarts
 
     def encrypt_env(self) -> dict[str, str]:
-        """In every process's environment: whether it encrypts its planes (security.encrypt), since a worker
-        connects before it has the run's config."""
-        return {ENCRYPT_ENV: "1" if self.cfg.security.encrypt else "0"}
+        """In every process's environment: whether it encrypts its planes (security.encrypt) and serves its HTTP
+        endpoints over TLS with which files (earl_stream/tls.py), since a worker connects and starts its metrics
+        endpoint before it has the run's config."""
+        from earl_stream.tls import tls_env
+
+        return {ENCRYPT_ENV: "1" if self.cfg.security.encrypt else "0", **tls_env(self.cfg.security)}
 
 
 @runtime_checkable

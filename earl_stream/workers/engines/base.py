@@ -1,7 +1,9 @@
 """The inference-engine plug-in contract shared by every backend (built-in torch, vLLM, SGLang).
 
-It owns the request/result types and the `Engine` Protocol. It leaves batching across asyncio
-episodes to `batcher.AsyncBatcher`, and everything about how tokens are computed to the backends.
+It owns the request/result types, the `Engine` Protocol, the checks every backend makes of a request
+(`check_request`) and `RequestRefused` (a request too large for the engine's capacity). It leaves
+batching across asyncio episodes to `batcher.AsyncBatcher`, and everything about how tokens are
+computed to the backends.
 
 Log-prob convention (what the trainer's importance ratios rely on): `GenerateResult.logprobs[i]` is
 the natural-log probability of `token_ids[i]` under the distribution it was actually sampled from,
@@ -17,6 +19,14 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from earl_stream.errors import EngineError
+
+
+class RequestRefused(EngineError):
+    """A request the engine cannot serve at its current capacity even alone (its prompt plus
+    `max_new_tokens` exceed the KV budget): refused before it runs, never a crash. The message says
+    what it needs and what the engine has; the agent loop ends its episode as too long."""
 
 
 class FinishReason(enum.Enum):
@@ -115,3 +125,26 @@ class Engine(Protocol):
     def set_capacity(self, capacity: EngineCapacity) -> None:
         """Adopt new capacity knobs (between batches)."""
         ...
+
+
+def check_request(i: int, req: GenerateRequest, vocab_size: int, max_len: int = 0) -> None:
+    """Raise EngineError if request `i` cannot be served (every backend's rules), RequestRefused if it
+    is longer than a context of `max_len` tokens (0: the built-in engine, whose admission refuses it)."""
+    where = f"request {i}"
+    if len(req.prompt_ids) == 0:
+        raise EngineError(f"{where}: prompt_ids is empty; it must hold the full context (>= 1 token)")
+    if req.max_new_tokens < 1:
+        raise EngineError(f"{where}: max_new_tokens={req.max_new_tokens}, must be >= 1")
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+        raise EngineError(
+            f"{where}: temperature={req.temperature} (>= 0), top_p={req.top_p} (in (0, 1]), "
+            f"top_k={req.top_k} (>= 0): a value is out of range"
+        )
+    lo, hi = min(req.prompt_ids), max(req.prompt_ids)
+    if lo < 0 or hi >= vocab_size:
+        raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {vocab_size})")
+    if max_len and len(req.prompt_ids) + req.max_new_tokens > max_len:  # refused, not failed: its episode ends too long
+        raise RequestRefused(
+            f"{where}: {len(req.prompt_ids)} prompt + {req.max_new_tokens} new tokens exceed the engine's "
+            f"context of {max_len} tokens (kv_budget_tokens or the model's max_position_embeddings)"
+        )

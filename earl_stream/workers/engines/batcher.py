@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from earl_stream.errors import EngineError
-from earl_stream.workers.engines.base import Engine, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.base import Engine, GenerateRequest, GenerateResult, RequestRefused
 
 _LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +43,12 @@ class _Waiting:
 class _Exclusive:
     fn: Callable[[], Any]
     future: asyncio.Future[Any]
+
+
+def _fail(batch: list[_Waiting], exc: Exception) -> None:
+    for waiting in batch:
+        if not waiting.future.done():
+            waiting.future.set_exception(exc)
 
 
 class AsyncBatcher:
@@ -299,11 +305,18 @@ class AsyncBatcher:
             results = await asyncio.to_thread(self._engine.generate, [w.request for w in batch])
             if len(results) != len(batch):
                 raise EngineError(f"engine returned {len(results)} results for {len(batch)} requests")
+        except RequestRefused as exc:
+            if len(batch) == 1:
+                _fail(batch, exc)
+                return
+            # an engine that checks a whole batch before running it refuses all for one request too large:
+            # run each alone, so that only that one is refused
+            self._requests -= len(batch)
+            for waiting in batch:
+                await self._run_batch([waiting])
         except Exception as exc:  # the engine's failure belongs to exactly this batch's callers
             _LOG.warning("engine batch of %d requests failed: %r", len(batch), exc)
-            for waiting in batch:
-                if not waiting.future.done():
-                    waiting.future.set_exception(exc)
+            _fail(batch, exc)
         else:
             for waiting, result in zip(batch, results):
                 if not waiting.future.done():

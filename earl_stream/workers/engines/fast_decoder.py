@@ -96,12 +96,26 @@ class StaticKV:
 
     def reserve(self, tokens: int, rows: int = 0, *, exact: bool = False) -> None:
         """Make room for `tokens` more positions and `rows` more rows. Positions grow by doubling (appends
-        stay amortised O(1)) unless `exact` (the caller knows the final length); rows grow exactly."""
+        stay amortised O(1)) and rows exactly; with `exact` (the caller knows the final size: a join) a
+        storage that must grow is re-allocated to exactly the live rows + `rows` x length + `tokens`,
+        dropping rows and positions no longer used (the engine's admission counts that size). One layer
+        is re-allocated at a time: old and new storage coexist for that layer only."""
         need_len, need_rows = self.length + tokens, self.rows + rows
         if need_len <= self.capacity and need_rows <= self.row_capacity:
             return
-        new_cap = self.capacity if need_len <= self.capacity else max(need_len, 0 if exact else 2 * self.capacity)
-        new_rows = max(need_rows, self.row_capacity)
+        if exact:
+            self._reallocate(need_rows, need_len)
+            return
+        new_cap = self.capacity if need_len <= self.capacity else max(need_len, 2 * self.capacity)
+        self._reallocate(max(need_rows, self.row_capacity), new_cap)
+
+    def compact(self, room: int) -> None:
+        """Shrink the storage to exactly the live rows x (length + `room`) positions, freeing what rows
+        that left and positions no row will use held (one layer at a time, as `reserve`)."""
+        if self.rows * (self.length + room) < self.held_tokens:
+            self._reallocate(self.rows, self.length + room)
+
+    def _reallocate(self, new_rows: int, new_cap: int) -> None:
         for layer in self.layers:
             for name in ("k_store", "v_store"):
                 old = getattr(layer, name)

@@ -61,6 +61,12 @@ class KVStore:
             return None
         return entry if n == len(entry.tokens) else entry.prefix(n)
 
+    def reusable(self, key: str, prompt: list[int]) -> int:
+        """How many of `prompt`'s tokens `take(key, prompt)` would give KV for now (0 if none)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return max(0, min(common_prefix(entry.tokens, prompt), len(prompt) - 1)) if entry is not None else 0
+
     def put(self, key: str, entry: KeptKV) -> None:
         with self._lock:
             old = self._entries.pop(key, None)

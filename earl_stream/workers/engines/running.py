@@ -5,8 +5,9 @@ from, the tokens so far, and the result or error the submitting thread waits for
 (the rows, their KV cache, attention mask, positions and next-token logits, kept aligned row by
 row), with the three layout changes continuous batching needs: admit rows (`join`), drop finished
 rows (`keep_rows`) and drop leading padding every remaining row shares (`trim`); and the row-wise KV
-and sampling helpers (kept KV in and out, per-row uniforms). Which rows to admit, the forward passes
-and the sampling itself are `torch_engine`'s and `sampling`'s job.
+and sampling helpers (kept KV in and out, per-row uniforms), and the layout of a prefill (`prefill_layout`:
+which rows run, their ids, mask and positions). Which rows to admit, the forward passes and the
+sampling itself are `admission`'s, `torch_engine`'s and `sampling`'s job.
 
 Layout (one row per request, all rows share the cache length T):
   mask [B, T]: | pad | row's tokens (kept KV, prompt, generated) |; positions are cumsum(mask) - 1.
@@ -170,3 +171,61 @@ def draw_uniforms(rows: list[Row], rng: torch.Generator) -> torch.Tensor:
 
 def _pad_left(mask: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([mask.new_zeros((mask.shape[0], n)), mask], dim=1) if n else mask
+
+
+@dataclass
+class PrefillLayout:
+    """One prefill of admitted rows: `sources` (the rows run through the model; `index[i]`: the source of
+    admitted row i), `cached[j]` kept positions of source j (right-aligned in [0, width_c)), ids
+    [S, width_n] int64 of their new tokens (left-padded), mask [S, width_c + width_n] int64, positions
+    [S, width_n] int64 of the new tokens."""
+
+    sources: list[Row]
+    index: list[int]
+    cached: list[int]
+    width_c: int
+    width_n: int
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+
+def prefill_layout(rows: list[Row], sharing: bool, pad_id: int) -> PrefillLayout:
+    """Lay out the prefill of `rows`. Rows that start from no kept cache and carry the same prompt (a GRPO
+    group) share one source when `sharing`. The cache is as wide as the longest prompt (what admission
+    counts): kept KV that would reach into another row's new tokens is used only up to width_c (and
+    cut to it on the row: the rest of that row is recomputed)."""
+    sources, index = _sources(rows, sharing)
+    cached = [len(r.kept.tokens) if r.kept is not None else 0 for r in sources]
+    width_n = max(len(r.prompt) - c for r, c in zip(sources, cached))
+    width_c = max(len(r.prompt) for r in sources) - width_n
+    cached = [min(c, width_c) for c in cached]
+    for row, c in zip(sources, cached):
+        if row.kept is not None and len(row.kept.tokens) > c:
+            row.kept = row.kept.prefix(c) if c else None
+    ids = torch.full((len(sources), width_n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sources), width_c + width_n), dtype=torch.long)
+    for b, (row, c) in enumerate(zip(sources, cached)):
+        new = row.prompt[c:]
+        ids[b, width_n - len(new) :] = torch.tensor(new, dtype=torch.long)
+        mask[b, width_c - c : width_c] = 1
+        mask[b, width_c + width_n - len(new) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
+    return PrefillLayout(sources, index, cached, width_c, width_n, ids, mask, positions)
+
+
+def _sources(rows: list[Row], sharing: bool) -> tuple[list[Row], list[int]]:
+    """The rows to run through the model, and for each admitted row the index of its source."""
+    sources: list[Row] = []
+    index: list[int] = []
+    by_prompt: dict[tuple[int, ...], int] = {}
+    for row in rows:
+        key = tuple(row.prompt) if sharing and row.kept is None else None
+        if key is not None and key in by_prompt:
+            index.append(by_prompt[key])
+            continue
+        if key is not None:
+            by_prompt[key] = len(sources)
+        index.append(len(sources))
+        sources.append(row)
+    return sources, index

@@ -40,15 +40,8 @@ from typing import Any
 import torch
 
 from earl_stream.errors import EngineError
-from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
-from earl_stream.workers.engines.vllm_engine import (
-    _shm_root,
-    check_request,
-    clamp_capacity,
-    read_model_shape,
-    state_problems,
-    write_checkpoint,
-)
+from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
+from earl_stream.workers.engines.vllm_engine import _shm_root, clamp_capacity, read_model_shape, state_problems, write_checkpoint
 
 _LOG = logging.getLogger(__name__)
 

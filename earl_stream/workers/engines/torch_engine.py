@@ -7,8 +7,11 @@ prefilling a prompt that several admitted requests share (a GRPO group) once and
 each of them (`prefix_sharing`); per-row sampling with each request's own parameters and generator,
 so a seeded row's tokens and log-probs do not depend on which rows share its batch (to ~1e-5);
 reusing the KV caches kept between the turns of an episode (`cache_key`; `kv_store.KVStore`); and
-one KV bound: the running batch's KV storage plus the kept caches stay within `kv_budget_tokens`
-(admission waits while the batch is full; kept caches are evicted first). Each sampled token is handed
+one KV bound: the running batch's KV storage, the rows joining it and the kept caches stay within
+`kv_budget_tokens` (`admission`: rows wait while they do not fit, so fewer run at once as contexts
+grow; kept caches are evicted first; a request too large even alone is refused with
+`RequestRefused`; one prefill runs at most `max_prefill_tokens` positions past its first row, which
+bounds its activations). The KV positions in use, the running rows and the budget are Prometheus gauges. Each sampled token is handed
 to its request's `on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
 It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, and
 tokenisation to the agent loop. CPU/fp32 is the tested configuration.
@@ -26,6 +29,7 @@ driving, so a request arriving mid-batch joins it instead of waiting for the bat
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -34,18 +38,29 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from earl_stream import metrics as M
 from earl_stream.errors import EngineError
 from earl_stream.model.lora import AdapterMerger, is_adapter_state
-from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
+from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
 from earl_stream.workers.engines.kv_store import KVStore
-from earl_stream.workers.engines.running import Row, RunningBatch, draw_uniforms, fill_kept, kept_kv, merged_kept, select_rows
+from earl_stream.workers.engines.running import (
+    Row,
+    RunningBatch,
+    draw_uniforms,
+    fill_kept,
+    kept_kv,
+    merged_kept,
+    prefill_layout,
+    select_rows,
+)
 from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
 
 _LOG = logging.getLogger(__name__)
 _HANDOFF_S = 0.002  # how often a thread whose rows another thread is driving checks whether to take over
 _COUNTERS = ("batches", "forward_calls", "prefill_tokens", "reused_tokens", "generated", "shared_prefix_tokens",
-             "admitted_while_running", "peak_kv_tokens")
+             "admitted_while_running", "peak_kv_tokens", "refused", "compactions")
 
 
 @dataclass(frozen=True)
@@ -61,7 +76,9 @@ class EngineStats:
     shared_prefix_tokens: int = 0  # prompt tokens not run because an identical prompt was admitted with them
     admitted_while_running: int = 0  # rows that joined a batch that was already decoding
     running_kv_tokens: int = 0  # KV positions the running batch holds now (rows x positions of its storage)
-    peak_kv_tokens: int = 0  # most KV positions held at once (running batch + kept caches), after each step
+    peak_kv_tokens: int = 0  # most KV positions held at once (running batch, rows joining it, kept caches)
+    running_rows: int = 0  # rows decoding now
+    refused: int = 0  # requests refused as larger than the KV budget on their own (RequestRefused)
 
 
 class TorchEngine:
@@ -81,10 +98,12 @@ class TorchEngine:
         fast_forward: bool = True,
         continuous: bool = True,
         prefix_sharing: bool = True,
+        max_prefill_tokens: int = 8192,
     ) -> None:
         """`fast_forward=False` always uses the HF model's forward (for comparisons and debugging);
         `continuous=False` admits requests only into an empty batch (batch-to-completion);
-        `prefix_sharing=False` prefills every row's prompt separately."""
+        `prefix_sharing=False` prefills every row's prompt separately; `max_prefill_tokens` bounds the
+        prompt positions (without kept KV) one prefill runs, past its first row (0: no bound)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
@@ -112,7 +131,10 @@ class TorchEngine:
         self._fast = FastDecoder(model) if fast_forward and self._can_keep and FastDecoder.supports(model) else None
         self._continuous = continuous and self._fast is not None
         self._sharing = prefix_sharing
+        self._max_prefill = max_prefill_tokens
         self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._layers = int(config.num_hidden_layers)
+        M.ROLLOUT_KV_BUDGET_TOKENS.set(kv_budget_tokens)
 
     # ---------------------------------------------------------------- Engine protocol
 
@@ -134,6 +156,7 @@ class TorchEngine:
         _check_capacity(capacity)
         self._capacity = capacity
         self._kv.set_budget(capacity.kv_budget_tokens)
+        M.ROLLOUT_KV_BUDGET_TOKENS.set(capacity.kv_budget_tokens)
 
     @property
     def stats(self) -> EngineStats:
@@ -142,7 +165,7 @@ class TorchEngine:
         return EngineStats(
             c["batches"], c["forward_calls"], c["prefill_tokens"], c["reused_tokens"], c["generated"], self._kv.tokens,
             c["shared_prefix_tokens"], c["admitted_while_running"], batch.held_tokens if batch else 0,
-            c["peak_kv_tokens"],
+            c["peak_kv_tokens"], len(batch.rows) if batch else 0, c["refused"],
         )
 
     def release(self, cache_key: str) -> None:
@@ -173,7 +196,7 @@ class TorchEngine:
         Nothing runs until some thread calls `step` or `drive` (as `generate` does)."""
         reqs = list(requests)
         for i, req in enumerate(reqs):
-            self._check_request(i, req)
+            check_request(i, req, self._vocab)
         rows = [Row(req, list(req.prompt_ids), torch.Generator().manual_seed(req.seed) if req.seed is not None else None,
                     on_done=on_done) for req in reqs]
         with self._intake_lock:
@@ -204,6 +227,8 @@ class TorchEngine:
                 self._fail_running(exc)
         held = (self._batch.held_tokens if self._batch else 0) + self._kv.tokens
         self._counts["peak_kv_tokens"] = max(self._counts["peak_kv_tokens"], held)
+        M.ROLLOUT_KV_TOKENS_IN_USE.set(held)
+        M.ROLLOUT_ADMITTED_SEQUENCES.set(len(self._batch.rows) if self._batch else 0)
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `state` into the live parameters (strict by name and shape), drop kept caches, set the version.
@@ -236,50 +261,59 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- scheduling
 
-    def _check_request(self, i: int, req: GenerateRequest) -> None:
-        where = f"request {i}"
-        if len(req.prompt_ids) == 0:
-            raise EngineError(f"{where}: prompt_ids is empty; it must hold the full context (>= 1 token)")
-        if req.max_new_tokens < 1:
-            raise EngineError(f"{where}: max_new_tokens={req.max_new_tokens}, must be >= 1")
-        if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
-            raise EngineError(
-                f"{where}: temperature={req.temperature} (>= 0), top_p={req.top_p} (in (0, 1]), "
-                f"top_k={req.top_k} (>= 0): a value is out of range"
-            )
-        lo, hi = min(req.prompt_ids), max(req.prompt_ids)
-        if lo < 0 or hi >= self._vocab:
-            raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {self._vocab})")
-
     def _take_admissible(self) -> list[Row]:
-        """Queued rows, oldest first, that fit the running batch: at most max_concurrent_sequences rows,
-        and rows x (longest context + most tokens still to come) within the KV budget. A lone request
-        larger than the budget still runs (alone): refusing it would stall its caller forever."""
+        """Queued rows, oldest first, that fit next to the running batch (`admission.take_admissible`);
+        rows too large for the budget even alone are refused. When the oldest waits only because the
+        batch's storage still holds rows that left, the storage is compacted first. Evicts kept
+        caches to make room."""
         batch = self._batch
         if not self._admitting or (batch is not None and not self._continuous):
             return []
-        cap = self._capacity
-        running = batch.rows if batch is not None else []
-        length = batch.length if batch is not None else 0
-        room = max((r.remaining for r in running), default=0)
-        held_rows = batch.cache.row_capacity if batch is not None and isinstance(batch.cache, StaticKV) else 0
-        taken: list[Row] = []
+        cap, plan = self._capacity, KVPlan(self._layers)
+        storage = batch.cache if batch is not None and isinstance(batch.cache, StaticKV) else None
+        if batch is not None:
+            plan = KVPlan(self._layers, storage.row_capacity if storage else len(batch.rows),
+                          storage.capacity if storage else batch.length, len(batch.rows), batch.length,
+                          max(r.remaining for r in batch.rows))
         with self._intake_lock:
-            while self._intake:
-                row = self._intake[0]
-                count = len(running) + len(taken) + 1
-                length_after = max(length, len(row.prompt))
-                room_after = max(room, row.req.max_new_tokens)
-                fits = count <= cap.max_concurrent_sequences
-                fits = fits and max(count, held_rows) * (length_after + room_after) <= cap.kv_budget_tokens
-                if not fits and (running or taken):
-                    break
-                taken.append(self._intake.popleft())
-                length, room = length_after, room_after
+            taken, refused, plan = take_admissible(self._intake, plan, cap, max_prefill_tokens=self._max_prefill,
+                                                   new_part=self._new_part)
+            tight = self._compacted(plan, cap) if not taken and self._intake and storage is not None else None
+            if storage is not None and tight is not None:  # one layer re-allocated at a time: room for it first
+                self._kv.evict_to(max(0, cap.kv_budget_tokens - plan.held_tokens - -(-tight.held_tokens // self._layers)))
+                storage.compact(tight.room)
+                self._counts["compactions"] += 1
+                taken, more, plan = take_admissible(self._intake, tight, cap, max_prefill_tokens=self._max_prefill,
+                                                    new_part=self._new_part)
+                refused += more
             if taken:
-                self._kv.evict_to(max(0, cap.kv_budget_tokens - max(len(running) + len(taken), held_rows)
-                                      * (length + room)))
+                self._kv.evict_to(max(0, cap.kv_budget_tokens - plan.peak_tokens))
+                self._counts["peak_kv_tokens"] = max(self._counts["peak_kv_tokens"], plan.peak_tokens + self._kv.tokens)
+        for row in refused:
+            self._counts["refused"] += 1
+            M.ROLLOUT_REQUESTS_REFUSED.inc()
+            error = refusal(row, cap)
+            _LOG.warning("refused: %s", error)
+            row.finish(error=error)
         return taken
+
+    def _new_part(self, row: Row) -> int:
+        """The prompt tokens `row` would run through the model: those its kept KV does not cover."""
+        key = row.req.cache_key
+        if key is None or not self._can_keep or key in self._live_keys:
+            return len(row.prompt)
+        return len(row.prompt) - self._kv.reusable(key, row.prompt)
+
+    def _compacted(self, plan: KVPlan, cap: EngineCapacity) -> KVPlan | None:
+        """The plan with a storage of only the live rows' positions, if the oldest queued row fits next
+        to that and not next to the storage as it is (None otherwise)."""
+        tight = dataclasses.replace(plan, row_capacity=plan.rows, capacity=plan.length + plan.room)
+        if tight.held_tokens >= plan.held_tokens:
+            return None
+        head = self._intake[0]
+        trial = tight.join(len(head.prompt), head.req.max_new_tokens, self._new_part(head))
+        fits = trial.rows <= cap.max_concurrent_sequences and trial.peak_tokens <= cap.kv_budget_tokens
+        return tight if fits else None
 
     def _admit(self) -> None:
         rows = self._take_admissible()
@@ -326,24 +360,11 @@ class TorchEngine:
     # ---------------------------------------------------------------- forward passes
 
     def _prefill(self, rows: list[Row]) -> RunningBatch:
-        """One forward over the new prompt tokens of the admitted rows, each distinct prompt once.
-
-        Rows that start from no kept cache and carry the same prompt (a GRPO group) share one source
-        row; its KV and logits are then copied to each of them.
-        """
-        sources, index = self._sources(rows)
-        cached = [len(r.kept.tokens) if r.kept is not None else 0 for r in sources]
-        width_c = max(cached)
-        width_n = max(len(r.prompt) - c for r, c in zip(sources, cached))
-        ids = torch.full((len(sources), width_n), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(sources), width_c + width_n), dtype=torch.long)
-        for b, (row, c) in enumerate(zip(sources, cached)):
-            new = row.prompt[c:]
-            ids[b, width_n - len(new) :] = torch.tensor(new, dtype=torch.long)
-            mask[b, width_c - c : width_c] = 1
-            mask[b, width_c + width_n - len(new) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
-        ids, mask, positions = ids.to(self._device), mask.to(self._device), positions.to(self._device)
+        """One forward over the new prompt tokens of the admitted rows, laid out by `prefill_layout`: each
+        distinct prompt once, its KV and logits then copied to every row that shares it."""
+        lay = prefill_layout(rows, self._sharing, self._pad_id)
+        sources, index, cached, width_c, width_n = lay.sources, lay.index, lay.cached, lay.width_c, lay.width_n
+        ids, mask, positions = lay.ids.to(self._device), lay.mask.to(self._device), lay.positions.to(self._device)
         cache: DynamicCache | StaticKV | None
         if self._fast is not None:
             capacity = width_c + width_n + max(r.req.max_new_tokens for r in rows)
@@ -369,22 +390,6 @@ class TorchEngine:
             logits, mask = logits[idx], mask[idx]
         return RunningBatch(rows, cache, mask, mask.sum(-1), logits.float())
 
-    def _sources(self, rows: list[Row]) -> tuple[list[Row], list[int]]:
-        """The rows to run through the model, and for each admitted row the index of its source."""
-        sources: list[Row] = []
-        index: list[int] = []
-        by_prompt: dict[tuple[int, ...], int] = {}
-        for row in rows:
-            key = tuple(row.prompt) if self._sharing and row.kept is None else None
-            if key is not None and key in by_prompt:
-                index.append(by_prompt[key])
-                continue
-            if key is not None:
-                by_prompt[key] = len(sources)
-            index.append(len(sources))
-            sources.append(row)
-        return sources, index
-
     def _sample_and_retire(self, batch: RunningBatch) -> torch.Tensor:
         """Sample one token per row; finished rows keep their KV (if keyed), get their result and leave.
         Returns the sampled tokens [B'] int64 of the rows that stay."""
@@ -404,7 +409,10 @@ class TorchEngine:
             if row.reason is None:
                 stay.append(j)
                 continue
-            if row.keep_key is not None:
+            # its copy is made while the batch still holds the row: kept only if both fit the budget
+            room = self._capacity.kv_budget_tokens - batch.held_tokens - (len(row.prompt) + len(row.tokens) - 1)
+            if row.keep_key is not None and room >= 0:
+                self._kv.evict_to(room)
                 self._kv.put(row.keep_key, kept_kv(row, batch.cache, batch.mask, j))
             self._live_keys.discard(row.keep_key or "")
             row.finish(GenerateResult(row.tokens, row.logprobs, row.reason, self._version))

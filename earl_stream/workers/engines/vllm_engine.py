@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from earl_stream.errors import EngineError
-from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 
 _LOG = logging.getLogger(__name__)
 
@@ -96,28 +96,6 @@ def read_model_shape(model_dir: Path) -> ModelShape:
         tied_embeddings=bool(getattr(full, "tie_word_embeddings", False)),
         tensors=tensors,
     )
-
-
-def check_request(i: int, req: GenerateRequest, vocab_size: int, max_len: int) -> None:
-    """Raise EngineError if request `i` cannot be served (the same rules as the torch engine)."""
-    where = f"request {i}"
-    if len(req.prompt_ids) == 0:
-        raise EngineError(f"{where}: prompt_ids is empty; it must hold the full context (>= 1 token)")
-    if req.max_new_tokens < 1:
-        raise EngineError(f"{where}: max_new_tokens={req.max_new_tokens}, must be >= 1")
-    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
-        raise EngineError(
-            f"{where}: temperature={req.temperature} (>= 0), top_p={req.top_p} (in (0, 1]), "
-            f"top_k={req.top_k} (>= 0): a value is out of range"
-        )
-    lo, hi = min(req.prompt_ids), max(req.prompt_ids)
-    if lo < 0 or hi >= vocab_size:
-        raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {vocab_size})")
-    if len(req.prompt_ids) + req.max_new_tokens > max_len:
-        raise EngineError(
-            f"{where}: {len(req.prompt_ids)} prompt + {req.max_new_tokens} new tokens exceed the engine's "
-            f"context of {max_len} tokens (kv_budget_tokens or the model's max_position_embeddings)"
-        )
 
 
 def state_problems(state: Mapping[str, torch.Tensor], shape: ModelShape) -> list[str]:

@@ -198,13 +198,14 @@ def test_kept_kv_cache_gives_the_same_turns_with_less_prefill(model: Qwen2ForCau
 
 
 def test_kept_caches_are_bounded_released_and_dropped_on_load(model: Qwen2ForCausalLM) -> None:
-    engine = TorchEngine(model, kv_budget_tokens=200)
+    # a finished row's KV is copied while the batch still holds it: kept only if both fit the budget
+    engine = TorchEngine(model, kv_budget_tokens=300)
     play_turns(engine, prompts([30, 30, 30, 30], seed=8), 2, keys=True)
-    assert 0 < engine.stats.kept_cache_tokens <= 200
+    assert 0 < engine.stats.kept_cache_tokens <= 300
     engine.set_capacity(EngineCapacity(64, 2000))
-    play_turns(engine, prompts([60, 60, 60, 60], seed=8), 2, keys=True)
+    play_turns(engine, prompts([90, 90, 90, 90], seed=8), 2, keys=True)
     kept = engine.stats.kept_cache_tokens
-    assert kept > 200
+    assert kept > 300
     engine.release("ep0")
     assert engine.stats.kept_cache_tokens < kept
     engine.load_state_dict(model.state_dict(), version=1)

@@ -1,0 +1,91 @@
+"""`earl-stream keys show|derive ROLE`: the scoped keys derived from a run's cluster secret (earl_stream/keys.py).
+
+`show` lists every role's key and what it allows; `derive ROLE` prints one (or writes it to a file only this
+user can read), for a dashboard, an operator or an agent program that should not hold the cluster secret.
+The secret is found as every command finds it (`--secret-file`, $EARL_STREAM_SECRET_FILE, or the run in this
+directory whose ready file names `--supervisor`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from earl_stream.errors import ConfigError
+from earl_stream.keys import ROLE_KEYS, KeyRole, agent_key, role_of, role_token
+from earl_stream.security import load_secret
+
+WHAT = {
+    KeyRole.WORKER: "registers rollout workers and trainer ranks and sends their messages (a worker also needs "
+                    "the cluster secret for the data plane)",
+    KeyRole.OPERATOR: "scale, env attach|detach, stopping the run; and what the read-only key may do",
+    KeyRole.READONLY: "status, env list, episodes tail|export (metadata), metrics scraping (the bearer token)",
+    KeyRole.AGENT: "one episode's requests to the OpenAI endpoint until it expires (keys derive agent --episode ID)",
+}
+ROLE_CHOICES = [r.value for r in ROLE_KEYS] + [KeyRole.AGENT.value]
+
+
+def add_parser(sub: Any, add_secret_arg: Any) -> None:
+    p = sub.add_parser("keys", help="print the scoped keys derived from the cluster secret",
+                       description="Keys derived from the run's cluster secret, each allowing only its role: worker, "
+                                   "operator, readonly (status, episodes, metrics) and agent (one episode's requests "
+                                   "to the OpenAI endpoint). Give a role key to a command with --secret-file: it "
+                                   "signs with it, and the supervisor refuses what that role may not do.")
+    ksub = p.add_subparsers(dest="keys_command", required=True)
+    show = ksub.add_parser("show", help="print every role's key and what it allows")
+    derive = ksub.add_parser("derive", help="print (or write) one role's key",
+                             description="Print ROLE's key, or write it to --out (mode 0600). An agent key is for "
+                                         "one episode (--episode) and expires after --ttl seconds.")
+    derive.add_argument("role", choices=ROLE_CHOICES, metavar="ROLE", help=f"one of {ROLE_CHOICES}")
+    derive.add_argument("--out", metavar="PATH", help="write the key here (readable only by you) instead of printing it")
+    derive.add_argument("--episode", metavar="ID", help="agent only: the episode id its requests carry (X-Episode-Id)")
+    derive.add_argument("--ttl", type=float, default=3600.0, metavar="SECONDS", help="agent only: lifetime (default 3600)")
+    for q in (show, derive):
+        q.add_argument("--supervisor", metavar="tcp://HOST:PORT",
+                       help="find the secret of the run in this directory whose ready file names this address")
+        add_secret_arg(q)
+
+
+def _secret() -> bytes:
+    secret = load_secret()
+    if secret is None:
+        raise ConfigError("no cluster secret: pass --secret-file PATH (or --supervisor ADDR in the directory of "
+                          "the run), or set EARL_STREAM_SECRET_FILE")
+    held = role_of(secret)
+    if held is not KeyRole.CLUSTER:
+        raise ConfigError(f"keys are derived from the cluster secret; the file given holds the {held.value if held else '?'} "
+                          "key, from which no other key can be derived")
+    return secret
+
+
+def write_key(path: Path, key: bytes) -> Path:
+    """`key` in a new file readable only by this user."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key + b"\n")
+    return path
+
+
+def run_keys_command(args: argparse.Namespace) -> int:
+    secret = _secret()
+    if args.keys_command == "show":
+        for role in ROLE_KEYS:
+            print(f"{role.value:9s} {role_token(secret, role).decode()}\n          {WHAT[role]}")
+        print(f"{'agent':9s} (per episode: earl-stream keys derive agent --episode ID)\n          {WHAT[KeyRole.AGENT]}")
+        return 0
+    role = KeyRole(args.role)
+    if role is KeyRole.AGENT:
+        if not args.episode:
+            raise ConfigError("an agent key is for one episode: pass --episode ID")
+        key = agent_key(secret, args.episode, args.ttl).encode()
+    else:
+        key = role_token(secret, role)
+    if args.out:
+        print(f"wrote the {role.value} key to {write_key(Path(args.out), key)}")
+    else:
+        print(key.decode())
+    return 0

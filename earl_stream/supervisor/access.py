@@ -1,0 +1,51 @@
+"""Which control-plane message each key role may send to the supervisor (least privilege; keys.py says
+who holds which key).
+
+The supervisor verifies a message against every role's key (`security.check_keys`), then asks
+`refusal` whether that role may send it. A refused message changes nothing (it is neither handled nor
+logged); the sender hears which role it needed, and the refusal is counted
+(`earl_security_refused_total{plane="control", reason="role"}`).
+"""
+
+from __future__ import annotations
+
+from earl_stream import protocol as P
+from earl_stream.keys import KeyRole
+
+# what only reads the run
+_READ = (P.StatusRequest, P.EnvList, P.RecentEpisodes)
+# what an operator changes: the pool's size, the environments, stopping the run
+_OPERATE = (P.Scale, P.EnvAttach, P.EnvDetach, P.Finished)
+# what workers send about their own work (Finished: the trainer's end of the run)
+_WORK = (P.Register, P.Heartbeat, P.RequestPrompts, P.PutMeta, P.RecoverSamples, P.Claim, P.PlanAdopted, P.Release,
+         P.PublishVersion, P.Finished)
+
+_ALLOWED: dict[KeyRole, tuple[type, ...]] = {
+    KeyRole.READONLY: _READ,
+    KeyRole.OPERATOR: _READ + _OPERATE,
+    KeyRole.WORKER: _WORK,
+}
+
+
+def allowed(role: KeyRole, msg: object) -> bool:
+    """Whether a message signed with `role`'s key may be handled. A client's registration (Role.CLIENT,
+    which only names a command's connection) is a read."""
+    if role is KeyRole.CLUSTER:
+        return True
+    if isinstance(msg, P.Register) and msg.role == P.Role.CLIENT:
+        return role in (KeyRole.READONLY, KeyRole.OPERATOR, KeyRole.WORKER)
+    return isinstance(msg, _ALLOWED.get(role, ()))
+
+
+def needed(msg: object) -> list[KeyRole]:
+    """The roles whose key may send `msg` (the cluster secret always may)."""
+    return [role for role in (KeyRole.READONLY, KeyRole.OPERATOR, KeyRole.WORKER) if allowed(role, msg)]
+
+
+def refusal(role: KeyRole, msg: object) -> str | None:
+    """Why a message signed with `role`'s key is refused (None: it is allowed)."""
+    if allowed(role, msg):
+        return None
+    roles = " or ".join(f"the {r.value} key" for r in needed(msg)) or "no derived key"
+    return (f"{type(msg).__name__} is not allowed with the {role.value} key: it needs {roles} (or the cluster "
+            "secret); `earl-stream keys derive ROLE` prints a role's key")

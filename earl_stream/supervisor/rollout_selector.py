@@ -1,0 +1,193 @@
+"""The rollout side of the parallelism selector: an engine's KV budget, concurrency and episode bound.
+
+Owns `RolloutSelector` (per engine: what its memory leaves after the weights, in KV tokens of
+`rollout.dtype`; how many design-length sequences that holds; the engine tensor-parallel size),
+`resize` (the same decision for a new memory figure, e.g. the smallest that the rollout workers
+reported), `fused_copy_params` (the extra weights the built-in engine's fused projections hold) and
+`largest_trainable_seq_len` (the longest sequence any trainer plan fits: episodes longer than that
+are stopped by the workers, `RolloutDecision.max_episode_tokens`). Hysteresis and versions are the
+shared `selector._Selector`'s; the byte counts are `memory_model`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from earl_stream.config import RunConfig
+from earl_stream.errors import ConfigError
+from earl_stream.supervisor.decisions import Infeasible, RolloutDecision
+from earl_stream.supervisor.memory_model import GIB, ModelShape, predict_kv_cache_bytes, predict_rollout_bytes
+from earl_stream.supervisor.selector import MIB, PoolBudget, Thresholds, TrainerSelector, _Selector
+
+logger = logging.getLogger(__name__)
+_TP_GAIN = 1.1  # a larger rollout engine must hold >= 10% more sequences in all to be chosen
+_SEARCH_STEP = 64  # granularity of largest_trainable_seq_len between two powers of two (a multiple of any sp)
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # rollout.dtype -> bytes per weight and KV element of the engine
+
+
+def fused_copy_params(shape: ModelShape) -> int:
+    """Parameters the built-in engine's `FastDecoder` holds a second time: per layer, the fused
+    q/k/v projection [(H + 2 Hkv) x head_dim, hidden] and gate/up projection [2 x intermediate, hidden]."""
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * shape.hidden_size
+    return shape.num_layers * (qkv + 2 * shape.intermediate_size * shape.hidden_size)
+
+
+def largest_trainable_seq_len(trainer: TrainerSelector, *, limit: int = 1 << 20) -> int:
+    """The longest single sequence (tokens) that some plan of `trainer`'s pool fits, at most `limit`;
+    0 if not even `thresholds.min_design_seq_len` fits. Found by doubling from the minimum design
+    length, then bisecting in steps of 64 tokens; `trainer.plan_for` decides (no state changes)."""
+    def fits(n: int) -> bool:
+        return not isinstance(trainer.plan_for(n), Infeasible)
+
+    lo = trainer.thresholds.min_design_seq_len
+    if not fits(lo):
+        return 0
+    while lo < limit and fits(min(2 * lo, limit)):
+        lo = min(2 * lo, limit)
+    hi = min(2 * lo, limit)  # lo fits; hi does not (or lo == limit)
+    while hi - lo > _SEARCH_STEP:
+        mid = (lo + hi) // 2 // _SEARCH_STEP * _SEARCH_STEP
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def rollout_selector_for(cfg: RunConfig, shape: ModelShape, memory_bytes: int, memory_source: str, *,
+                         thresholds: Thresholds | None = None, max_episode_tokens: int = 0) -> RolloutSelector:
+    """The rollout selector of a run: one engine of `memory_bytes` (less selector.reserve_bytes) in
+    rollout.dtype, at most rollout.max_batch_size sequences; the built-in engine's fused copies counted."""
+    r = cfg.rollout
+    return RolloutSelector(shape, PoolBudget(1, max(1, memory_bytes), cfg.selector.reserve_bytes),
+                           thresholds=thresholds, dtype_bytes=DTYPE_BYTES[r.dtype], max_sequences=r.max_batch_size,
+                           allow_tp=False, extra_weight_params=fused_copy_params(shape) if r.engine == "torch" else 0,
+                           max_episode_tokens=max_episode_tokens, memory_source=memory_source)
+
+
+def engine_kv_capacity(cfg: RunConfig, model_dir: Path, memory_bytes: int, memory_source: str) -> int:
+    """KV tokens an engine of `memory_bytes` holds for the model in `model_dir` (0 when the memory model
+    cannot read its config.json); ConfigError, with what the smallest plan needs, when not even one
+    sequence of the smallest design length fits (a rollout worker checks this at start)."""
+    try:
+        shape = ModelShape.from_hf(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, ValueError, ConfigError) as exc:
+        logger.info("engine memory not checked: the memory model cannot read %s/config.json (%s)", model_dir, exc)
+        return 0
+    sel = rollout_selector_for(cfg, shape, memory_bytes, memory_source)
+    smallest = sel.plan_for(sel.thresholds.min_design_seq_len)
+    if isinstance(smallest, Infeasible):
+        raise ConfigError(f"rollout engine memory {memory_bytes / MIB:.0f} MiB ({memory_source}, less "
+                          f"selector.reserve_bytes) holds no plan: {smallest.message}")
+    return sel.kv_capacity_tokens()
+
+
+class RolloutSelector(_Selector[RolloutDecision]):
+    """Chooses an engine's concurrent sequences, KV budget and tensor-parallel size from the KV cache
+    model: per device, what the budget leaves after the weights holds the KV of the sequences.
+
+    `dtype_bytes`: bytes per weight and KV element of the engine (rollout.dtype: fp32 4, bf16 2).
+    `extra_weight_params`: parameters the engine holds beyond the model's (`fused_copy_params` for
+    the built-in engine). `max_episode_tokens`: the longest episode the trainer pool can train
+    (`largest_trainable_seq_len`; 0 = no bound): a decision's bound is the smaller of that and its
+    KV budget (one sequence alone). `memory_source` says where the budget's memory figure came from.
+    """
+
+    def __init__(self, shape: ModelShape, budget: PoolBudget, *, thresholds: Thresholds | None = None,
+                 pool: str = "rollout", dtype_bytes: int = 2, max_sequences: int = 0, allow_tp: bool = True,
+                 extra_weight_params: int = 0, max_episode_tokens: int = 0, memory_source: str = "") -> None:
+        super().__init__(budget, thresholds, pool)
+        if dtype_bytes < 1 or max_sequences < 0 or extra_weight_params < 0 or max_episode_tokens < 0:
+            raise ConfigError(f"dtype_bytes={dtype_bytes} must be >= 1, and max_sequences={max_sequences}, "
+                              f"extra_weight_params={extra_weight_params}, max_episode_tokens={max_episode_tokens} >= 0")
+        self.shape = shape
+        self.dtype_bytes, self.max_sequences, self.allow_tp = dtype_bytes, max_sequences, allow_tp
+        self.extra_weight_params, self.max_episode_tokens = extra_weight_params, max_episode_tokens
+        self.memory_source = memory_source
+
+    def _admissible(self, decision: RolloutDecision) -> bool:
+        again = self._plan(decision.design_seq_len, decision.reason, decision.step)
+        return not isinstance(again, Infeasible) and dataclasses.replace(again, version=decision.version) == decision
+
+    def weight_bytes(self, tp: int = 1) -> int:
+        """The engine's weights on one device (model + `extra_weight_params`, split by tp)."""
+        extra = -(-self.extra_weight_params // tp) * self.dtype_bytes
+        return predict_rollout_bytes(self.shape, 0, dtype_bytes=self.dtype_bytes, tp=tp) + extra
+
+    def kv_capacity_tokens(self, tp: int = 1) -> int:
+        """Tokens of KV cache one engine of `tp` devices can hold within the budget (0 if none)."""
+        free = self.budget.memory_bytes_per_device - self.budget.reserve_bytes - self.weight_bytes(tp)
+        per_token = predict_kv_cache_bytes(self.shape, 1, dtype_bytes=self.dtype_bytes, tp=tp)
+        return max(0, free // per_token)
+
+    def resize(self, budget: PoolBudget, memory_source: str, *, step: int = 0,
+               design_seq_len: int = 0) -> RolloutDecision | Infeasible | None:
+        """Adopt a new memory figure (e.g. reported by the workers): the decision for the current design
+        length (`design_seq_len` if there is no decision yet) on `budget` as the next version; None if
+        nothing changes. When nothing fits the new budget the current decision (if any) stays and the
+        Infeasible is returned (and logged)."""
+        current = self._current
+        if budget == self.budget and (current is not None or not design_seq_len):
+            return None
+        old, self.budget, self.memory_source = self.budget, budget, memory_source
+        design = current.design_seq_len if current is not None else design_seq_len
+        if not design:
+            return None
+        reason = (f"engine memory now {budget.memory_bytes_per_device / MIB:.0f} MiB ({memory_source}; was "
+                  f"{old.memory_bytes_per_device / MIB:.0f} MiB); design length {design}")
+        last = self._last
+        result = self._adopt(self._plan(design, reason, step), last[0] if last else 0, step)
+        if not isinstance(result, Infeasible):
+            self._last = last  # a new memory figure is no context decision: hysteresis timing is unchanged
+        return result
+
+    def _plan(self, design: int, reason: str, step: int) -> RolloutDecision | Infeasible:
+        n = self.budget.devices
+        options = []  # (sequences per engine, tp), smallest tp first
+        for tp in [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0] if self.allow_tp else [1]:
+            seqs = self.kv_capacity_tokens(tp) // design if self.shape.num_heads % tp == 0 else 0
+            seqs = min(seqs, self.max_sequences) if self.max_sequences else seqs
+            if seqs >= 1:
+                options.append((seqs, tp))
+        if not options:
+            return Infeasible(self._infeasible_message(design), self.pool, design, reason, step)
+        # A bigger engine pays communication and gives up replicas: take it only for a clear gain
+        # in sequences held across all engines.
+        most = max(seqs * (n // tp) for seqs, tp in options)
+        seqs, tp = next((s, t) for s, t in options if s * (n // t) * _TP_GAIN >= most)
+        kv_tokens = self.kv_capacity_tokens(tp)
+        peak = self.weight_bytes(tp) + predict_kv_cache_bytes(self.shape, kv_tokens, dtype_bytes=self.dtype_bytes, tp=tp)
+        bound = min(kv_tokens, self.max_episode_tokens) if self.max_episode_tokens else kv_tokens
+        return RolloutDecision(version=self.version + 1, max_concurrent_sequences=seqs, kv_budget_tokens=kv_tokens,
+                               design_seq_len=design, reason=reason, engine_tp=tp, replicas=n // tp,
+                               predicted_peak_bytes=peak, pool=self.pool, step=step, max_episode_tokens=bound,
+                               memory_bytes=self.budget.memory_bytes_per_device,
+                               sizing=self._sizing(tp, seqs, kv_tokens, design, bound))
+
+    def _sizing(self, tp: int, seqs: int, kv_tokens: int, design: int, bound: int) -> str:
+        """What the decision admits and why, in words (RolloutPlan.sizing)."""
+        b = self.budget
+        per_token = predict_kv_cache_bytes(self.shape, 1, dtype_bytes=self.dtype_bytes, tp=tp)
+        capped = " (capped by rollout.max_batch_size)" if self.max_sequences and seqs == self.max_sequences else ""
+        why = ("the longest sequence a trainer plan fits" if self.max_episode_tokens and bound == self.max_episode_tokens
+               else "one sequence alone in the KV budget")
+        return (f"KV budget {kv_tokens} tokens = ({b.memory_bytes_per_device / MIB:.0f} MiB per device "
+                f"[{self.memory_source or 'given'}] - {b.reserve_bytes / MIB:.0f} MiB reserve - "
+                f"{self.weight_bytes(tp) / MIB:.1f} MiB weights) / {per_token} bytes per token ({self.dtype_bytes}-byte "
+                f"elements, tp {tp}); {seqs} sequences of the design length {design}{capped}, more while contexts "
+                f"are shorter (admission counts each row's KV); episodes stop at {bound} tokens ({why})")
+
+    def _infeasible_message(self, design: int) -> str:
+        def need(tp: int) -> int:
+            return (self.budget.reserve_bytes + self.weight_bytes(tp)
+                    + predict_kv_cache_bytes(self.shape, design, dtype_bytes=self.dtype_bytes, tp=tp))
+
+        fits_tp = [tp for tp in (1 << i for i in range(1, 11))
+                   if self.shape.num_heads % tp == 0 and need(tp) <= self.budget.memory_bytes_per_device]
+        more = f", or an engine tensor-parallel size of >= {fits_tp[0]} devices" if fits_tp else ""
+        return (f"{self.pool}: one {design}-token sequence does not fit an engine of {self.budget.devices} device(s) "
+                f"with {self.budget.memory_bytes_per_device / MIB:.1f} MiB each: weights + its KV cache + reserve "
+                f"need {need(1) / MIB:.1f} MiB ({need(1) / GIB:.3f} GiB) per device on one device{more}")
+
