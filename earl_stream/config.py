@@ -22,6 +22,21 @@ from earl_stream.config_fields import field_help as _field_help
 from earl_stream.config_fields import to_dict as config_to_dict
 from earl_stream.errors import ConfigError
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on a frozen base (`earl_stream.model.lora`); checked against the model at load."""
+
+    enabled: bool = _f(False, "train LoRA adapters on a frozen base instead of the whole model; only the adapters "
+                       "get gradients and AdamW state and only they cross the store as weights")
+    rank: int = _f(16, "rank r of each adapter (A: [r, in], B: [out, r])", minimum=1)
+    alpha: float = _f(32.0, "scaling numerator: an adapter adds alpha / rank x B A to its layer", minimum=0)
+    dropout: float = _f(0.0, "dropout on the adapters' input while training", minimum=0)
+    target_modules: list[str] = _f(LORA_TARGETS, "module names (suffixes) that get adapters; default: the attention "
+                                   "and MLP projections")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -30,6 +45,7 @@ class ModelConfig:
     warm_start_steps: int = _f(1350, "supervised warm-start steps of the embedded model (built once per value, "
                                "then cached)", minimum=0)
     warm_start_seconds: float = _f(900.0, "upper bound on the warm start's wall time", minimum=0)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         # expanded once, where the config is loaded, so every process gets the same absolute path
@@ -403,6 +419,11 @@ def apply_run_override(raw: dict[str, Any], item: str, errors: list[str]) -> Non
 def _algo_problems(cfg: RunConfig) -> list[str]:
     from earl_stream.algo.checks import algo_problems  # it imports the estimator registry (numpy only)
 
-    return algo_problems(cfg)
+    out = algo_problems(cfg)
+    if cfg.model.lora.enabled:
+        from earl_stream.model.lora_checks import lora_problems  # reads the model's config (transformers)
+
+        out.extend(lora_problems(cfg))
+    return out
 
 

@@ -21,7 +21,7 @@ def field(default: Any, help: str, *, choices: tuple[Any, ...] = (), minimum: fl
     """A config field with its one-line help and its validation rule."""
     meta = {"help": help, "choices": choices, "min": minimum}
     if isinstance(default, (list, dict, tuple)) and not isinstance(default, tuple):
-        return dataclasses.field(default_factory=lambda: default, metadata=meta)
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -139,6 +139,11 @@ def _convert(hint: Any, value: Any, name: str, meta: Any, errors: list[str], mov
             errors.append(f"{name}: expected a non-empty list")
             return ()
         return tuple(build(item_cls, v, f"{name}.{i}.", errors, moved) for i, v in enumerate(value))
+    if origin is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            errors.append(f"{name}: expected a list of non-empty strings, got {value!r}")
+            return []
+        return list(value)
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             errors.append(f"{name}: expected a mapping, got {value!r}")

@@ -38,6 +38,9 @@ STORE_PULL_SECONDS = Histogram("earl_store_pull_seconds", "Time of one step's pu
 STORE_PULL_BYTES = Counter("earl_store_pull_bytes_total", "Bytes pulled from producers", ["rank"])
 STORE_STEP_PULL_BYTES = Gauge("earl_store_step_pull_bytes", "Bytes this trainer rank pulled for its last step (its "
                               "layout's share: its rows, or its token slices under sequence parallelism)", ["rank"])
+STORE_WEIGHT_VERSION_BYTES = Gauge("earl_store_weight_version_bytes", "Bytes of the latest published policy version "
+                                   "(whole tensors, every rank's blocks together: the model, or its LoRA adapters "
+                                   "alone), i.e. what one rollout engine pulls per version", ["rank"])
 STORE_BYTES_HELD = Gauge("earl_store_bytes_held", "Bytes held by this process's shard node", ["worker"])
 STORE_SHARDS_HELD = Gauge("earl_store_shards_held", "Sample shards held by this process's shard node", ["worker"])
 

@@ -244,6 +244,7 @@ def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
         "samples_in_store": status.get("samples_in_store", 0),
         "samples_claimed": status.get("samples_claimed", 0),
         "last_loss": trainer.get("loss"),
+        "weight_bytes_per_version": trainer.get("weight_bytes_per_version"),  # the model, or its LoRA adapters
         # where each process ran (host, and ray_node_id under the ray launcher), a trainer's rank, and
         # whether a rollout worker left by draining (`earl-stream scale`)
         "workers": [{k: w.get(k) for k in ("id", "role", "rank", "alive", "host", "ray_node_id", "draining", "drained")}

@@ -60,7 +60,8 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
     L, h, a, d = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
     n = b * s / p
     matrices = L * shape.layer_matrix_params() + shape.vocab_size * h  # the lm_head matmul too
-    forward_factor = 4 if plan.recompute is Recompute.FULL else 3  # forward + backward (x2) (+ recomputed forward)
+    # forward + backward (x2; x1 under LoRA: a frozen weight needs no weight gradient) (+ recomputed forward)
+    forward_factor = (2 if plan.lora_params else 3) + (1 if plan.recompute is Recompute.FULL else 0)
     attn_factor = 4 if plan.recompute is not Recompute.NONE else 3
     flops = 2 * matrices * n / t * forward_factor + 2 * L * b * s * s * a * d / (t * p) * attn_factor
     w_bytes, g_bytes, _, e = plan.precision.element_bytes
@@ -70,10 +71,11 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
     if p > 1:
         comm += L * 8 * n * h * e * (p - 1) / p
     params, replicas = shape.num_params() / t, plan.dp * p
+    trained = plan.lora_params or params  # LoRA: only the adapters' gradients are reduced
     if plan.fsdp and replicas > 1:  # once per step: on GPUs the per-micro-batch gathers overlap compute
-        comm += params * (2 * w_bytes + g_bytes) * (replicas - 1) / replicas / accumulation_steps
+        comm += (params * 2 * w_bytes + trained * g_bytes) * (replicas - 1) / replicas / accumulation_steps
     elif replicas > 1:
-        comm += params * g_bytes * 2 * (replicas - 1) / replicas / accumulation_steps
+        comm += trained * g_bytes * 2 * (replicas - 1) / replicas / accumulation_steps
     scores = b * a * s * s / (t * p) if plan.attention is Attention.EAGER else 0.0
     return PlanFeatures(flops=flops, comm_bytes=comm, score_elements=scores, tokens=plan.dp * b * s,
                         collectives=_collectives(L, plan, accumulation_steps))

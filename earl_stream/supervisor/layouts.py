@@ -35,6 +35,9 @@ def pool_layouts(shape: ModelShape, base: TrainPlan, devices: int, design_seq_le
             if tp * sp > devices:
                 continue
             problems = shape.layout_problems(tp, sp)
+            if tp > 1 and base.lora_params:
+                problems.insert(0, "a LoRA run (model.lora) trains adapters the tensor-parallel plan does not "
+                                   "shard with their layers, so tp is excluded for LoRA runs")
             if devices % (tp * sp):
                 problems.insert(0, f"a pool of {devices} ranks is not a multiple of tp*sp={tp * sp}")
             if problems:

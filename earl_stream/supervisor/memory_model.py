@@ -112,6 +112,7 @@ class TrainPlan:
     logit_copies: int = LOGIT_COPIES_HF_CROSS_ENTROPY
     shard_logits: bool = True
     foreach_optimizer: bool = False  # torch's foreach AdamW (CUDA default) holds one fp32 copy of the states
+    lora_params: int = 0  # LoRA (model.lora): adapter parameters of the whole model, the base frozen; 0 = full
 
     @property
     def devices(self) -> int:
@@ -239,9 +240,13 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     largest of the four phases in the module docstring, on top of weights, grads and optimizer states.
     """
     lay = layer_activation_bytes(shape, plan)
-    params = _device_params(shape, plan.tp) / (plan.dp * plan.sp if plan.fsdp else 1)
+    shards = plan.dp * plan.sp if plan.fsdp else 1
+    params = _device_params(shape, plan.tp) / shards
     w_bytes, grad_bytes, opt_bytes, e = plan.precision.element_bytes
-    weights, grads, opt = params * w_bytes, params * grad_bytes, params * opt_bytes
+    # LoRA: the frozen base has weights only; the adapters have weights, gradients and AdamW state
+    trained = plan.lora_params / shards if plan.lora_params else params
+    weights, grads, opt = (params + (trained if plan.lora_params else 0)) * w_bytes, trained * grad_bytes, \
+        trained * opt_bytes
     L, t, n = shape.num_layers, plan.tp, plan.micro_batch * plan.seq_len / plan.sp
     full = plan.recompute is Recompute.FULL
     kept = L * lay.input_bytes if full else L * lay.saved_bytes
@@ -251,16 +256,17 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     fsdp_buf = 0.0
     if plan.fsdp:  # the unsharded weights of the current and the prefetched layer, one layer's full grads
         layer_p = shape.layer_matrix_params() / t + shape.layer_small_params()
-        fsdp_buf = layer_p * (2 * w_bytes + grad_bytes)
+        layer_grads = plan.lora_params / shape.num_layers if plan.lora_params else layer_p
+        fsdp_buf = layer_p * 2 * w_bytes + layer_grads * grad_bytes
     extra_logits = n * vocab * e if e < 4 else 0.0  # the lm_head output before the fp32 upcast
     # HF's eager [b, 1, s, s] fp32 mask is an argument of every checkpointed layer: it lives on.
     eager = plan.attention is Attention.EAGER
     ckpt_mask = plan.micro_batch * plan.seq_len ** 2 * 4 / plan.sp if full and eager else 0.0
-    lm_w_grad = shape.vocab_size * shape.hidden_size / t * grad_bytes
+    lm_w_grad = 0.0 if plan.lora_params else shape.vocab_size * shape.hidden_size / t * grad_bytes  # frozen head
     # A tied embedding's lm_head gradient waits in the autograd engine's input buffer until the
     # embedding's own contribution arrives at the very end of the backward.
     tied_wait = lm_w_grad if shape.tie_word_embeddings else 0.0
-    biggest = max(shape.vocab_size, shape.intermediate_size) * shape.hidden_size / t
+    biggest = min(max(shape.vocab_size, shape.intermediate_size) * shape.hidden_size / t, trained)
     phases = [
         (Phase.LOSS, kept + head_norm, plan.logit_copies * logit + extra_logits, ckpt_mask + fsdp_buf),
         (Phase.LM_HEAD_BACKWARD, kept + head_norm, logit,
@@ -268,7 +274,7 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
         (Phase.LAYER_BACKWARD, (L - 1) * (lay.input_bytes if full else lay.saved_bytes), 0.0,
          lay.backward_peak_bytes + ckpt_mask + tied_wait + fsdp_buf),
         # single-tensor AdamW: sqrt and division temporaries of the biggest tensor (fp32 master)
-        (Phase.OPTIMIZER, 0.0, 0.0, params * 4 if plan.foreach_optimizer else 2 * biggest * 4),
+        (Phase.OPTIMIZER, 0.0, 0.0, trained * 4 if plan.foreach_optimizer else 2 * biggest * 4),
     ]
     phase, acts, logits, transient = max(phases, key=lambda ph: ph[1] + ph[2] + ph[3])
     c = math.ceil

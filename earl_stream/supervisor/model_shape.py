@@ -102,6 +102,16 @@ class ModelShape:
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
+    def lora_params(self, rank: int, targets: Iterable[str]) -> int:
+        """Parameters of rank-`rank` LoRA adapters (A [r, in] + B [out, r]) on the named projections of
+        every layer (names the Llama family uses; others add nothing)."""
+        h, q, kv, inter = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+                "up_proj": (h, inter), "down_proj": (inter, h)}
+        per_layer = sum(rank * sum(dims[t]) for t in set(targets) if t in dims)
+        return self.num_layers * per_layer
+
     def num_params(self) -> int:
         per_layer = self.layer_matrix_params() + self.layer_small_params()
         return self.num_layers * per_layer + self.embedding_params() + self.hidden_size

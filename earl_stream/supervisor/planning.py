@@ -139,10 +139,12 @@ class Planner:
         # the trainer runs each plan on a mesh of its ranks: data parallel replicas or FSDP2 shards, tensor
         # and Ulysses sequence parallel, recomputation on/off, in trainer.dtype
         pool = cfg.trainer.nproc > 1
+        lora = cfg.model.lora
         self.trainer = TrainerSelector(
             shape, PoolBudget(cfg.trainer.nproc, memory, s.reserve_bytes),
             base=TrainPlan(micro_batch=1, seq_len=s.initial_seq_len, attention=Attention(s.attention),
-                           precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL),
+                           precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL,
+                           lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
             allow_fsdp=pool and s.allow_fsdp, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
             pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes)

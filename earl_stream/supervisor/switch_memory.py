@@ -45,6 +45,7 @@ class _Tensor:
     rows: int
     cols: int
     tp_dim: int | None
+    trained: bool = True  # has AdamW state (False: LoRA's frozen base)
 
     @property
     def numel(self) -> int:
@@ -98,6 +99,16 @@ def _tensors(shape: ModelShape) -> Iterator[_Tensor]:
         yield _Tensor(v, h, 0)  # lm_head
 
 
+def _plan_tensors(shape: ModelShape, plan: TrainPlan) -> list[_Tensor]:
+    """The parameters of the model `plan` trains: all of them trained, or (LoRA) a frozen base plus each
+    layer's adapters (as one replicated tensor per layer: their AdamW state is what moves with them)."""
+    if not plan.lora_params:
+        return list(_tensors(shape))
+    base = [dataclasses.replace(t, trained=False) for t in _tensors(shape)]
+    per_layer = plan.lora_params // shape.num_layers
+    return base + [_Tensor(per_layer, 1, None) for _ in range(shape.num_layers)]
+
+
 def _share(t: _Tensor, plan: TrainPlan) -> tuple[int, bool]:
     """(elements on the fullest rank, whether the tensor is a DTensor) of `t` under `plan`."""
     rows, cols = t.rows, t.cols
@@ -124,18 +135,18 @@ def predict_switch(shape: ModelShape, old: TrainPlan, new: TrainPlan, bucket_byt
     state (False before the first step: only weights move, the new optimizer starts empty)."""
     w, o = _bytes(old.precision)
     o = o if stepped else 0
-    tensors = list(_tensors(shape))
+    tensors = _plan_tensors(shape, old)
     olds = [_share(t, old) for t in tensors]
     news = [_share(t, new) for t in tensors]
-    before = sum(n for n, _ in olds) * (w + o)
-    after = sum(n for n, _ in news) * (w + o)
+    before = sum(n * (w + (o if t.trained else 0)) for t, (n, _) in zip(tensors, olds))
+    after = sum(n * (w + (o if t.trained else 0)) for t, (n, _) in zip(tensors, news))
     if model_layout(old) == model_layout(new):
         return SwitchMemory(plan_label(old), plan_label(new), before, before, 0, bucket_bytes)
     # (whole bytes, old shard bytes, old is a DTensor, new piece bytes, is a state) per item, moved in order
     items = []
     for t, (old_n, old_split), (new_n, _) in zip(tensors, olds, news):
         items.append((t.numel * w, old_n * w, old_split, new_n * w, False))
-        if o:
+        if o and t.trained:
             items.extend([(t.numel * o // 2, old_n * o // 2, old_split, new_n * o // 2, True)] * 2)
     held = before + sum(n for n, _ in news) * w  # the new model's shards are materialised first
     peak = held

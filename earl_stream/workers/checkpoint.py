@@ -11,7 +11,9 @@ loop (`workers.trainer`) decides when. A checkpoint is a directory `step_NNNNNN/
 - `run_state.pt`: the small side file rank 0 writes: step, policy version, rank 0's CPU RNG state,
   the (step, lost sample ids) releases still owed to the supervisor, and the pool size that wrote it;
 - a Hugging Face export of the model and tokenizer (rank 0), so `model.path=<checkpoint dir>`
-  evaluates or warm-starts from it with nothing but transformers.
+  evaluates or warm-starts from it with nothing but transformers. A LoRA run (`model.lora`) holds only
+  its adapters and their optimizer state in `dcp/` (the frozen base is referenced, never copied) and
+  a PEFT adapter directory `adapter/` instead of the whole model (`model.lora_export`).
 
 `checkpoints/latest` names the newest complete checkpoint; it is replaced atomically only after DCP's
 metadata and the side file are on disk, so a pool killed mid-save resumes from the previous one.
@@ -38,6 +40,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from earl_stream.errors import ModelError
+from earl_stream.model.lora import lora_spec
+from earl_stream.model.lora_export import (
+    ADAPTER_DIR,
+    check_resumed_shape,
+    checkpoint_model_state,
+    side_info,
+    whole_adapters,
+    write_adapter_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +103,25 @@ def save_checkpoint(run_dir: str | os.PathLike[str], state: RunState, model: tor
     out = checkpoints_dir(run_dir) / f"step_{state.step:06d}"
     out.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd = checkpoint_model_state(model, model_sd)  # a LoRA run: its adapters (the base is referenced)
     no_dist = not collective or not dist.is_initialized()
     with _quiet(no_dist):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out / DCP_DIR, no_dist=no_dist)
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    lora = lora_spec(model) is not None
     # the Hugging Face export needs whole tensors: gathered from the shards (collective), kept on rank 0
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
-        if sharded and tokenizer is not None else None
+        if sharded and tokenizer is not None and not lora else None
+    adapters = whole_adapters(model) if lora else {}  # collective too: every rank gathers them in order
     if rank != 0:
         return out
+    if lora:  # a PEFT adapter directory instead of a whole model
+        write_adapter_dir(out / ADAPTER_DIR, model, adapters)
     if tokenizer is not None:
-        model.save_pretrained(out, state_dict=full)  # type: ignore[operator]
+        if not lora:
+            model.save_pretrained(out, state_dict=full)  # type: ignore[operator]
         tokenizer.save_pretrained(out)
-    _atomic_torch_save(dataclasses.asdict(state), out / RUN_STATE)
+    _atomic_torch_save({**dataclasses.asdict(state), **side_info(model)}, out / RUN_STATE)
     latest = checkpoints_dir(run_dir) / "latest"
     tmp = latest.with_suffix(".tmp")
     tmp.write_text(out.name)
@@ -129,12 +146,14 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
     raw = torch.load(ckpt / RUN_STATE, weights_only=True)
     if raw.get("format", 0) > FORMAT_VERSION:
         raise ModelError(f"{ckpt} has checkpoint format {raw['format']}; this version reads up to {FORMAT_VERSION}")
+    check_resumed_shape(ckpt, raw, model)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # initialises Adam state so DCP has targets
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": checkpoint_model_state(model, model_sd), "optim": optim_sd}
     no_dist = not collective or not dist.is_initialized()
     with _quiet(no_dist):
         dcp.load(state, checkpoint_id=ckpt / DCP_DIR, no_dist=no_dist)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=lora_spec(model) is None))
     rs = RunState(step=int(raw["step"]), policy_version=int(raw["policy_version"]), rng=raw["rng"],
                   unreleased=[(int(s), list(ids)) for s, ids in raw["unreleased"]],
                   world_size=int(raw["world_size"]), format=int(raw["format"]))
@@ -148,17 +167,17 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
     for evaluation or to start a new run from a trained policy."""
     if not (ckpt / DCP_DIR / ".metadata").exists():
         raise ModelError(f"{ckpt} has no DCP checkpoint; load its Hugging Face export with model.path={ckpt}")
-    state = {"model": model.state_dict()}
+    state = {"model": checkpoint_model_state(model, model.state_dict())}
     with _quiet(True):
         dcp.load(state, checkpoint_id=ckpt / DCP_DIR, no_dist=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=lora_spec(model) is None)
 
 
 def state_fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """A short exact summary of model and optimizer state to compare across processes and pool sizes:
     the float64 sums of the first parameter and of every parameter, and of Adam's first and second
     moments (`exp_avg`, `exp_avg_sq`) and the Adam step of the first parameter."""
-    params = [p for p in model.parameters()]
+    params = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())  # LoRA: the adapters
     total = sum(float(p.detach().double().sum()) for p in params)
     st = optimizer.state.get(params[0], {})
     m = float(st["exp_avg"].double().sum()) if "exp_avg" in st else 0.0

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from earl_stream.errors import ConfigError
+from earl_stream.model.lora import apply_lora, lora_spec
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -46,6 +47,9 @@ def meta_like(model: torch.nn.Module) -> torch.nn.Module:
     with no_init_weights(), torch.device("meta"):
         new: Any = cls(config)
     new.tie_weights()  # skipped with the initialisation: a tied LM head must share the embedding again
+    if (spec := lora_spec(model)) is not None:  # the same adapters, so that parameters pair up by name
+        with torch.device("meta"):
+            apply_lora(new, spec)
     dtypes = {p.dtype for p in model.parameters()}
     new.to(dtypes.pop() if len(dtypes) == 1 else torch.float32)
     new.train(model.training)
@@ -129,7 +133,9 @@ def _items(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], old_optimizer: t
         if not moving:
             continue
         assert old_optimizer is not None and new_optimizer is not None
-        state = old_optimizer.state.get(o, {})
+        if o not in old_optimizer.state:  # a frozen parameter (LoRA's base) has no state to move
+            continue
+        state = old_optimizer.state[o]
         target: dict[str, Any] = new_optimizer.state[n]
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(o.shape) and value.dim() > 0:

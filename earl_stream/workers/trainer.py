@@ -29,6 +29,7 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.devices import resolve_device
 from earl_stream.errors import ControlPlaneTimeout, EarlError
+from earl_stream.model.lora import LoraSpec, adapter_state, apply_lora, state_bytes
 from earl_stream.modeling import load_model
 from earl_stream.security import load_secret
 from earl_stream.store.central import CentralClient, start_dispatcher_process
@@ -71,6 +72,9 @@ class TrainerRank:
                      "are mapped on their own and unmapped when freed" if applied else
                      "stay in the C library's heap (trainer.malloc_mmap_threshold needs glibc's mallopt)")
         self.model, self.tokenizer = load_model(model_path(self.cfg))
+        self.lora = LoraSpec.from_config(self.cfg.model.lora)
+        if self.lora is not None:  # adapters on a frozen base: only they train, move and are checkpointed
+            apply_lora(self.model, self.lora, seed=self.cfg.seed)
         self.model.to(device).train()  # type: ignore[arg-type]
         log.info("trainer rank %d computes on %s (%s)", rank, device, t.dtype)
         self.ref_model = None
@@ -202,7 +206,10 @@ class TrainerRank:
             return
         self.plan_version = wire.version
         plan = RankPlan.from_wire(wire, dtype=self.cfg.trainer.dtype)
-        if problems := plan.problems(self.world_size, self.model.config):
+        problems = plan.problems(self.world_size, self.model.config)
+        if self.lora is not None and plan.tp > 1:
+            problems.append("LoRA adapters are not laid out for tensor parallelism (model.lora)")
+        if problems:
             log.error("step %d: refusing trainer plan v%d (%s): %s; keeping %s", step, wire.version, plan.name,
                       "; ".join(problems), self.placement.plan.name)
             return
@@ -233,7 +240,9 @@ class TrainerRank:
 
     def _make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.trainer
-        return torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        # a frozen base (LoRA) gets no optimizer state: AdamW sees the trainable parameters only
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
 
     def _release_checkpointed(self) -> None:
         """Release the steps the latest checkpoint holds (rank 0, right after writing it).
@@ -251,7 +260,10 @@ class TrainerRank:
     def _publish(self, version: int, metrics: dict[str, float]) -> None:
         """Every rank publishes its own shard of the weights (no gather); rank 0's manifest names the
         other ranks that hold pieces, and rank 0 announces the version. Collective."""
-        pieces = shard_pieces(self.model.state_dict(), self.placement)
+        state = adapter_state(self.model) if self.lora is not None else self.model.state_dict()
+        pieces = shard_pieces(state, self.placement)
+        M.STORE_WEIGHT_VERSION_BYTES.labels(str(self.rank)).set(state_bytes(state))
+        metrics = {**metrics, "weight_bytes_per_version": float(state_bytes(state))}
         holders = all_gather_flags(bool(pieces), self.world_size)
         peers = [a for r, a in enumerate(self.peers) if holders[r] and r != self.rank]
         publish_weights(self.node, version, pieces, peers=peers if self.rank == 0 else [])

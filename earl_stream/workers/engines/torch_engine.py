@@ -40,6 +40,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
+from earl_stream.model.lora import AdapterMerger, is_adapter_state
 from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
@@ -109,6 +110,7 @@ class TorchEngine:
         self._rng = torch.Generator().manual_seed(seed)
         self._kv = KVStore(kv_budget_tokens)
         self._lock = threading.Lock()  # held by the thread driving a step, or loading weights
+        self._adapters = AdapterMerger()  # LoRA versions: the base weights they are merged into
         self._intake_lock = threading.Lock()
         self._intake: collections.deque[Row] = collections.deque()
         self._batch: RunningBatch | None = None
@@ -236,7 +238,11 @@ class TorchEngine:
         """
         with self._lock:
             own = self._model.state_dict()
-            problems = _state_problems(state, own)
+            if is_adapter_state(state):  # a LoRA version (model.lora): base + B @ A of each adapted layer
+                state = self._adapters.merged(state, own)
+                problems = []
+            else:
+                problems = _state_problems(state, own)
             if problems:
                 detail = "; ".join(problems)
                 raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded: {detail}")
