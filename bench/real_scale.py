@@ -16,7 +16,7 @@ seeds, environment, steps and cap:
   restricted to {dp<N>, sp<N>} without recomputation, driven by the window's longest episode, re-planned at
   every step boundary (`--dynamic-sp-hook` names what the trainer would need).
 The environment (envs/long_recall.py with filler) starts at <= 512 tokens per episode and ends at >= 4,096
-(full run; --quick: ~300 -> ~2,100). Each trainer rank is capped before it imports torch (bench/real_scale_site:
+(full run; --quick: ~220 -> ~1,270). Each trainer rank is capped before it imports torch (bench/real_scale_site:
 a memory cgroup of its own, or setrlimit with --cap-mode rlimit) at --cap-gib; the selector's budget is the
 same cap less --reserve-gib. Past the cap the kernel kills the rank (or torch raises): a crash.
 Recorded per strategy from the trainer's log and the supervisor's status: crashes (and the allocation error),
@@ -349,13 +349,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="bench/results/real_scale.json", help="results file (also the runs' parent dir)")
     ap.add_argument("--quick", action="store_true",
-                    help="the same experiment, smaller: ~300 -> ~2,100 tokens per episode, one step per phase, a "
-                         "4.5 GiB cap (~5 minutes per strategy that trains to the end)")
+                    help="the same experiment, smaller: ~220 -> ~1,270 tokens per episode (5.9x), one step per phase, a "
+                         "4.4 GiB cap (~5 minutes per strategy that trains to the end on an idle machine)")
     ap.add_argument("--only", default="", help="comma-separated strategies to run (adaptive, dynamic_sp, "
                     "static:dp2, static:fsdp2+rc, ...); their results replace those in an existing --json")
     ap.add_argument("--nproc", type=int, default=2, help="trainer ranks")
-    ap.add_argument("--cap-gib", type=float, default=7.0, help="memory cap of each trainer rank, all of its memory")
-    ap.add_argument("--reserve-gib", type=float, default=0.6, help="of the cap, what the selector keeps for the runtime")
+    ap.add_argument("--cap-gib", type=float, default=7.8, help="memory cap of each trainer rank, all of its memory")
+    ap.add_argument("--reserve-gib", type=float, default=1.2,
+                    help="of the cap, what the selector keeps for what the memory model does not count: the runtime "
+                         "(~0.5 GiB: Python, torch, gloo) and the published weights in the rank's shared memory (two "
+                         "versions of its pieces: a replica's 0.54 GiB each under dp)")
     ap.add_argument("--cap-mode", choices=("cgroup", "rlimit"), default="cgroup",
                     help="cgroup: a memory cgroup per rank (root, resident memory, OOM kill); rlimit: RLIMIT_DATA")
     ap.add_argument("--filler-words", type=int, default=430, help="filler words per episode at level 0")
@@ -374,7 +377,7 @@ def main() -> int:
         print(DYNAMIC_SP_HOOK)
         return 0
     if args.quick:
-        args.cap_gib, args.filler_words, args.filler_factor, args.grow_every = 4.5, 240, 2.05, 1
+        args.cap_gib, args.filler_words, args.filler_factor, args.grow_every = 4.4, 150, 2.0, 1
         args.run_minutes = min(args.run_minutes, 15.0)
     args.steps = args.levels * args.grow_every
     out = Path(args.json)
