@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -198,7 +199,9 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         up.stop()
         sampler.done.set()
         _remove_cgroups(kind)
-    return summarize(kind, args, run_dir, last, crashed, timed_out, time.monotonic() - start, sampler, cg)
+    result = summarize(kind, args, run_dir, last, crashed, timed_out, time.monotonic() - start, sampler, cg)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1.6 GB of weights and AdamW state per run
+    return result
 
 
 def _ts(stamp: str) -> float:
@@ -353,6 +356,7 @@ def main() -> int:
                          "4.4 GiB cap (~5 minutes per strategy that trains to the end on an idle machine)")
     ap.add_argument("--only", default="", help="comma-separated strategies to run (adaptive, dynamic_sp, "
                     "static:dp2, static:fsdp2+rc, ...); their results replace those in an existing --json")
+    ap.add_argument("--runs-dir", default="", help="where each strategy's run directory goes (default: beside --json)")
     ap.add_argument("--nproc", type=int, default=2, help="trainer ranks")
     ap.add_argument("--cap-gib", type=float, default=7.8, help="memory cap of each trainer rank, all of its memory")
     ap.add_argument("--reserve-gib", type=float, default=1.2,
@@ -386,7 +390,7 @@ def main() -> int:
     runs: dict[str, dict[str, Any]] = dict(previous.get("runs", {}))
     for kind in args.only.split(",") if args.only else strategies(args.nproc):
         print(f"== {kind}", flush=True)
-        runs[kind] = run(kind, args, out.parent)
+        runs[kind] = run(kind, args, Path(args.runs_dir) if args.runs_dir else out.parent)
         r = runs[kind]
         print(f"   started {r['started']} crashed {r['crashed']} ({r['crash_reason']}) steps {r['steps']} "
               f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
