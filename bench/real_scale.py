@@ -81,6 +81,8 @@ def setup(kind: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str
     over = [f"seed={args.seed}", f"trainer.nproc={args.nproc}", f"envs.0.params={params}",
             f"selector.trainer_memory_bytes={cap}", f"selector.reserve_bytes={int(args.reserve_gib * GIB)}",
             f"selector.initial_seq_len={args.initial_len}", *args.set]
+    if args.cost_model:
+        over.append(f"selector.cost_model_path={Path(args.cost_model).resolve()}")
     env = {"EARL_BENCH_RANK_CAP_BYTES": str(cap), "EARL_BENCH_CAP_MODE": args.cap_mode,
            "EARL_BENCH_CAP_TAG": kind.replace(":", "_").replace("+", "_"), "EARL_BENCH_MIN_EPISODES": "2",
            "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -370,6 +372,10 @@ def main() -> int:
     ap.add_argument("--levels", type=int, default=4, help="context phases (curriculum levels)")
     ap.add_argument("--grow-every", type=int, default=3, help="prompt groups (= training steps) per level")
     ap.add_argument("--initial-len", type=int, default=512, help="design length of the first plan (every strategy)")
+    ap.add_argument("--cost-model", default=str(ROOT / "bench" / "results" / "selector.json"),
+                    help="the selector's starting cost model (selector.cost_model_path) for every run: by default the "
+                         "calibration measured on these CPUs (bench/selector.py); '' = the library's GPU-like defaults, "
+                         "which rank FSDP2 with recomputation fastest even where a replica fits")
     ap.add_argument("--run-minutes", type=float, default=40.0, help="wall-clock limit of one strategy's run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="one more `up` override for every run (repeatable), "
@@ -381,7 +387,7 @@ def main() -> int:
         print(DYNAMIC_SP_HOOK)
         return 0
     if args.quick:
-        args.cap_gib, args.filler_words, args.filler_factor, args.grow_every = 4.4, 150, 2.0, 1
+        args.cap_gib, args.filler_words, args.filler_factor, args.grow_every, args.initial_len = 4.4, 150, 2.0, 1, 256
         args.run_minutes = min(args.run_minutes, 15.0)
     args.steps = args.levels * args.grow_every
     out = Path(args.json)
