@@ -190,6 +190,8 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                     if w["pid"]:
                         sampler.pids.add(w["pid"])
                         groups.setdefault(w["pid"], _cgroup(kind, w["pid"]))
+                if s.get("policy_version", 0) >= args.steps:
+                    continue  # done: the ranks leave before `up` does
                 dead = [w["id"] for w in trainers if not w["alive"]]
                 kills = sum(_cgroup_info(g).get("oom_kills", 0) for g in groups.values())
                 if dead or kills:
@@ -288,8 +290,18 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
     }
 
 
+def settle(r: dict[str, Any], steps: int) -> dict[str, Any]:
+    """A run that trained every step, with no allocation error or OOM kill, did not crash (its ranks exit
+    before `up` does, which an early version of this harness counted as a death)."""
+    kills = sum(c.get("oom_kills", 0) for c in r["cgroups"].values())
+    if r["crashed"] and r["steps"] >= steps and not kills and not r["alloc_errors"]:
+        r.update(crashed=False, crash_reason="", crash_phase=None)
+    return r
+
+
 def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """The issue's keys from the runs (missing strategies give None)."""
+    runs = {k: settle(r, args.steps) for k, r in runs.items()}
     adaptive, dynamic = runs.get("adaptive"), runs.get("dynamic_sp")
     static = {k.split(":", 1)[1]: r for k, r in runs.items() if k.startswith("static:")}
     levels = args.levels
@@ -382,6 +394,7 @@ def main() -> int:
                     "e.g. trainer.packing=true once packing is merged")
     ap.add_argument("--dynamic-sp-hook", action="store_true",
                     help="print what a per-micro-batch sp degree needs from the trainer, and exit")
+    ap.add_argument("--rebuild", action="store_true", help="recompute the summary keys of --json from its runs")
     args = ap.parse_args()
     if args.dynamic_sp_hook:
         print(DYNAMIC_SP_HOOK)
@@ -394,6 +407,13 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(out.read_text()) if out.exists() and args.only else {}
     runs: dict[str, dict[str, Any]] = dict(previous.get("runs", {}))
+    if args.rebuild:
+        runs = json.loads(out.read_text())["runs"]
+        result = {**aggregate(runs, args), "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                  "runs": runs}
+        out.write_text(json.dumps(result, indent=1))
+        print(table(result, runs))
+        return 0
     for kind in args.only.split(",") if args.only else strategies(args.nproc):
         print(f"== {kind}", flush=True)
         runs[kind] = run(kind, args, Path(args.runs_dir) if args.runs_dir else out.parent)
