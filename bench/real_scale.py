@@ -232,16 +232,24 @@ def parse_trainer_log(path: Path) -> dict[str, Any]:
             "adopted": adopted, "alloc_errors": errors}
 
 
+def start_reason(run_dir: Path) -> str:
+    """Why a run never trained: the forced plan's refusal (the bench hook's log line), else the supervisor's
+    "no plan fits", else the end of `up`'s output."""
+    logs = [run_dir / "logs" / "supervisor.log", run_dir / "up.log"]
+    text = "\n".join(p.read_text(errors="replace") for p in logs if p.exists())
+    for marker in ("forced plan", "no trainer plan fits", "Error"):
+        lines = [ln for ln in text.splitlines() if marker in ln]
+        if lines:
+            return lines[-1].strip()[-600:]
+    return text[-400:].strip()
+
+
 def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[str, Any] | None, crashed: str,
               timed_out: bool, wall: float, sampler: RssSampler, cgroups: dict[int, dict[str, int]]) -> dict[str, Any]:
     log = parse_trainer_log(run_dir / "logs" / "trainer.log")
-    up_log = (run_dir / "up.log").read_text(errors="replace") if (run_dir / "up.log").exists() else ""
     started = bool(log["adopted"]) or bool(log["steps"])
-    start_error = ""
+    start_error = "" if started else start_reason(run_dir)
     if not started:
-        lines = [ln for ln in up_log.splitlines() if "no trainer plan fits" in ln or "forced plan" in ln
-                 or "Error" in ln]
-        start_error = (lines[-1] if lines else up_log[-400:]).strip()[-600:]
         crashed = ""  # a plan that never started did not crash
     lengths = phase_lengths(args)
     phases: list[dict[str, Any]] = [{"phase": k, "expected_tokens": n, "steps": 0, "tokens": 0, "seconds": 0.0,
@@ -409,6 +417,10 @@ def main() -> int:
     runs: dict[str, dict[str, Any]] = dict(previous.get("runs", {}))
     if args.rebuild:
         runs = json.loads(out.read_text())["runs"]
+        for kind, r in runs.items():  # reasons read again from the run directories where they are still there
+            run_dir = Path(args.runs_dir or out.parent) / f"real_scale_{kind.replace(':', '_').replace('+', '_')}_run"
+            if not r["started"] and run_dir.exists():
+                r["start_error"] = start_reason(run_dir)
         result = {**aggregate(runs, args), "settings": {k: v for k, v in vars(args).items() if k != "json"},
                   "runs": runs}
         out.write_text(json.dumps(result, indent=1))
