@@ -2,6 +2,7 @@
 cap, the adaptive selector side by side with every static plan and a dynamic sequence-parallel policy.
 
     python bench/real_scale.py --json bench/results/real_scale.json [--quick] [--only adaptive,static:fsdp2+rc]
+    python bench/real_scale.py --grow-every 1 --json bench/results/real_scale_long.json   # full lengths, 1 step/phase
 
 Every strategy is one `earl-stream up` (configs/smollm2_real_scale.yaml: `make real-model` first) on the same
 seeds, environment, steps and cap:
