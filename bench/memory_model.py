@@ -34,6 +34,10 @@
     with the CUDA caching allocator's own counters, exact to its 512-byte rounding: the step's peak
     (`max_memory_allocated`) with weights, gradients and AdamW states allocated, against the model's
     `total_bytes` (states + step), and the step's part above the states against `dynamic_bytes`.
+(f) The real model at real scale (`bench/memory_model_real.py`, issue 32 item 4; `--only-real-model` refreshes it):
+    SmolLM2-135M per rank under dp2 and fsdp2 (its 9 heads rule out tp2 and sp2; tp3/sp3 on 3 ranks instead) at
+    1K-8K tokens per micro-batch, and a dp2 -> fsdp2 switch with AdamW state, against `predict_train_memory`
+    (and the library's switch prediction, where it has one): `max_relative_error_real_model`.
 """
 
 from __future__ import annotations
@@ -404,12 +408,23 @@ def main() -> int:
         ap.add_argument(flag, type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--only-sharded", action="store_true", help="skip (a) and (b): the sharded plans only")
     ap.add_argument("--only-smollm2", action="store_true", help="refresh (d), the SmolLM2 rows, in an existing file")
+    ap.add_argument("--only-real-model", action="store_true",
+                    help="refresh (f), SmolLM2 per rank at 1K-8K tokens and a switch, in an existing file")
+    ap.add_argument("--real-grid", default="", help="(f)'s cases, comma-separated: PLAN:TOKENS (dp2:1024, "
+                    "fsdp2+rc:4096, tp3:2048) or switch:OLD>NEW:0; default: all of 1K-8K under dp2 and fsdp2 "
+                    "(--quick: 1K) and a dp2 -> fsdp2 switch")
+    ap.add_argument("--real-rank-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     if args.rank_child:
         print(json.dumps(rank_child(json.loads(args.rank_child), args.rank, args.world, args.port)))
+        return 0
+    if args.real_rank_child:
+        from memory_model_real import real_rank_child
+
+        print(json.dumps(real_rank_child(json.loads(args.real_rank_child), args.rank, args.world, args.port)))
         return 0
     start = time.monotonic()
     out = Path(args.json)
@@ -419,6 +434,17 @@ def main() -> int:
         result["smollm2"] = part_d(SMOLLM2_QUICK if args.quick else SMOLLM2_GRID)
         out.write_text(json.dumps(result, indent=2))
         print(f"  smollm2 max_relative_error = {result['smollm2']['max_relative_error']:.3f}; wrote {out}")
+        return 0
+    if args.only_real_model:  # refresh (f) in an existing results file
+        from memory_model_real import REAL_FULL, REAL_QUICK, part_f
+
+        grid = args.real_grid.split(",") if args.real_grid else REAL_QUICK if args.quick else REAL_FULL
+        result = json.loads(out.read_text()) if out.exists() else {}
+        print("(f) SmolLM2-135M per rank, predicted vs measured peak (total = states + step)")
+        f = part_f(grid, __file__)
+        result.update(real_model=f, max_relative_error_real_model=f["max_relative_error_real_model"])
+        out.write_text(json.dumps(result, indent=2))
+        print(f"  max_relative_error_real_model = {f['max_relative_error_real_model']} (goal <= 0.05); wrote {out}")
         return 0
     if args.only_sharded:  # refresh (c) in an existing results file
         result = json.loads(out.read_text()) if out.exists() else {}

@@ -14,6 +14,14 @@ same episode and a seed replays exactly within a process; across processes an ep
 how many seeds that process saw before (with `grow_every=0`, the default, it is a pure function of
 the seed). Each fact turn adds ~35 tokens of context with the embedded tiny model's tokenizer,
 so a run that starts at 2 turns (~100 tokens) and grows to 24 reaches ~900 tokens per episode.
+
+Filler (a haystack around the facts, for long contexts at few turns): with `filler_words` > 0 each fact
+page also carries "Notes:" and round(filler_words x filler_factor ** level) words (at most
+`max_filler_words`) drawn from a fixed list of common English words by the seed, so a page's length
+grows geometrically with the level while the number of turns (and of model replies) stays small. With
+SmolLM2-135M's tokenizer a filler word is ~1.0 token: `turns=1, max_turns=1, facts_per_turn=2,
+filler_words=440, filler_factor=2.1` gives ~500 tokens per episode at level 0 and ~4,200 at level 3
+(bench/real_scale.py, tests/envs/test_long_recall.py).
 """
 
 from __future__ import annotations
@@ -30,6 +38,13 @@ __all__ = ["LongRecall"]
 
 _KEYS = [f"{c}{d}" for c in string.ascii_uppercase for d in range(10)]
 _DIGIT = re.compile(r"[1-9]")
+# common short words, each a single token (after a space) for the usual BPE vocabularies
+_FILLER = ("the", "river", "stone", "light", "green", "house", "under", "over", "small", "large", "water", "field",
+           "cloud", "north", "south", "early", "late", "bread", "table", "chair", "paper", "music", "horse", "garden",
+           "window", "street", "market", "winter", "summer", "morning", "evening", "road", "tree", "bird", "blue",
+           "red", "old", "new", "long", "short", "warm", "cold", "quiet", "open", "door", "wall", "hill", "lake",
+           "city", "town", "book", "letter", "story", "song", "friend", "family", "school", "work", "day", "night",
+           "year", "time", "place", "world")
 
 
 class LongRecall:
@@ -40,9 +55,15 @@ class LongRecall:
     system_prompt: str = "Remember every fact. At the end, reply with the value of the key asked for."
 
     def __init__(self, turns: int = 2, max_turns: int = 24, facts_per_turn: int = 4, grow_every: int = 0,
-                 max_episode_tokens: int | None = None) -> None:
+                 max_episode_tokens: int | None = None, filler_words: int = 0, filler_factor: float = 1.0,
+                 max_filler_words: int = 20000) -> None:
         # int() because `env attach --param k=v` may pass strings
         turns, max_turns, facts, grow_every = int(turns), int(max_turns), int(facts_per_turn), int(grow_every)
+        filler_words, filler_factor, max_filler = int(filler_words), float(filler_factor), int(max_filler_words)
+        if filler_words < 0 or filler_factor < 1.0 or max_filler < filler_words:
+            raise EnvError(f"LongRecall needs filler_words ({filler_words}) >= 0, filler_factor ({filler_factor}) >= 1 "
+                           f"and max_filler_words ({max_filler}) >= filler_words")
+        self.filler_words, self.filler_factor, self.max_filler_words = filler_words, filler_factor, max_filler
         if max_episode_tokens is not None:  # a hard context limit: longer episodes end "truncated", reward 0
             if int(max_episode_tokens) < 1:
                 raise EnvError(f"LongRecall max_episode_tokens must be >= 1 or None, got {max_episode_tokens!r}")
@@ -62,15 +83,24 @@ class LongRecall:
         """Fact turns of an episode at curriculum `level`."""
         return min(self.max_turns, self.turns + level)
 
+    def page_filler_words(self, level: int) -> int:
+        """Filler words on each fact page of an episode at curriculum `level`."""
+        return min(self.max_filler_words, round(self.filler_words * self.filler_factor ** level))
+
     async def reset(self, seed: int) -> str:
         """Draw the facts and the question of `seed` at the seed's curriculum level; show the first facts."""
-        self._level = CURRICULUM.level(seed, self.grow_every, (self.turns, self.grow_every))
+        key = (self.turns, self.grow_every) if not self.filler_words else \
+            (self.turns, self.grow_every, self.filler_words, self.filler_factor)
+        self._level = CURRICULUM.level(seed, self.grow_every, key)
         n = self.episode_turns(self._level)
         rng = random.Random(seed)
         keys = rng.sample(_KEYS, n * self.facts_per_turn)
         values = [rng.randint(1, 9) for _ in keys]
         facts = [f"{k}={v}" for k, v in zip(keys, values)]
         self._pages = [" ".join(facts[i:i + self.facts_per_turn]) for i in range(0, len(facts), self.facts_per_turn)]
+        if self.filler_words:
+            words = self.page_filler_words(self._level)
+            self._pages = [f"{page}\nNotes: " + " ".join(rng.choices(_FILLER, k=words)) + "." for page in self._pages]
         ask = rng.randrange(len(keys))
         self._key, self._value = keys[ask], values[ask]
         self._shown, self._done = 1, False

@@ -106,3 +106,61 @@ def test_a_context_limit_is_an_episode_option() -> None:
     assert env_options(LongRecall(max_episode_tokens="300")).max_episode_tokens == 300  # `--param k=v` gives strings
     with pytest.raises(EnvError, match="max_episode_tokens must be >= 1"):
         LongRecall(max_episode_tokens=0)
+
+
+def test_filler_grows_geometrically_with_the_level_and_keeps_the_facts() -> None:
+    async def go() -> None:
+        params = {"turns": 1, "max_turns": 1, "facts_per_turn": 2, "grow_every": 1, "filler_words": 100,
+                  "filler_factor": "2"}  # --param passes strings
+        env = LongRecall(**params)
+        assert [env.page_filler_words(level) for level in range(4)] == [100, 200, 400, 800]
+        sizes = []
+        for seed in (7000, 7001, 7002):
+            page = await env_reset(env, seed)
+            facts, notes = page.split("\nNotes: ")
+            assert re.fullmatch(r"Facts: [A-Z]\d=\d [A-Z]\d=\d", facts)
+            sizes.append(len(notes.split()))
+            question = (await env_step(env, "ok")).observation
+            key = re.match(r"What is (\w+)\?", question).group(1)
+            value = dict(f.split("=") for f in facts.removeprefix("Facts: ").split())[key]
+            final = await env_step(env, value)
+            assert final.done and final.reward == 1.0
+        assert sizes == [100, 200, 400]
+        assert LongRecall(filler_words=50, filler_factor=3, max_filler_words=120).page_filler_words(2) == 120
+
+    asyncio.run(go())
+    for bad in ({"filler_words": -1}, {"filler_factor": 0.5}, {"filler_words": 10, "max_filler_words": 5}):
+        with pytest.raises(EnvError, match="filler"):
+            LongRecall(**bad)
+
+
+@pytest.mark.real_model
+def test_real_scale_episodes_grow_from_at_most_512_to_at_least_4096_smollm2_tokens() -> None:
+    """The environment of configs/smollm2_real_scale.yaml (bench/real_scale.py's full run), with SmolLM2-135M's
+    tokenizer and chat template, replies of the most tokens the environment allows."""
+    from pathlib import Path
+
+    from earl_stream.config import load_config
+    from earl_stream.model import cache_dir, load_tokenizer
+
+    model_dir = cache_dir() / "models" / "smollm2-135m-instruct"
+    if not (model_dir / "config.json").exists():
+        pytest.skip("SmolLM2-135M-Instruct not imported (make real-model)")
+    tok = load_tokenizer(str(model_dir))
+    config = Path(__file__).resolve().parents[2] / "configs" / "smollm2_real_scale.yaml"
+    FULL_ENV = dict(load_config(config).envs[0].params)
+
+    async def tokens(level: int) -> int:
+        env = LongRecall(**{**FULL_ENV, "grow_every": 1})
+        pages = []
+        for seed in range(9100, 9101 + level):  # the level-th new seed of this configuration
+            pages = [await env_reset(env, seed)]
+        pages.append((await env_step(env, "ok ok ok")).observation)
+        msgs = [{"role": "system", "content": env.system_prompt}]
+        for page in pages:
+            msgs += [{"role": "user", "content": page}, {"role": "assistant", "content": "7 7 7"}]
+        ids = tok.apply_chat_template(msgs, tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    first, last = asyncio.run(tokens(0)), asyncio.run(tokens(3))
+    assert first <= 512 and last >= 4096 and last / first >= 8, (first, last)

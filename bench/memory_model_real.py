@@ -1,0 +1,243 @@
+"""Part (f) of bench/memory_model.py: the memory model at real scale (issue 32, item 4).
+
+    python bench/memory_model.py --only-real-model [--quick] [--real-grid dp2:1024,fsdp2:2048,...]
+
+SmolLM2-135M-Instruct (the imported model of `make real-model`, else random weights of its config: memory does
+not depend on them), fp32, SDPA attention, laid out by `workers.sharding.shard_model` on a pool of gloo ranks
+and stepped by the real `workers.train_step.train_step` (GRPO loss, vocab-parallel log-probs), one micro-batch
+of N tokens per data rank (one packed micro-batch of N tokens; until packing is merged, one N-token sequence is
+that micro-batch). Each rank is a fresh process with MALLOC_MMAP_THRESHOLD_=65536 (resident memory follows live
+tensors). Measured per rank: the peak resident memory (VmHWM, reset through /proc/self/clear_refs) during one
+step, (i) above the memory before the model was built ("total": states + step, what a cap sees beyond the
+runtime) and (ii) above the memory just before the step ("dynamic", as parts (b)-(d) measure). Predicted:
+`predict_train_memory(shape, TrainPlan(micro_batch=1, seq_len=N, dp=data ranks, tp, sp, fsdp, recompute,
+attention=FLASH, logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL))`, its `total_bytes` and `dynamic_bytes`.
+A switch: the same ranks under plan A, one warm-up step (AdamW state allocated), then `sharding.relayout` to
+plan B as the trainer does at a plan change; measured: the peak above the memory before the model was built;
+predicted: the library's switch prediction where it has one (`supervisor.switch_memory.predict_switch`, with
+trainer.reshard_bucket_bytes' 64 MiB), else none (the full-state-dict path's estimate is reported beside it as
+`full_gather_estimate_bytes`, not scored).
+SmolLM2 has 9 attention heads and 3 KV heads: tp2 and sp2 cannot run on it (refused by the layouts); tp3 and
+sp3 (3 ranks) can, and are in the grid instead when --real-grid names them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from earl_stream.supervisor.memory_model import (
+    LOGIT_COPIES_EARL_VOCAB_PARALLEL,
+    Attention,
+    ModelShape,
+    Recompute,
+    TrainPlan,
+    predict_train_memory,
+)
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+REAL_FULL = [f"{p}:{n}" for p in ("dp2", "fsdp2") for n in (1024, 2048, 4096, 8192)] + ["switch:dp2>fsdp2:0"]
+REAL_QUICK = ["dp2:1024", "fsdp2:1024", "switch:dp2>fsdp2:0"]
+NOT_RUNNABLE = {"tp2": "SmolLM2's 9 attention heads (3 KV heads) are not divisible by 2",
+                "sp2": "SmolLM2's 9 attention heads are not divisible by 2 (Ulysses splits heads)"}
+
+
+def model_dir() -> Path | None:
+    from earl_stream.model import cache_dir
+
+    d = cache_dir() / "models" / "smollm2-135m-instruct"
+    return d if (d / "config.json").is_file() else None
+
+
+def smollm2_config() -> dict[str, Any]:
+    d = model_dir()
+    if d is not None:
+        return json.loads((d / "config.json").read_text())
+    from memory_model import SMOLLM2  # type: ignore[import-not-found]
+
+    return {**SMOLLM2, "model_type": "llama"}
+
+
+def rank_plan(name: str) -> Any:
+    """`RankPlan` from `dp2`, `fsdp2+rc`, `tp3`, `sp3`, ..."""
+    from earl_stream.workers.mesh import RankPlan
+
+    base, rc = name.removesuffix("+rc"), name.endswith("+rc")
+    axis = base.rstrip("0123456789")
+    return RankPlan(**{axis: int(base[len(axis):])}, micro_batch_tokens=1 << 20, recompute=rc)
+
+
+def _build(plan_name: str, rank: int, world: int) -> tuple[Any, Any]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from earl_stream.workers.mesh import TrainerMesh
+    from earl_stream.workers.sharding import apply_plan, shard_model
+
+    torch.manual_seed(0)
+    d = model_dir()
+    if d is not None:
+        from earl_stream.modeling import load_model
+
+        model, _ = load_model(str(d))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**smollm2_config(), attn_implementation="sdpa", use_cache=False))
+    model.config.use_cache = False
+    model.train()
+    placement = TrainerMesh(world, rank, torch.device("cpu")).placement(rank_plan(plan_name))
+    shard_model(model, placement)
+    apply_plan(model, placement)
+    return model, placement
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def real_rank_child(spec: dict[str, Any], rank: int, world: int, port: int) -> dict[str, Any]:
+    """One rank: build the plan, warm up (AdamW state), then measure one N-token step or one switch."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from memory_model import _claim  # type: ignore[import-not-found]
+
+    from bench.ranks import join
+    from earl_stream.config import AlgoConfig, TrainerConfig
+    from earl_stream.workers.sharding import relayout
+    from earl_stream.workers.train_step import train_step
+
+    join(rank, world, port)
+    rss0 = _status("VmRSS:")
+    plans = spec["plan"].split(">")
+    model, placement = _build(plans[0], rank, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    cfg, algo = TrainerConfig(micro_batch_tokens=1 << 20), AlgoConfig(entropy_coef=0.0)
+    vocab, data_ranks = model.config.vocab_size, placement.plan.data_ranks
+    metas, rows = _claim(data_ranks, 32, vocab, "warm")
+    train_step(model, opt, metas, placement.layout, rows, cfg, algo=algo, placement=placement)
+    for p in model.parameters():  # allocated states, as zero_grad(set_to_none=False) leaves them
+        p.grad = torch.zeros_like(p)
+    start = time.monotonic()
+    if len(plans) == 2:  # a switch, as the trainer makes it at a plan change
+        from earl_stream.workers.mesh import TrainerMesh
+
+        new = TrainerMesh(world, rank, torch.device("cpu")).placement(rank_plan(plans[1]))
+        for p in model.parameters():
+            p.grad = None  # the trainer switches between steps, after zero_grad(set_to_none=True)
+        gc.collect()
+        dist.barrier()
+        base = _status("VmRSS:")
+        _reset_peak()
+        import inspect
+
+        bucket = {"bucket_bytes": 64 << 20} if "bucket_bytes" in inspect.signature(relayout).parameters else {}
+        relaid = relayout(model, opt, new, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-6), **bucket)
+        peak = _status("VmHWM:")
+        del model, opt
+        gc.collect()
+        after = _status("VmRSS:")
+        out = {"rank": rank, "peak_total_bytes": peak - rss0, "peak_above_before_bytes": peak - base,
+               "before_bytes": base - rss0, "after_bytes": after - rss0, "seconds": time.monotonic() - start}
+        del relaid
+    else:
+        metas, rows = _claim(data_ranks, spec["tokens"], vocab, "big")
+        gc.collect()
+        dist.barrier()
+        base = _status("VmRSS:")
+        _reset_peak()
+        train_step(model, opt, metas, placement.layout, rows, cfg, algo=algo, placement=placement)
+        peak = _status("VmHWM:")
+        out = {"rank": rank, "measured_total_bytes": peak - rss0, "measured_bytes": peak - base,
+               "states_rss_bytes": base - rss0, "step_seconds": time.monotonic() - start}
+    dist.destroy_process_group()
+    return out
+
+
+def predict(plan_name: str, tokens: int) -> Any:
+    rp = rank_plan(plan_name)
+    shape = ModelShape.from_hf(smollm2_config())
+    plan = TrainPlan(micro_batch=1, seq_len=tokens, dp=rp.data_ranks, tp=rp.tp, sp=rp.sp, fsdp=rp.fsdp > 1,
+                     recompute=Recompute.FULL if rp.recompute else Recompute.NONE, attention=Attention.FLASH,
+                     shard_logits=True, logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL)
+    return shape, plan, predict_train_memory(shape, plan)
+
+
+BUCKET_BYTES = 64 << 20  # trainer.reshard_bucket_bytes' default once re-sharding without a replica is merged
+
+
+def predict_switch(old: str, new: str) -> tuple[int | None, int, str]:
+    """(the library's switch prediction or None, an estimate of the full-state-dict path, what answered).
+
+    The estimate is old states + new states + a full replica's weights and AdamW moments: what gathering full
+    state dicts materialises from a sharded placement (from a replicated one the full state dict is the old
+    tensors themselves, so it over-counts a dp -> fsdp switch)."""
+    shape, a, bd_a = predict(old, 1)
+    _, b, bd_b = predict(new, 1)
+    no_grads = bd_a.static_bytes - bd_a.gradients_bytes + bd_b.static_bytes - bd_b.gradients_bytes
+    estimate = no_grads + shape.num_params() * 12  # fp32 weights + AdamW's two moments
+    try:
+        from earl_stream.supervisor.switch_memory import predict_switch as library  # type: ignore[import-not-found]
+    except ImportError:
+        return None, estimate, ""
+    got = library(shape, a, b, BUCKET_BYTES, stepped=True)
+    return int(got.peak), estimate, f"switch_memory.predict_switch (bucket {BUCKET_BYTES >> 20} MiB)"
+
+
+def part_f(grid: list[str], script: str) -> dict[str, Any]:
+    from bench.ranks import launch
+
+    rows = []
+    for item in grid:
+        kind, rest = item.split(":", 1)
+        if kind == "switch":
+            plans, tokens = rest.split(":")
+            old, new = plans.split(">")
+            ranks = launch(script, ["--real-rank-child", json.dumps({"plan": plans, "tokens": 0})],
+                           rank_plan(old).world, env=MALLOC_ENV)
+            pred, estimate, fn = predict_switch(old, new)
+            measured = max(r["peak_total_bytes"] for r in ranks)
+            row = {"case": f"switch {old} -> {new}", "ranks": ranks, "measured_peak_bytes": measured,
+                   "predicted_bytes": pred, "predicted_by": fn or None, "full_gather_estimate_bytes": estimate,
+                   "relative_error": (pred - measured) / measured if pred else None}
+            print(f"  switch {old:>6s} -> {new:6s} measured {measured / 2**20:8.1f} MiB  predicted "
+                  f"{(pred or 0) / 2**20:8.1f} MiB ({fn or 'no switch prediction in the library'}); full-gather "
+                  f"estimate {estimate / 2**20:.1f} MiB", flush=True)
+            rows.append(row)
+            continue
+        plan, tokens = kind, int(rest)
+        if plan.removesuffix("+rc") in NOT_RUNNABLE:
+            rows.append({"case": f"{plan} {tokens}", "plan": plan, "tokens": tokens,
+                         "not_runnable": NOT_RUNNABLE[plan.removesuffix("+rc")]})
+            continue
+        ranks = launch(script, ["--real-rank-child", json.dumps({"plan": plan, "tokens": tokens})],
+                       rank_plan(plan).world, env=MALLOC_ENV, timeout_s=3600)
+        _, _, bd = predict(plan, tokens)
+        for r in ranks:
+            r["relative_error_total"] = (bd.total_bytes - r["measured_total_bytes"]) / r["measured_total_bytes"]
+            r["relative_error_dynamic"] = (bd.dynamic_bytes - r["measured_bytes"]) / r["measured_bytes"]
+            r["states_relative_error"] = (bd.static_bytes - r["states_rss_bytes"]) / r["states_rss_bytes"]
+        worst = max(ranks, key=lambda r: abs(r["relative_error_total"]))
+        rows.append({"case": f"{plan} {tokens}", "plan": plan, "tokens": tokens, "predicted_total_bytes": bd.total_bytes,
+                     "predicted_bytes": bd.dynamic_bytes, "predicted_static_bytes": bd.static_bytes,
+                     "predicted_peak_phase": bd.peak_phase.value, "ranks": ranks,
+                     "relative_error": worst["relative_error_total"],
+                     "relative_error_dynamic": max((r["relative_error_dynamic"] for r in ranks), key=abs)})
+        per_rank = " ".join(f"{r['measured_total_bytes'] / 2**20:7.1f} ({r['relative_error_total']:+.3f}; step "
+                            f"{r['relative_error_dynamic']:+.3f}; states {r['states_relative_error']:+.3f})"
+                            for r in ranks)
+        print(f"  {plan:8s} {tokens:5d} predicted {bd.total_bytes / 2**20:7.1f} MiB ({bd.peak_phase.value})  measured "
+              f"per rank {per_rank}  ({max(r['step_seconds'] for r in ranks):.0f} s step)", flush=True)
+    errors = [abs(r["relative_error"]) for r in rows if r.get("relative_error") is not None]
+    return {"model": "SmolLM2-135M-Instruct" + ("" if model_dir() else " (config only: random weights)"),
+            "dtype": "float32", "attention": "sdpa", "malloc_env": MALLOC_ENV, "configs": rows,
+            "not_runnable": NOT_RUNNABLE,
+            "max_relative_error_real_model": max(errors) if errors else None}

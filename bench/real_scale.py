@@ -1,0 +1,461 @@
+"""Issue 32's experiment: SmolLM2-135M on episodes that grow 8x, a trainer pool of ranks under a real memory
+cap, the adaptive selector side by side with every static plan and a dynamic sequence-parallel policy.
+
+    python bench/real_scale.py --json bench/results/real_scale.json [--quick] [--only adaptive,static:fsdp2+rc]
+    python bench/real_scale.py --grow-every 1 --json bench/results/real_scale_long.json   # full lengths, 1 step/phase
+
+Every strategy is one `earl-stream up` (configs/smollm2_real_scale.yaml: `make real-model` first) on the same
+seeds, environment, steps and cap:
+- adaptive: the selector on (it re-plans dp/FSDP2/tp/sp, recomputation and the micro-batch budget as the
+  context percentiles cross its thresholds);
+- static:<plan>: one layout forced for the whole run (dp2, fsdp2, tp2, sp2 and each with full recomputation
+  `+rc`), sized by the selector for the first phase and never re-selected; a plan that the pool or the model
+  cannot run "does not start" and its reason is recorded (SmolLM2 has 9 attention heads: no tp2 or sp2);
+- dynamic_sp: verl-style dynamic context parallelism: the model's sharding never changes (replicated) and the
+  sequence-parallel degree follows the longest sequence (dp<N> while one sequence fits a rank, sp<N> when it
+  does not). The trainer has no per-micro-batch sp degree today, so this is emulated per step: the selector
+  restricted to {dp<N>, sp<N>} without recomputation, driven by the window's longest episode, re-planned at
+  every step boundary (`--dynamic-sp-hook` names what the trainer would need).
+The environment (envs/long_recall.py with filler) starts at <= 512 tokens per episode and ends at >= 4,096
+(full run; --quick: ~220 -> ~1,270). Each trainer rank is capped before it imports torch (bench/real_scale_site:
+a memory cgroup of its own, or setrlimit with --cap-mode rlimit) at --cap-gib; the selector's budget is the
+same cap less --reserve-gib. Past the cap the kernel kills the rank (or torch raises): a crash.
+Recorded per strategy from the trainer's log and the supervisor's status: crashes (and the allocation error),
+refused or truncated samples, trained tokens per training second per context phase, the plans adopted, each
+re-layout's measured peak (the rank's resident memory sampled every 50 ms during the switch) and each rank's
+peak. JSON keys: adaptive_crashed, adaptive_truncated, static (per plan), vs_best_static_min, vs_dynamic_sp,
+plans_used, switch_peak_bytes, context_growth, runs (everything measured), settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
+
+CONFIG = ROOT / "configs" / "smollm2_real_scale.yaml"
+SITE = ROOT / "bench" / "real_scale_site"
+GIB = 1 << 30
+BASE_TOKENS = 66  # an episode's tokens besides the filler (system prompt, chat template, facts, question, replies)
+_STEP = re.compile(r"^(\S+ \S+) .*step (\d+): loss \S+ grad-norm \S+ reward \S+ \((\d+) samples, (\d+) tokens\) "
+                   r"in ([\d.]+)s")
+_RELAY = re.compile(r"^(\S+ \S+) .*step (\d+): re-la(ying|id) the model from (\S+) to (\S+)")
+_ADOPT = re.compile(r"^(\S+ \S+) .*step (\d+): adopted trainer plan v(\d+): (\S+) .*micro-batch (\d+) tokens, "
+                    r"recompute (\w+)")
+_ALLOC = re.compile(r"can't allocate memory|MemoryError|out of memory|Killed|SIGKILL", re.I)
+
+
+def strategies(nproc: int) -> list[str]:
+    static = [f"static:{p}{rc}" for p in (f"dp{nproc}", f"fsdp{nproc}", f"tp{nproc}", f"sp{nproc}") for rc in ("", "+rc")]
+    return ["adaptive", "dynamic_sp", *static]
+
+
+def env_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {"turns": 1, "max_turns": 1, "facts_per_turn": 2, "filler_words": args.filler_words,
+            "filler_factor": args.filler_factor, "grow_every": args.grow_every}
+
+
+def phase_lengths(args: argparse.Namespace) -> list[int]:
+    """Expected tokens per episode at each curriculum level (what a step's samples are binned by)."""
+    return [BASE_TOKENS + round(args.filler_words * args.filler_factor ** k) for k in range(args.levels)]
+
+
+def setup(kind: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """`up` overrides and the bench hooks' environment of one strategy."""
+    cap = int(args.cap_gib * GIB)
+    params = json.dumps(env_params(args)).replace('"', "")
+    over = [f"seed={args.seed}", f"trainer.nproc={args.nproc}", f"envs.0.params={params}",
+            f"selector.trainer_memory_bytes={cap}", f"selector.reserve_bytes={int(args.reserve_gib * GIB)}",
+            f"selector.initial_seq_len={args.initial_len}", *args.set]
+    if args.cost_model:
+        over.append(f"selector.cost_model_path={Path(args.cost_model).resolve()}")
+    env = {"EARL_BENCH_RANK_CAP_BYTES": str(cap), "EARL_BENCH_CAP_MODE": args.cap_mode,
+           "EARL_BENCH_CAP_TAG": kind.replace(":", "_").replace("+", "_"), "EARL_BENCH_MIN_EPISODES": "2",
+           "MALLOC_MMAP_THRESHOLD_": "65536"}
+    if kind.startswith("static:"):
+        env["EARL_BENCH_FORCE_PLAN"] = kind.split(":", 1)[1]
+        over += ["selector.upper_factor=1000", "selector.lower_factor=0.001"]
+    elif kind == "dynamic_sp":
+        n = args.nproc
+        env["EARL_BENCH_FORCE_PLAN"] = f"dp{n}|sp{n}"
+        over += ["selector.percentile=max", "selector.headroom=1.0", "selector.upper_factor=1.0",
+                 "selector.min_episodes_between=0"]
+    return over, env
+
+
+class RssSampler(threading.Thread):
+    """Resident memory (VmRSS) and peak (VmHWM) of the trainer ranks, every `period` seconds."""
+
+    def __init__(self, period: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.period, self.pids, self.samples, self.hwm = period, set[int](), dict[int, list](), dict[int, int]()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period):
+            now = time.time()
+            for pid in list(self.pids):
+                try:
+                    text = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                fields = {ln.split(":")[0]: ln.split()[1] for ln in text.splitlines() if ln.startswith(("VmRSS", "VmHWM"))}
+                if "VmRSS" in fields:
+                    self.samples.setdefault(pid, []).append((now, int(fields["VmRSS"]) * 1024))
+                    self.hwm[pid] = max(self.hwm.get(pid, 0), int(fields.get("VmHWM", 0)) * 1024)
+
+    def peak(self, pid: int, start: float, end: float) -> int:
+        return max((b for t, b in self.samples.get(pid, []) if start <= t <= end), default=0)
+
+
+def _cgroup(kind: str, pid: int) -> Path:
+    tag = kind.replace(":", "_").replace("+", "_")
+    v1 = Path(f"/sys/fs/cgroup/memory/earl_rs_{tag}_{pid}")
+    return v1 if v1.exists() else Path(f"/sys/fs/cgroup/earl_rs_{tag}_{pid}")
+
+
+def _cgroup_info(group: Path) -> dict[str, int]:
+    out = {}
+    for key, names in (("limit", ("memory.limit_in_bytes", "memory.max")),
+                       ("peak", ("memory.max_usage_in_bytes", "memory.peak"))):
+        for n in names:
+            try:
+                out[key] = int((group / n).read_text())
+                break
+            except (OSError, ValueError):
+                pass
+    for n in ("memory.oom_control", "memory.events"):
+        try:
+            for line in (group / n).read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    out["oom_kills"] = int(line.split()[1])
+        except OSError:
+            pass
+    return out
+
+
+def _remove_cgroups(kind: str) -> None:
+    tag = kind.replace(":", "_").replace("+", "_")
+    for root in (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
+        for group in root.glob(f"earl_rs_{tag}_*"):
+            try:
+                group.rmdir()  # empty once its rank exited
+            except OSError:
+                pass
+
+
+def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    over, env = setup(kind, args)
+    run_dir = out_dir / f"real_scale_{kind.replace(':', '_').replace('+', '_')}_run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs" / "trainer.log").unlink(missing_ok=True)
+    saved = {k: os.environ.get(k) for k in [*env, "PYTHONPATH"]}
+    os.environ.update(env, PYTHONPATH=f"{SITE}:{ROOT}")  # LiveUp's child (and its children) inherit them
+    try:
+        up = LiveUp(run_dir, "--config", str(CONFIG), "--steps", str(args.steps), *over, log=run_dir / "up.log")
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    sampler = RssSampler()
+    sampler.start()
+    start, crashed, timed_out, last, groups = time.monotonic(), "", False, None, {}
+    try:
+        while True:
+            if up.proc.poll() is not None:
+                if up.proc.returncode != 0:
+                    crashed = f"up exited with {up.proc.returncode}"
+                break
+            if time.monotonic() - start > args.run_minutes * 60:
+                timed_out = True
+                break
+            s = up.status(timeout_s=5)
+            if s is not None:
+                last = s
+                trainers = [w for w in s["workers"] if w["role"] == "trainer"]
+                for w in trainers:
+                    if w["pid"]:
+                        sampler.pids.add(w["pid"])
+                        groups.setdefault(w["pid"], _cgroup(kind, w["pid"]))
+                if s.get("policy_version", 0) >= args.steps:
+                    continue  # done: the ranks leave before `up` does
+                dead = [w["id"] for w in trainers if not w["alive"]]
+                kills = sum(_cgroup_info(g).get("oom_kills", 0) for g in groups.values())
+                if dead or kills:
+                    crashed = f"trainer rank(s) {', '.join(dead) or '?'} died ({kills} OOM kill(s) in their cgroups)"
+                    break
+            time.sleep(2)
+    finally:
+        cg = {pid: _cgroup_info(g) for pid, g in groups.items()}
+        up.stop()
+        sampler.done.set()
+        _remove_cgroups(kind)
+    result = summarize(kind, args, run_dir, last, crashed, timed_out, time.monotonic() - start, sampler, cg)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1.6 GB of weights and AdamW state per run
+    return result
+
+
+def _ts(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def parse_trainer_log(path: Path) -> dict[str, Any]:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    steps: dict[int, dict[str, Any]] = {}
+    relays: dict[int, dict[str, Any]] = {}
+    adopted: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        if m := _STEP.match(line):
+            steps.setdefault(int(m[2]), {"step": int(m[2]), "t": _ts(m[1]), "samples": int(m[3]), "tokens": int(m[4]),
+                                         "seconds": float(m[5])})
+        elif m := _RELAY.match(line):
+            r = relays.setdefault(int(m[2]), {"step": int(m[2]), "from": m[4], "to": m[5]})
+            r["start" if m[3] == "ying" else "end"] = _ts(m[1])
+        elif (m := _ADOPT.match(line)) and not any(a["version"] == int(m[3]) for a in adopted):
+            adopted.append({"step": int(m[2]), "version": int(m[3]), "plan": m[4] + ("+rc" if m[6] == "True" else ""),
+                            "micro_batch_tokens": int(m[5])})
+    errors = [ln.strip()[-300:] for ln in text.splitlines() if _ALLOC.search(ln)][:5]
+    return {"steps": [steps[k] for k in sorted(steps)], "relays": [relays[k] for k in sorted(relays)],
+            "adopted": adopted, "alloc_errors": errors}
+
+
+def start_reason(run_dir: Path) -> str:
+    """Why a run never trained: the forced plan's refusal (the bench hook's log line), else the supervisor's
+    "no plan fits", else the end of `up`'s output."""
+    logs = [run_dir / "logs" / "supervisor.log", run_dir / "up.log"]
+    text = "\n".join(p.read_text(errors="replace") for p in logs if p.exists())
+    for marker in ("forced plan", "no trainer plan fits", "Error"):
+        lines = [ln for ln in text.splitlines() if marker in ln]
+        if lines:
+            return lines[-1].strip()[-600:]
+    return text[-400:].strip()
+
+
+def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[str, Any] | None, crashed: str,
+              timed_out: bool, wall: float, sampler: RssSampler, cgroups: dict[int, dict[str, int]]) -> dict[str, Any]:
+    log = parse_trainer_log(run_dir / "logs" / "trainer.log")
+    started = bool(log["adopted"]) or bool(log["steps"])
+    start_error = "" if started else start_reason(run_dir)
+    if not started:
+        crashed = ""  # a plan that never started did not crash
+    lengths = phase_lengths(args)
+    phases: list[dict[str, Any]] = [{"phase": k, "expected_tokens": n, "steps": 0, "tokens": 0, "seconds": 0.0,
+                                     "episode_tokens": []} for k, n in enumerate(lengths)]
+    for st in log["steps"]:
+        per = st["tokens"] / max(1, st["samples"])
+        k = min(range(len(lengths)), key=lambda i: abs(math.log(per / lengths[i])))
+        ph = phases[k]
+        ph["steps"] += 1
+        ph["tokens"] += st["tokens"]
+        ph["seconds"] += st["seconds"]
+        ph["episode_tokens"].append(round(per))
+        st["phase"] = k
+    for ph in phases:
+        ph["tokens_per_s"] = round(ph["tokens"] / ph["seconds"], 2) if ph["seconds"] else None
+        ph["p99_episode_tokens"] = max(ph.pop("episode_tokens"), default=None)
+    switches = []
+    for r in log["relays"]:
+        if "start" in r and "end" in r:
+            peaks = {str(pid): sampler.peak(pid, r["start"] - 0.2, r["end"] + 0.2) for pid in sampler.samples}
+            switches.append({**r, "seconds": round(r["end"] - r["start"], 2), "peak_rss_bytes": peaks})
+    counters = status or {}
+    outcomes = counters.get("outcomes_last") or {}
+    plan = (counters.get("plans") or {}).get("trainer") or {}
+    crash_phase = None
+    if crashed and log["steps"]:
+        done = log["steps"][-1]["phase"]
+        crash_phase = min(done + 1, len(lengths) - 1)
+    return {
+        "kind": kind, "started": started, "start_error": start_error, "crashed": bool(crashed),
+        "crash_reason": crashed, "alloc_errors": log["alloc_errors"], "crash_phase": crash_phase,
+        "timed_out": timed_out, "wall_seconds": round(wall, 1), "steps": len(log["steps"]),
+        "trained_tokens": sum(s["tokens"] for s in log["steps"]),
+        "train_seconds": round(sum(s["seconds"] for s in log["steps"]), 2),
+        # refused as too long for any plan (status `samples_too_long`, where the supervisor counts it) + cut by the
+        # environment (none here: the recall episodes have no context limit)
+        "truncated": int(counters.get("samples_too_long", 0) or 0),
+        "samples_too_long": counters.get("samples_too_long"), "truncated_fraction_last": outcomes.get("truncated", 0.0),
+        "phases": phases, "plans_used": [a["plan"] + f"/{a['micro_batch_tokens']}" for a in log["adopted"]],
+        "adopted": log["adopted"], "switches": switches,
+        "peak_rss_bytes": {str(pid): b for pid, b in sampler.hwm.items()},
+        "cgroups": {str(pid): v for pid, v in cgroups.items()},
+        "last_plan": plan, "refused": (counters.get("plans") or {}).get("refused"),
+        "infeasible": (counters.get("plans") or {}).get("infeasible"),
+        "step_log": log["steps"],
+    }
+
+
+def settle(r: dict[str, Any], steps: int) -> dict[str, Any]:
+    """A run that trained every step, with no allocation error or OOM kill, did not crash (its ranks exit
+    before `up` does, which an early version of this harness counted as a death)."""
+    kills = sum(c.get("oom_kills", 0) for c in r["cgroups"].values())
+    if r["crashed"] and r["steps"] >= steps and not kills and not r["alloc_errors"]:
+        r.update(crashed=False, crash_reason="", crash_phase=None)
+    return r
+
+
+def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The issue's keys from the runs (missing strategies give None)."""
+    runs = {k: settle(r, args.steps) for k, r in runs.items()}
+    adaptive, dynamic = runs.get("adaptive"), runs.get("dynamic_sp")
+    static = {k.split(":", 1)[1]: r for k, r in runs.items() if k.startswith("static:")}
+    levels = args.levels
+
+    def survived(r: dict[str, Any], k: int) -> bool:  # trained phase k and did not crash in it
+        return r["started"] and r["phases"][k]["steps"] > 0 and not (r["crashed"] and r["crash_phase"] == k)
+
+    per_phase = []
+    for k in range(levels):
+        best = max(((n, r["phases"][k]["tokens_per_s"]) for n, r in static.items() if survived(r, k)),
+                   key=lambda x: x[1], default=(None, None))
+        mine = adaptive["phases"][k]["tokens_per_s"] if adaptive else None
+        per_phase.append({"phase": k, "adaptive_tokens_per_s": mine, "best_static": best[0],
+                          "best_static_tokens_per_s": best[1],
+                          "ratio": round(mine / best[1], 3) if mine and best[1] else None})
+    ratios = [p["ratio"] for p in per_phase if p["ratio"] is not None]
+
+    def rate(r: dict[str, Any] | None) -> float | None:
+        return r["trained_tokens"] / r["train_seconds"] if r and r["train_seconds"] else None
+
+    growth = None
+    if adaptive:
+        p99 = [p["p99_episode_tokens"] for p in adaptive["phases"] if p["p99_episode_tokens"]]
+        growth = round(p99[-1] / p99[0], 2) if len(p99) >= 2 else None
+    return {
+        "adaptive_crashed": adaptive["crashed"] if adaptive else None,
+        "adaptive_truncated": adaptive["truncated"] if adaptive else None,
+        "static": {n: {"started": r["started"], "start_error": r["start_error"], "crashed": r["crashed"],
+                       "crash_phase": r["crash_phase"], "truncated": r["truncated"],
+                       "tokens_per_s": [p["tokens_per_s"] for p in r["phases"]], "plans_used": r["plans_used"],
+                       "trained_tokens": r["trained_tokens"]} for n, r in static.items()},
+        "vs_best_static_min": min(ratios) if ratios else None,
+        "vs_best_static_per_phase": per_phase,
+        # the issue's definition: trained tokens over the run (same steps and time budget; a crash ends a run)
+        "vs_dynamic_sp": round(adaptive["trained_tokens"] / dynamic["trained_tokens"], 3)
+        if adaptive and dynamic and dynamic["trained_tokens"] else None,
+        # and per second of training while both ran (the phases the dynamic policy survived weigh in)
+        "vs_dynamic_sp_tokens_per_s": round(rate(adaptive) / rate(dynamic), 3) if rate(adaptive) and rate(dynamic)
+        else None,
+        "dynamic_sp": {k: dynamic[k] for k in ("crashed", "crash_phase", "truncated", "plans_used", "trained_tokens")}
+        | {"tokens_per_s": [p["tokens_per_s"] for p in dynamic["phases"]]} if dynamic else None,
+        "plans_used": adaptive["plans_used"] if adaptive else None,
+        "switch_peak_bytes": [max(s["peak_rss_bytes"].values(), default=0) for s in adaptive["switches"]]
+        if adaptive else None,
+        "context_growth": growth,
+        "static_crashed_any": any(r["crashed"] for r in static.values()),
+    }
+
+
+def table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
+    rows = [f"{'strategy':18s} {'start':5s} {'crash':5s} {'phase':5s} {'steps':>5s} "
+            + " ".join(f"{'tok/s p' + str(k):>10s}" for k in range(len(next(iter(runs.values()))['phases'])))
+            + "  plans"]
+    for name, r in runs.items():
+        tps = " ".join(f"{p['tokens_per_s'] or 0:10.1f}" for p in r["phases"])
+        rows.append(f"{name:18s} {str(r['started'])[0]:5s} {str(r['crashed'])[0]:5s} "
+                    f"{'' if r['crash_phase'] is None else r['crash_phase']!s:5s} {r['steps']:5d} {tps}  "
+                    f"{' -> '.join(r['plans_used']) or r['start_error'][-80:]}")
+    keys = ("adaptive_crashed", "adaptive_truncated", "vs_best_static_min", "vs_dynamic_sp", "plans_used",
+            "switch_peak_bytes", "context_growth", "static_crashed_any")
+    return "\n".join(rows + [f"{k}: {result[k]}" for k in keys])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="bench/results/real_scale.json", help="results file (also the runs' parent dir)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the same experiment, smaller: ~220 -> ~1,270 tokens per episode (5.9x), one step per phase, a "
+                         "4.4 GiB cap (~5 minutes per strategy that trains to the end on an idle machine)")
+    ap.add_argument("--only", default="", help="comma-separated strategies to run (adaptive, dynamic_sp, "
+                    "static:dp2, static:fsdp2+rc, ...); their results replace those in an existing --json")
+    ap.add_argument("--runs-dir", default="", help="where each strategy's run directory goes (default: beside --json)")
+    ap.add_argument("--nproc", type=int, default=2, help="trainer ranks")
+    ap.add_argument("--cap-gib", type=float, default=7.8, help="memory cap of each trainer rank, all of its memory")
+    ap.add_argument("--reserve-gib", type=float, default=1.2,
+                    help="of the cap, what the selector keeps for what the memory model does not count: the runtime "
+                         "(~0.5 GiB: Python, torch, gloo) and the published weights in the rank's shared memory (two "
+                         "versions of its pieces: a replica's 0.54 GiB each under dp)")
+    ap.add_argument("--cap-mode", choices=("cgroup", "rlimit"), default="cgroup",
+                    help="cgroup: a memory cgroup per rank (root, resident memory, OOM kill); rlimit: RLIMIT_DATA")
+    ap.add_argument("--filler-words", type=int, default=430, help="filler words per episode at level 0")
+    ap.add_argument("--filler-factor", type=float, default=2.12, help="filler growth per level")
+    ap.add_argument("--levels", type=int, default=4, help="context phases (curriculum levels)")
+    ap.add_argument("--grow-every", type=int, default=3, help="prompt groups (= training steps) per level")
+    ap.add_argument("--initial-len", type=int, default=512, help="design length of the first plan (every strategy)")
+    ap.add_argument("--cost-model", default=str(ROOT / "bench" / "results" / "selector.json"),
+                    help="the selector's starting cost model (selector.cost_model_path) for every run: by default the "
+                         "calibration measured on these CPUs (bench/selector.py); '' = the library's GPU-like defaults, "
+                         "which rank FSDP2 with recomputation fastest even where a replica fits")
+    ap.add_argument("--run-minutes", type=float, default=40.0, help="wall-clock limit of one strategy's run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], help="one more `up` override for every run (repeatable), "
+                    "e.g. trainer.packing=true once packing is merged")
+    ap.add_argument("--dynamic-sp-hook", action="store_true",
+                    help="print what a per-micro-batch sp degree needs from the trainer, and exit")
+    ap.add_argument("--rebuild", action="store_true", help="recompute the summary keys of --json from its runs")
+    args = ap.parse_args()
+    if args.dynamic_sp_hook:
+        print(DYNAMIC_SP_HOOK)
+        return 0
+    if args.quick:
+        args.cap_gib, args.filler_words, args.filler_factor, args.grow_every, args.initial_len = 4.4, 150, 2.0, 1, 256
+        args.run_minutes = min(args.run_minutes, 15.0)
+    args.steps = args.levels * args.grow_every
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(out.read_text()) if out.exists() and args.only else {}
+    runs: dict[str, dict[str, Any]] = dict(previous.get("runs", {}))
+    if args.rebuild:
+        runs = json.loads(out.read_text())["runs"]
+        for kind, r in runs.items():  # reasons read again from the run directories where they are still there
+            run_dir = Path(args.runs_dir or out.parent) / f"real_scale_{kind.replace(':', '_').replace('+', '_')}_run"
+            if not r["started"] and run_dir.exists():
+                r["start_error"] = start_reason(run_dir)
+        result = {**aggregate(runs, args), "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                  "runs": runs}
+        out.write_text(json.dumps(result, indent=1))
+        print(table(result, runs))
+        return 0
+    for kind in args.only.split(",") if args.only else strategies(args.nproc):
+        print(f"== {kind}", flush=True)
+        runs[kind] = run(kind, args, Path(args.runs_dir) if args.runs_dir else out.parent)
+        r = runs[kind]
+        print(f"   started {r['started']} crashed {r['crashed']} ({r['crash_reason']}) steps {r['steps']} "
+              f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
+        result = {**aggregate(runs, args), "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                  "runs": runs}
+        out.write_text(json.dumps(result, indent=1))  # after every strategy: a killed run keeps what it measured
+    print(table(result, runs))
+    return 0
+
+
+DYNAMIC_SP_HOOK = """\
+A per-micro-batch sequence-parallel degree (verl's dynamic context parallelism) needs, in the trainer:
+1. workers/train_step._plan: cut each micro-batch with its own sp degree d in {1, ..., N} chosen from its
+   longest row (the smallest d whose per-rank share fits micro_batch_tokens), and group micro-batches so
+   that the N ranks run N/d of them side by side (a Layout per micro-batch: dp = N/d, cp = d);
+2. workers/ulysses: switch the attention between plain and Ulysses per micro-batch (sp_state is per plan
+   today: set_sequence_parallel(model, group) once per adoption), with the sub-groups of every d built once;
+3. workers/mesh.Placement: one sp_group per degree; gradients all-reduced over the whole pool as today
+   (the model's sharding never changes, so nothing is re-laid);
+4. the memory model and selector: a plan whose sp is "dynamic" (its micro_batch_tokens bound per rank).
+bench/real_scale.py's dynamic_sp run emulates it per step instead: the selector restricted to {dpN, spN}, no
+recomputation, re-planned at every step boundary from the window's longest episode."""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
