@@ -278,31 +278,7 @@ SHARDED_QUICK = [("fsdp2", "vocab", "sdpa", 512, 1), ("tp2", "vocab", "sdpa", 51
                  ("fsdp2_tp2", "vocab", "sdpa", 512, 1)]
 
 
-class _Rows:
-    """The store's Puller interface over rows held in this process (the producers' network edge)."""
-
-    def __init__(self, rows: dict) -> None:
-        self.rows = rows
-
-    def pull(self, address: str, pieces: list, **_: object) -> list:
-        import numpy as np
-
-        out: list = []
-        last = None
-        for key, start, end in pieces:  # merge_runs: ranges of one key back to back
-            part = self.rows[key][start:end]
-            if key == last:
-                out[-1] = np.concatenate([out[-1], part])
-            else:
-                out.append(part.copy())
-            last = key
-        return out
-
-    def pull_many(self, requests: dict, **_: object) -> dict:
-        return {addr: self.pull(addr, pieces) for addr, pieces in requests.items()}
-
-
-def _claim(n_rows: int, length: int, vocab: int, tag: str) -> tuple[list, _Rows]:
+def _claim(n_rows: int, length: int, vocab: int, tag: str) -> tuple[list, object]:
     """`n_rows` rows of `length` tokens (two GRPO groups), random ids, every response token in the loss."""
     import numpy as np
 
@@ -322,7 +298,9 @@ def _claim(n_rows: int, length: int, vocab: int, tag: str) -> tuple[list, _Rows]
                                 response_tokens=length - prompt, total_tokens=length, reward=float(i % 3),
                                 advantage=None, policy_version_min=0, policy_version_max=0, producer_id="p",
                                 producer_address="local", checksum=0, created_at=0.0, info_json="{}"))
-    return metas, _Rows(rows)
+    from earl_stream.store.experience import InProcessPuller
+
+    return metas, InProcessPuller(rows)
 
 
 def rank_child(spec: dict, rank: int, world: int, port: int) -> dict:

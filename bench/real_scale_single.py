@@ -87,28 +87,6 @@ def claim(rows: int, length: int, vocab: int, seed: int) -> tuple[list[Any], dic
     return metas, data
 
 
-class LocalPuller:
-    """The store's Puller interface over rows held in this process."""
-
-    def __init__(self, rows: dict[str, np.ndarray]) -> None:
-        self.rows = rows
-
-    def pull(self, address: str, pieces: Any, **_: Any) -> list[np.ndarray]:
-        out: list[np.ndarray] = []
-        last = None
-        for key, start, end in pieces:
-            part = self.rows[key][start:end]
-            if key == last:
-                out[-1] = np.concatenate([out[-1], part])
-            else:
-                out.append(part.copy())
-            last = key
-        return out
-
-    def pull_many(self, requests: Any, **_: Any) -> dict[str, Any]:
-        return {addr: self.pull(addr, pieces) for addr, pieces in requests.items()}
-
-
 def selector_for(model_dir: Path, cap: int, reserve: int, dtype: str, rows: int, attention: str) -> Any:
     from earl_stream.supervisor.decisions import DTYPE_PRECISION
     from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, TrainPlan
@@ -136,6 +114,7 @@ def run_strategy(args: argparse.Namespace, strategy: str, model_dir: Path) -> di
 
     from earl_stream.config import TrainerConfig
     from earl_stream.devices import resolve_device
+    from earl_stream.store.experience import InProcessPuller
     from earl_stream.supervisor.context_stats import ContextStats
     from earl_stream.supervisor.memory_model import predict_train_memory
     from earl_stream.supervisor.selector import Thresholds
@@ -183,7 +162,7 @@ def run_strategy(args: argparse.Namespace, strategy: str, model_dir: Path) -> di
             selector.shape, dataclasses.replace(decision.plan, micro_batch=1, seq_len=per_mb)).total_bytes
         if not phases:  # one untimed step first: CUDA context, kernels and allocator warm-up
             metas, rows = claim(2, 256, model.config.vocab_size, seed=1)
-            train_step(model, optimizer, metas, placement.layout, LocalPuller(rows), cfg, placement=placement)
+            train_step(model, optimizer, metas, placement.layout, InProcessPuller(rows), cfg, placement=placement)
         tokens, seconds, peaks = 0, 0.0, []
         try:
             for step in range(args.steps):
@@ -192,7 +171,7 @@ def run_strategy(args: argparse.Namespace, strategy: str, model_dir: Path) -> di
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 start = time.monotonic()
-                res = train_step(model, optimizer, metas, placement.layout, LocalPuller(rows), cfg, placement=placement,
+                res = train_step(model, optimizer, metas, placement.layout, InProcessPuller(rows), cfg, placement=placement,
                                  step=step)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from earl_stream.store.experience import InProcessPuller
 
 LENGTHS = [23, 64, 41, 57, 30, 48, 35, 52]  # two prompt groups of four, rows of uneven length
 REL_TOL = 1e-5  # loss: relative; weight changes: max |diff| / max |change|
@@ -46,28 +48,8 @@ BF16_2 = [("fsdp2_bf16", 1, 2, 1, 1, False, 4096), ("tp2_bf16", 1, 1, 2, 1, Fals
 BF16_TOL = (5e-2, 0.1)
 
 
-class CountingPuller:
-    """The store's Puller interface over rows held in this process (the producers' network edge),
-    counting the bytes it hands out."""
-
-    def __init__(self, rows: Mapping[str, np.ndarray]) -> None:
-        self.rows, self.bytes = rows, 0
-
-    def pull(self, address: str, pieces: Sequence[tuple[str, int, int]], **_: Any) -> list[np.ndarray]:
-        out: list[np.ndarray] = []
-        last = None
-        for key, start, end in pieces:  # merge_runs: ranges of one key back to back
-            part = self.rows[key][start:end]
-            self.bytes += part.nbytes
-            if key == last:
-                out[-1] = np.concatenate([out[-1], part])
-            else:
-                out.append(part.copy())
-            last = key
-        return out
-
-    def pull_many(self, requests: Mapping[str, Sequence[tuple[str, int, int]]], **_: Any) -> dict[str, Any]:
-        return {addr: self.pull(addr, pieces) for addr, pieces in requests.items()}
+# the producers' network edge: rows held in this process, the bytes handed out counted
+CountingPuller = InProcessPuller
 
 
 def _claim(model: torch.nn.Module) -> tuple[list[Any], dict[str, np.ndarray]]:

@@ -178,6 +178,32 @@ class Puller(Protocol):
     ) -> dict[str, Any]: ...
 
 
+class InProcessPuller:
+    """The `Puller` interface over rows held in this process (store key -> 1-D array), for a trainer fed
+    from memory rather than from producers (benchmarks that measure the trainer alone, tests); counts the
+    bytes it hands out in `bytes`. Ranges of one key asked back to back come back as one array, as
+    `merge_runs` does."""
+
+    def __init__(self, rows: Mapping[str, np.ndarray]) -> None:
+        self.rows, self.bytes = rows, 0
+
+    def pull(self, address: str, pieces: Sequence[tuple[str, int, int]], **_: Any) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        last = None
+        for key, start, end in pieces:
+            part = self.rows[key][start:end]
+            self.bytes += part.nbytes
+            if key == last:
+                out[-1] = np.concatenate([out[-1], part])
+            else:
+                out.append(part.copy())
+            last = key
+        return out
+
+    def pull_many(self, requests: Mapping[str, Sequence[tuple[str, int, int]]], **_: Any) -> dict[str, Any]:
+        return {addr: self.pull(addr, pieces) for addr, pieces in requests.items()}
+
+
 def pull_samples(
     client: Puller,
     metas: Sequence[SampleMeta],
