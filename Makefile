@@ -60,6 +60,9 @@ bench: $(BENCH_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BPY) bench/supervisor_load.py $(BENCH_ARGS) --json bench/results/supervisor_load.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/fuzz.py $(BENCH_ARGS) --json bench/results/fuzz.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/chaos.py $(BENCH_ARGS) --json bench/results/chaos.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/lora.py $(BENCH_ARGS) --json bench/results/lora.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/rollout_memory.py $(BENCH_ARGS) --json bench/results/rollout_memory.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/real_scale.py $(BENCH_ARGS) --json bench/results/real_scale.json
 	$(BPY) bench/report.py
 
 clean-venv:
