@@ -41,7 +41,7 @@ from earl_stream.supervisor.decisions import DTYPE_PRECISION
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, ModelShape, TrainPlan
 from earl_stream.supervisor.rollout_selector import RolloutSelector, largest_trainable_seq_len, rollout_selector_for
 from earl_stream.supervisor.selector import Infeasible, PlanDecision, PoolBudget, RolloutDecision, Thresholds, TrainerSelector
-from earl_stream.workers.engines.memory import EngineMemory, host_share
+from earl_stream.workers.engines.memory import EngineMemory, host_ram_bytes, host_share
 
 log = logging.getLogger(__name__)
 _WARMUP_STEPS = 1  # the first measured steps pay one-off costs (allocator, lazy init): not calibrated on
@@ -84,10 +84,6 @@ def load_cost_model(path: str | os.PathLike[str]) -> StepCostModel:
     if not isinstance(data, dict):
         raise ConfigError(f"selector.cost_model_path={str(path)!r}: expected a JSON object of cost-model fields")
     return StepCostModel.from_dict(data)
-
-
-def _ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Planner:
@@ -135,7 +131,7 @@ class Planner:
         thresholds = Thresholds(percentile=Percentile(s.percentile), upper_factor=s.upper_factor,
                                 lower_factor=s.lower_factor, headroom=s.headroom,
                                 min_episodes_between=s.min_episodes_between)
-        memory = s.trainer_memory_bytes or _ram_bytes() // 4
+        memory = s.trainer_memory_bytes or host_ram_bytes() // 4
         # the trainer runs each plan on a mesh of its ranks: data parallel replicas or FSDP2 shards, tensor
         # and Ulysses sequence parallel, recomputation on/off, in trainer.dtype
         pool = cfg.trainer.nproc > 1
