@@ -81,19 +81,16 @@ def setup(kind: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str
     params = json.dumps(env_params(args)).replace('"', "")
     over = [f"seed={args.seed}", f"trainer.nproc={args.nproc}", f"envs.0.params={params}",
             f"selector.trainer_memory_bytes={cap}", f"selector.reserve_bytes={int(args.reserve_gib * GIB)}",
-            f"selector.initial_seq_len={args.initial_len}", *args.set]
+            f"selector.initial_seq_len={args.initial_len}", "selector.min_episodes=2", *args.set]
     if args.cost_model:
         over.append(f"selector.cost_model_path={Path(args.cost_model).resolve()}")
     env = {"EARL_BENCH_RANK_CAP_BYTES": str(cap), "EARL_BENCH_CAP_MODE": args.cap_mode,
-           "EARL_BENCH_CAP_TAG": kind.replace(":", "_").replace("+", "_"), "EARL_BENCH_MIN_EPISODES": "2",
-           "MALLOC_MMAP_THRESHOLD_": "65536"}
+           "EARL_BENCH_CAP_TAG": kind.replace(":", "_").replace("+", "_"), "MALLOC_MMAP_THRESHOLD_": "65536"}
     if kind.startswith("static:"):
-        env["EARL_BENCH_FORCE_PLAN"] = kind.split(":", 1)[1]
-        over += ["selector.upper_factor=1000", "selector.lower_factor=0.001"]
+        over += [f"selector.plans={kind.split(':', 1)[1]}", "selector.upper_factor=1000", "selector.lower_factor=0.001"]
     elif kind == "dynamic_sp":
         n = args.nproc
-        env["EARL_BENCH_FORCE_PLAN"] = f"dp{n}|sp{n}"
-        over += ["selector.percentile=max", "selector.headroom=1.0", "selector.upper_factor=1.0",
+        over += [f"selector.plans=dp{n}|sp{n}", "selector.percentile=max", "selector.headroom=1.0", "selector.upper_factor=1.0",
                  "selector.min_episodes_between=0"]
     return over, env
 
@@ -234,11 +231,11 @@ def parse_trainer_log(path: Path) -> dict[str, Any]:
 
 
 def start_reason(run_dir: Path) -> str:
-    """Why a run never trained: the forced plan's refusal (the bench hook's log line), else the supervisor's
-    "no plan fits", else the end of `up`'s output."""
+    """Why a run never trained: the supervisor's "no plan fits" (a forced plan the model cannot take among
+    them), else the end of `up`'s output."""
     logs = [run_dir / "logs" / "supervisor.log", run_dir / "up.log"]
     text = "\n".join(p.read_text(errors="replace") for p in logs if p.exists())
-    for marker in ("forced plan", "no trainer plan fits", "Error"):
+    for marker in ("no trainer plan fits", "Error"):
         lines = [ln for ln in text.splitlines() if marker in ln]
         if lines:
             return lines[-1].strip()[-600:]

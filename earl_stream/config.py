@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,9 @@ class SelectorConfig:
     headroom: float = _f(1.25, "a new plan's design length is the next power of two >= headroom x percentile", minimum=1)
     min_episodes_between: int = _f(64, "episodes between re-plans (a percentile past the design length skips it)",
                                    minimum=0)
+    min_episodes: int = _f(16, "episodes the context window must hold before its statistics drive a plan", minimum=1)
+    plans: str = _f("", "trainer layouts the selector may choose, '|'-separated as status names them (dp2, fsdp2, "
+                    "tp2, sp2, fsdp2_sp2, ...; '+rc' = with full recomputation, e.g. 'fsdp2+rc|dp2'); empty = all")
     initial_seq_len: int = _f(256, "design length of the plan adopted before any episode finishes", minimum=16)
     trainer_memory_bytes: int = _f(0, "per-rank memory budget; 0 = this machine's RAM / 4", minimum=0)
     reserve_bytes: int = _f(1 << 30, "memory kept free for what the model does not count (runtime, allocator)",
@@ -424,6 +428,13 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
         from earl_stream.model.lora_checks import lora_problems  # reads the model's config (transformers)
 
         out.extend(lora_problems(cfg))
+    bad = [n for n in cfg.selector.plans.split("|") if n and not _LAYOUT_NAME.fullmatch(n)]
+    if bad:
+        out.append(f"selector.plans: {bad} are not layout names (e.g. dp2, fsdp2, tp2, sp2, fsdp2_sp2, each "
+                   "optionally with +rc, '|'-separated)")
     return out
+
+
+_LAYOUT_NAME = re.compile(r"(dp1|(dp\d+|fsdp\d+|tp\d+|sp\d+)(_(dp\d+|fsdp\d+|tp\d+|sp\d+))*)(\+rc)?")
 
 

@@ -130,7 +130,7 @@ class Planner:
         shape = self.shape = ModelShape.from_hf(json.loads(config_file.read_text()))
         thresholds = Thresholds(percentile=Percentile(s.percentile), upper_factor=s.upper_factor,
                                 lower_factor=s.lower_factor, headroom=s.headroom,
-                                min_episodes_between=s.min_episodes_between)
+                                min_episodes=s.min_episodes, min_episodes_between=s.min_episodes_between)
         memory = s.trainer_memory_bytes or host_ram_bytes() // 4
         # the trainer runs each plan on a mesh of its ranks: data parallel replicas or FSDP2 shards, tensor
         # and Ulysses sequence parallel, recomputation on/off, in trainer.dtype
@@ -143,7 +143,8 @@ class Planner:
                            lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
             allow_fsdp=pool and s.allow_fsdp, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
-            pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes)
+            pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes,
+            only=[name for name in s.plans.split("|") if name])
         self.rollout = self._rollout_selector(cfg, shape, thresholds)
         for selector in (self.trainer, self.rollout):
             result = selector.initial(s.initial_seq_len)

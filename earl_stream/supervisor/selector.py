@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 from earl_stream.errors import ConfigError
+from earl_stream.protocol import plan_name
 from earl_stream.supervisor.context_stats import ContextSnapshot, Percentile
 from earl_stream.supervisor.cost_model import RankedPlan, StepCostModel, rank_plans
 from earl_stream.supervisor.decisions import Infeasible, PlanDecision, Refusal, RolloutDecision
@@ -280,6 +281,13 @@ class _Selector(Generic[_D]):
         return result
 
 
+def layout_name(plan: TrainPlan) -> str:
+    """A memory-model plan as `selector.plans` names it: the trainer plan's name (`dp2`, `fsdp2`, `tp2`,
+    `fsdp2_sp2`, ...), with `+rc` under full recomputation."""
+    name = plan_name(1 if plan.fsdp else plan.dp, plan.dp if plan.fsdp else 1, plan.tp, plan.sp)
+    return name + ("+rc" if plan.recompute is Recompute.FULL else "")
+
+
 class TrainerSelector(_Selector[PlanDecision]):
     """Chooses dp/tp/sp, FSDP, recomputation and the micro-batch token budget of a trainer pool.
 
@@ -307,7 +315,7 @@ class TrainerSelector(_Selector[PlanDecision]):
                  recomputes: Sequence[Recompute] = (Recompute.NONE, Recompute.FULL), allow_tp: bool = True,
                  allow_sp: bool = True, allow_fsdp: bool = True, max_micro_batch_tokens: int = 1 << 16,
                  step_sequences: int = 1, pad_aware: bool = False, prior_fill: float = 0.75,
-                 reshard_bucket_bytes: int = 64 * MIB) -> None:
+                 reshard_bucket_bytes: int = 64 * MIB, only: Sequence[str] = ()) -> None:
         super().__init__(budget, thresholds, pool)
         if Recompute.SELECTIVE in recomputes or not recomputes:
             raise ConfigError(f"recomputes={[r.value for r in recomputes]}: choose from none/full (selective "
@@ -326,6 +334,7 @@ class TrainerSelector(_Selector[PlanDecision]):
         self.refused: list[Refusal] = []
         self._logged: set[Refusal] = set()
         self.reshard_bucket_bytes = reshard_bucket_bytes
+        self.only = frozenset(only)  # layout names (`layout_name`) the pool may run; empty = all
         self.running: TrainPlan | None = None  # the layout the pool holds now, when the planner knows it
 
     def layouts(self, design_seq_len: int) -> list[TrainPlan]:
@@ -334,6 +343,10 @@ class TrainerSelector(_Selector[PlanDecision]):
         out, refused = pool_layouts(self.shape, self.base, self.budget.devices, design_seq_len,
                                     recomputes=self.recomputes, allow_tp=self.allow_tp, allow_sp=self.allow_sp,
                                     allow_fsdp=self.allow_fsdp)
+        if self.only:
+            refused += [Refusal(layout_name(p), "not among selector.plans") for p in out
+                        if layout_name(p) not in self.only]
+            out = [p for p in out if layout_name(p) in self.only]
         for r in refused:
             if r not in self._logged:
                 self._logged.add(r)

@@ -288,3 +288,18 @@ def test_bad_thresholds_and_budgets_are_refused(tiny: ModelShape) -> None:
         PoolBudget(0, 1 << 30)
     with pytest.raises(ConfigError, match="selective"):
         TrainerSelector(tiny, PoolBudget(1, 1 << 30), base=EAGER, recomputes=(Recompute.SELECTIVE,))
+
+
+def test_selector_plans_allow_list_pins_layouts_and_recomputation(tiny: ModelShape) -> None:
+    """`selector.plans` (TrainerSelector `only`): the selector chooses among the named layouts alone, the
+    others are refused with the reason, and `+rc` pins full recomputation."""
+    from earl_stream.supervisor.selector import layout_name
+
+    budget = PoolBudget(devices=2, memory_bytes_per_device=2000 * MIB, reserve_bytes=50 * MIB)
+    free = TrainerSelector(tiny, budget, base=EAGER, thresholds=FAST)
+    pinned = TrainerSelector(tiny, budget, base=EAGER, thresholds=FAST, only=["fsdp2+rc"])
+    d = pinned.initial(512)
+    assert isinstance(d, PlanDecision) and layout_name(d.plan) == "fsdp2+rc" and d.to_wire().name == "fsdp2"
+    assert {layout_name(p) for p in pinned.layouts(512)} == {"fsdp2+rc"}
+    assert any(r.reason == "not among selector.plans" and r.plan == "dp2" for r in pinned.refused)
+    assert isinstance(free.initial(512), PlanDecision) and len(free.layouts(512)) > 1
