@@ -1,0 +1,122 @@
+"""Where a benchmark result came from: when, at which commit, on what machine, measuring which code.
+
+Every benchmark writes its JSON through `write_result`, which adds a `provenance` object itself
+(nothing in it is typed by hand):
+
+- `when`: UTC time of the write (ISO 8601);
+- `commit`: the checkout's HEAD, with `dirty: true` when tracked files differ from it;
+- `machine`: CPU model, cores, memory, OS, Python and torch versions, and the GPU name, count and
+  driver where CUDA is available;
+- `depends_on`: the paths (files or folders, relative to the repository) whose code the result
+  measures. `bench/report.py` marks a result stale when any of them changed in a commit after
+  `commit`.
+
+No absolute paths of this machine go into a result: `relative` turns one into a repository path or
+its file name.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def machine() -> dict[str, Any]:
+    """The machine a result was measured on (no host names, no paths)."""
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count() or 0,
+        "memory_bytes": _memory_bytes(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+            info["cuda"] = torch.version.cuda
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=30)
+            if driver.returncode == 0 and driver.stdout.strip():
+                info["driver"] = driver.stdout.strip().splitlines()[0]
+    except (ImportError, OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def provenance(depends_on: list[str]) -> dict[str, Any]:
+    """The `provenance` object of a result measuring the code under `depends_on` (repository paths)."""
+    missing = [p for p in depends_on if not (ROOT / p).exists()]
+    if missing:
+        raise ValueError(f"depends_on names paths that do not exist in the repository: {missing}")
+    return {
+        "when": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "machine": machine(),
+        "depends_on": sorted(depends_on),
+    }
+
+
+def relative(path: str | Path) -> str:
+    """A path as the repository names it (or its file name when it lies outside): no machine paths."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(ROOT))
+    except ValueError:
+        return p.name
+
+
+def write_result(out: str | Path, result: dict[str, Any], depends_on: list[str]) -> Path:
+    """Write `result` as JSON to `out` with its `provenance` added; returns the path written."""
+    payload = dict(result)
+    payload["provenance"] = provenance(depends_on)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def stale_since(result: dict[str, Any]) -> list[str]:
+    """Commits after the result's own that changed a path it depends on ([] when current or unknown)."""
+    prov = result.get("provenance") or {}
+    commit, deps = prov.get("commit"), prov.get("depends_on") or []
+    if not commit or not deps:
+        return []
+    out = _git("log", "--format=%h", f"{commit}..HEAD", "--", *deps)
+    return out.split() if out else []
