@@ -315,3 +315,20 @@ def test_the_printed_worker_commands_work_when_pasted(tmp_path: Path, tiny_model
         for proc in pasted:
             stop_group(proc)
         stop_group(up, signal.SIGINT)
+
+
+def test_version_is_one_number_everywhere() -> None:
+    """`earl-stream --version`, `earl_stream.__version__`, pyproject.toml and CHANGELOG.md's newest entry agree."""
+    import earl_stream
+
+    root = Path(__file__).resolve().parents[1]
+    found = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M)
+    assert found
+    declared = found.group(1)
+    assert earl_stream.__version__ == declared
+    shown = subprocess.run([sys.executable, "-m", "earl_stream", "--version"], capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == f"earl-stream {declared}"
+    newest = re.search(r"^## \[?(\d+\.\d+\.\d+)", (root / "CHANGELOG.md").read_text(), re.M)
+    assert newest and newest.group(1) == declared
+    cff = (root / "CITATION.cff").read_text()
+    assert f"version: {declared}" in cff

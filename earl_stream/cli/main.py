@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from earl_stream import __version__
 from earl_stream.config import GROUP_SEEDS, TrainerConfig
 from earl_stream.errors import EarlError
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Asynchronous streaming agentic RL for LLMs: rollout and trainer pools around a distributed, "
         "layout-indexed experience store."))
     parser.add_argument("--log-level", default=os.environ.get("EARL_LOG_LEVEL", "INFO"), help="logging level")
+    parser.add_argument("--version", action="version", version=f"earl-stream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="start a whole run (supervisor, rollout workers, trainer) here or on a Ray cluster",
