@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -26,82 +24,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.report_tables import (  # noqa: E402
-    fmt,
-    render_algorithms,
-    render_context_growth,
-    render_dispatch,
-    render_dispatch_cluster,
-    render_e2e,
-    render_generic,
-    render_learning,
-    render_memory_model,
-    render_openai_endpoint,
-    render_policy_audit,
-    render_selector,
-    render_weight_sync,
-)
+from bench.catalog import BENCHMARKS, HEADLINES  # noqa: E402
+from bench.report_tables import fmt  # noqa: E402
 
 Renderer = Callable[[dict[str, Any]], list[str]]
-
-
-BENCHMARKS: list[dict[str, Any]] = [
-    {"name": "dispatch", "title": "Dispatch: layout-aware pull vs central vs Ray", "script": "bench/dispatch.py",
-     "command": "python bench/dispatch.py --json bench/results/dispatch.json", "files": ["dispatch.json", "dispatch_ucx.json"],
-     "render": render_dispatch},
-    {"name": "dispatch_cluster", "title": "Dispatch at cluster shape: rate-limited hosts, experience and weights",
-     "script": "bench/dispatch_cluster.py",
-     "command": "sudo python bench/dispatch_cluster.py --json bench/results/dispatch_cluster.json",
-     "files": ["dispatch_cluster.json", "dispatch_cluster_*.json"], "render": render_dispatch_cluster},
-    {"name": "memory_model", "title": "Memory model: predicted vs measured peak memory",
-     "script": "bench/memory_model.py", "command": "python bench/memory_model.py --json bench/results/memory_model.json",
-     "files": ["memory_model.json"], "render": render_memory_model},
-    {"name": "weight_sync", "title": "Weight sync: sharded publish + pull vs the rank-0 full copy",
-     "script": "bench/weight_sync.py", "command": "python bench/weight_sync.py --json bench/results/weight_sync.json",
-     "files": ["weight_sync.json"], "render": render_weight_sync},
-    {"name": "selector", "title": "Parallelism selector: static plans vs the adaptive selector",
-     "script": "bench/selector.py", "command": "python bench/selector.py --json bench/results/selector.json",
-     "files": ["selector.json"], "render": render_selector},
-    {"name": "engine", "title": "Engine: built-in engine vs `model.generate` on multi-turn episodes",
-     "script": "bench/engine.py", "command": "python bench/engine.py --json bench/results/engine.json",
-     "files": ["engine.json"], "render": render_generic},
-    {"name": "learning", "title": "Learning: win rate against the random opponent over time",
-     "script": "bench/learning.py", "command": "python bench/learning.py --minutes 15 --json bench/results/learning.json",
-     "files": ["learning.json", "learning_*.json"], "render": render_learning},
-    {"name": "real_model", "title": "A real pretrained model: SmolLM2-135M-Instruct learns arithmetic",
-     "script": "bench/real_model.py", "command": "python bench/real_model.py --minutes 60 --json bench/results/real_model.json",
-     "files": ["real_model.json", "real_model_*.json"], "render": render_generic},
-    {"name": "algorithms", "title": "Algorithms: estimators and loss options on the same budget and seeds",
-     "script": "bench/algorithms.py", "command": "python bench/algorithms.py --minutes 5 --seeds 0 1",
-     "files": ["algorithms.json"], "render": render_algorithms},
-    {"name": "policy_audit", "title": "Exact audits of Tic-Tac-Toe policies: where the win rate stops",
-     "script": "bench/policy_audit.py",
-     "command": "python bench/policy_audit.py RUN_DIR/checkpoints/step_N ... --json bench/results/policy_audit.json",
-     "files": ["policy_audit.json"], "render": render_policy_audit},
-    {"name": "context_growth", "title": "Growing contexts: a static context limit vs the selector (EARL's Figure 1)",
-     "script": "bench/context_growth.py",
-     "command": "python bench/context_growth.py --unbounded --json bench/results/context_growth.json",
-     "files": ["context_growth.json", "context_growth_*.json"],
-     "render": render_context_growth},
-    {"name": "openai_endpoint", "title": "OpenAI endpoint: agents through the API vs the built-in agent loop",
-     "script": "bench/openai_endpoint.py",
-     "command": "python bench/openai_endpoint.py --json bench/results/openai_endpoint.json",
-     "files": ["openai_endpoint.json", "openai_endpoint_*.json"], "render": render_openai_endpoint},
-    {"name": "data_mac", "title": "Authenticated data-plane frames: the cost of the MAC on TCP pulls",
-     "script": "bench/data_mac.py", "command": "python bench/data_mac.py --json bench/results/data_mac.json",
-     "files": ["data_mac.json"], "render": render_generic},
-    {"name": "supervisor_load", "title": "The control plane under load: one supervisor, thousands of workers",
-     "script": "bench/supervisor_load.py",
-     "command": "python bench/supervisor_load.py --json bench/results/supervisor_load.json",
-     "files": ["supervisor_load.json"], "render": render_generic},
-    {"name": "fuzz", "title": "Fuzzing every port of a live run", "script": "bench/fuzz.py",
-     "command": "python bench/fuzz.py --json bench/results/fuzz.json", "files": ["fuzz.json"], "render": render_generic},
-    {"name": "chaos", "title": "Chaos: kill -9 of workers, trainer ranks and the supervisor during a run",
-     "script": "bench/chaos.py", "command": "python bench/chaos.py --minutes 10 --json bench/results/chaos.json",
-     "files": ["chaos.json"], "render": render_generic},
-    {"name": "e2e", "title": "End-to-end: asynchronous vs synchronous vs TRL", "script": "bench/e2e.py",
-     "command": "python bench/e2e.py --json bench/results/e2e.json", "files": ["e2e.json"], "render": render_e2e},
-]
+README_BEGIN, README_END = "<!-- results:begin (bench/report.py) -->", "<!-- results:end -->"
 
 
 # ------------------------------------------------------------------------------------- the page
@@ -110,28 +37,64 @@ def what_it_measures(script: Path) -> str:
     """The opening paragraph of the script's module docstring (the script may not exist yet)."""
     if not script.exists():
         return "(script not written yet)"
+    if script.suffix != ".py":  # a shell script: its opening comment block
+        comments = [ln.lstrip("# ").rstrip() for ln in script.read_text().splitlines()[1:] if ln.startswith("#")]
+        lines = script.read_text().splitlines()[1:]
+        block = [ln.lstrip("#").strip() for ln in lines[:next((i for i, ln in enumerate(lines) if not ln.startswith("#")),
+                                                               len(lines))]]
+        return " ".join(block).strip() or " ".join(comments[:3])
     doc = ast.get_docstring(ast.parse(script.read_text())) or ""
     return doc.split("\n\n")[0].replace("\n", " ").strip()
 
 
 MACHINE_KEYS = ("cpus", "cores", "threads", "torch_threads", "load_avg_before", "load_avg_after", "load_average_at_end",
-                "loadavg_1m_before", "loadavg_1m_after", "platform", "cpu", "torch")
+                "loadavg_1m_before", "loadavg_1m_after", "platform", "cpu", "torch", "gpu", "driver", "cuda")
 
 
-def _written(path: Path) -> dt.datetime:
-    """When a results file was written: its commit time while it is unchanged since (a checkout sets every
-    file's mtime to the checkout time), else its mtime."""
-    git = ["git", "-C", str(path.parent)]
-    unchanged = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", path.name], capture_output=True)
-    if unchanged.returncode == 0:
-        out = subprocess.run([*git, "log", "-1", "--format=%cI", "--", path.name], capture_output=True, text=True)
-        if out.returncode == 0 and out.stdout.strip():
-            return dt.datetime.fromisoformat(out.stdout.strip()).astimezone(dt.timezone.utc)
-    return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc)
+def _git(*args: str) -> tuple[int, str]:
+    done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    return done.returncode, done.stdout.strip()
 
 
-def machine_of(d: dict[str, Any], path: Path) -> str:
-    """What the results file says about its machine, plus when it was written."""
+def measured_at(data: dict[str, Any], path: Path) -> tuple[str, str]:
+    """(commit, date) a result was measured at: its own provenance when it names a clean checkout, else
+    the commit that last wrote the file ("", "") while the file is not committed."""
+    prov = data.get("provenance") or {}
+    if prov.get("commit") and not prov.get("dirty"):
+        return prov["commit"], str(prov.get("when", ""))[:10]
+    rc, out = _git("log", "-1", "--format=%H %cs", "--", str(path.resolve().relative_to(ROOT)))
+    if rc != 0 or not out:
+        return "", ""
+    commit, date = out.split()
+    return commit, date
+
+
+def changed_since(commit: str, depends_on: list[str]) -> list[str]:
+    """The measured paths whose content in this checkout differs from `commit` (None-safe: [] if unknown)."""
+    present = [p for p in depends_on if (ROOT / p).exists()]
+    if not commit or not present:
+        return []
+    rc, out = _git("diff", "--name-only", commit, "--", *present)
+    return sorted(out.splitlines()) if rc == 0 else []
+
+
+def currency(data: dict[str, Any], path: Path, depends_on: list[str]) -> tuple[str, bool]:
+    """One line on when and at which commit a result was measured and whether the code it measures has
+    changed since (the stale mark), and whether it is stale."""
+    commit, date = measured_at(data, path)
+    if not commit:
+        return "Measured: not committed yet.", False
+    deps = list((data.get("provenance") or {}).get("depends_on") or depends_on)
+    changed = changed_since(commit, deps)
+    where = f"Measured {date} at `{commit[:7]}`"
+    if not changed:
+        return f"{where}; the code it measures ({', '.join(f'`{d}`' for d in deps)}) is unchanged since.", False
+    shown = ", ".join(f"`{c}`" for c in changed[:6]) + (f" and {len(changed) - 6} more files" if len(changed) > 6 else "")
+    return f"{where}. **Stale**: changed since: {shown}.", True
+
+
+def machine_of(d: dict[str, Any]) -> str:
+    """What the results file says about its machine."""
     found: dict[str, Any] = {}
 
     def walk(node: Any, depth: int) -> None:
@@ -142,41 +105,31 @@ def machine_of(d: dict[str, Any], path: Path) -> str:
                 found.setdefault(k, v)
             walk(v, depth + 1)
 
+    walk((d.get("provenance") or {}).get("machine", {}), 0)
     walk(d.get("machine", d), 0)
     if isinstance(d.get("host"), dict):
         walk(d["host"], 0)
     if isinstance(d.get("machine"), dict) and d["machine"].get("note"):
         found["note"] = d["machine"]["note"]
     walk(d.get("config", {}), 1)
-    when = f"{d['when']} (its own stamp)" if isinstance(d.get("when"), str) else _written(path).strftime("%Y-%m-%d %H:%M UTC")
     parts = [f"{k.replace('_', ' ')} {fmt(v, 2)}" for k, v in found.items()]
-    return f"written {when}" + ("; " + "; ".join(parts) if parts else "")
+    return "; ".join(parts) if parts else "not recorded"
 
 
-def this_machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        mem = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
-        mem_s = f"{mem / 2**20:.0f} GiB RAM"
-    except (OSError, StopIteration, ValueError):
-        mem_s = "unknown RAM"
-    return f"{os.cpu_count()} CPUs ({cpu}), {mem_s}, no GPU, {platform.system()} {platform.release()}, " \
-           f"Python {platform.python_version()}"
-
-
-def section(bench: dict[str, Any], results: Path, out_dir: Path) -> list[str]:
-    out = [f"## {bench['title']}", "", what_it_measures(ROOT / bench["script"]), "",
-           f"Regenerate: `{bench['command']}`", ""]
+def result_files(bench: dict[str, Any], results: Path) -> list[Path]:
     files: list[Path] = []
     for pattern in bench["files"]:
         files += [p for p in sorted(results.glob(pattern)) if p not in files and not p.name.endswith(".summary.json")]
+    return files
+
+
+def section(bench: dict[str, Any], results: Path, out_dir: Path) -> tuple[list[str], set[str]]:
+    """The page's section of one benchmark and the plot files it shows."""
+    out = [f"## {bench['title']}", "", what_it_measures(ROOT / bench["script"]), "",
+           f"Regenerate: `{bench['command']}`", ""]
+    files, plots = result_files(bench, results), set()
     if not files:
-        return out + [f"**Not run yet** (no `{results.relative_to(ROOT) if results.is_relative_to(ROOT) else results}/"
-                      f"{bench['files'][0]}`).", ""]
+        return out + [f"**Not run yet** (no `bench/results/{bench['files'][0]}`).", ""], plots
     for path in files:
         try:
             data = json.loads(path.read_text())
@@ -185,16 +138,17 @@ def section(bench: dict[str, Any], results: Path, out_dir: Path) -> list[str]:
             continue
         if len(files) > 1:
             out += [f"### `{path.name}`", ""]
-        out += [f"Machine: {machine_of(data, path)}.", ""]
+        out += [currency(data, path, bench["depends_on"])[0], "", f"Machine: {machine_of(data)}.", ""]
         out += bench["render"](data)
         png = path.with_suffix(".png")
         copy = out_dir / "benchmarks" / png.name
-        if png.exists():  # copied next to the page: bench/results/*.png is not versioned
+        if png.exists():  # copied next to the page, so that the docs site can show it
             copy.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, copy)
         if copy.exists():  # a fresh clone has only the copy
+            plots.add(copy.name)
             out += [f"![{bench['name']}]({os.path.relpath(copy, out_dir)})", ""]
-    return out
+    return out, plots
 
 
 def _slug(title: str) -> str:
@@ -203,26 +157,68 @@ def _slug(title: str) -> str:
 
 
 def render(results: Path, out: Path) -> str:
+    """The page; also removes plot copies under docs/benchmarks/ that no result shows any more."""
     lines = ["# Benchmarks", "",
-             "Generated by `bench/report.py` from `bench/results/*.json`; regenerate everything with `make bench` "
-             "(it runs every benchmark below, then this generator). Do not edit by hand.", "",
-             f"Report generated on: {this_machine()}. These machines are shared with other jobs: treat single "
-             "numbers as +-35%.", ""]
+             "Generated by `bench/report.py` from `bench/results/*.json` (`make bench-report`); "
+             "`make bench` runs every benchmark below, then this generator. Do not edit by hand: "
+             "`tests/bench/test_report.py` regenerates this page and compares it byte for byte.", "",
+             "Each result says when and at which commit it was measured, and is marked **Stale** when the code "
+             "it measures has changed since. The machines are shared with other jobs: treat single numbers "
+             "as +-35%.", ""]
     lines += [f"- [{b['title']}](#{_slug(b['title'])})" for b in BENCHMARKS] + [""]
+    shown: set[str] = set()
     for bench in BENCHMARKS:
-        lines += section(bench, results, out.parent)
+        body, plots = section(bench, results, out.parent)
+        lines += body
+        shown |= plots
+    for old in sorted((out.parent / "benchmarks").glob("*.png")):
+        if old.name not in shown:
+            old.unlink()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def readme_table(results: Path) -> str:
+    """The README's results table: each figure with its date and commit, and the stale mark."""
+    deps = {f: b["depends_on"] for b in BENCHMARKS for f in b["files"]}
+    anchors = {f: _slug(b["title"]) for b in BENCHMARKS for f in b["files"]}
+    rows = ["| Result | Figure (worst beside best) | Measured | Current? |", "|---|---|---|---|"]
+    for what, name, headline in HEADLINES:
+        path = results / name
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        commit, date = measured_at(data, path)
+        stale = bool(changed_since(commit, list((data.get("provenance") or {}).get("depends_on") or deps.get(name, []))))
+        link = f"[{what}](docs/BENCHMARKS.md#{anchors.get(name, '')})"
+        mark = "stale" if stale else ("yes" if commit else "uncommitted")
+        rows.append(f"| {link} | {headline(data)} | {date} `{commit[:7]}` | {mark} |")
+    return "\n".join(rows) + "\n"
+
+
+def update_readme(readme: Path, table: str) -> bool:
+    """Replace the block between the results markers in the README; False when it has no markers."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_BEGIN}\n{table}{README_END}{tail}")
+    return True
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"), help="directory of the results JSON files")
     ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"), help="the page to write")
+    ap.add_argument("--readme", default=str(ROOT / "README.md"),
+                    help=f"a README whose block between {README_BEGIN!r} and {README_END!r} gets the results table")
     args = ap.parse_args()
-    out = Path(args.out)
+    out, results = Path(args.out), Path(args.results).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(Path(args.results).resolve(), out.resolve()))
+    out.write_text(render(results, out.resolve()))
     print(f"wrote {out}")
+    if update_readme(Path(args.readme), readme_table(results)):
+        print(f"updated the results table in {args.readme}")
     return 0
 
 

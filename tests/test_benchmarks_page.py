@@ -1,0 +1,58 @@
+"""docs/BENCHMARKS.md and the README's results table are generated (bench/report.py): regenerating them from
+bench/results/ gives the committed text byte for byte, so a result, a stale mark or a figure cannot drift."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _history_available() -> bool:
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    return done.returncode == 0 and done.stdout.strip() == "false"
+
+
+pytestmark = pytest.mark.skipif(not _history_available(),
+                                reason="the stale marks need the git history (not a shallow clone)")
+
+
+def test_benchmarks_page_is_generated(tmp_path: Path) -> None:
+    from bench.report import render
+
+    shutil.copytree(ROOT / "docs" / "benchmarks", tmp_path / "benchmarks")
+    page = render(ROOT / "bench" / "results", tmp_path / "BENCHMARKS.md")
+    committed = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert page == committed, "docs/BENCHMARKS.md drifted from bench/results: run `make bench-report`"
+
+
+def test_readme_results_table_is_generated() -> None:
+    from bench.report import README_BEGIN, README_END, readme_table
+
+    readme = (ROOT / "README.md").read_text()
+    assert README_BEGIN in readme and README_END in readme, "the README lost its generated results table"
+    block = readme.split(README_BEGIN, 1)[1].split(README_END, 1)[0]
+    assert block == "\n" + readme_table(ROOT / "bench" / "results"), \
+        "the README's results table drifted from bench/results: run `make bench-report`"
+
+
+def test_a_result_is_stale_once_its_code_changes(tmp_path: Path) -> None:
+    """The stale mark compares the code a result measures at its commit with this checkout."""
+    from bench.report import currency
+
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    first = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True,
+                           check=True).stdout.split()[0]
+    fresh = {"provenance": {"commit": head, "dirty": False, "when": "2026-01-01T00:00:00+00:00",
+                            "depends_on": ["LICENSE"]}}
+    assert currency(fresh, tmp_path / "x.json", [])[1] is False
+    old = {"provenance": {"commit": first, "dirty": False, "when": "2026-01-01T00:00:00+00:00",
+                          "depends_on": ["earl_stream/config.py"]}}
+    line, stale = currency(old, tmp_path / "x.json", [])
+    assert stale and "earl_stream/config.py" in line
