@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import run_curve, summarize  # noqa: E402
 from policy_audit import audit  # noqa: E402
 
+from bench.provenance import write_result  # noqa: E402
+
 # (advantage, extra options): every estimator with the defaults, then the main loss options on grpo
 CONFIGS: list[tuple[str, list[str]]] = [
     ("grpo", []),
@@ -96,7 +98,7 @@ def main() -> int:
     result = {"machine": machine, "budget_minutes": args.minutes, "seeds": sorted({r["seed"] for r in runs}),
               "window_games": args.window, "target_win_rate": args.target, "overrides": args.overrides, "runs": runs,
               "configs": aggregate(runs)}
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     print(table(result["configs"]))
     return 0
 

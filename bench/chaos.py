@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
 
+from bench.provenance import write_result  # noqa: E402
 from earl_stream.config import load_config  # noqa: E402
 
 ROLES = ("rollout", "trainer", "supervisor")
@@ -139,7 +139,7 @@ def main() -> int:
         result["up_log_tail"] = tail
     print(json.dumps({k: v for k, v in result.items() if k != "kills"}, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_result(Path(args.json), result, indent=1)
     ok = result["finished"] and result["duplicates_detected"] == 0 and result["lost_prompts_reissued"]
     return 0 if ok else 1
 

@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
 from memcap import MemoryCaps, problems  # noqa: E402
+
+from bench.provenance import write_result  # noqa: E402
 
 
 def _plan_name(plan: dict[str, Any]) -> str | None:
@@ -182,7 +183,7 @@ def main() -> int:
         result = json.loads(out.read_text()) if out.exists() else {}
         result[args.only] = run(args.only, args, out.parent)
         result["settings_" + args.only] = {k: v for k, v in vars(args).items() if k != "json"}
-        out.write_text(json.dumps(result, indent=1))
+        write_result(out, result, indent=1)
         return 0
     static = run("static", args, out.parent)
     adaptive = run("adaptive", args, out.parent)
@@ -197,7 +198,7 @@ def main() -> int:
     }
     if unbounded is not None:
         result["static_unbounded"] = unbounded
-    out.write_text(json.dumps(result, indent=1))
+    write_result(out, result, indent=1)
     plot(static, adaptive, out.with_suffix(".png"), args.limit, unbounded)
     print(json.dumps({k: v for k, v in result.items() if k not in ("static", "adaptive", "static_unbounded")}, indent=1))
     return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.provenance import write_result  # noqa: E402
 from earl_stream.store import ShardClient, ShardNode  # noqa: E402
 
 SECRET = b"bench-secret-0123456789abcdef"
@@ -70,7 +70,7 @@ def main() -> None:
               "best_encrypted_over_open": min(r["encrypted_over_open"] for r in rows), "reps": reps}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_result(Path(args.json), result, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from "go" to the last consumer holding its part; medians over repetitions (the m
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -38,7 +37,6 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.dispatch_common import (  # noqa: E402
     BYTES_PER_TOKEN,
     FIELD_DTYPES,
@@ -52,6 +50,7 @@ from bench.dispatch_common import (  # noqa: E402
     producer_main,
     row_fields,
 )
+from bench.provenance import write_result  # noqa: E402
 from earl_stream.store import CentralClient, Layout, SampleMeta, ShardClient, partition, start_dispatcher_process  # noqa: E402
 from earl_stream.store.ucx import ucx_available, ucx_import_error  # noqa: E402
 
@@ -430,7 +429,7 @@ def main() -> None:
     print_table(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_result(args.json, result, indent=2)
         print(f"\nwrote {args.json}")
 
 

@@ -19,7 +19,6 @@ weight sync seconds (go to the last host holding the version) per method. Median
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -29,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.cluster_runs import Experience, WeightSync  # noqa: E402
 from bench.hosts import Hosts, missing_prerequisites, raise_on_signals, sweep_stale  # noqa: E402
+from bench.provenance import write_result  # noqa: E402
 
 log = logging.getLogger("bench.dispatch_cluster")
 NIC_BITS_PER_S = 100 * 10**9  # the links stand in for 100 Gbit/s NICs; payloads are scaled down by as much
@@ -199,7 +198,7 @@ def main() -> int:
     print_table(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_result(args.json, result, indent=2)
         plot(result, args.json.with_suffix(".png"))
         print(f"\nwrote {args.json} and {args.json.with_suffix('.png')} in {result['seconds']} s")
     return 0

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_rates import LOAD_LINE, MODE_OVERRIDES, PINNED_POOLS, STEP_LINE, Snapshot, Watch, log_window, overlap_ceiling, watch_up
+from provenance import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP_SIZE, GROUPS_PER_STEP, LR, SEED, WINDOW = 8, 8, 1e-3, 0, 256
@@ -344,7 +345,7 @@ def main() -> int:
             systems[name] = run_earl(name, model_dir, seconds, args.target, work)
         print(json.dumps({k: v for k, v in systems[name].items() if k not in ("curve",)}, default=str)[:1500], flush=True)
     result = summarize(systems, args, seconds, model_dir, load_before, time.time() - started)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result)
     plot(systems, out.with_suffix(".png"), args.target)
     print_table(result)
     return 0

@@ -31,7 +31,6 @@ GRPO-shaped rows (`grpo`; every model): groups of `--group-size` samples of one 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -49,7 +48,7 @@ import torch  # noqa: E402
 from transformers import GenerationConfig, PreTrainedModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.provenance import write_result  # noqa: E402
 from earl_stream.chat import ChatFormat  # noqa: E402
 from earl_stream.model import ensure_default_model, init_model, load_model  # noqa: E402
 from earl_stream.workers.engines import GenerateRequest, TorchEngine  # noqa: E402
@@ -392,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
              result["speedup_vs_hf_generate"], result["speedup_min_over_batch_sizes"])
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     log.info("wrote %s", out)
     return 0
 

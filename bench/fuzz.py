@@ -38,9 +38,9 @@ from typing import Any
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
 
+from bench.provenance import write_result  # noqa: E402
 from earl_stream import protocol as P  # noqa: E402
 from earl_stream.security import sign  # noqa: E402
 from earl_stream.store import wire  # noqa: E402
@@ -254,7 +254,7 @@ def main() -> int:
     }
     print(json.dumps(result, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_result(Path(args.json), result, indent=1)
     return 0 if not dead and still_trains and result["ledger_adds_up"] else 1
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from pipeline_rates import start_up
+from provenance import write_result
 
 from earl_stream import protocol as P
 from earl_stream.errors import EarlError
@@ -54,7 +55,7 @@ def main() -> int:
                       run_dir=out.parent / f"{out.stem}_run", summary=out.with_suffix(".summary.json"))
     result = {**summarize(curve, args.target, args.minutes), "env": args.env, "window_games": args.window,
               "overrides": args.overrides}
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result)
     plot(curve, out.with_suffix(".png"), args.target, args.env, args.window)
     print(json.dumps({k: v for k, v in result.items() if k != "curve"}, indent=2))
     return 0

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import write_result  # noqa: E402
 
 log = logging.getLogger("bench.lora")
 RANK, ALPHA = 16, 32.0
@@ -190,7 +191,7 @@ def main() -> int:
     result["not_measured"] = ("heldout_*, trained_tokens_per_s, trl_lora and gain_ratio: the 60-minute learning "
                               "runs are not in this script yet")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(Path(args.json), result, indent=2)
     print(f"{'':6} {'bytes/version':>14} {'sync s':>8} {'peak MB meas':>13} {'peak MB pred':>13}")
     for kind in ("full", "lora"):
         r = result[kind]

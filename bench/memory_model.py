@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.provenance import write_result  # noqa: E402
 from earl_stream.supervisor.memory_model import (  # noqa: E402
     GIB,
     LOGIT_COPIES_EARL_GRPO,
@@ -410,7 +410,7 @@ def main() -> int:
     if args.only_smollm2:  # refresh (d) in an existing results file
         result = json.loads(out.read_text()) if out.exists() else {}
         result["smollm2"] = part_d(SMOLLM2_QUICK if args.quick else SMOLLM2_GRID)
-        out.write_text(json.dumps(result, indent=2))
+        write_result(out, result, indent=2)
         print(f"  smollm2 max_relative_error = {result['smollm2']['max_relative_error']:.3f}; wrote {out}")
         return 0
     if args.only_real_model:  # refresh (f) in an existing results file
@@ -421,14 +421,14 @@ def main() -> int:
         print("(f) SmolLM2-135M per rank, predicted vs measured peak (total = states + step)")
         f = part_f(grid, __file__)
         result.update(real_model=f, max_relative_error_real_model=f["max_relative_error_real_model"])
-        out.write_text(json.dumps(result, indent=2))
+        write_result(out, result, indent=2)
         print(f"  max_relative_error_real_model = {f['max_relative_error_real_model']} (goal <= 0.05); wrote {out}")
         return 0
     if args.only_sharded:  # refresh (c) in an existing results file
         result = json.loads(out.read_text()) if out.exists() else {}
         c = part_c(SHARDED_QUICK if args.quick else SHARDED_FULL)
         result.update(sharded=c, max_relative_error_sharded=c["max_relative_error_sharded"])
-        out.write_text(json.dumps(result, indent=2))
+        write_result(out, result, indent=2)
         print(f"  max_relative_error_sharded = {c['max_relative_error_sharded']:.3f} (goal <= 0.05); wrote {out}")
         return 0
     a = part_a()
@@ -456,7 +456,7 @@ def main() -> int:
     result = {"llama70b": a, "measured": b, "max_relative_error": b["max_relative_error"], "sharded": c, "smollm2": d,
               "max_relative_error_sharded": c["max_relative_error_sharded"], "quick": args.quick,
               "seconds": round(time.monotonic() - start, 1)}
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     print(f"wrote {out} in {result['seconds']} s")
     return 0
 

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import write_result  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memory_model import SMOLLM2, run_child  # noqa: E402
@@ -109,7 +111,7 @@ def main() -> int:
     result = json.loads(out.read_text()) if out.exists() else {}
     result["cuda"] = part_e(CUDA_QUICK if args.quick else CUDA_GRID)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     c = result["cuda"]
     print(f"as run: max error {c['max_relative_error_total_as_run']:.3f} (without recomputation "
           f"{c['max_relative_error_total_as_run_without_recompute']:.3f}); wrote {out}")

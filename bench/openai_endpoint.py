@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -46,6 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import write_result  # noqa: E402
 from earl_stream.agent_env import EnvAsAgent  # noqa: E402
 from earl_stream.chat import ChatFormat  # noqa: E402
 from earl_stream.env import make_env  # noqa: E402
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                    "when": time.strftime("%Y-%m-%d %H:%M:%S")})
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -21,6 +21,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -102,13 +103,75 @@ def relative(path: str | Path) -> str:
         return p.name
 
 
-def write_result(out: str | Path, result: dict[str, Any], depends_on: list[str]) -> Path:
-    """Write `result` as JSON to `out` with its `provenance` added; returns the path written."""
-    payload = dict(result)
-    payload["provenance"] = provenance(depends_on)
+def catalogued_depends_on(out: str | Path) -> list[str]:
+    """The code paths `bench/catalog.py` names for the benchmark whose results files match `out`'s name (the
+    whole package for a file no benchmark there writes)."""
+    import fnmatch
+    import sys
+
+    if str(ROOT) not in sys.path:  # run as a script from bench/: the catalog imports as bench.catalog
+        sys.path.insert(0, str(ROOT))
+    from bench.catalog import BENCHMARKS
+
+    name = Path(out).name
+    for bench in BENCHMARKS:
+        if any(fnmatch.fnmatch(name, pattern) for pattern in bench["files"]):
+            return list(bench["depends_on"])
+    return ["earl_stream"]  # not a catalogued result (a scratch run): it measures the package as a whole
+
+
+_ABS_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)*[\w.@+-]+")
+
+
+def _scrub_path(match: re.Match[str]) -> str:
+    path = Path(match.group(0))
+    cache = Path(os.environ.get("EARL_STREAM_CACHE", Path.home() / ".cache" / "earl_stream"))
+    for base, shown in ((ROOT, ""), (cache, "$EARL_STREAM_CACHE/")):
+        try:
+            return shown + str(path.relative_to(base))
+        except ValueError:
+            continue
+    return "/".join(path.parts[-3:]) if len(path.parts) > 3 else "/".join(path.parts[1:])
+
+
+def scrub(node: Any) -> Any:
+    """`node` with this machine's absolute paths made relative (to the repository, to the model cache, or cut to
+    their last two parts), so that no result holds a machine path."""
+    if isinstance(node, str):
+        return _ABS_PATH.sub(_scrub_path, node) if "/" in node else node
+    if isinstance(node, dict):
+        return {k: scrub(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [scrub(v) for v in node]
+    return node
+
+
+def backfill(path: Path) -> bool:
+    """Give a result written before `provenance` existed the one that git knows: the commit that last wrote it,
+    that commit's date, and the catalogued `depends_on` (`machine` stays unrecorded); scrubs machine paths.
+    False when the file already has a provenance or is not committed."""
+    data = json.loads(path.read_text())
+    if "provenance" in data:
+        return False
+    found = _git("log", "-1", "--format=%H %cI", "--", str(path.resolve().relative_to(ROOT)))
+    if not found:
+        return False
+    commit, when = found.split()
+    data = scrub(data)
+    data["provenance"] = {"when": when, "commit": commit, "dirty": False, "machine": None, "backfilled": True,
+                          "depends_on": sorted(catalogued_depends_on(path))}
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return True
+
+
+def write_result(out: str | Path, result: dict[str, Any], depends_on: list[str] | None = None, indent: int = 2) -> Path:
+    """Write `result` as JSON to `out` with its `provenance` added (the code it measures: `depends_on`, else
+    what bench/catalog.py names for that file); returns the path written."""
+    payload = scrub(dict(result))
+    payload["provenance"] = provenance(depends_on if depends_on is not None else catalogued_depends_on(out))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(payload, indent=indent, default=str) + "\n")
     return path
 
 
@@ -120,3 +183,12 @@ def stale_since(result: dict[str, Any]) -> list[str]:
         return []
     out = _git("log", "--format=%h", f"{commit}..HEAD", "--", *deps)
     return out.split() if out else []
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Backfill the provenance of results written before it existed.")
+    ap.add_argument("files", nargs="+", type=Path, help="results JSON files")
+    for f in ap.parse_args().files:
+        print(f"{f}: {'backfilled' if backfill(f) else 'unchanged'}")

@@ -45,6 +45,8 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import write_result  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from heldout import evaluate  # noqa: E402
@@ -214,10 +216,10 @@ def main() -> int:
         result = json.loads(out.read_text())
     if not args.compare_only:
         result = train_and_evaluate(path, out, args)
-        out.write_text(json.dumps(result, indent=2))  # kept should the comparison fail
+        write_result(out, result, indent=2)  # kept should the comparison fail
     if args.compare_steps:
         result.update(compare(path, out.parent / "real_model_compare_run", args.compare_steps, args.overrides))
-        out.write_text(json.dumps(result, indent=2))
+        write_result(out, result, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k not in ("curve", "status", "async_vs_sync_runs")}, indent=2))
     return 0
 

@@ -44,6 +44,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from bench.provenance import write_result  # noqa: E402
+
 sys.path.insert(0, str(ROOT))
 
 from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
@@ -424,7 +426,7 @@ def main() -> int:
                 r["start_error"] = start_reason(run_dir)
         result = {**aggregate(runs, args), "settings": {k: v for k, v in vars(args).items() if k != "json"},
                   "runs": runs}
-        out.write_text(json.dumps(result, indent=1))
+        write_result(out, result, indent=1)
         print(table(result, runs))
         return 0
     for kind in args.only.split(",") if args.only else strategies(args.nproc):
@@ -435,7 +437,7 @@ def main() -> int:
               f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
         result = {**aggregate(runs, args), "settings": {k: v for k, v in vars(args).items() if k != "json"},
                   "runs": runs}
-        out.write_text(json.dumps(result, indent=1))  # after every strategy: a killed run keeps what it measured
+        write_result(out, result, indent=1)  # after every strategy: a killed run keeps what it measured
     print(table(result, runs))
     return 0
 

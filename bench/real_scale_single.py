@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import write_result  # noqa: E402
 
 GIB = 1 << 30
 # SmolLM2-135M-Instruct's architecture (HuggingFaceTB/SmolLM2-135M-Instruct config.json)
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(args, results)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("static", "adaptive")}, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+        write_result(Path(args.json), summary, indent=1)
     return 0
 
 

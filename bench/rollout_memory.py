@@ -24,17 +24,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from bench.provenance import write_result  # noqa: E402
 from earl_stream.config import load_config  # noqa: E402
 from earl_stream.supervisor.memory_model import ModelShape, predict_kv_cache_bytes  # noqa: E402
 from earl_stream.supervisor.rollout_selector import rollout_selector_for  # noqa: E402
@@ -148,7 +147,7 @@ def main() -> int:
             print(f"          {r['error'][:200]}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=1))
+        write_result(a.json, result, indent=1)
     return 0
 
 

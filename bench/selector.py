@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import write_result  # noqa: E402
 
 MODEL = {"hidden_size": 384, "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2,
          "intermediate_size": 1024, "vocab_size": 16384, "tie_word_embeddings": False, "max_position_embeddings": 2048}
@@ -496,7 +497,7 @@ def main() -> int:
     print(f"adaptive_vs_oracle_throughput = {ratio if ratio is None else round(ratio, 3)} (target >= 0.9)")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     print(f"wrote {out} in {result['seconds']} s")
     return 0
 

@@ -36,7 +36,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.provenance import write_result  # noqa: E402
 from earl_stream import protocol as P  # noqa: E402
 from earl_stream.security import create_secret_file, load_secret, sign, verify  # noqa: E402
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta  # noqa: E402
@@ -233,7 +233,7 @@ def main() -> None:
     }
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        write_result(Path(args.json), result, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import write_result  # noqa: E402
 
 SIZES = {  # Qwen2 configs; vocabulary, heads, kv heads and intermediate size divisible by tp = 2
     "1M": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -174,7 +175,7 @@ def main() -> int:
     result.update(quick=args.quick, seconds=round(time.monotonic() - start, 1))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     print(f"wrote {out} in {result['seconds']} s")
     return 0
 

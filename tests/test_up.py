@@ -107,6 +107,30 @@ def test_up_pulls_samples_and_weights_over_ucx(tmp_path: Path, tiny_model_dir: P
     assert over == {"ucx"}, over
 
 
+def test_piped_up_stopped_by_ctrl_c_writes_its_summary(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`earl-stream up | tee log` and Ctrl-C: the terminal sends SIGINT to both, tee exits first and the run's
+    output has no reader; the run still stops its processes and writes its summary and learning curve."""
+    log = tmp_path / "log"
+    shell = (f"{sys.executable} -m earl_stream up --steps 0 model.path={tiny_model_dir} run_dir={tmp_path / 'run'} "
+             "trainer.groups_per_step=2 trainer.group_size=4 rollout.groups_in_flight=2 supervisor.heartbeat_s=0.2 "
+             f"| tee {log}")
+    proc = subprocess.Popen(["bash", "-c", shell], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    summary = tmp_path / "run" / "summary.json"
+    try:
+        wait_for(lambda: proc.poll() is not None or re.search(r"step +[1-9]", log.read_text() if log.exists() else ""),
+                 240, "the piped run to show a trained step")
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group, tee included
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert summary.exists(), proc.stderr.read()[-3000:] if proc.stderr else ""
+    written = json.loads(summary.read_text())
+    assert written["steps"] >= 1 and written["learning_curve_png"]
+    assert Path(written["learning_curve_png"]).read_bytes()[:4] == b"\x89PNG"
+
+
 def test_up_reports_bad_model_dir(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "earl_stream", "up", "--steps", "1", f"model.path={tmp_path}/nope",
                            f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -143,42 +144,70 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
         placed = [sup] + rollout
         trainer = launcher.start_trainer_pool(address)
         client = P.ControlClient(address, timeout_s=10, secret=secret)
-        revivals = recovered = 0
-        with view:
-            while not stopping and trainer.poll() is None:
-                failed = next((p for p in placed if p.poll() not in (None, 0)), None)
-                if failed is not None:
-                    if revivals >= restart:
-                        raise ChildProcessFailed(failed.describe_exit())
-                    revivals += 1
-                    view.message(f"{failed.describe_exit().splitlines()[0]}; starting it again "
-                                 f"({revivals} of {restart} restarts)")
-                    launcher.revive(failed, address)
-                    continue
-                status = _status(client) or status
-                if resume and status.get("samples_recovered", 0) > recovered:
-                    recovered = status["samples_recovered"]
-                    view.message(f"resume: {recovered} samples recovered from {run_dir / EXPERIENCE_DIR}, "
-                                 f"{status.get('samples_replayed_since_resume') or 0} re-played")
-                for new in scale_up(launcher, status, rollout, address):  # `earl-stream scale` asked for more
-                    view.message(f"rollout pool below its size {status['pools']['rollout']['desired']}: "
-                                 f"started {new.name}")
-                    placed.append(new)
-                view.update(status)
-                write_targets(run_dir / "prometheus_targets.json", status)
-                time.sleep(0.5)
+        try:
+            _watch(view, launcher, client, trainer, placed, rollout, stopping, status, resume, restart, address,
+                   run_dir)
+        except BrokenPipeError:  # `up | tee log` and Ctrl-C: tee is gone; stop the run, keep its summary
+            _output_gone()
+            stopping.append("interrupted" if not stopping else stopping[0])
         if trainer.poll() not in (None, 0):
             raise ChildProcessFailed(trainer.describe_exit())
-        status = _status(client) or status
+        status.update(_status(client) or {})
     finally:
         launcher.stop()
     summary = make_summary(status, wall=time.time() - started)
-    view.finish(summary, stopping[0] if stopping else "")
     out = Path(summary_path) if summary_path else run_dir / "summary.json"
     curve = view.write_learning_curve(out.parent / "learning_curve.png")
     summary["learning_curve_png"] = str(curve) if curve else None
-    out.write_text(json.dumps(summary, indent=2))
+    out.write_text(json.dumps(summary, indent=2))  # before anything is printed: the reader may be gone
+    try:
+        view.finish(summary, stopping[0] if stopping else "")
+    except BrokenPipeError:
+        _output_gone()
     return 130 if stopping else 0
+
+
+def _output_gone() -> None:
+    """Whoever read this process's output (a `| tee` stopped by the same Ctrl-C) is gone: further output
+    goes nowhere instead of failing the writes that follow (the summary, the shutdown's logs)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+
+def _watch(view: LiveView, launcher: Launcher, client: P.ControlClient, trainer: Placed, placed: list[Placed],
+           rollout: list[Placed], stopping: list[str], status: dict[str, Any], resume: bool, restart: int, address: str,
+           run_dir: Path) -> None:
+    """The live view until the trainer pool ends or a signal: revives what died (up to `restart` times),
+    starts the workers `earl-stream scale` asked for, and refreshes the view, the Prometheus targets and
+    `status` (the latest supervisor status, kept by the caller for the summary)."""
+    revivals = recovered = 0
+    with view:
+        while not stopping and trainer.poll() is None:
+            failed = next((p for p in placed if p.poll() not in (None, 0)), None)
+            if failed is not None:
+                if revivals >= restart:
+                    raise ChildProcessFailed(failed.describe_exit())
+                revivals += 1
+                view.message(f"{failed.describe_exit().splitlines()[0]}; starting it again "
+                             f"({revivals} of {restart} restarts)")
+                launcher.revive(failed, address)
+                continue
+            status.update(_status(client) or {})
+            if resume and status.get("samples_recovered", 0) > recovered:
+                recovered = status["samples_recovered"]
+                view.message(f"resume: {recovered} samples recovered from {run_dir / EXPERIENCE_DIR}, "
+                             f"{status.get('samples_replayed_since_resume') or 0} re-played")
+            for new in scale_up(launcher, status, rollout, address):  # `earl-stream scale` asked for more
+                view.message(f"rollout pool below its size {status['pools']['rollout']['desired']}: "
+                             f"started {new.name}")
+                placed.append(new)
+            view.update(status)
+            write_targets(run_dir / "prometheus_targets.json", status)
+            time.sleep(0.5)
 
 
 def scale_up(launcher: Launcher, status: dict[str, Any], rollout: list[Placed], address: str) -> list[Placed]:
