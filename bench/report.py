@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT))
-from bench.catalog import BENCHMARKS, HEADLINES  # noqa: E402
+from bench.catalog import BENCHMARKS  # noqa: E402
 from bench.report_tables import fmt  # noqa: E402
 
 Renderer = Callable[[dict[str, Any]], list[str]]
@@ -178,20 +181,22 @@ def render(results: Path, out: Path) -> str:
 
 
 def readme_table(results: Path) -> str:
-    """The README's results table: each figure with its date and commit, and the stale mark."""
-    deps = {f: b["depends_on"] for b in BENCHMARKS for f in b["files"]}
-    anchors = {f: _slug(b["title"]) for b in BENCHMARKS for f in b["files"]}
-    rows = ["| Result | Figure (worst beside best) | Measured | Current? |", "|---|---|---|---|"]
-    for what, name, headline in HEADLINES:
+    """The README's currency table: each result file the README cites, when and at which commit it was
+    measured, and whether the code it measures changed since (the stale mark)."""
+    cited = sorted(set(re.findall(r"bench/results/([\w.-]+\.json)", README.read_text())))
+    rows = ["| result | measured | current? |", "|---|---|---|"]
+    for name in cited:
         path = results / name
         if not path.exists():
             continue
         data = json.loads(path.read_text())
         commit, date = measured_at(data, path)
-        stale = bool(changed_since(commit, list((data.get("provenance") or {}).get("depends_on") or deps.get(name, []))))
-        link = f"[{what}](docs/BENCHMARKS.md#{anchors.get(name, '')})"
-        mark = "stale" if stale else ("yes" if commit else "uncommitted")
-        rows.append(f"| {link} | {headline(data)} | {date} `{commit[:7]}` | {mark} |")
+        bench = next((b for b in BENCHMARKS if any(fnmatch.fnmatch(name, f) for f in b["files"])), None)
+        measured = list((data.get("provenance") or {}).get("depends_on") or (bench["depends_on"] if bench else []))
+        changed = changed_since(commit, measured)
+        mark = (f"stale: {len(changed)} measured files changed since" if changed else "yes") if commit else "uncommitted"
+        anchor = _slug(bench["title"]) if bench else ""
+        rows.append(f"| [`{name}`](docs/BENCHMARKS.md#{anchor}) | {date} `{commit[:7]}` | {mark} |")
     return "\n".join(rows) + "\n"
 
 

@@ -1,0 +1,122 @@
+"""The documentation: the configuration reference is what the code declares, the site builds strictly
+(every link and anchor resolves), and the README stays a README (short, its links resolve, each result it
+quotes dated with the commit of its result file).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README_MAX_BYTES = 15_500
+
+
+def _reference_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_configuration_reference_is_generated_from_the_code() -> None:
+    """docs/configuration.md, regenerated, is byte for byte what is committed: a field added, renamed or
+    re-documented without `make docs-reference` fails here."""
+    from earl_stream.config import field_help
+
+    text = _reference_module().render()
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert text == committed, "docs/configuration.md is out of date: run `make docs-reference`"
+    for name, _ in field_help():  # every leaf field of the run's config has its line
+        assert f"**`{name.replace('.0.', '.N.')}`**" in text, name
+
+
+def _mkdocs(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("pymdownx") is None:
+        pytest.skip("mkdocs is not installed (it comes with the test and docs extras: pip install -e '.[docs]')")
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+                          cwd=config.parent, capture_output=True, text=True, timeout=300)
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """`make docs`: every page in the nav, every link and anchor resolves."""
+    out = _mkdocs(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "site" / "configuration" / "index.html").is_file()
+
+
+def test_a_broken_anchor_fails_the_build(tmp_path: Path) -> None:
+    """The strict build is strict: a copy of the site with one link to a missing anchor does not build."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    page = tmp_path / "docs" / "install.md"
+    page.write_text(page.read_text() + "\nSee [nowhere](quickstart.md#no-such-heading).\n")
+    out = _mkdocs(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert out.returncode != 0 and "no-such-heading" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def _github_anchor(heading: str) -> str:
+    """GitHub's anchor of a heading (what the site's toc slugify also does)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_the_readme_is_short_and_its_links_resolve() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= README_MAX_BYTES, f"README.md is {len(readme.encode())} bytes: move depth to docs/"
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):
+        if re.match(r"https?://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = ROOT / path if path else ROOT / "README.md"
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+            if anchor not in {_github_anchor(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"README.md links to what does not exist: {broken}"
+
+
+def _measured_at(path: str) -> str | None:
+    """`date commit` a result was measured at, as bench/report.py reads it (its provenance, else git)."""
+    if shutil.which("git") is None:
+        return None
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True)
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        return None
+    sys.path.insert(0, str(ROOT))
+    from bench.report import measured_at
+
+    commit, date = measured_at(json.loads((ROOT / path).read_text()), ROOT / path)
+    return f"{date} {commit}" if commit else None
+
+
+def test_every_readme_result_names_the_date_and_commit_of_its_file() -> None:
+    """Each row of the README's results table cites its result file and the `date commit` it was measured at
+    (its provenance): a result re-measured fails here until the README quotes it."""
+    readme = (ROOT / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and "bench/results/" in line]
+    assert len(rows) >= 10, "the README's results table is missing"
+    stale = []
+    for row in rows:
+        cited = re.findall(r"`bench/results/([\w.-]+\.json)` \((\d{4}-\d\d-\d\d) ([0-9a-f]{7,})\)", row)
+        assert cited, f"a results row without `bench/results/X.json` (DATE COMMIT): {row[:120]}"
+        for name, date, commit in cited:
+            assert (ROOT / "bench" / "results" / name).is_file(), name
+            actual = _measured_at(f"bench/results/{name}")
+            if actual is None:
+                pytest.skip("no git history here (not a clone, or a shallow one)")
+            if actual.split()[0] != date or not actual.split()[1].startswith(commit[:7]):
+                stale.append(f"{name}: README says {date} {commit}, measured {actual}")
+    assert not stale, "README results out of date:\n" + "\n".join(stale)
