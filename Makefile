@@ -29,7 +29,7 @@ run: $(VENV)/.installed ## install, then `earl-stream up` on the embedded defaul
 test: $(VENV)/.installed ## install, then the CPU test suite (PYTEST_ARGS=...)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR -m "not faults" $(PYTEST_ARGS)
 
-# What tests/test_lint.py checks, on its own: ruff on the code and tests, mypy on [tool.mypy] packages.
+# What tests/test_lint.py checks, on its own: ruff on the code and tests, mypy on [tool.mypy] files.
 lint: $(VENV)/.installed ## ruff + mypy, as tests/test_lint.py runs them
 	$(PY) -m ruff check --no-cache earl_stream envs bench tests
 	$(PY) -m mypy

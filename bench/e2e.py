@@ -132,9 +132,8 @@ def trl_child(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     import trl
     from datasets import Dataset
+    from earl_stream_envs.tictactoe import TicTacToe
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PrinterCallback
-
-    from envs.tictactoe import TicTacToe
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
@@ -183,7 +182,7 @@ class Playout:
         self.active = False
 
     def play(self, first_moves: list[str], seeds: list[int]) -> list[float]:
-        from envs.tictactoe import TicTacToe
+        from earl_stream_envs.tictactoe import TicTacToe
 
         start = time.monotonic()
         envs = [TicTacToe() for _ in seeds]

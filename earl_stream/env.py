@@ -58,20 +58,20 @@ ENTRY_POINT_GROUP = "earl_stream.envs"
 # Names that must resolve even when the project is run from a source tree without being installed
 # (then the entry points of pyproject.toml are not visible to importlib.metadata).
 _BUILTIN_ENVS: dict[str, str] = {
-    "tictactoe": "envs.tictactoe:TicTacToe",
-    "connect_four": "envs.connect_four:ConnectFour",
-    "calculator": "envs.calculator:Calculator",
-    "reasoning_gym": "envs.reasoning_gym_env:ReasoningGymEnv",
-    "textarena": "envs.textarena_env:TextArenaEnv",
-    "long_recall": "envs.long_recall:LongRecall",
-    "tictactoe_match": "envs.tictactoe_match:TicTacToeMatch",
+    "tictactoe": "earl_stream_envs.tictactoe:TicTacToe",
+    "connect_four": "earl_stream_envs.connect_four:ConnectFour",
+    "calculator": "earl_stream_envs.calculator:Calculator",
+    "reasoning_gym": "earl_stream_envs.reasoning_gym_env:ReasoningGymEnv",
+    "textarena": "earl_stream_envs.textarena_env:TextArenaEnv",
+    "long_recall": "earl_stream_envs.long_recall:LongRecall",
+    "tictactoe_match": "earl_stream_envs.tictactoe_match:TicTacToeMatch",
     "agent": "earl_stream.agent_env:AgentFunction",
     "env_agent": "earl_stream.agent_env:EnvAsAgent",
-    "calculator_agent": "envs.calculator_agent:CalculatorAgent",
+    "calculator_agent": "earl_stream_envs.calculator_agent:CalculatorAgent",
     "remote": "earl_stream.env_server:RemoteEnv",
-    "gymnasium": "envs.gymnasium_env:GymnasiumEnv",
-    "verifiers": "envs.verifiers_env:VerifiersEnv",
-    "openenv": "envs.openenv_env:OpenEnvEnv",
+    "gymnasium": "earl_stream_envs.gymnasium_env:GymnasiumEnv",
+    "verifiers": "earl_stream_envs.verifiers_env:VerifiersEnv",
+    "openenv": "earl_stream_envs.openenv_env:OpenEnvEnv",
 }
 
 DEFAULT_MAX_TURN_TOKENS = 32

@@ -11,7 +11,7 @@ and a malformed call (unterminated tag, bad JSON, wrong shape, unknown tool, arg
 match the tool's JSON schema, a tool that raises) as `tool error: ...`; the episode goes on either way.
 
 Design: tool calls are handled INSIDE the environment, not by the agent loop. `ToolEnv` wraps any
-environment (or an environment composes a `ToolDispatcher` itself, as `envs.calculator` does): its
+environment (or an environment composes a `ToolDispatcher` itself, as `earl_stream_envs.calculator` does): its
 `step(text)` runs a tool call and returns `StepResult(observation=tool result, reward=0, done=False)`
 without stepping the wrapped environment. The agent loop therefore supports tools unchanged (a tool
 turn is one more model turn, in the loss mask like any other), and a tool that hangs or crashes is

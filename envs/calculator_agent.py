@@ -1,4 +1,4 @@
-"""The calculator word problems (`envs.calculator`) written as an agent: an ordinary OpenAI-API program
+"""The calculator word problems (`earl_stream_envs.calculator`) written as an agent: an ordinary OpenAI-API program
 with tool calls in the OpenAI tools format, trained as it is through the rollout worker's endpoint.
 
 `task(seed)` draws the same problem `Calculator.reset(seed)` would; `run(client, task)` chats with the
@@ -12,9 +12,10 @@ import json
 import random
 from typing import Any
 
+from earl_stream_envs.calculator import CALCULATOR_TOOL, CalculatorError, make_problem, parse_answer, safe_eval
+from earl_stream_envs.calculator import format_number as _fmt
+
 from earl_stream.errors import EnvError
-from envs.calculator import CALCULATOR_TOOL, CalculatorError, make_problem, parse_answer, safe_eval
-from envs.calculator import format_number as _fmt
 
 SYSTEM = "Solve the word problem. Use the calculator tool for the arithmetic, then reply with 'answer: N'."
 TOOL = {"type": "function", "function": CALCULATOR_TOOL.spec()}

@@ -30,9 +30,10 @@ import random
 import re
 import string
 
+from earl_stream_envs.curriculum import CURRICULUM
+
 from earl_stream.env import StepResult
 from earl_stream.errors import EnvError
-from envs.curriculum import CURRICULUM
 
 __all__ = ["LongRecall"]
 

@@ -1,6 +1,6 @@
 """A match of several Tic-Tac-Toe games in one episode, with a curriculum that adds games as a run goes on.
 
-The model plays X against the seeded random opponent of `envs.tictactoe` for `games + level` games
+The model plays X against the seeded random opponent of `earl_stream_envs.tictactoe` for `games + level` games
 (capped at `max_games`) in one conversation: when a game ends, the next observation is the next
 game's empty board, so the context carries every earlier game of the match. Each game is scored as
 `TicTacToe` scores it (an illegal reply loses that game; the match goes on with the next one).
@@ -11,7 +11,7 @@ its end: a match cut off by a context limit (`max_episode_tokens`, the static ru
 `bench/context_growth.py`) ends "truncated" with reward 0. `info` on the terminal step: "outcome"
 ("finished"), "wins", "draws", "losses", "illegal", "games" and "level".
 
-The curriculum (`envs.curriculum`): `level` grows by one every `grow_every` distinct seeds (prompt
+The curriculum (`earl_stream_envs.curriculum`): `level` grows by one every `grow_every` distinct seeds (prompt
 groups) this process has seen; with `grow_every=0` (the default) every match has `games` games. With
 the embedded tiny model's tokenizer a game takes ~100 tokens of context, so a run that grows from 1 to
 8 games goes from ~100 to ~800 tokens per episode.
@@ -19,10 +19,11 @@ the embedded tiny model's tokenizer a game takes ~100 tokens of context, so a ru
 
 from __future__ import annotations
 
+from earl_stream_envs.curriculum import CURRICULUM
+from earl_stream_envs.tictactoe import TicTacToe
+
 from earl_stream.env import StepResult
 from earl_stream.errors import EnvError
-from envs.curriculum import CURRICULUM
-from envs.tictactoe import TicTacToe
 
 __all__ = ["TicTacToeMatch"]
 

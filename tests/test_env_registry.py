@@ -103,19 +103,19 @@ def test_env_options_defaults_and_validation() -> None:
 def test_builtin_name_and_module_spec_resolve() -> None:
     cls = resolve_env("tictactoe")
     assert cls.__name__ == "TicTacToe"
-    from envs.tictactoe import TicTacToe
+    from earl_stream_envs.tictactoe import TicTacToe
 
-    assert resolve_env("envs.tictactoe:TicTacToe") is TicTacToe
+    assert resolve_env("earl_stream_envs.tictactoe:TicTacToe") is TicTacToe
     assert "tictactoe" in known_envs()
-    env = make_env("envs.tictactoe:TicTacToe")
+    env = make_env("earl_stream_envs.tictactoe:TicTacToe")
     assert isinstance(env, Environment)
 
 
 def test_builtin_fallback_when_envs_is_not_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     # As in an uninstalled source tree run from elsewhere: no entry points, no `envs` on sys.path.
     monkeypatch.setattr(env_mod, "_entry_points", lambda: {})
-    monkeypatch.setitem(sys.modules, "envs", None)  # makes `import envs` raise ModuleNotFoundError
-    monkeypatch.delitem(sys.modules, "envs.tictactoe", raising=False)
+    monkeypatch.setitem(sys.modules, "envs", None)  # makes `import earl_stream_envs` raise ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "earl_stream_envs.tictactoe", raising=False)
     cls = resolve_env("tictactoe")
     assert cls.__name__ == "TicTacToe"
     assert asyncio.run(cls().reset(1)) == "1 2 3\n4 5 6\n7 8 9"
@@ -127,7 +127,7 @@ def test_unknown_name_lists_known_names() -> None:
     with pytest.raises(EnvError, match="cannot import module"):
         resolve_env("no_such_module_xyz:Env")
     with pytest.raises(EnvError, match="has no attribute 'Nope'"):
-        resolve_env("envs.tictactoe:Nope")
+        resolve_env("earl_stream_envs.tictactoe:Nope")
     with pytest.raises(EnvError, match="does not exist"):
         resolve_env("/no/such/file.py:Env")
 

@@ -25,6 +25,6 @@ def test_ruff_clean() -> None:
 
 
 def test_mypy_clean(tmp_path: Path) -> None:
-    # the packages to check are [tool.mypy] packages; a fresh cache keeps the run independent of earlier ones
+    # the code to check is [tool.mypy] files; a fresh cache keeps the run independent of earlier ones
     out = _run("mypy", "--cache-dir", str(tmp_path / "mypy_cache"))
     assert out.returncode == 0, out.stdout + out.stderr

@@ -12,10 +12,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from earl_stream_envs.calculator import (
+    MAX_EXPRESSION_CHARS,
+    Calculator,
+    CalculatorError,
+    format_number,
+    make_problem,
+    parse_answer,
+    safe_eval,
+)
 
 from earl_stream.env import StepResult, env_options
 from earl_stream.errors import EnvError
-from envs.calculator import MAX_EXPRESSION_CHARS, Calculator, CalculatorError, format_number, make_problem, parse_answer, safe_eval
 
 T = TypeVar("T")
 

@@ -9,10 +9,10 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import pytest
+from earl_stream_envs.connect_four import COLUMNS, ROWS, ConnectFour
 
 from earl_stream.env import StepResult, env_options
 from earl_stream.errors import EnvError
-from envs.connect_four import COLUMNS, ROWS, ConnectFour
 
 T = TypeVar("T")
 

@@ -91,8 +91,8 @@ def test_library_environment_contract(case: tuple[str, dict[str, Any], str | Non
 
 
 def test_tool_env_wrapper_honours_the_contract() -> None:
-    from envs.calculator import CALCULATOR_TOOL
-    from envs.tictactoe import TicTacToe
+    from earl_stream_envs.calculator import CALCULATOR_TOOL
+    from earl_stream_envs.tictactoe import TicTacToe
 
     async def go() -> None:
         for seed in SEEDS:

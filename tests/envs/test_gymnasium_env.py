@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from earl_stream_envs.gymnasium_env import ansi_to_text
 
 from earl_stream.chat import ChatFormat
 from earl_stream.env import make_env
@@ -16,7 +17,6 @@ from earl_stream.model import load_model
 from earl_stream.workers.agent_loop import Sampling, play_episode
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine
-from envs.gymnasium_env import ansi_to_text
 
 pytest.importorskip("gymnasium", reason="the gymnasium package is not installed (pip install 'earl_stream[envs]')")
 

@@ -9,10 +9,10 @@ import json
 import re
 
 import pytest
+from earl_stream_envs.long_recall import LongRecall
 
 from earl_stream.env import env_options, env_reset, env_step, make_env
 from earl_stream.errors import EnvError
-from envs.long_recall import LongRecall
 
 
 async def _play(env: LongRecall, seed: int, answer: str | None = None) -> tuple[list[str], object]:
@@ -70,7 +70,7 @@ def test_curriculum_grows_per_new_seed_and_replays_a_seen_seed() -> None:
 
 def test_default_is_a_pure_function_of_the_seed_and_registered() -> None:
     async def go() -> None:
-        env = make_env("envs.long_recall:LongRecall", {"turns": "4"})  # --param passes strings
+        env = make_env("earl_stream_envs.long_recall:LongRecall", {"turns": "4"})  # --param passes strings
         assert env_options(env).max_turn_tokens == 3
         a, _ = await _play(env, 5)
         b, _ = await _play(LongRecall(turns=4), 5)

@@ -11,9 +11,10 @@ import pytest
 rg = pytest.importorskip("reasoning_gym")
 
 # imported after the skip: the adapter needs reasoning_gym at import time
+from earl_stream_envs.reasoning_gym_env import ReasoningGymEnv  # noqa: E402
+
 from earl_stream.env import StepResult, env_options, make_env  # noqa: E402
 from earl_stream.errors import EnvError  # noqa: E402
-from envs.reasoning_gym_env import ReasoningGymEnv  # noqa: E402
 
 T = TypeVar("T")
 

@@ -12,9 +12,10 @@ import pytest
 
 pytest.importorskip("textarena")
 
+from earl_stream_envs.textarena_env import TextArenaEnv, listed_moves
+
 from earl_stream.env import StepResult, env_options, make_env
 from earl_stream.errors import EnvError
-from envs.textarena_env import TextArenaEnv, listed_moves
 
 T = TypeVar("T")
 
@@ -118,8 +119,8 @@ def test_scripted_opponents_and_truncation() -> None:
     truncated = run(scripted.step("[0]"))
     assert calls and "Player 0 placed their symbol (O) in cell 0." in calls[0]
     assert truncated == StepResult(truncated.observation, 0.0, True, {"outcome": "truncated", "game": "TicTacToe-v0"})
-    via_spec = TextArenaEnv("TicTacToe-v0", opponent="envs.textarena_env:first_opponent")
-    assert via_spec.opponent_name == "envs.textarena_env:first_opponent"
+    via_spec = TextArenaEnv("TicTacToe-v0", opponent="earl_stream_envs.textarena_env:first_opponent")
+    assert via_spec.opponent_name == "earl_stream_envs.textarena_env:first_opponent"
 
 
 def test_global_random_is_untouched_and_episodes_are_isolated() -> None:

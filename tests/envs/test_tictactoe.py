@@ -6,10 +6,10 @@ import asyncio
 import random
 
 import pytest
+from earl_stream_envs.tictactoe import TicTacToe
 
 from earl_stream.env import StepResult, env_options
 from earl_stream.errors import EnvError
-from envs.tictactoe import TicTacToe
 
 EMPTY = "1 2 3\n4 5 6\n7 8 9"
 

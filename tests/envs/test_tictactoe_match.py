@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from earl_stream_envs.tictactoe import TicTacToe
+from earl_stream_envs.tictactoe_match import TicTacToeMatch
 
 from earl_stream.env import env_options, env_reset, env_step, make_env
 from earl_stream.errors import EnvError
-from envs.tictactoe import TicTacToe
-from envs.tictactoe_match import TicTacToeMatch
 
 
 async def _play(env: TicTacToeMatch, seed: int, pick=min) -> tuple[list[str], object]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from earl_stream_envs.calculator import Calculator
+from earl_stream_envs.tictactoe import TicTacToe
 
 from earl_stream.config import EnvSpec, load_config
 from earl_stream.env import env_reset, env_step, seeds_per_episode
 from earl_stream.errors import ConfigError, EnvError
 from earl_stream.workers.agent_loop import episode_env_seed, episode_sample_seed
-from envs.calculator import Calculator
-from envs.tictactoe import TicTacToe
 
 
 def test_auto_asks_the_environment_and_the_config_overrides_it() -> None:
