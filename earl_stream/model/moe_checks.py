@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from earl_stream.model.moe import MOE_TYPES, moe_layers
+from earl_stream.model.moe_config import MOE_TYPES, moe_layers
 
 if TYPE_CHECKING:
     from earl_stream.config import RunConfig
