@@ -45,7 +45,7 @@ def init_moe_model(out_dir: str | os.PathLike[str], *, family: str = "qwen3_moe"
     if family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=expert_size,
                                                    intermediate_size=expert_size, norm_topk_prob=True,
-                                                   head_dim=hidden_size // num_heads, **common))
+                                                   head_dim=hidden_size // num_heads, **common))  # type: ignore[call-arg]
     else:
         model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, intermediate_size=expert_size,
                                                  head_dim=hidden_size // num_heads, **common))

@@ -59,7 +59,7 @@ class RoutingReplay:
                 return ()
         return (ROUTED_EXPERTS,)
 
-    def split(self, pulled: dict[int, dict[str, np.ndarray]]) -> dict[int, np.ndarray]:
+    def split(self, pulled: dict[int, dict[str, np.ndarray]]) -> dict[int, torch.Tensor]:
         """Take routed_experts out of the pulled rows: claim row -> [T, L, k] int64 (-1: not recorded)."""
         out = {}
         for i, row in pulled.items():
