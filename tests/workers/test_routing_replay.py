@@ -126,3 +126,16 @@ def test_routing_replay_refused_where_it_cannot_run(moe_dir: Path) -> None:
         load_config(None, ["algo.routing_replay=rollout"])
     with pytest.raises(ConfigError, match="rollout.engine=vllm does not record"):
         load_config(None, [f"model.path={moe_dir}", "algo.routing_replay=rollout", "rollout.engine=vllm"])
+
+
+def test_model_shape_counts_total_and_active_parameters(moe_dir: Path) -> None:
+    import json
+
+    from earl_stream.supervisor.model_shape import ModelShape
+
+    shape = ModelShape.from_hf(json.loads((moe_dir / "config.json").read_text()))
+    model, _ = load_model(moe_dir)
+    assert shape.num_params() == model.num_parameters()
+    expert = 3 * shape.hidden_size * shape.expert_size  # gate, up and down of one expert
+    assert shape.num_params() - shape.active_params() == shape.moe_layers * (8 - 2) * expert
+    assert shape.layout_problems(1, 1) == [] and "not tensor or sequence parallel" in shape.layout_problems(2, 1)[0]
