@@ -196,6 +196,10 @@ class AlgoConfig:
     min_lr_ratio: float = _f(0.1, "cosine: the final learning rate as a fraction of trainer.lr", minimum=0)
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (no signal) and fill the step with "
                                 "other groups; the dropped ones count as samples_filtered")
+    # MoE models (earl_stream.model.moe, workers.routing_replay); checked against model and engine at load
+    routing_replay: str = _f("none", "MoE: rollout = the trainer's routers use the experts the engine chose for each "
+                             "token (R3) for the old log-probs and the loss; none = they route on their own",
+                             choices=("none", "rollout"))
 
     @property
     def updates(self) -> int:
@@ -424,6 +428,10 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
     from earl_stream.algo.checks import algo_problems  # it imports the estimator registry (numpy only)
 
     out = algo_problems(cfg)
+    if cfg.algo.routing_replay != "none":
+        from earl_stream.model.moe_checks import routing_replay_problems  # reads the model's config.json
+
+        out.extend(routing_replay_problems(cfg))
     if cfg.model.lora.enabled:
         from earl_stream.model.lora_checks import lora_problems  # reads the model's config (transformers)
 

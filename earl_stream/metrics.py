@@ -50,6 +50,8 @@ TRAINER_STEP_SECONDS = Histogram("earl_trainer_step_seconds", "Wall time of one 
 TRAINER_LOSS = Gauge("earl_trainer_loss", "Policy loss of the last step", ["rank"])
 TRAINER_GRAD_NORM = Gauge("earl_trainer_grad_norm", "Global gradient norm of the last step", ["rank"])
 TRAINER_MISMATCH = Gauge("earl_trainer_logprob_mismatch", "Mean |trainer - engine| log-prob on loss tokens", ["rank"])
+TRAINER_ROUTING_MISMATCH = Gauge("earl_trainer_routing_mismatch", "MoE: fraction of the rollout's (token, layer, "
+                                 "expert) choices the trainer's own router did not make, last step", ["rank"])
 TRAINER_MASKED = Gauge("earl_trainer_masked_token_fraction", "Fraction of the last step's loss tokens masked out of "
                        "the loss: sampled by a too-stale policy, or outside algo.is_mask_low/high", ["rank"])
 TRAINER_CLIP_FRAC = Gauge("earl_trainer_clipped_token_fraction", "Fraction of the last step's loss tokens (over its "

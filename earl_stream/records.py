@@ -22,6 +22,14 @@ TOKEN_FIELDS: dict[str, np.dtype] = {
     "policy_version": np.dtype(np.int32),  # policy version that produced each token; -1 on non-model tokens
 }
 
+# Routing replay (MoE models, `earl_stream.model.moe`): `SampleRecord.routed_experts` [T, L, k] holds, per
+# token and MoE layer, the k experts the engine routed it to when it fed the token (uint8 when the model
+# has < 255 experts, 255 = not recorded; else int16, -1 = not recorded); the engine never feeds an episode's
+# last token, so its row is "not recorded". Stored flattened token-major as one field of T * L * k elements;
+# the sample's metadata carries `info[ROUTED_EXPERTS]` = {"layers", "top_k", "dtype", "crc32"}
+# (`routing_info`), which says its width per token and checks its bytes. Optional: dense models have none.
+ROUTED_EXPERTS = "routed_experts"
+
 
 @dataclasses.dataclass(frozen=True)
 class SampleRecord:
@@ -40,6 +48,7 @@ class SampleRecord:
     policy_version: np.ndarray
     reward: float
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    routed_experts: np.ndarray | None = None  # [T, L, k] uint8 or int16 (see ROUTED_EXPERTS above)
 
     def __post_init__(self) -> None:
         length = None
@@ -53,6 +62,7 @@ class SampleRecord:
                 length = arr.shape[0]
             elif arr.shape[0] != length:
                 raise ValueError(f"SampleRecord.{name} has length {arr.shape[0]}, expected {length} like input_ids")
+        _check_routing(self.routed_experts, length or 0)
         if not 0 <= self.prompt_tokens <= (length or 0):
             raise ValueError(f"prompt_tokens={self.prompt_tokens} outside [0, {length}]")
 
@@ -66,6 +76,25 @@ class SampleRecord:
 
     def token_fields(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in TOKEN_FIELDS}
+
+
+def _check_routing(arr: np.ndarray | None, length: int) -> None:
+    if arr is None:
+        return
+    if not isinstance(arr, np.ndarray) or arr.ndim != 3 or arr.shape[0] != length:
+        raise ValueError(f"SampleRecord.routed_experts must be a [T={length}, layers, top_k] array, got "
+                         f"{getattr(arr, 'shape', type(arr).__name__)}")
+    if arr.dtype not in (np.dtype(np.uint8), np.dtype(np.int16)):
+        raise ValueError(f"SampleRecord.routed_experts must be uint8 or int16, got {arr.dtype}")
+
+
+def routing_info(info: dict[str, Any]) -> tuple[np.dtype, int, int] | None:
+    """(dtype, elements per token, crc32) of a sample's stored `routed_experts`, from its metadata's info;
+    None when the sample has none."""
+    d = info.get(ROUTED_EXPERTS)
+    if not isinstance(d, dict):
+        return None
+    return np.dtype(d["dtype"]), int(d["layers"]) * int(d["top_k"]), int(d["crc32"])
 
 
 # A rollout worker keeps the readable transcripts of its last TRANSCRIPTS_KEPT episodes in its shard

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from earl_stream.errors import StoreError
-from earl_stream.records import TOKEN_FIELDS, SampleRecord
+from earl_stream.records import ROUTED_EXPERTS, TOKEN_FIELDS, SampleRecord, routing_info
 from earl_stream.store.client import PeerUnreachable, RemoteError
 from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, sample_key, sample_prefix
@@ -79,8 +79,14 @@ class ExperienceWriter:
 
     def _put_one(self, record: SampleRecord) -> SampleMeta:
         fields = {name: np.ascontiguousarray(arr) for name, arr in record.token_fields().items()}
+        info = record.info
+        if record.routed_experts is not None:  # stored flat, described (and checked) by the metadata
+            flat = fields[ROUTED_EXPERTS] = np.ascontiguousarray(record.routed_experts).reshape(-1)
+            _, layers, top_k = record.routed_experts.shape
+            info = {**info, ROUTED_EXPERTS: {"layers": layers, "top_k": top_k, "dtype": flat.dtype.str,
+                                             "crc32": zlib.crc32(flat.view(np.uint8))}}
         try:
-            info_json = json.dumps(record.info, separators=(",", ":"), sort_keys=True)
+            info_json = json.dumps(info, separators=(",", ":"), sort_keys=True)
         except (TypeError, ValueError) as exc:
             raise StoreError(f"sample {record.sample_id}: info is not JSON-serialisable: {exc}") from exc
         if len(info_json) > _INFO_WARN_BYTES:
@@ -104,7 +110,7 @@ class ExperienceWriter:
             policy_version_max=int(model_versions.max()) if model_versions.size else -1,
             producer_id=self._producer_id,
             producer_address=self._node.address,
-            checksum=record_checksum(fields),
+            checksum=record_checksum(fields),  # TOKEN_FIELDS only: routed_experts has its own in info
             created_at=time.time(),
             info_json=info_json,
         )
@@ -117,7 +123,8 @@ class ExperienceWriter:
         """Serve a sample persisted by an earlier producer (store/durable.py): stored here, its row now
         names this producer and node."""
         meta = msgspec.structs.replace(meta, producer_id=self._producer_id, producer_address=self._node.address)
-        self._node.put_many({sample_key(meta.sample_id, name): np.ascontiguousarray(fields[name]) for name in TOKEN_FIELDS})
+        self._node.put_many({sample_key(meta.sample_id, name): np.ascontiguousarray(fields[name])
+                             for name in (*TOKEN_FIELDS, ROUTED_EXPERTS) if name in fields})
         with self._lock:
             self._held[meta.sample_id] = meta
         return meta
@@ -128,7 +135,9 @@ class ExperienceWriter:
             metas = list(self._held.values())
         out = []
         for meta in metas:
-            keys = {sample_key(meta.sample_id, name): name for name in TOKEN_FIELDS}
+            routed = routing_info(json.loads(meta.info_json)) is not None
+            names = [*TOKEN_FIELDS, *([ROUTED_EXPERTS] if routed else [])]
+            keys = {sample_key(meta.sample_id, name): name for name in names}
             arrays = self._node.copy(keys)
             if len(arrays) == len(keys):  # else freed meanwhile
                 out.append((meta, {keys[k]: a for k, a in arrays.items()}))
@@ -226,6 +235,8 @@ def pull_samples(
     (the others are in its `partial`).
     """
     known = {**TOKEN_FIELDS, **{k: np.dtype(v) for k, v in (dtypes or {}).items()}}
+    if ROUTED_EXPERTS in fields:  # its dtype and width per token come with each sample's metadata
+        known[ROUTED_EXPERTS] = _routing_of(metas)[0]
     unknown = [f for f in fields if f not in known]
     if unknown or not fields:
         raise StoreError(f"fields {list(fields)} must be a non-empty subset of {list(known)}")
@@ -284,8 +295,31 @@ def _pieces_for(
 ) -> list[tuple[str, int, int]]:
     """The row's ranges of every field, field after field (an empty range if it needs none)."""
     ranges = _ranges_for(pos, meta, token_ranges) or [(0, 0)]
-    keys = [sample_key(meta.sample_id, name) for name in fields]
-    return [(key, s, e) for key in keys for s, e in ranges]
+    out = []
+    for name in fields:
+        w = _width(meta, name)
+        out += [(sample_key(meta.sample_id, name), s * w, e * w) for s, e in ranges]
+    return out
+
+
+def _width(meta: SampleMeta, name: str) -> int:
+    """Stored elements per token of field `name` of this sample (layers x top_k for routed_experts)."""
+    if name != ROUTED_EXPERTS:
+        return 1
+    found = routing_info(json.loads(meta.info_json))
+    if found is None:
+        raise StoreError(f"sample {meta.sample_id} has no {ROUTED_EXPERTS} (its engine recorded no routing)")
+    return found[1]
+
+
+def _routing_of(metas: Sequence[SampleMeta]) -> tuple[np.dtype, int]:
+    """The one dtype and width of the routed_experts of these samples (StoreError if they differ)."""
+    kinds = {(found[0], found[1]) for m in metas if (found := routing_info(json.loads(m.info_json))) is not None}
+    if len(kinds) != 1:
+        missing = [m.sample_id for m in metas if routing_info(json.loads(m.info_json)) is None]
+        raise StoreError(f"{ROUTED_EXPERTS} cannot be pulled for these samples: "
+                         f"{f'{len(missing)} have none' if missing else f'they disagree on dtype/width {sorted(kinds)}'}")
+    return next(iter(kinds))
 
 
 def _assemble(
@@ -318,11 +352,17 @@ def _ranges_for(pos: int, meta: SampleMeta, token_ranges: Mapping[int, list[tupl
 
 def _verify_row(meta: SampleMeta, row: Mapping[str, np.ndarray], known: Mapping[str, np.dtype]) -> None:
     for name, arr in row.items():
-        if arr.shape != (meta.total_tokens,) or arr.dtype != known[name]:
+        n = meta.total_tokens * _width(meta, name)
+        if arr.shape != (n,) or arr.dtype != known[name]:
             raise StoreError(
                 f"sample {meta.sample_id}: {name} arrived as {arr.dtype}{list(arr.shape)}, "
-                f"expected {known[name]}[{meta.total_tokens}]"
+                f"expected {known[name]}[{n}]"
             )
+    if ROUTED_EXPERTS in row:
+        found = routing_info(json.loads(meta.info_json))
+        if found is not None and zlib.crc32(np.ascontiguousarray(row[ROUTED_EXPERTS]).view(np.uint8)) != found[2]:
+            raise StoreError(f"sample {meta.sample_id} from {meta.producer_address}: {ROUTED_EXPERTS} does not match "
+                             "its checksum; the producer's copy is corrupt: report the sample lost")
     if set(TOKEN_FIELDS) <= set(row) and record_checksum(row) != meta.checksum:
         raise StoreError(
             f"sample {meta.sample_id} from {meta.producer_address}: checksum of the pulled row does not match its "

@@ -1,9 +1,14 @@
-"""The shape of a dense decoder-only transformer, read from a Hugging Face config.
+"""The shape of a decoder-only transformer (dense, or with routed experts), read from a Hugging Face config.
 
-Owns `ModelShape` (layers, widths, heads, vocabulary, biases; parameter counts) and the validation of
-the config it comes from: `ModelShape.from_hf` refuses, in one ConfigError naming every field,
-configs of architectures the memory model does not cover (MoE, MLA, sliding window, attention
-dropout, encoder-decoder) and fields it does not know. What the shape costs in memory under a plan is
+Owns `ModelShape` (layers, widths, heads, vocabulary, biases, experts; total and active parameter
+counts) and the validation of the config it comes from: `ModelShape.from_hf` refuses, in one
+ConfigError naming every field, configs of architectures the memory model does not cover (MLA and
+shared experts, sliding window, attention dropout, encoder-decoder) and fields it does not know.
+Mixture-of-experts models of the Qwen3-MoE and Mixtral families are covered: every expert's weights,
+gradients and optimizer state count (`num_params`), while activations and compute see the `top_k`
+experts a token goes through (`intermediate_size` is then the active MLP width per token, top_k x the
+expert width, and `active_params` the parameters one token uses); tensor and sequence parallel
+layouts of their expert blocks are refused (`layout_problems`). What the shape costs in memory under a plan is
 `memory_model`'s.
 """
 
@@ -16,7 +21,11 @@ from typing import Any
 from earl_stream.errors import ConfigError
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-_SUPPORTED_TYPES = frozenset({"llama", "qwen2", "mistral"})
+_SUPPORTED_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3_moe", "mixtral"})
+# Fields of the routed-expert families above (read by `_moe_fields`); DeepSeek-style MLA / shared experts stay unsupported
+_MOE_FIELDS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
+                         "output_router_logits", "router_jitter_noise"})
 # Fields that never change training memory (generic PretrainedConfig keys, init, rope, token ids).
 _HARMLESS = frozenset({
     "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
@@ -51,6 +60,12 @@ class ModelShape:
     qkv_bias: bool = False  # Qwen2 has q/k/v biases; Llama's `attention_bias` adds o_proj's too
     o_bias: bool = False
     mlp_bias: bool = False
+    # routed experts (0 = dense): experts per MoE layer, routed per token, each expert's MLP width, MoE layers
+    num_experts: int = 0
+    top_k: int = 0
+    expert_size: int = 0
+    moe_layers: int = 0
+    qk_norm: bool = False  # Qwen3: RMSNorm weights [head_dim] on q and k
 
     @classmethod
     def from_hf(cls, config: Any, *, ignore_fields: Iterable[str] = ()) -> ModelShape:
@@ -71,10 +86,16 @@ class ModelShape:
         if problems:
             raise ConfigError("memory model cannot use this model config: " + "; ".join(problems))
         bias = bool(d.get("attention_bias", False))
-        return cls(hidden_size=h, num_layers=int(d["num_hidden_layers"]), num_heads=a, num_kv_heads=kv,
-                   head_dim=int(d.get("head_dim") or h // a), intermediate_size=int(d["intermediate_size"]),
-                   vocab_size=int(d["vocab_size"]), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                   qkv_bias=bias or d.get("model_type") == "qwen2", o_bias=bias, mlp_bias=bool(d.get("mlp_bias")))
+        fields: dict[str, Any] = dict(
+            hidden_size=h, num_layers=int(d["num_hidden_layers"]), num_heads=a, num_kv_heads=kv,
+            head_dim=int(d.get("head_dim") or h // a), intermediate_size=int(d["intermediate_size"]),
+            vocab_size=int(d["vocab_size"]), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=bias or d.get("model_type") == "qwen2", o_bias=bias, mlp_bias=bool(d.get("mlp_bias")))
+        return cls(**{**fields, **_moe_fields(d)})
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_layers > 0
 
     def layout_problems(self, tp: int, sp: int = 1) -> list[str]:
         """Why this model cannot be split `tp`-way by tensor parallelism (column-wise q/k/v/gate/up,
@@ -82,22 +103,32 @@ class ModelShape:
         exchanged inside attention); [] if it can. kv heads are all-to-all'ed only when sp divides
         them (else repeated), so only tp must divide them."""
         out = [f"num_attention_heads={self.num_heads} is not divisible by tp*sp={tp * sp}"] if self.num_heads % (tp * sp) else []
+        if self.is_moe and (tp > 1 or sp > 1):
+            out.append(f"tp={tp}, sp={sp}: the expert blocks of a mixture-of-experts model are not tensor or sequence "
+                       "parallel in this version (use dp / fsdp)")
         for key, n in (("num_key_value_heads", self.num_kv_heads), ("vocab_size", self.vocab_size),
                        ("intermediate_size", self.intermediate_size), ("hidden_size", self.hidden_size)):
             if n % tp:
                 out.append(f"{key}={n} is not divisible by tp={tp}")
         return out
 
-    def layer_matrix_params(self) -> int:
-        """Parameters of one layer's weight matrices (split by tensor parallelism)."""
+    def layer_matrix_params(self, *, active: bool = False) -> int:
+        """Parameters of one layer's weight matrices (split by tensor parallelism); with experts, the mean
+        over layers of every expert and the router (`active`: of the top_k experts a token uses)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        if not self.is_moe:
+            return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        experts = self.top_k if active else self.num_experts
+        dense = self.num_layers - self.moe_layers  # Qwen3-MoE's mlp_only_layers: a dense MLP of the per-token width
+        mlp = self.moe_layers * (experts * 3 * h * self.expert_size + h * self.num_experts) \
+            + dense * 3 * h * self.intermediate_size
+        return h * (q + 2 * kv) + q * h + -(-mlp // self.num_layers)
 
     def layer_small_params(self) -> int:
         """Biases and norm weights of one layer (replicated under tensor parallelism)."""
         q, kv, h = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size
         return (2 * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
-                + (2 * self.intermediate_size + h if self.mlp_bias else 0))
+                + (2 * self.intermediate_size + h if self.mlp_bias else 0) + (2 * self.head_dim if self.qk_norm else 0))
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
@@ -112,9 +143,28 @@ class ModelShape:
         per_layer = sum(rank * sum(dims[t]) for t in set(targets) if t in dims)
         return self.num_layers * per_layer
 
-    def num_params(self) -> int:
-        per_layer = self.layer_matrix_params() + self.layer_small_params()
+    def num_params(self, *, active: bool = False) -> int:
+        """All parameters (every expert); `active`: those one token uses (its top_k experts)."""
+        per_layer = self.layer_matrix_params(active=active) + self.layer_small_params()
         return self.num_layers * per_layer + self.embedding_params() + self.hidden_size
+
+    def active_params(self) -> int:
+        return self.num_params(active=True)
+
+
+def _moe_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelShape's expert fields from a Qwen3-MoE / Mixtral config dict ({} for a dense one); for an MoE
+    model `intermediate_size` becomes the active MLP width per token (what activations hold)."""
+    from earl_stream.model.moe_config import moe_layers, num_experts
+
+    layers = moe_layers(d)
+    out: dict[str, Any] = {"qk_norm": d.get("model_type") == "qwen3_moe"}
+    if not layers:
+        return out
+    top_k = int(d.get("num_experts_per_tok") or 2)
+    size = int(d.get("moe_intermediate_size") or d["intermediate_size"])
+    return {**out, "num_experts": num_experts(d), "top_k": top_k, "expert_size": size, "moe_layers": len(layers),
+            "intermediate_size": top_k * size if len(layers) == int(d["num_hidden_layers"]) else int(d["intermediate_size"])}
 
 
 def _config_problems(d: Mapping[str, Any]) -> list[str]:
@@ -126,9 +176,10 @@ def _config_problems(d: Mapping[str, Any]) -> list[str]:
         problems.append(f"missing required fields {missing}")
     if set_("model_type") and d["model_type"] not in _SUPPORTED_TYPES:
         problems.append(f"model_type={d['model_type']!r} is not modelled (supported: {sorted(_SUPPORTED_TYPES)})")
-    if moe := sorted(k for k in d if k.startswith(_UNSUPPORTED_PREFIXES) and set_(k)):
+    moe_ok = _MOE_FIELDS if d.get("model_type") in ("qwen3_moe", "mixtral") else frozenset()
+    if moe := sorted(k for k in d if k.startswith(_UNSUPPORTED_PREFIXES) and k not in moe_ok and set_(k)):
         problems.append(f"unsupported architecture (MoE/MLA) fields set: {moe}")
-    known = _HARMLESS | set(_REQUIRED)
+    known = _HARMLESS | set(_REQUIRED) | (_MOE_FIELDS if d.get("model_type") in ("qwen3_moe", "mixtral") else set())
     if unknown := sorted(k for k in d if k not in known and not k.startswith(_UNSUPPORTED_PREFIXES)):
         problems.append(f"unknown fields {unknown} (pass ignore_fields=... if they do not change memory)")
     other_types = set(d.get("layer_types") or ()) - {"full_attention"}

@@ -23,6 +23,7 @@ from earl_stream.errors import EnvError
 from earl_stream.records import SampleRecord
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, RequestRefused
 from earl_stream.workers.engines.batcher import AsyncBatcher
+from earl_stream.workers.engines.routing import episode_routing, merge_routing
 
 
 class EpisodeFailed(EnvError):
@@ -60,6 +61,7 @@ class TokenTrace:
     mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    routing: np.ndarray | None = None  # MoE: routed experts [positions, L, k] recorded so far (engines.routing)
 
     def add_context(self, tokens: list[int]) -> None:
         self.ids += tokens
@@ -76,6 +78,7 @@ class TokenTrace:
     def cut(self, n: int) -> None:
         """Keep the first `n` tokens of every field."""
         del self.ids[n:], self.mask[n:], self.logprobs[n:], self.versions[n:]
+        self.routing = None if self.routing is None else self.routing[:n]
 
 
 def _room(trace: TokenTrace, options: EnvOptions, cap: int) -> int:
@@ -148,6 +151,7 @@ async def play_episode(
             break
         version = result.policy_version if result.policy_version is not None else policy_version()
         trace.add_model(list(result.token_ids), list(result.logprobs), version)
+        trace.routing = merge_routing(trace.routing, result.routed_experts)
         if result.finish_reason == FinishReason.LENGTH:
             trace.add_context([chat.end_token_id])  # close the turn so the next one renders right
         turns += 1
@@ -180,7 +184,7 @@ def trace_record(trace: TokenTrace, *, episode_id: str, group_id: str, prompt_or
         input_ids=np.asarray(trace.ids, dtype=np.int32), loss_mask=np.asarray(trace.mask, dtype=np.uint8),
         behaviour_logprobs=np.asarray(trace.logprobs, dtype=np.float32),
         policy_version=np.asarray(trace.versions, dtype=np.int32), reward=reward,
-        info=_small_json(info),
+        info=_small_json(info), routed_experts=episode_routing(trace.routing, len(trace.ids)),
     )
 
 

@@ -99,6 +99,9 @@ class RankPlan:
         heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         if heads % (self.tp * self.sp):
             out.append(f"tp x sp = {self.tp * self.sp} does not divide the {heads} attention heads")
+        if (self.tp > 1 or self.sp > 1) and (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
+            out.append(f"tp={self.tp}, sp={self.sp}: mixture-of-experts blocks are not tensor or sequence parallel "
+                       "in this version (use dp / fsdp)")
         if self.tp > 1:
             for what, size in (("key/value heads", kv), ("vocabulary", config.vocab_size),
                                ("intermediate size", config.intermediate_size)):

@@ -39,6 +39,7 @@ from earl_stream.store.schema import SampleMeta
 from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, packed_local_batch, rank_windows
 from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
+from earl_stream.workers.routing_replay import RoutingReplay
 from earl_stream.workers.ulysses import sp_state
 from earl_stream.workers.vocab_parallel import forward_logprobs, vocab_entropy
 
@@ -64,6 +65,7 @@ class StepResult:
     masked_frac: float = 0.0  # fraction of loss tokens masked: too stale, or outside the IS band
     stale_frac: float = 0.0  # the part of masked_frac that was too stale
     kl: float = 0.0  # mean per-token KL estimate to the reference (when kl_coef > 0)
+    routing_mismatch: float = 0.0  # MoE: fraction of recorded expert choices this rank's routers did not make
     lr: float = 0.0
     updates: int = 0
 
@@ -102,7 +104,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         raise ConfigError(f"layout has sp={layout.cp_size} (rank {layout.cp_rank}) but the model runs sp={sp_state()}: "
                           "apply the plan (workers.sharding / workers.ulysses.set_sequence_parallel) first")
     minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo, packed=cfg.packing)
-    fields = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
+    fields: tuple[str, ...] = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
+    replay = RoutingReplay.of(model, algo.routing_replay)  # MoE models: routed experts (workers.routing_replay)
+    fields += replay.fields(metas) if replay is not None else ()
     pull_start = time.monotonic()
     ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} if layout.cp_size > 1 else None
     pulled, lost = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields)
@@ -110,6 +114,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         # Before any forward pass every rank drops the groups any rank lost: an sp or tp group's ranks
         # must run the same rows, and no rank may train part of a group that the ledger re-issues.
         pulled, lost = agree_on_lost(metas, pulled, lost)
+    routed = replay.split(pulled) if replay is not None else {}
     pull_seconds = time.monotonic() - pull_start
     pull_bytes = sum(sum(a.nbytes for a in r.values()) for r in pulled.values())
     mean_reward = float(np.mean([m.reward for m in metas])) if metas else 0.0
@@ -124,6 +129,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     lengths = [m.total_tokens for m in metas]
     batches = {(u, k): _batch(mini, k, pulled, layout, min_version, lengths) for u, mini in enumerate(minis)
                for k in range(mini.passes)}
+    if replay is not None:
+        replay.add_to_batches(batches, minis, routed, lengths)
     rewards = np.array([m.reward for m in metas], dtype=np.float64)
     kl_in_reward = 0.0
     if algo.updates > 1 or (run.kl_in_reward and ref_model is not None):
@@ -144,6 +151,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         pull_seconds=pull_seconds, pull_bytes=pull_bytes, lost_sample_ids=lost, ratio_dev=stats["ratio_dev"] / tokens,
         masked_frac=(stats["is_masked"] + stats["stale"]) / tokens, stale_frac=stats["stale"] / tokens,
         kl=(stats["kl"] + kl_in_reward) / tokens, lr=float(lr), updates=algo.updates,
+        routing_mismatch=replay.take_mismatch() if replay is not None else 0.0,
     )
 
 
@@ -252,10 +260,12 @@ class _MicroBatchRunner:
                       "temperature": temperature}
         self.sums = dict.fromkeys(_STATS, 0.0)
         self.kl_in_reward = algo.kl_coef > 0 and algo.kl_in == "reward"
+        self.replay = RoutingReplay.of(model, algo.routing_replay)
 
     def _packed(self, batch: dict[str, Any]) -> Any:
         """Per-row attention for a packed micro-batch, over its forward and backward (a no-op padded)."""
-        return packed_segments([m for m in (self.model, self.ref_model) if m is not None], batch.get("segments"))
+        inner = packed_segments([m for m in (self.model, self.ref_model) if m is not None], batch.get("segments"))
+        return inner if self.replay is None else self.replay.around(inner, batch)
 
     def _forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.placement.autocast_dtype

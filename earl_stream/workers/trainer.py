@@ -295,6 +295,7 @@ class TrainerRank:
         M.TRAINER_LOSS.labels(rank).set(r.loss)
         M.TRAINER_GRAD_NORM.labels(rank).set(r.grad_norm)
         M.TRAINER_MISMATCH.labels(rank).set(r.mismatch)
+        M.TRAINER_ROUTING_MISMATCH.labels(rank).set(r.routing_mismatch)
         M.TRAINER_MASKED.labels(rank).set(r.masked_frac)
         M.TRAINER_CLIP_FRAC.labels(rank).set(r.clip_frac)
         M.TRAINER_STEPS.labels(rank).inc()

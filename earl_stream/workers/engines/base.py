@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from earl_stream.errors import EngineError
@@ -78,6 +79,9 @@ class GenerateResult:
     logprobs: list[float]
     finish_reason: FinishReason
     policy_version: int | None = None
+    # MoE models on an engine that records routing: [len(prompt) + len(token_ids), layers, top_k] experts
+    # per fed token (records.ROUTED_EXPERTS; engines.routing); None otherwise
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class Row:
     error: Exception | None = None
     done: threading.Event = field(default_factory=threading.Event)
     on_done: Callable[[Row], None] | None = None
+    routing: list = field(default_factory=list)  # MoE: (start position, choices [n, L, k]) per forward (engines.routing)
 
     @property
     def remaining(self) -> int:

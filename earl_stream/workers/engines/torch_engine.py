@@ -45,6 +45,7 @@ from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissib
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
 from earl_stream.workers.engines.kv_store import KVStore
+from earl_stream.workers.engines.routing import RoutingRecorder
 from earl_stream.workers.engines.running import (
     Row,
     RunningBatch,
@@ -129,6 +130,10 @@ class TorchEngine:
         if not self._can_keep:
             _LOG.warning("model has non-full-attention layers %s: KV caches are not kept between turns", layer_types)
         self._fast = FastDecoder(model) if fast_forward and self._can_keep and FastDecoder.supports(model) else None
+        self._routing = RoutingRecorder.attach(model)  # MoE: records routed experts per fed token
+        if fast_forward and self._fast is None:
+            _LOG.info("the fast decoder does not support %s: generating through the HF forward (batch to completion)",
+                      getattr(config, "model_type", type(model).__name__))
         self._continuous = continuous and self._fast is not None
         self._sharing = prefix_sharing
         self._max_prefill = max_prefill_tokens
@@ -378,6 +383,8 @@ class TorchEngine:
                               use_cache=True, logits_to_keep=1)
             logits, cache = out.logits[:, -1, :], out.past_key_values
         assert cache is not None
+        if self._routing is not None:
+            self._routing.prefill(rows, lay)
         self._counts["forward_calls"] += 1
         self._counts["prefill_tokens"] += sum(len(r.prompt) - c for r, c in zip(sources, cached))
         self._counts["reused_tokens"] += sum(cached)
@@ -415,7 +422,8 @@ class TorchEngine:
                 self._kv.evict_to(room)
                 self._kv.put(row.keep_key, kept_kv(row, batch.cache, batch.mask, j))
             self._live_keys.discard(row.keep_key or "")
-            row.finish(GenerateResult(row.tokens, row.logprobs, row.reason, self._version))
+            routed = self._routing.result(row) if self._routing is not None else None
+            row.finish(GenerateResult(row.tokens, row.logprobs, row.reason, self._version, routed))
         self._counts["generated"] += len(batch.rows)
         if len(stay) < len(batch.rows):
             batch.keep_rows(stay)
@@ -436,6 +444,8 @@ class TorchEngine:
             out = self._model(input_ids=ids, attention_mask=batch.mask, position_ids=positions,
                               past_key_values=batch.cache, use_cache=True)
             logits = out.logits[:, -1, :]
+        if self._routing is not None:
+            self._routing.decode(batch.rows)
         batch.logits = logits.float()
         batch.positions = batch.positions + 1
         self._counts["forward_calls"] += 1
