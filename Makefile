@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 TORCH := torch==2.13.0
 TRANSFORMERS := transformers==5.19.*
 
-.PHONY: help run test test-faults install lint docs docs-reference bench bench-report clean clean-venv test-vllm test-ray test-slurm \
+.PHONY: help run test test-faults install lint docs docs-reference bench bench-report clean clean-venv test-wheel test-vllm test-ray test-slurm \
 	test-ecosystems test-ucx test-gpu real-model
 # `make` alone installs .venv (as it always has); `make help` lists the targets.
 .DEFAULT_GOAL := install
@@ -97,6 +97,9 @@ clean-venv: ## remove .venv
 
 clean: ## remove every virtualenv this Makefile made, the docs site and build outputs
 	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-ray .venv-ucx .venv-ecosystems site build earl_stream.egg-info
+
+test-wheel: ## build the wheel, install it in a fresh venv outside the repo, run `earl-stream up --steps 3`
+	bash scripts/test-wheel.sh
 
 # Optional tier: the vLLM backend for real on CPU, in its own environment (.venv-vllm, ~3.7 GB).
 test-vllm: ## the vLLM tier on CPU (.venv-vllm)
