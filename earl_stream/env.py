@@ -271,6 +271,8 @@ def _resolve_name(name: str) -> EnvFactory:
         ep = _entry_points(refresh=True).get(name)
     if ep is not None:
         try:
+            if ep.value.startswith("earl_stream_envs."):
+                _source_tree_envs()
             factory = ep.load()
         except Exception as exc:
             raise EnvError(
@@ -283,24 +285,37 @@ def _resolve_name(name: str) -> EnvFactory:
         raise EnvError(f"unknown environment {name!r}; known environments: {', '.join(known_envs())}")
     module_name, _, attr = builtin.partition(":")
     try:
+        if module_name.startswith("earl_stream_envs."):
+            _source_tree_envs()
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not module_name.startswith(exc.name):
-            raise EnvError(f"built-in environment {name!r} failed to import: {exc}") from exc
-        # Source tree not on sys.path (e.g. an uninstalled checkout run from elsewhere): the `envs`
-        # package sits next to the `earl_stream` package.
-        source = Path(__file__).resolve().parents[1] / (module_name.replace(".", "/") + ".py")
-        if not source.is_file():
-            raise EnvError(
-                f"built-in environment {name!r} needs module {module_name}, which is neither "
-                f"installed nor at {source}; install the project (pip install -e .)"
-            ) from exc
-        module = _load_file(source)
+        raise EnvError(f"built-in environment {name!r} failed to import: {exc}; install the project "
+                       "(pip install -e .)") from exc
     return _get_factory(module, attr, builtin)
+
+
+def _source_tree_envs() -> bool:
+    """An uninstalled checkout run with only its root on sys.path: the envs/ folder beside earl_stream/ is the
+    package `earl_stream_envs` (what the install maps it to). Registers it; False when there is no such folder."""
+    if "earl_stream_envs" in sys.modules or importlib.util.find_spec("earl_stream_envs") is not None:
+        return True
+    folder = Path(__file__).resolve().parents[1] / "envs"
+    if not (folder / "__init__.py").is_file():
+        return False
+    spec = importlib.util.spec_from_file_location("earl_stream_envs", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    if spec is None or spec.loader is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["earl_stream_envs"] = module
+    spec.loader.exec_module(module)
+    return True
 
 
 def _import_module(module_name: str, spec: str) -> Any:
     try:
+        if module_name.split(".")[0] == "earl_stream_envs":
+            _source_tree_envs()
         return importlib.import_module(module_name)
     except Exception as exc:
         raise EnvError(

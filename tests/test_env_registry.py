@@ -235,3 +235,19 @@ def test_every_known_env_honours_the_protocol(name: str) -> None:
         assert isinstance(result, StepResult) and isinstance(result.reward, float)
 
     asyncio.run(go())
+
+
+def test_builtin_envs_resolve_from_an_uninstalled_source_tree() -> None:
+    """A checkout run with only its root on sys.path (no install, no site-packages: `python -S`): the envs/
+    folder serves as `earl_stream_envs`, the name the install gives it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import earl_stream.env as E; "
+            "f = E.resolve_env('tictactoe'); print(f.__module__, f.__name__)")
+    done = subprocess.run([sys.executable, "-S", "-c", code, str(root)], capture_output=True, text=True, timeout=60,
+                          cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["earl_stream_envs.tictactoe", "TicTacToe"]
