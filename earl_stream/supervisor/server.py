@@ -391,6 +391,8 @@ class Supervisor:
             "samples_in_store": self.ledger.samples_waiting(),
             "samples_claimed": self.ledger.samples_claimed(),
             "samples_uncheckpointed": self.ledger.samples_uncheckpointed(),
+            # episodes kept as several samples (rollout.non_append=split); segments_split and episodes_produced above
+            "samples_per_episode": round(c.samples_produced / c.episodes_produced, 4) if c.episodes_produced else None,
             # after `up --resume`: samples lost with the earlier run's workers (or since) and played again;
             # None without a resume (samples_lost counts the whole run)
             "samples_replayed_since_resume": self._replayed() if self.lost_before_resume >= 0 else None,
