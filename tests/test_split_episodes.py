@@ -6,6 +6,10 @@ keep them, and the advantage counts the episode once. Under `refuse` the summari
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from cluster import wait_for
 
 from earl_stream import protocol as P
 from earl_stream.algo.advantages import compute_advantages, episode_sums
@@ -25,8 +30,7 @@ from earl_stream.records import TOKEN_FIELDS
 from earl_stream.store.durable import Identity, Slot
 from earl_stream.store.experience import ExperienceWriter, record_checksum
 from earl_stream.store.node import ShardNode
-from earl_stream.store.schema import (SCHEMA_VERSION, SampleMeta, episode_key, metas_to_table, table_from_ipc,
-                                      table_to_metas)
+from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, episode_key, metas_to_table, table_from_ipc, table_to_metas
 from earl_stream.supervisor.ledger import Ledger, PromptState
 from earl_stream.supervisor.recovery import recover
 from earl_stream.workers.agent_episode import play_agent_episode
@@ -186,3 +190,48 @@ def test_a_summarising_agent_yields_a_sample_per_segment_or_fails_under_refuse(t
     refused = _endpoint_run(tiny_model_dir, "refuse", agent, range(2))
     for outcome in refused:
         assert isinstance(outcome, EpisodeFailed) and "rollout.non_append=split" in str(outcome), outcome
+
+
+@pytest.mark.slow
+@pytest.mark.faults  # two runs of `up`: 60-120 s here
+def test_resume_trains_the_persisted_segments_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`up` with the summarising agent under split, stopped (Ctrl-C) after a checkpoint while samples wait in the
+    store; `up --resume` takes the persisted segments back (whole groups), trains them instead of playing their
+    prompts again, no prompt is trained twice and the sample ledger adds up, segments included."""
+    from test_durable_resume import _adds_up as adds_up
+    from test_durable_resume import _no_prompt_twice, _status
+
+    run = tmp_path / "run"
+    envs = '[{"spec": "calculator_agent", "params": {"summarize_after": 2, "max_turns": 4, "max_tokens": 8}}]'
+
+    def up(steps: int, resume: bool, interrupt_after: int = 0) -> dict:
+        summary = tmp_path / f"summary-{steps}.json"
+        cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", str(steps), "--summary", str(summary),
+               *(["--resume"] if resume else []), f"model.path={tiny_model_dir}", f"run_dir={run}", f"envs={envs}",
+               "trainer.groups_per_step=2", "trainer.group_size=2", "trainer.max_staleness=2",
+               "trainer.checkpoint_every=2", "rollout.groups_in_flight=4", "rollout.workers=1",
+               "supervisor.heartbeat_s=0.2", "rollout.non_append=split"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            if interrupt_after:
+                latest = run / "checkpoints" / "latest"
+                wait_for(lambda: latest.exists() and int(latest.read_text().split("_")[1]) >= interrupt_after
+                         or proc.poll() is not None, 180, f"a checkpoint of step {interrupt_after}")
+                wait_for(lambda: _status(run).get("samples_in_store", 0) >= 4 or proc.poll() is not None, 60,
+                         "samples waiting in the store")
+                proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == (130 if interrupt_after else 0), out[-3000:]
+        return dict(json.loads(summary.read_text()))
+
+    first = up(40, resume=False, interrupt_after=2)
+    assert first["segments_split"] > 0 and first["samples_produced"] == first["episodes_produced"] + first["segments_split"]
+    stopped_at = first["policy_version"]
+    second = up(stopped_at + 3, resume=True)
+    assert second["samples_recovered"] > 0 and second["duplicates_detected"] == 0, second
+    assert second["samples_produced"] == second["episodes_produced"] + second["segments_split"]
+    adds_up(second)
+    _no_prompt_twice(run, stopped_at + 3)
