@@ -204,8 +204,9 @@ class Supervisor:
         for row in msg.rows:
             self.rows_seen += 1
             self.recent_rows.append((self.rows_seen, row))
-            self.env_episodes[row.env] = self.env_episodes.get(row.env, 0) + 1
-            self.recent.append(Finished(row.reward, outcome_of(row), row.total_tokens, row.env, row.group_id))
+            if row.segment == 0:  # the episode window counts an episode once, however many samples it became
+                self.env_episodes[row.env] = self.env_episodes.get(row.env, 0) + 1
+                self.recent.append(Finished(row.reward, outcome_of(row), row.total_tokens, row.env, row.group_id))
         return P.Ack()
 
     def _on_recoversamples(self, msg: P.RecoverSamples, now: float) -> P.Msg:
