@@ -75,10 +75,10 @@ async def _round(env: str, mode: str, episodes: int, rep: int, batcher: AsyncBat
                          sample_seed=episode_sample_seed(s, 0)) for s in seeds])
     else:
         agent = EnvAsAgent(env)
-        records = await asyncio.gather(*[
+        records = [r for samples in await asyncio.gather(*[
             play_agent_episode(agent, endpoint, api_key="bench", env_name=env, seed=s, prompt_ordinal=s,
                                group_id=f"g{s}", runner=runners if mode == "endpoint" else None,
-                               spec=("env_agent", {"env": env})) for s in seeds])
+                               spec=("env_agent", {"env": env})) for s in seeds]) for r in samples]
     seconds = time.perf_counter() - start
     generated = sum(r.response_tokens for r in records)
     return {"env": env, "mode": mode, "rep": rep, "seconds": seconds, "episodes": len(records), "generated_tokens": generated,

@@ -108,6 +108,10 @@ class RolloutConfig:
     agent_processes: int = _f(1, "processes per worker that run agent environments' programs (their OpenAI "
                               "client's Python off the engine's event loop and core); 0 = in the worker's event "
                               "loop", minimum=0)
+    non_append: str = _f("split", "an OpenAI-endpoint request whose messages do not extend its episode's tokens (a "
+                         "summarised, truncated or edited history): split = the episode goes on as a new segment, "
+                         "each segment a sample of its own sharing the episode's reward and group; refuse = answered "
+                         "400 (code non_append_history), nothing generated", choices=("refuse", "split"))
 
 
 @dataclasses.dataclass(frozen=True)

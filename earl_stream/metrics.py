@@ -143,6 +143,12 @@ ROLLOUT_ADMITTED_SEQUENCES = Gauge("earl_rollout_admitted_sequences", "Sequences
 ROLLOUT_REQUESTS_REFUSED = Counter("earl_rollout_requests_refused_total", "Requests refused as larger than the "
                                    "engine's KV budget on their own")
 
+# episodes kept as several samples (rollout.non_append=split: an agent rewrote its history)
+ROLLOUT_SEGMENTS_SPLIT = Counter("earl_rollout_segments_split_total", "Samples beyond an episode's first: segments "
+                                 "started by a request that did not extend the episode's tokens", ["worker", "env"])
+ROLLOUT_SAMPLES_PER_EPISODE = Histogram("earl_rollout_samples_per_episode", "Samples (segments) each finished "
+                                        "episode became", ["worker", "env"], buckets=(1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0))
+
 
 class _TLSServer(ThreadingWSGIServer):
     """Handshakes in each request's thread (a client that never finishes one holds only its own thread)."""

@@ -49,6 +49,10 @@ class SampleRecord:
     reward: float
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     routed_experts: np.ndarray | None = None  # [T, L, k] uint8 or int16 (see ROUTED_EXPERTS above)
+    # an episode whose agent rewrote its history (`rollout.non_append=split`) is several samples: this is
+    # segment `segment` of `segments` (same episode_id, group and reward; its own prompt and loss mask)
+    segment: int = 0
+    segments: int = 1
 
     def __post_init__(self) -> None:
         length = None
@@ -65,6 +69,8 @@ class SampleRecord:
         _check_routing(self.routed_experts, length or 0)
         if not 0 <= self.prompt_tokens <= (length or 0):
             raise ValueError(f"prompt_tokens={self.prompt_tokens} outside [0, {length}]")
+        if not 0 <= self.segment < self.segments:
+            raise ValueError(f"segment={self.segment} outside [0, segments={self.segments})")
 
     @property
     def num_tokens(self) -> int:

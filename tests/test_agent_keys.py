@@ -95,8 +95,8 @@ def test_an_agent_program_never_sees_the_secret_and_its_key_opens_only_its_episo
         url = await endpoint.start(bind_socket("127.0.0.1:0"), "127.0.0.1")
         runners = AgentRunners(1, "w0")
         try:
-            record = await play_agent_episode(make_env(*spec), endpoint, env_name="a", seed=0, prompt_ordinal=0,
-                                              group_id="g0", runner=runners, spec=spec)
+            [record] = await play_agent_episode(make_env(*spec), endpoint, env_name="a", seed=0, prompt_ordinal=0,
+                                                group_id="g0", runner=runners, spec=spec)
             assert record.reward == 1.0 and record.turns == 1  # the refused request left no trace in the sample
             key = json.loads(out.read_text())["api_key"]
             late = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)

@@ -64,9 +64,9 @@ def test_an_agent_process_plays_the_built_in_loops_episodes_and_fails_alone(tiny
                              group_id=f"g{s}", sampling=Sampling(temperature=0.0), policy_version=lambda: 0,
                              decode=tokenizer.decode) for s in seeds])
             spec = ("env_agent", {"env": "tictactoe", "temperature": 0.0})
-            served = await asyncio.gather(*[
+            served = [one for [one] in await asyncio.gather(*[
                 play_agent_episode(make_env(*spec), endpoint, api_key="s3", env_name="ttt", seed=s, prompt_ordinal=s,
-                                   group_id=f"g{s}", runner=runners, spec=spec) for s in seeds])
+                                   group_id=f"g{s}", runner=runners, spec=spec) for s in seeds])]
             for a, b in zip(builtin, served):
                 assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
                 np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-4)
@@ -75,9 +75,10 @@ def test_an_agent_process_plays_the_built_in_loops_episodes_and_fails_alone(tiny
             env = make_env(*agent_spec)
 
             async def play(seed: int) -> object:
-                return await play_agent_episode(env, endpoint, api_key="s3", env_name="fn", seed=seed,
-                                                prompt_ordinal=seed, group_id=f"f{seed}", runner=runners,
-                                                spec=agent_spec)
+                [record] = await play_agent_episode(env, endpoint, api_key="s3", env_name="fn", seed=seed,
+                                                    prompt_ordinal=seed, group_id=f"f{seed}", runner=runners,
+                                                    spec=agent_spec)
+                return record
 
             ok, raised, hung = await asyncio.gather(*[play(i) for i in range(3)], return_exceptions=True)
             assert getattr(ok, "reward", None) == 0.5, ok

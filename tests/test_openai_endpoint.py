@@ -132,20 +132,61 @@ def test_token_accounting_exact_across_turns(tiny_model_dir: Path) -> None:
     _serve(tiny_model_dir, body)
 
 
-def test_edited_history_is_a_counted_mismatch(tiny_model_dir: Path) -> None:
+def test_edited_history_splits_the_episode_into_samples(tiny_model_dir: Path) -> None:
+    """rollout.non_append=split: a request that does not extend the episode starts a second segment; each
+    segment is a sample whose tokens are exactly what the engine was shown and returned in it."""
     async def body(endpoint: OpenAIEndpoint, engine: Recording, client: Any, url: str) -> None:
         first = [{"role": "user", "content": "one"}]
         out = await client.chat.completions.create(model="policy", messages=first, max_tokens=4, user="ep-2")
-        edited = [{"role": "user", "content": "ONE"}, out.choices[0].message.model_dump(exclude_none=True),
-                  {"role": "user", "content": "two"}]
-        await client.chat.completions.create(model="policy", messages=edited, max_tokens=4, user="ep-2")
+        following = [*first, out.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "two"}]
+        out = await client.chat.completions.create(model="policy", messages=following, max_tokens=4, user="ep-2")
+        summary = [{"role": "user", "content": "summary: one, two"}]  # the old turns replaced by a summary
+        out = await client.chat.completions.create(model="policy", messages=summary, max_tokens=4, user="ep-2")
+        after = [*summary, out.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "three"}]
+        await client.chat.completions.create(model="policy", messages=after, max_tokens=4, user="ep-2")
         episode = endpoint.take_episode("ep-2")
-        assert episode is not None and episode.mismatches == 1
-        assert episode.dropped_model_tokens == len(engine.calls[0][1].token_ids)
-        req, res = engine.calls[1]
-        closing = [endpoint.chat.end_token_id] if res.finish_reason == FinishReason.LENGTH else []
-        assert episode.trace.ids == list(req.prompt_ids) + res.token_ids + closing  # the new segment alone
-        assert episode.prompt_tokens == len(req.prompt_ids)
+        assert episode is not None and episode.mismatches == 1 and episode.turns == 4
+        segments = episode.segments()
+        assert [seg.turns for seg in segments] == [2, 2]
+        for seg, calls in zip(segments, (engine.calls[:2], engine.calls[2:])):
+            (req0, res0), (req1, res1) = calls
+            assert seg.prompt_tokens == len(req0.prompt_ids)
+            # the second turn's prompt is the first turn's prompt and reply, and what came after them
+            assert seg.trace.ids[:len(req1.prompt_ids)] == list(req1.prompt_ids)
+            assert list(req1.prompt_ids[:len(req0.prompt_ids) + len(res0.token_ids)]) == list(req0.prompt_ids) + res0.token_ids
+            closing = [endpoint.chat.end_token_id] if res1.finish_reason == FinishReason.LENGTH else []
+            assert seg.trace.ids == list(req1.prompt_ids) + res1.token_ids + closing
+            generated = [t for _, r in calls for t in r.token_ids]
+            assert [t for t, m in zip(seg.trace.ids, seg.trace.mask) if m] == generated  # the model's tokens, only
+            assert [lp for lp, m in zip(seg.trace.logprobs, seg.trace.mask) if m] == [lp for _, r in calls for lp in r.logprobs]
+        shown = endpoint._encode(endpoint.renderer.render(summary, [], add_generation_prompt=True))
+        assert list(engine.calls[2][0].prompt_ids) == shown  # the second segment starts from the summary alone
+
+    _serve(tiny_model_dir, body)
+
+
+def test_edited_history_under_refuse_is_an_openai_error(tiny_model_dir: Path) -> None:
+    """rollout.non_append=refuse: 400 naming the setting that would accept it; nothing generated or recorded,
+    and the episode goes on when the agent sends its history as it was."""
+    async def body(endpoint: OpenAIEndpoint, engine: Recording, client: Any, url: str) -> None:
+        endpoint.non_append = "refuse"
+        first = [{"role": "user", "content": "one"}]
+        out = await client.chat.completions.create(model="policy", messages=first, max_tokens=4, user="ep-3")
+        reply = out.choices[0].message.model_dump(exclude_none=True)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "ONE"}, reply,
+                                                                               {"role": "user", "content": "two"}],
+                                                     max_tokens=4, user="ep-3", stream=stream)
+            assert err.value.status_code == 400 and err.value.code == "non_append_history"
+            assert "rollout.non_append=split" in err.value.message and err.value.param == "messages"
+        with pytest.raises(openai.BadRequestError, match="rollout.non_append=split"):
+            await client.completions.create(model="policy", prompt="something else", max_tokens=3, user="ep-3")
+        assert len(engine.calls) == 1
+        await client.chat.completions.create(model="policy", messages=[*first, reply, {"role": "user", "content": "two"}],
+                                             max_tokens=4, user="ep-3")
+        episode = endpoint.take_episode("ep-3")
+        assert episode is not None and episode.mismatches == 0 and episode.turns == 2 and len(episode.segments()) == 1
 
     _serve(tiny_model_dir, body)
 

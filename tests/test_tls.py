@@ -122,8 +122,8 @@ def test_the_openai_endpoint_and_its_agents_speak_https_with_the_run_ca(tiny_mod
             await plain.close()
             # the worker's agent process is handed the CA with its agent key
             spec = ("env_agent", {"env": "tictactoe", "temperature": 0.0})
-            record = await play_agent_episode(make_env(*spec), endpoint, env_name="ttt", seed=0, prompt_ordinal=0,
-                                              group_id="g0", runner=runners, spec=spec)
+            [record] = await play_agent_episode(make_env(*spec), endpoint, env_name="ttt", seed=0, prompt_ordinal=0,
+                                                group_id="g0", runner=runners, spec=spec)
             assert record.turns >= 1
         finally:
             await runners.aclose()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -181,16 +181,45 @@ def make_estimator(name: str, options: EstimatorOptions | None = None) -> Advant
 
 
 def compute_advantages(name: str, rewards: Sequence[float] | np.ndarray, group_ids: Sequence[str], *,
-                       options: EstimatorOptions | None = None) -> np.ndarray:
+                       options: EstimatorOptions | None = None, episodes: Sequence[str] | None = None) -> np.ndarray:
     """rewards [N], group ids [N] -> advantages [N] float32 of estimator `name`, the positive ones times
-    `options.positive_weight`."""
+    `options.positive_weight`.
+
+    `episodes` [N] (keys, `store.schema.episode_key`): rows with the same key are the segments of one
+    episode (`rollout.non_append=split`). The estimator sees each episode once, with its first row's reward
+    (its segments share it), so an episode split in three weighs in its group's mean and std as one split
+    in none; every segment gets its episode's advantage."""
     options = options or EstimatorOptions()
     r = np.asarray(rewards, dtype=np.float64)
-    if r.shape != (len(group_ids),):
-        raise ValueError(f"{r.shape[0] if r.ndim else 1} rewards but {len(group_ids)} group ids")
+    if r.shape != (len(group_ids),) or (episodes is not None and len(episodes) != len(group_ids)):
+        raise ValueError(f"{r.shape[0] if r.ndim else 1} rewards, {len(group_ids)} group ids"
+                         f"{'' if episodes is None else f', {len(episodes)} episode keys'}")
     if r.size == 0:
         return np.zeros(0, np.float32)
-    adv = make_estimator(name, options)(r, group_ids)
+    first, row_to_episode = _episode_rows(episodes if episodes is not None else range(len(group_ids)))
+    adv = make_estimator(name, options)(r[first], [group_ids[i] for i in first])[row_to_episode]
     if options.positive_weight != 1.0:
         adv = np.where(adv > 0, adv * np.float32(options.positive_weight), adv).astype(np.float32)
     return adv
+
+
+def _episode_rows(keys: Sequence[Any]) -> tuple[list[int], np.ndarray]:
+    """(the first row of each episode, in order; [N] each row's episode index)."""
+    index: dict[Any, int] = {}
+    first: list[int] = []
+    rows = np.empty(len(keys), np.int64)
+    for i, key in enumerate(keys):
+        if key not in index:
+            index[key] = len(first)
+            first.append(i)
+        rows[i] = index[key]
+    return first, rows
+
+
+def episode_sums(values: np.ndarray, episodes: Sequence[str]) -> np.ndarray:
+    """[N] -> [N]: each row gets the sum of `values` over the rows of its episode (e.g. a per-sample KL
+    penalty: the episode's is the sum over its segments, which every segment's reward then carries)."""
+    first, rows = _episode_rows(episodes)
+    totals = np.zeros(len(first), np.float64)
+    np.add.at(totals, rows, np.asarray(values, np.float64))
+    return totals[rows]

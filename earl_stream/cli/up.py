@@ -268,6 +268,9 @@ def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
         "samples_filtered": status.get("samples_filtered", 0),  # equal-reward groups dropped (algo.dynamic_sampling)
         # episodes stopped or refused as longer than the largest plan the pools can run (rollout plan max_episode_tokens)
         "samples_too_long": status.get("samples_too_long", 0),
+        # episodes kept as several samples (rollout.non_append=split): samples beyond an episode's first
+        "episodes_produced": status.get("episodes_produced", 0),
+        "segments_split": status.get("segments_split", 0),
         "prompts_reissued": status.get("prompts_reissued", 0),
         "duplicates_detected": status.get("duplicates_detected", 0),
         "samples_in_store": status.get("samples_in_store", 0),

@@ -7,11 +7,13 @@ conversation is matched, message by message, against the conversation already he
 messages plus the reply we returned); only the messages it adds are rendered and tokenised, and are
 appended after the tokens held. What was generated is never re-tokenised.
 
-A request that does not extend what is held (the agent edited or dropped history, or branched from an
-earlier turn) is a *mismatch*: it is counted, and the episode starts a new segment from the request's
-full rendering; the model tokens of the abandoned segment are dropped from the sample (counted in
-`dropped_model_tokens`), so that every token of the sample was really in the model's context when the
-tokens after it were generated. A failed request changes nothing: `plan_*` computes, `commit` applies.
+A request that does not extend what is held (the agent edited, summarised or dropped history, or
+branched from an earlier turn) is *non-append*. What becomes of it is the endpoint's setting
+(`rollout.non_append`, see `server`): refused before anything is generated, or accepted as the start of
+a new *segment*: the segment held so far is closed as it is, and the new one starts from the request's
+full rendering. Every segment becomes a sample of its own (`segments()`), so that every token of a
+sample was really in the model's context when the tokens after it were generated, and none of the
+model's tokens is dropped. A failed request changes nothing: `plan_*` computes, `commit` applies.
 """
 
 from __future__ import annotations
@@ -40,17 +42,28 @@ class TurnPlan:
     mismatch: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A stretch of an episode whose requests each extended the one before: its tokens (prompt, then the
+    model's turns and the context between them), the tokens before its first generated one, and its turns."""
+
+    trace: TokenTrace
+    prompt_tokens: int
+    turns: int
+
+
 @dataclasses.dataclass
 class Episode:
     key: str
-    trace: TokenTrace = dataclasses.field(default_factory=TokenTrace)
+    trace: TokenTrace = dataclasses.field(default_factory=TokenTrace)  # the current segment's
     held_chat: list[Message] | None = None  # the conversation the trace covers, ending with our reply
     held_tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     held_text: str | None = None  # completions: prompt + generated text the trace covers
     prompt_tokens: int = 0  # tokens before the first generated token of the current segment
-    turns: int = 0
-    mismatches: int = 0
-    dropped_model_tokens: int = 0
+    turns: int = 0  # of the whole episode
+    segment_turns: int = 0  # of the current segment
+    mismatches: int = 0  # non-append requests accepted: segments closed
+    closed: list[Segment] = dataclasses.field(default_factory=list)  # the segments before the current one
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
@@ -90,8 +103,9 @@ class Episode:
         """Apply a successful turn: the plan's context, the generated tokens, then `closing` context
         tokens (the end-of-turn token after a reply cut by max_tokens)."""
         if plan.fresh:
-            self.dropped_model_tokens += sum(self.trace.mask)
-            self.trace = TokenTrace()
+            if self.has_tokens:  # non-append: the segment held is closed as it is, none of its tokens dropped
+                self.closed.append(Segment(self.trace, self.prompt_tokens, self.segment_turns))
+            self.trace, self.segment_turns = TokenTrace(), 0
             self.prompt_tokens = len(plan.new_context)
         self.mismatches += plan.mismatch
         self.trace.add_context(plan.new_context)
@@ -99,7 +113,13 @@ class Episode:
         if closing:
             self.trace.add_context(closing)
         self.turns += 1
+        self.segment_turns += 1
         self.last_used = time.monotonic()
+
+    def segments(self) -> list[Segment]:
+        """Every segment of the episode, the current one last (one unless a non-append request split it)."""
+        return [*self.closed, Segment(self.trace, self.prompt_tokens, self.segment_turns)] if self.has_tokens \
+            else list(self.closed)
 
 
 class EpisodeBook:

@@ -5,7 +5,11 @@ Requests are served by the worker's engine through its batcher, so they share ba
 worker's own episodes and run with the current policy. It owns the API's shape (parameters, answers,
 OpenAI error objects with the right HTTP status; never a traceback) and which episode a request belongs
 to (`X-Episode-Id` header, else the `user` field; an agent key's own episode: `auth`, which checks bearer
-tokens). Token accounting per episode is `episodes`'s; reading HTTP is `http`'s; streamed replies are
+tokens), and what a request that does not extend its episode's tokens gets (`non_append`, the setting
+`rollout.non_append`): `split` serves it as the start of a new segment of the episode (a sample of its
+own); `refuse` answers 400 (`code: non_append_history`) before anything is generated, and the episode
+stays as it was (an agent may re-send its history as it was; one that fails on the error fails its
+episode, whose group is played again). Token accounting per episode is `episodes`'s; reading HTTP is `http`'s; streamed replies are
 `streaming`'s.
 
 Streaming (`stream: true`) is token by token: the request's tokens come from the engine as they are
@@ -60,7 +64,10 @@ MAX_SEED = 2**63 - 1 - MAX_CHOICES  # seeds of choices (seed + i) stay within to
 
 REQUESTS = Counter("earl_openai_requests_total", "Requests to the OpenAI endpoint", ["worker", "route", "status"])
 PREFIX_MISMATCH = Counter("earl_openai_prefix_mismatch_total", "Requests whose messages did not extend the tokens "
-                          "held for their episode (a new segment was started)", ["worker"])
+                          "held for their episode, accepted as a new segment (rollout.non_append=split)", ["worker"])
+NON_APPEND_REFUSED = Counter("earl_openai_non_append_refused_total", "Requests whose messages did not extend the "
+                             "tokens held for their episode, refused (rollout.non_append=refuse)", ["worker"])
+NON_APPEND_MODES = ("refuse", "split")  # rollout.non_append
 GENERATED = Counter("earl_openai_generated_tokens_total", "Tokens generated for OpenAI endpoint requests", ["worker"])
 
 
@@ -83,7 +90,10 @@ class OpenAIEndpoint:
     def __init__(self, batcher: AsyncBatcher, tokenizer: PreTrainedTokenizerBase, chat: ChatFormat, *, model: str,
                  secret: bytes | None, max_context: int, default_max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, policy_version: Callable[[], int] = lambda: 0,
-                 worker: str = "") -> None:
+                 worker: str = "", non_append: str = "split") -> None:
+        if non_append not in NON_APPEND_MODES:
+            raise ValueError(f"non_append must be one of {NON_APPEND_MODES}, got {non_append!r}")
+        self.non_append = non_append
         self.batcher, self.chat, self.model = batcher, chat, model
         self._tok = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -275,6 +285,9 @@ class OpenAIEndpoint:
         request that fails); `feed` receives choice 0's tokens as they are sampled."""
         async with episode.lock:
             planned = plan()
+            if planned.mismatch and self.non_append == "refuse":
+                NON_APPEND_REFUSED.labels(self.worker).inc()
+                raise _non_append_refused(episode.key, "messages" if "messages" in body else "prompt")
             results = await self._generate(self._request(planned, body, episode, feed.push if feed else None), n)
             stops = stops_of(body)
             turn = Turn(planned, results, [cut_at_stop(self.chat.reply_text(list(r.token_ids)), stops) for r in results])
@@ -387,7 +400,8 @@ class OpenAIEndpoint:
             return
         if plan.mismatch:
             PREFIX_MISMATCH.labels(self.worker).inc()
-            log.info("episode %s: the request does not extend the tokens held; new segment", episode.key)
+            log.info("episode %s: the request does not extend the tokens held; segment %d starts", episode.key,
+                     len(episode.closed) + 1)
         episode.commit(plan, list(result.token_ids), list(result.logprobs), self._version(result), closing)
 
     def _encode(self, text: str) -> list[int]:
@@ -404,6 +418,14 @@ class OpenAIEndpoint:
         content = self._logprobs(result)
         return {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
                 "top_logprobs": None, "text_offset": []}
+
+
+def _non_append_refused(key: str, param: str) -> BadRequest:
+    return BadRequest(
+        f"the {param} of this request do not extend the history of episode {key!r} (the tokens the model was shown "
+        "and generated so far): a summarised, truncated or edited history is refused under rollout.non_append=refuse. "
+        "Send the history as it was, with new messages after it, or run with rollout.non_append=split to train each "
+        "stretch of the episode as a sample of its own", code="non_append_history", param=param)
 
 
 def _finish(result: GenerateResult) -> str:

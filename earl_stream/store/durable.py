@@ -128,7 +128,7 @@ def _samples(body: bytes) -> list[Sample]:
     try:
         with pa.ipc.open_stream(pa.py_buffer(body)) as reader:
             table = reader.read_all()
-        metas = table_to_metas(table.select(METADATA_SCHEMA.names))
+        metas = table_to_metas(table.select([n for n in METADATA_SCHEMA.names if n in table.column_names]))
         payload = {name: table.column(PAYLOAD + name).to_pylist() for name in TOKEN_FIELDS}
     except (pa.ArrowException, KeyError, StoreError) as exc:
         raise PersistRefused(f"unreadable Arrow body ({exc})") from None

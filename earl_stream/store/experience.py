@@ -113,6 +113,8 @@ class ExperienceWriter:
             checksum=record_checksum(fields),  # TOKEN_FIELDS only: routed_experts has its own in info
             created_at=time.time(),
             info_json=info_json,
+            segment=int(record.segment),
+            segments=int(record.segments),
         )
         self._node.put_many({sample_key(record.sample_id, name): arr for name, arr in fields.items()})
         with self._lock:

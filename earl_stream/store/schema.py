@@ -46,6 +46,10 @@ class SampleMeta(msgspec.Struct, frozen=True):
     checksum: int
     created_at: float
     info_json: str
+    # an episode kept as several samples (`rollout.non_append=split`): this row is segment `segment` of
+    # `segments`; they share episode_id, group and reward (see `episode_key`)
+    segment: int = 0
+    segments: int = 1
 
 
 METADATA_SCHEMA: pa.Schema = pa.schema(
@@ -69,11 +73,22 @@ METADATA_SCHEMA: pa.Schema = pa.schema(
         pa.field("checksum", pa.uint32(), nullable=False),
         pa.field("created_at", pa.float64(), nullable=False),
         pa.field("info_json", pa.string(), nullable=False),
+        pa.field("segment", pa.int32(), nullable=False),
+        pa.field("segments", pa.int32(), nullable=False),
     ],
     metadata={_VERSION_META_KEY: str(SCHEMA_VERSION).encode()},
 )
 
 assert tuple(METADATA_SCHEMA.names) == SampleMeta.__struct_fields__, "schema and struct drifted apart"
+# columns added after SCHEMA_VERSION 1 was first written: a table without them (an older durable file) reads
+# as one sample per episode
+_DEFAULTED = {"segment": 0, "segments": 1}
+
+
+def episode_key(meta: SampleMeta) -> str:
+    """The episode a row belongs to, for the advantage (one reward per episode): its own sample id when the
+    episode is one sample, else its group and episode id, shared by all its segments."""
+    return meta.sample_id if meta.segments <= 1 else f"{meta.group_id}:{meta.episode_id}"
 
 
 def sample_key(sample_id: str, field: str) -> str:
@@ -102,10 +117,10 @@ def table_to_metas(table: pa.Table) -> list[SampleMeta]:
             f"metadata table has schema version {version.decode(errors='replace')}, this build reads "
             f"{SCHEMA_VERSION}; upgrade the older process"
         )
-    missing = [n for n in METADATA_SCHEMA.names if n not in table.column_names]
+    missing = [n for n in METADATA_SCHEMA.names if n not in table.column_names and n not in _DEFAULTED]
     if missing:
         raise StoreError(f"metadata table lacks columns {missing}; it was not built by metas_to_table")
-    rows = table.select(METADATA_SCHEMA.names).to_pylist()
+    rows = table.select([n for n in METADATA_SCHEMA.names if n in table.column_names]).to_pylist()
     try:
         metas = msgspec.convert(rows, list[SampleMeta])
     except msgspec.ValidationError as exc:

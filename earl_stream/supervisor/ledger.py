@@ -3,6 +3,11 @@ samples wait in which producer's store, what each training step claimed, and the
 (produced = consumed + lost + stale + filtered + waiting + claimed, where claimed = claimed but not
 trained yet, and filtered = groups of equal rewards dropped by `algo.dynamic_sampling`, never replayed).
 
+A group is ready when all its episodes are: an episode whose agent rewrote its history is several
+samples (segments, `rollout.non_append=split`) under the group's one ordinal, and the group waits for
+every segment. From there on a segment is a sample like any other: claimed, trained, lost, re-issued
+and recovered with its group, so each is trained once and none is counted twice.
+
 Pure bookkeeping, no I/O: the server (`earl_stream.supervisor.server`) calls it. Each prompt carries
 a monotonic ordinal; a prompt whose samples are lost or stale is re-issued under the same ordinal,
 so no prompt is skipped and none is trained twice.
@@ -68,6 +73,13 @@ class Group:
         return max((r.policy_version_max for r in self.rows), default=0)
 
     @property
+    def episodes_complete(self) -> int:
+        """Episodes of which every sample has arrived: a one-sample episode is its row; an episode split into
+        segments (`rollout.non_append=split`) counts once all its `segments` rows are here."""
+        have = {(r.episode_id, r.segment) for r in self.rows}
+        return sum(1 for r in self.rows if r.segment == 0 and all((r.episode_id, k) in have for k in range(1, r.segments)))
+
+    @property
     def uniform(self) -> bool:
         """All its rewards are equal: every group-baseline advantage is 0, no signal."""
         return len({r.reward for r in self.rows}) <= 1
@@ -88,6 +100,8 @@ class Counters:
     prompts_dropped: int = 0  # queued prompts of an environment detached (or unloadable) before they were played
     samples_recovered: int = 0  # persisted by a producer, taken back after it restarted (not re-played)
     samples_too_long: int = 0  # episodes stopped (or refused) as longer than the largest plan the pools can run
+    episodes_produced: int = 0  # finished episodes whose samples arrived (samples_produced counts every segment)
+    segments_split: int = 0  # samples beyond an episode's first: its agent rewrote its history (non_append=split)
 
 
 class LedgerState(msgspec.Struct):
@@ -251,9 +265,11 @@ class Ledger:
                 continue
             group.rows.append(row)
             self.counters.samples_produced += 1
+            self.counters.episodes_produced += row.segment == 0
+            self.counters.segments_split += row.segment > 0
             self.counters.samples_too_long += too_long_of(row)
             self.counters.tokens_produced += row.total_tokens
-            if len(group.rows) == group.prompt.group_size:
+            if group.episodes_complete == group.prompt.group_size:
                 group.state = PromptState.READY
                 self.ready.append(row.prompt_ordinal)
 

@@ -204,8 +204,9 @@ class Supervisor:
         for row in msg.rows:
             self.rows_seen += 1
             self.recent_rows.append((self.rows_seen, row))
-            self.env_episodes[row.env] = self.env_episodes.get(row.env, 0) + 1
-            self.recent.append(Finished(row.reward, outcome_of(row), row.total_tokens, row.env, row.group_id))
+            if row.segment == 0:  # the episode window counts an episode once, however many samples it became
+                self.env_episodes[row.env] = self.env_episodes.get(row.env, 0) + 1
+                self.recent.append(Finished(row.reward, outcome_of(row), row.total_tokens, row.env, row.group_id))
         return P.Ack()
 
     def _on_recoversamples(self, msg: P.RecoverSamples, now: float) -> P.Msg:
@@ -391,6 +392,8 @@ class Supervisor:
             "samples_in_store": self.ledger.samples_waiting(),
             "samples_claimed": self.ledger.samples_claimed(),
             "samples_uncheckpointed": self.ledger.samples_uncheckpointed(),
+            # episodes kept as several samples (rollout.non_append=split); segments_split and episodes_produced above
+            "samples_per_episode": round(c.samples_produced / c.episodes_produced, 4) if c.episodes_produced else None,
             # after `up --resume`: samples lost with the earlier run's workers (or since) and played again;
             # None without a resume (samples_lost counts the whole run)
             "samples_replayed_since_resume": self._replayed() if self.lost_before_resume >= 0 else None,

@@ -4,12 +4,15 @@ The agent gets an `openai.AsyncOpenAI` client whose every request carries the ep
 (`X-Episode-Id`) and the episode's agent key (never the cluster secret), so the endpoint files its tokens
 under that episode and refuses the key for anything else. When `run` returns, the
 endpoint's trace (prompt tokens, generated tokens with their log-probs and policy versions, loss mask
-on generated tokens only) and the reward become a `SampleRecord` like the built-in loop's. An agent
-that raises, times out or never calls the model fails its own episode (`EpisodeFailed`).
+on generated tokens only) and the reward become a `SampleRecord` like the built-in loop's; an episode
+whose agent rewrote its history (a non-append request accepted under `rollout.non_append=split`) becomes
+one record per segment, all with the episode's id, group and reward. An agent that raises, times out or
+never calls the model fails its own episode (`EpisodeFailed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -22,8 +25,10 @@ from earl_stream.workers.agent_runner import GRACE_S, AgentRunners, run_agent
 
 async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, env_name: str, seed: int, prompt_ordinal: int,
                              group_id: str, runner: AgentRunners | None = None,
-                             spec: tuple[str, dict[str, Any]] | None = None, api_key: str | None = None) -> SampleRecord:
-    """Run `env.run(client, env.task(seed))` to its end and return the episode's sample: in this event loop,
+                             spec: tuple[str, dict[str, Any]] | None = None,
+                             api_key: str | None = None) -> list[SampleRecord]:
+    """Run `env.run(client, env.task(seed))` to its end and return the episode's samples (one per segment,
+    in order; one unless the agent rewrote its history): in this event loop,
     or with `runner` in an agent process, which makes the environment again from `spec` (registry spec,
     params). The agent's `api_key` is the episode's own agent key (openai_api/auth.py), valid only for this
     episode's requests while it runs; a given `api_key` is used instead (tests, benchmarks)."""
@@ -45,9 +50,15 @@ async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, env_name: st
         episode = endpoint.take_episode(key)
     if episode is None:
         raise EpisodeFailed("the agent finished without a successful request to the model")
-    info = {"turns": episode.turns, "prefix_mismatches": episode.mismatches,
-            "dropped_model_tokens": episode.dropped_model_tokens}
-    return trace_record(episode.trace, episode_id=episode_id, group_id=group_id, prompt_ordinal=prompt_ordinal,
-                        env_name=env_name, turns=episode.turns, prompt_tokens=episode.prompt_tokens, reward=reward,
-                        info=info)
-
+    segments = episode.segments()
+    records = []
+    for k, seg in enumerate(segments):
+        info = {"turns": episode.turns, "segment_turns": seg.turns, "prefix_mismatches": episode.mismatches}
+        record = trace_record(seg.trace, episode_id=episode_id, group_id=group_id, prompt_ordinal=prompt_ordinal,
+                              env_name=env_name, turns=seg.turns, prompt_tokens=seg.prompt_tokens, reward=reward,
+                              info=info)
+        if len(segments) > 1:  # segment 0 keeps the one-sample episode's id; the others get their own
+            record = dataclasses.replace(record, segment=k, segments=len(segments),
+                                         sample_id=record.sample_id + (f"-s{k}" if k else ""))
+        records.append(record)
+    return records

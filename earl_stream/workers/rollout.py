@@ -199,7 +199,8 @@ class RolloutWorker:
             self.endpoint = openai_api.OpenAIEndpoint(
                 self.batcher, self.tokenizer, self.chat, model=r.openai_model, secret=self.secret,
                 max_context=self._max_context(), default_max_tokens=r.openai_max_tokens, temperature=r.temperature,
-                top_p=r.top_p, top_k=r.top_k, policy_version=lambda: self.engine.policy_version, worker=self.worker_id)
+                top_p=r.top_p, top_k=r.top_k, policy_version=lambda: self.engine.policy_version, worker=self.worker_id,
+                non_append=r.non_append)
             await self.endpoint.start(self.openai_sock, self.openai_url.split("//")[1].rsplit(":", 1)[0])
         try:
             await self._heartbeat_loop()
@@ -375,24 +376,30 @@ class RolloutWorker:
             self.inflight -= len(envs)
             M.ROLLOUT_INFLIGHT.labels(self.worker_id).set(self.inflight)
         records = []
-        for r in results:
-            if isinstance(r, (EpisodeFailed, EngineError)):
-                log.warning("episode of %s failed: %s", prompt.group_id, r)
+        for played in results:
+            if isinstance(played, (EpisodeFailed, EngineError)):
+                log.warning("episode of %s failed: %s", prompt.group_id, played)
                 return None
-            if isinstance(r, BaseException):
-                raise r
-            records.append(r)
+            if isinstance(played, BaseException):
+                raise played
+            records += played  # an agent that rewrote its history: one sample per segment (rollout.non_append)
+            M.ROLLOUT_SAMPLES_PER_EPISODE.labels(self.worker_id, prompt.env).observe(len(played))
+            M.ROLLOUT_SEGMENTS_SPLIT.labels(self.worker_id, prompt.env).inc(len(played) - 1)
             self.episodes_done += 1
+        for r in records:
             self.tokens_generated += r.response_tokens
             M.ROLLOUT_TOKENS.labels(self.worker_id).inc(r.response_tokens)
-            M.ROLLOUT_EPISODES.labels(self.worker_id, r.env, str(r.info.get("outcome", ""))).inc()
-            M.ROLLOUT_EPISODE_REWARD.labels(self.worker_id, r.env).observe(r.reward)
             M.ROLLOUT_CONTEXT_TOKENS.labels(self.worker_id, r.env).observe(r.num_tokens)
+            if r.segment == 0:  # per episode, not per segment
+                M.ROLLOUT_EPISODES.labels(self.worker_id, r.env, str(r.info.get("outcome", ""))).inc()
+                M.ROLLOUT_EPISODE_REWARD.labels(self.worker_id, r.env).observe(r.reward)
         return records
 
 
-    async def _play(self, env: Any, spec: EnvSpec, prompt: P.Prompt, index: int, sampling: Sampling) -> SampleRecord:
-        """One episode: an agent environment through the OpenAI endpoint, any other with the built-in loop."""
+    async def _play(self, env: Any, spec: EnvSpec, prompt: P.Prompt, index: int,
+                    sampling: Sampling) -> list[SampleRecord]:
+        """One episode's samples: an agent environment through the OpenAI endpoint (a sample per segment), any
+        other with the built-in loop (one: its history is only ever appended to)."""
         try:
             seed = episode_env_seed(prompt.seed, index, seeds_per_episode(spec.group_seed, env))
         except EnvError as exc:
@@ -404,11 +411,11 @@ class RolloutWorker:
                                             prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id,
                                             runner=self.agent_runners,
                                             spec=(spec.spec, dict(spec.params)))
-        return await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=seed,
+        return [await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=seed,
                                   prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
-                                  policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
-                                  sample_seed=episode_sample_seed(prompt.seed, index),
-                                  max_episode_tokens=lambda: self.max_episode_tokens)
+                                   policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
+                                   sample_seed=episode_sample_seed(prompt.seed, index),
+                                   max_episode_tokens=lambda: self.max_episode_tokens)]
 
 
 def run_rollout_worker(supervisor: str, host: str = "127.0.0.1", drain_on_term: bool = False) -> None:

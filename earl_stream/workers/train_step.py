@@ -28,14 +28,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from earl_stream.algo.advantages import EstimatorOptions, compute_advantages
+from earl_stream.algo.advantages import EstimatorOptions, compute_advantages, episode_sums
 from earl_stream.algo.losses import kl_estimate, policy_loss, row_weights
 from earl_stream.algo.schedule import apply_lr, kl_factor, lr_factor
 from earl_stream.config import AlgoConfig, TrainerConfig
 from earl_stream.errors import ConfigError
 from earl_stream.store.experience import Puller, SamplesUnavailable, pull_samples
 from earl_stream.store.layout import Layout, partition
-from earl_stream.store.schema import SampleMeta
+from earl_stream.store.schema import SampleMeta, episode_key
 from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, packed_local_batch, rank_windows
 from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
@@ -136,7 +136,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     if algo.updates > 1 or (run.kl_in_reward and ref_model is not None):
         kl_rows = run.prepass(batches, len(metas))  # old (and reference) log-probs, before any update
         if run.kl_in_reward:
-            rewards -= algo.kl_coef * kl_rows
+            rewards -= algo.kl_coef * episode_sums(kl_rows, [episode_key(m) for m in metas])  # segments: one episode
             kl_in_reward = float(kl_rows.sum()) * algo.ppo_epochs  # reported like the in-loss KL sums
     advantages = _advantages(metas, rewards, set(lost), algo)
     lr = apply_lr(optimizer, lr_factor(algo, step, run_steps)) if _scheduled(algo) else optimizer.param_groups[0]["lr"]
@@ -173,11 +173,13 @@ def _scheduled(algo: AlgoConfig) -> bool:
 
 
 def _advantages(metas: Sequence[SampleMeta], rewards: np.ndarray, lost: set[str], algo: AlgoConfig) -> np.ndarray:
-    """[N] float32: the estimator over the rows that will train (a lost group is played again)."""
+    """[N] float32: the estimator over the rows that will train (a lost group is played again), one reward per
+    episode: the segments of a split episode share its advantage."""
     keep = [i for i, m in enumerate(metas) if m.sample_id not in lost]
     out = np.zeros(len(metas), np.float32)
     out[keep] = compute_advantages(algo.advantage, rewards[keep], [metas[i].group_id for i in keep],
-                                   options=EstimatorOptions(std_scale=algo.std_scale, positive_weight=algo.positive_weight))
+                                   options=EstimatorOptions(std_scale=algo.std_scale, positive_weight=algo.positive_weight),
+                                   episodes=[episode_key(metas[i]) for i in keep])
     return out
 
 

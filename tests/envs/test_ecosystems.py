@@ -111,8 +111,8 @@ def test_verifiers_environment_plays_through_the_endpoint(tiny_model_dir: Path, 
                                   max_context=4096, default_max_tokens=8)
         await endpoint.start(bind_socket("127.0.0.1:0"), "127.0.0.1")
         try:
-            records = [await play_agent_episode(env, endpoint, api_key="none", env_name="vf", seed=s, prompt_ordinal=s,
-                                                group_id=f"g{s}") for s in range(3)]
+            records = [r for s in range(3) for r in await play_agent_episode(
+                env, endpoint, api_key="none", env_name="vf", seed=s, prompt_ordinal=s, group_id=f"g{s}")]
         finally:
             await endpoint.close()
             await batcher.aclose()
