@@ -21,6 +21,14 @@ a sample's oldest token and the trained policy) and the too-stale token fraction
 log), and the learning curve (the supervisor's mean reward over its window, per poll).
 `best_speedup_vs_drain` is the best non-drain mode's rollout tokens/s over drain's. The `split` key (step-
 wise samples, `rollout.non_append`) is filled by that benchmark; this one leaves it null.
+
+`engine` isolates the swap itself (`--engine-seconds` per mode, 0 = skip): one built-in engine behind the
+rollout worker's batcher (`AsyncBatcher`, `weight_swap.swap_weights`), `--inflight` requests always in
+flight (64-256 new tokens each, temperature 1, no stop token: the lengths are the drawn ones), a new
+version every `--swap-every-s` seconds (the weights alternate between the model's and a perturbed copy,
+so the copy and refresh are real). In `up` runs the rollout workers also wait for the staleness bound
+(a prompt is played only with weights at least `step - max_staleness` new), which can hide the swap's
+cost behind the trainer's pace; the engine figures do not have that wait.
 """
 
 from __future__ import annotations
@@ -134,20 +142,93 @@ def _masked(run_dir: Path) -> float | None:
     return round(sum(fracs) / len(fracs), 5) if fracs else None
 
 
+def engine_mode(mode: str, model_dir: Path, seconds: float, inflight: int, swap_every_s: float) -> dict[str, Any]:
+    """One engine under a steady load of 64-256-token requests, swapping weights every `swap_every_s`."""
+    import asyncio
+    import time
+
+    import torch
+
+    from earl_stream.model import load_model
+    from earl_stream.workers.engines import AsyncBatcher, GenerateRequest, TorchEngine
+    from earl_stream.workers.engines.weight_swap import SwapMode, SwapTally, swap_weights
+
+    torch.manual_seed(0)
+    model, _ = load_model(model_dir)
+    states = [{k: v.clone() for k, v in model.state_dict().items()},
+              {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}]
+    engine = TorchEngine(model.eval(), weight_swap=mode, seed=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(16, 48))] for _ in range(64)]
+
+    async def go() -> dict[str, Any]:
+        batcher, tally = AsyncBatcher(engine), SwapTally(mode)
+        done = {"tokens": 0, "replies": 0}
+        end = time.monotonic() + seconds
+
+        async def client(i: int) -> None:
+            while time.monotonic() < end:
+                req = GenerateRequest(prompts[(i * 7 + done["replies"]) % 64], rng.randint(64, 256), temperature=1.0)
+                res = await batcher.generate(req)
+                done["tokens"] += len(res.token_ids)
+                done["replies"] += 1
+
+        async def trainer() -> None:
+            version = 0
+            while time.monotonic() + swap_every_s < end:
+                await asyncio.sleep(swap_every_s)
+                version += 1
+                await swap_weights(batcher, engine, states[version % 2], version, SwapMode(mode), tally)
+
+        start = time.monotonic()
+        await asyncio.gather(trainer(), *[client(i) for i in range(inflight)])
+        wall = time.monotonic() - start
+        await batcher.aclose()
+        return {"rollout_tokens_per_s": round(done["tokens"] / wall, 1),
+                "pause_seconds_per_version": round(tally.pause_s_total / max(1, tally.swaps), 4),
+                "mean_reply_tokens": round(done["tokens"] / max(1, done["replies"]), 1),
+                "reprefill_tokens_per_swap": round(tally.reprefill_tokens_total / max(1, tally.swaps), 1),
+                "swaps": tally.swaps, "wall_s": round(wall, 1)}
+
+    return asyncio.run(go())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=2.0, help="measured minutes per mode (the issue: 10)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--model", default=None, help="a Hugging Face model directory (default: the embedded model)")
     ap.add_argument("--json", default=str(HERE / "results" / "weight_swap.json"))
+    ap.add_argument("--engine-seconds", type=float, default=60.0, help="seconds per mode of the engine-only run")
+    ap.add_argument("--inflight", type=int, default=16)
+    ap.add_argument("--swap-every-s", type=float, default=2.0)
+    ap.add_argument("--skip-up", action="store_true", help="only the engine-only run; the `up` figures (modes, "
+                    "speedups) of an existing --json are kept, and marked as from that earlier run")
     args = ap.parse_args()
+    engine: dict[str, Any] = {}
+    if args.engine_seconds > 0:
+        import torch
+
+        from earl_stream.model import ensure_default_model
+
+        torch.set_num_threads(1)
+        model_dir = Path(args.model) if args.model else ensure_default_model(warm_start_steps=0)
+        for mode in args.modes.split(","):
+            engine[mode] = engine_mode(mode, model_dir, args.engine_seconds, args.inflight, args.swap_every_s)
+            print(f"engine {mode:10s} {engine[mode]}", flush=True)
     modes: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="earl-weight-swap-") as tmp:
-        for mode in args.modes.split(","):
+        for mode in [] if args.skip_up else args.modes.split(","):
             modes[mode] = run_mode(mode, args.minutes, args.model, Path(tmp))
             print(f"{mode:10s} {modes[mode]['rollout_tokens_per_s']:8.1f} tok/s  pause/version "
                   f"{modes[mode]['pause_seconds_per_version']}s  reply {modes[mode]['mean_reply_tokens']} tokens  "
                   f"reward {modes[mode]['final_mean_reward']}", flush=True)
+    earlier: dict[str, Any] = {}
+    if args.skip_up and Path(args.json).is_file():
+        import json
+
+        earlier = json.loads(Path(args.json).read_text())
+        modes = earlier.get("modes", {})
     drain = (modes.get("drain") or {}).get("rollout_tokens_per_s")
     speedups = {m: round(r["rollout_tokens_per_s"] / drain, 3) for m, r in modes.items() if m != "drain" and drain}
     best = max(speedups.items(), key=lambda kv: kv[1]) if speedups else None
@@ -157,6 +238,11 @@ def main() -> int:
                  "group_size 4, groups_per_step 4, max_staleness 1 (default)",
         "modes": modes, "speedup_vs_drain": speedups,
         "best_speedup_vs_drain": best[1] if best else None, "best_mode": best[0] if best else None,
+        "engine": {"modes": engine, "inflight": args.inflight, "swap_every_s": args.swap_every_s,
+                   "seconds_per_mode": args.engine_seconds,
+                   "speedup_vs_drain": {m: round(r["rollout_tokens_per_s"] / engine["drain"]["rollout_tokens_per_s"], 3)
+                                        for m, r in engine.items() if m != "drain" and "drain" in engine}},
+        "up_runs_from": earlier.get("provenance") if args.skip_up else "this run",
         "split": None,  # step-wise samples (rollout.non_append=split): written by that benchmark
     }
     sys.path.insert(0, str(HERE))
