@@ -85,6 +85,11 @@ class RolloutConfig:
                                   "(continuous batching); false: each batch runs to completion, so a seeded "
                                   "sample does not depend on when its request arrived (padding changes logits "
                                   "by ~1e-6, enough to flip a rare sampled token)")
+    weight_swap: str = _f("drain", "how a rollout engine loads a new policy version: drain = admissions stop until the "
+                          "running rows end; interrupt = running rows stop at the next decode step and their contexts "
+                          "are prefilled again under the new weights; inplace = the weights load between two decode "
+                          "steps and rows keep their KV. Tokens carry the version that sampled them in every mode. "
+                          "vllm and sglang: drain only", choices=("drain", "interrupt", "inplace"))
     temperature: float = _f(1.0, "sampling temperature; the trainer scores samples at the same temperature (its "
                             "log-probs, ratios and entropy are the tempered distribution's, as the engine reports)",
                             minimum=0)
@@ -440,6 +445,11 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
         from earl_stream.model.lora_checks import lora_problems  # reads the model's config (transformers)
 
         out.extend(lora_problems(cfg))
+    if cfg.rollout.weight_swap != "drain" and cfg.rollout.engine in ("vllm", "sglang"):
+        out.append(f"rollout.weight_swap={cfg.rollout.weight_swap} is not available with rollout.engine="
+                   f"{cfg.rollout.engine}: that backend returns whole turns, so it can neither stop rows at a decode "
+                   "step nor say which tokens the old weights sampled (make_engine says more); use "
+                   "rollout.weight_swap=drain, or rollout.engine=torch")
     bad = [n for n in cfg.selector.plans.split("|") if n and not _LAYOUT_NAME.fullmatch(n)]
     if bad:
         out.append(f"selector.plans: {bad} are not layout names (e.g. dp2, fsdp2, tp2, sp2, fsdp2_sp2, each "

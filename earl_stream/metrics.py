@@ -26,6 +26,15 @@ ROLLOUT_EPISODES = Counter("earl_rollout_episodes_total", "Episodes finished", [
 ROLLOUT_INFLIGHT = Gauge("earl_rollout_inflight_episodes", "Episodes currently being played", ["worker"])
 ROLLOUT_POLICY_VERSION = Gauge("earl_rollout_policy_version", "Policy version loaded in the engine", ["worker"])
 ROLLOUT_WEIGHT_SYNC = Histogram("earl_rollout_weight_sync_seconds", "Time to pull and load a policy version", ["worker"])
+ROLLOUT_SWAP_PAUSE = Histogram("earl_rollout_swap_pause_seconds", "Per policy version loaded: seconds admissions were "
+                               "stopped for it (drain: until the running rows ended and the weights loaded; interrupt: "
+                               "the load and the running rows' re-prefill; inplace: the load)", ["worker", "mode"],
+                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+ROLLOUT_SWAP_REPREFILL = Histogram("earl_rollout_swap_reprefill_tokens", "Per policy version loaded: context tokens of "
+                                   "running rows prefilled again under the new weights (rollout.weight_swap=interrupt)",
+                                   ["worker"], buckets=(0.0,) + tuple(float(4 ** k) for k in range(2, 10)))
+ROLLOUT_SWAP_FAILURES = Counter("earl_rollout_swap_failures_total", "Policy versions the engine refused to load "
+                                "(bad names, shapes or non-finite values); it stays on the version it had", ["worker"])
 ROLLOUT_EPISODE_REWARD = Histogram("earl_rollout_episode_reward", "Reward of each finished episode", ["worker", "env"],
                                    buckets=(-1.0, -0.5, 0.0, 0.5, 1.0))
 # Powers of two: per-environment context percentiles (histogram_quantile) stay meaningful from short

@@ -98,7 +98,7 @@ class Episode:
     def has_tokens(self) -> bool:
         return bool(self.trace.ids)
 
-    def commit(self, plan: TurnPlan, token_ids: list[int], logprobs: list[float], version: int,
+    def commit(self, plan: TurnPlan, token_ids: list[int], logprobs: list[float], version: int | list[int],
                closing: list[int]) -> None:
         """Apply a successful turn: the plan's context, the generated tokens, then `closing` context
         tokens (the end-of-turn token after a reply cut by max_tokens)."""

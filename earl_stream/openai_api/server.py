@@ -321,8 +321,8 @@ class OpenAIEndpoint:
                           bool((body.get("stream_options") or {}).get("include_usage")))
         return http.Response(200, events=events(head, text, feed, ended))
 
-    def _version(self, result: GenerateResult) -> int:
-        return result.policy_version if result.policy_version is not None else self._policy_version()
+    def _version(self, result: GenerateResult) -> list[int]:
+        return result.versions(self._policy_version())
 
     async def _chat(self, req: http.Request, body: dict[str, Any]) -> http.Response:
         self._check_common(body)

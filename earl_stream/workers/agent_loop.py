@@ -69,11 +69,12 @@ class TokenTrace:
         self.logprobs += [0.0] * len(tokens)
         self.versions += [-1] * len(tokens)
 
-    def add_model(self, tokens: list[int], logprobs: list[float], version: int) -> None:
+    def add_model(self, tokens: list[int], logprobs: list[float], version: int | list[int]) -> None:
+        """The model's tokens; `version`: of them all, or of each (a turn that spans a weight swap)."""
         self.ids += tokens
         self.mask += [1] * len(tokens)
         self.logprobs += logprobs
-        self.versions += [version] * len(tokens)
+        self.versions += [version] * len(tokens) if isinstance(version, int) else version
 
     def cut(self, n: int) -> None:
         """Keep the first `n` tokens of every field."""
@@ -149,8 +150,7 @@ async def play_episode(
         except RequestRefused as exc:
             info = _too_long(trace, keep if turns else (cap or len(trace.ids)), turns, str(exc))
             break
-        version = result.policy_version if result.policy_version is not None else policy_version()
-        trace.add_model(list(result.token_ids), list(result.logprobs), version)
+        trace.add_model(list(result.token_ids), list(result.logprobs), result.versions(policy_version()))
         trace.routing = merge_routing(trace.routing, result.routed_experts)
         if result.finish_reason == FinishReason.LENGTH:
             trace.add_context([chat.end_token_id])  # close the turn so the next one renders right

@@ -54,6 +54,7 @@ from earl_stream.workers.engines.base import Engine, EngineCapacity
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.memory import EngineMemory, engine_memory
 from earl_stream.workers.engines.registry import make_engine
+from earl_stream.workers.engines.weight_swap import SwapMode, SwapTally, swap_weights
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class RolloutWorker:
         self.episodes_done = 0
         self.tokens_generated = 0
         self.inflight = 0
+        self.swaps = SwapTally(self.cfg.rollout.weight_swap)
         self.draining = False  # scaled down: finish the groups held, take no new ones, leave when told
         log.info("%s ready: shards at %s, metrics at %s", self.worker_id, self.node.address, self.metrics_address)
 
@@ -135,7 +137,7 @@ class RolloutWorker:
             kv_tokens = self._kv_capacity(model_dir, self.memory)
             self.tokenizer = load_tokenizer(model_dir)
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
-                           kv_budget_tokens=min(kv_tokens or 65536, 65536))
+                           kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.weight_swap)
 
     def _kv_capacity(self, model_dir: Path, memory: EngineMemory) -> int:
         """KV tokens this engine's memory holds (0: unknown); fails at start, saying what the smallest plan
@@ -224,7 +226,7 @@ class RolloutWorker:
                     raise task.exception()  # type: ignore[misc]
             stats: dict[str, float] = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
                      "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held,
-                     "memory_bytes": self.memory.bytes}
+                     "memory_bytes": self.memory.bytes, **self.swaps.stats()}
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
                     worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors,
@@ -316,7 +318,15 @@ class RolloutWorker:
         except StoreError as exc:
             log.warning("could not pull policy version %d from %s: %s", version, address, exc)
             return
-        await self.batcher.run_exclusive(lambda: self.engine.load_state_dict(state, version))
+        try:
+            await swap_weights(self.batcher, self.engine, state, version, SwapMode(self.swaps.mode), self.swaps)
+        except EngineError as exc:
+            M.ROLLOUT_SWAP_FAILURES.labels(self.worker_id).inc()
+            log.warning("policy version %d not loaded, the engine stays on version %d: %s", version,
+                        self.engine.policy_version, exc)
+            return
+        M.ROLLOUT_SWAP_PAUSE.labels(self.worker_id, self.swaps.mode).observe(self.swaps.last_pause_s)
+        M.ROLLOUT_SWAP_REPREFILL.labels(self.worker_id).observe(self.swaps.last_reprefill_tokens)
         M.ROLLOUT_WEIGHT_SYNC.labels(self.worker_id).observe(time.monotonic() - start)
         relayed = f" (relayed from {route.via or 'the trainer: first in the chain'})" if route.relay else ""
         log.info("loaded policy version %d in %.2fs%s", version, time.monotonic() - start, relayed)

@@ -94,8 +94,8 @@ class KVPlan:
 
 
 def refusal(row: Row, capacity: EngineCapacity) -> RequestRefused:
-    need = len(row.prompt) + row.req.max_new_tokens
-    return RequestRefused(f"a request of {len(row.prompt)} prompt + {row.req.max_new_tokens} new tokens needs {need} "
+    need = len(row.prompt) + row.remaining
+    return RequestRefused(f"a request of {len(row.prompt)} prompt + {row.remaining} new tokens needs {need} "
                           f"KV tokens on its own; the engine's KV budget is {capacity.kv_budget_tokens} tokens "
                           "(the rollout plan's, from the engine's memory and rollout.dtype)")
 
@@ -114,10 +114,10 @@ def take_admissible(intake: collections.deque[Row], plan: KVPlan, capacity: Engi
     refused: list[Row] = []
     while intake:
         row = intake[0]
-        if len(row.prompt) + row.req.max_new_tokens > capacity.kv_budget_tokens:
+        if len(row.prompt) + row.remaining > capacity.kv_budget_tokens:  # remaining: all new tokens, but after a re-prefill
             refused.append(intake.popleft())
             continue
-        trial = plan.join(len(row.prompt), row.req.max_new_tokens, new_part(row) if new_part else None)
+        trial = plan.join(len(row.prompt), row.remaining, new_part(row) if new_part else None)
         if trial.rows > capacity.max_concurrent_sequences or trial.peak_tokens > capacity.kv_budget_tokens:
             break
         if taken and max_prefill_tokens and trial.prefill_tokens > max_prefill_tokens:

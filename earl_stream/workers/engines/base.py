@@ -72,7 +72,9 @@ class GenerateResult:
 
     `policy_version` is the version of the weights that produced these tokens (None if the backend
     does not say). Read it here rather than from the engine afterwards: a weight load may run between
-    the end of the batch and the moment the waiting coroutine resumes.
+    the end of the batch and the moment the waiting coroutine resumes. A turn whose tokens span a
+    weight swap (`rollout.weight_swap` interrupt or inplace) says per token in `token_versions` (same
+    length as `token_ids`; `policy_version` is then its first token's); None: all are `policy_version`.
     """
 
     token_ids: list[int]
@@ -82,6 +84,13 @@ class GenerateResult:
     # MoE models on an engine that records routing: [len(prompt) + len(token_ids), layers, top_k] experts
     # per fed token (records.ROUTED_EXPERTS; engines.routing); None otherwise
     routed_experts: np.ndarray | None = None
+    token_versions: list[int] | None = None
+
+    def versions(self, default: int) -> list[int]:
+        """The version of each token: `token_versions`, else `policy_version` (or `default`) for all."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.policy_version if self.policy_version is not None else default] * len(self.token_ids)
 
 
 @dataclass(frozen=True)

@@ -94,17 +94,31 @@ def make_engine(
     max_batch_size: int = 64,
     kv_budget_tokens: int = 65536,
     seed: int = 0,
+    weight_swap: str = "drain",
 ) -> Engine:
     """Start backend `name` on the Hugging Face directory `model_dir`.
 
     `model` is the already loaded HF model: the torch engine generates with it (it loads
     `model_dir` itself if None); vLLM and SGLang load the directory in their own processes and
     ignore it, so pass None there to save memory. Raises EngineError naming the known backends, or
-    saying what to install, when `name` cannot run here.
+    saying what to install, when `name` cannot run here, and before starting anything when it cannot
+    swap weights by `weight_swap` (`weight_swap.SwapMode`; only the built-in engine has all three).
     """
     reason = unavailable_reason(name)
     if reason is not None:
         raise EngineError(f"rollout.engine={name}: {reason}")
+    from earl_stream.workers.engines.weight_swap import SwapMode, swap_mode_problem
+
+    mode = SwapMode(weight_swap)
+    if (problem := swap_mode_problem(name, mode.value)) is not None:
+        raise EngineError(problem)
     if model is not None and name != "torch":
         _LOG.info("engine %s loads %s itself; the model passed in is not used", name, model_dir)
-    return _FACTORIES[name](Path(model_dir), model, max_batch_size, kv_budget_tokens, seed)
+    engine = _FACTORIES[name](Path(model_dir), model, max_batch_size, kv_budget_tokens, seed)
+    if mode is not SwapMode.DRAIN:
+        setter = getattr(engine, "set_weight_swap", None)
+        if setter is None:
+            raise EngineError(f"rollout.weight_swap={mode.value}: engine {name!r} swaps weights only by draining "
+                              "(it has no set_weight_swap); use rollout.weight_swap=drain")
+        setter(mode)
+    return engine

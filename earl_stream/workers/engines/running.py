@@ -47,11 +47,31 @@ class Row:
     done: threading.Event = field(default_factory=threading.Event)
     on_done: Callable[[Row], None] | None = None
     routing: list = field(default_factory=list)  # MoE: (start position, choices [n, L, k]) per forward (engines.routing)
+    versions: list[int] = field(default_factory=list)  # per token: the weights version its logits came from
+    logits_version: int = 0  # the version of the forward that computed the row's pending logits
+    resumed: int = 0  # `tokens[:resumed]` are part of `prompt` (re-prefilled by an interrupting weight swap)
+    stale_kv: bool = False  # its KV spans a weight swap (inplace): never kept for the episode's next turn
+    interrupted: bool = False  # taken out of the batch by an interrupting swap, queued for its re-prefill
 
     @property
     def remaining(self) -> int:
         """Tokens still to generate at most (the last one is sampled but never fed)."""
         return self.req.max_new_tokens - len(self.tokens)
+
+    @property
+    def fed(self) -> int:
+        """Positions whose KV the row holds once its last sampled token is fed: its prompt and the
+        generated tokens not already in it."""
+        return len(self.prompt) + len(self.tokens) - self.resumed
+
+    def resume_from_context(self) -> int:
+        """Make the whole context so far (prompt and generated tokens) the prompt of a fresh prefill, as
+        an interrupting weight swap needs; returns its length (the tokens to re-prefill)."""
+        self.prompt = self.prompt + self.tokens[self.resumed :]
+        self.resumed = len(self.tokens)
+        self.kept = None
+        self.interrupted = True
+        return len(self.prompt)
 
     def finish(self, result: GenerateResult | None = None, error: Exception | None = None) -> None:
         self.result, self.error = result, error
@@ -149,7 +169,7 @@ def fill_kept(rows: list[Row], cached: list[int], width: int, layers: list[tuple
 def kept_kv(row: Row, cache: StaticKV | DynamicCache, mask: torch.Tensor, j: int) -> KeptKV:
     """The KV of finished row `j` to keep (prompt + all generated tokens but the last, never fed)."""
     sel = mask[j].nonzero().squeeze(1)
-    tokens = row.prompt + row.tokens[:-1]
+    tokens = row.prompt + row.tokens[row.resumed : -1]
     assert sel.numel() == len(tokens), (sel.numel(), len(tokens))
     layers: list[Any] = list(cache.layers)  # DynamicLayer and _StaticLayer both hold keys/values
     kv = [(layer.keys[j : j + 1].index_select(2, sel), layer.values[j : j + 1].index_select(2, sel))

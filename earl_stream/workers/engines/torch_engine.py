@@ -14,7 +14,10 @@ grow; kept caches are evicted first; a request too large even alone is refused w
 bounds its activations). The KV positions in use, the running rows and the budget are Prometheus gauges. Each sampled token is handed
 to its request's `on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
 It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, and
-tokenisation to the agent loop. CPU/fp32 is the tested configuration.
+tokenisation to the agent loop. CPU/fp32 is the tested configuration. Weight loads follow
+`weight_swap` (`weight_swap.SwapMode`: drain, or interrupt/inplace at the next step boundary, the
+swap's own logic living in `weight_swap`); every token carries the version of the forward whose logits
+it was sampled from.
 
 Forward passes go through `fast_decoder.FastDecoder` (the engine's own Llama-family forward with a
 preallocated KV cache reused across steps) where the model qualifies, else through the HF model with
@@ -32,7 +35,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +43,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
-from earl_stream.model.lora import AdapterMerger, is_adapter_state
+from earl_stream.model.lora import AdapterMerger
 from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
@@ -57,11 +60,12 @@ from earl_stream.workers.engines.running import (
     select_rows,
 )
 from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
+from earl_stream.workers.engines.weight_swap import SwapMode, SwapSteps, WeightSwapper
 
 _LOG = logging.getLogger(__name__)
 _HANDOFF_S = 0.002  # how often a thread whose rows another thread is driving checks whether to take over
 _COUNTERS = ("batches", "forward_calls", "prefill_tokens", "reused_tokens", "generated", "shared_prefix_tokens",
-             "admitted_while_running", "peak_kv_tokens", "refused", "compactions")
+             "admitted_while_running", "peak_kv_tokens", "refused", "compactions", "swaps", "reprefill_tokens")
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,11 @@ class EngineStats:
     peak_kv_tokens: int = 0  # most KV positions held at once (running batch, rows joining it, kept caches)
     running_rows: int = 0  # rows decoding now
     refused: int = 0  # requests refused as larger than the KV budget on their own (RequestRefused)
+    swaps: int = 0  # weight versions loaded
+    reprefill_tokens: int = 0  # context tokens of running rows prefilled again by interrupting swaps
 
 
-class TorchEngine:
+class TorchEngine(SwapSteps):
     """Generates with a Hugging Face causal LM, batching requests continuously (see the module docstring).
 
     Thread-safe: `generate`, `step` and `load_state_dict` serialise on one lock; `submit`, `release`
@@ -100,11 +106,13 @@ class TorchEngine:
         continuous: bool = True,
         prefix_sharing: bool = True,
         max_prefill_tokens: int = 8192,
+        weight_swap: SwapMode | str = SwapMode.DRAIN,
     ) -> None:
         """`fast_forward=False` always uses the HF model's forward (for comparisons and debugging);
         `continuous=False` admits requests only into an empty batch (batch-to-completion);
         `prefix_sharing=False` prefills every row's prompt separately; `max_prefill_tokens` bounds the
-        prompt positions (without kept KV) one prefill runs, past its first row (0: no bound)."""
+        prompt positions (without kept KV) one prefill runs, past its first row (0: no bound); `weight_swap`: what a
+        weight load does to running rows (`weight_swap.SwapMode`)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
@@ -117,6 +125,7 @@ class TorchEngine:
         self._batch: RunningBatch | None = None
         self._live_keys: set[str] = set()
         self._admitting = True
+        self._swapper = WeightSwapper(SwapMode(weight_swap))
         self._version = 0
         self._device = next(model.parameters()).device
         config = model.config.get_text_config(decoder=True)
@@ -170,8 +179,12 @@ class TorchEngine:
         return EngineStats(
             c["batches"], c["forward_calls"], c["prefill_tokens"], c["reused_tokens"], c["generated"], self._kv.tokens,
             c["shared_prefix_tokens"], c["admitted_while_running"], batch.held_tokens if batch else 0,
-            c["peak_kv_tokens"], len(batch.rows) if batch else 0, c["refused"],
+            c["peak_kv_tokens"], len(batch.rows) if batch else 0, c["refused"], c["swaps"], c["reprefill_tokens"],
         )
+
+    @property
+    def weight_swap(self) -> SwapMode:
+        return self._swapper.mode
 
     def release(self, cache_key: str) -> None:
         self._kv.release(cache_key)
@@ -217,7 +230,9 @@ class TorchEngine:
     def step(self) -> None:
         """One scheduler step: sample a token for every running row, let finished rows leave, feed the
         rest one token, then admit queued requests that fit. Call it with the engine lock held (as
-        `generate` does) or from a single thread that owns the engine."""
+        `generate` does) or from a single thread that owns the engine. A staged weight swap is applied first."""
+        if self._swapper.pending:
+            self._apply_swap()
         with torch.inference_mode():
             batch = self._batch
             try:
@@ -234,35 +249,6 @@ class TorchEngine:
         self._counts["peak_kv_tokens"] = max(self._counts["peak_kv_tokens"], held)
         M.ROLLOUT_KV_TOKENS_IN_USE.set(held)
         M.ROLLOUT_ADMITTED_SEQUENCES.set(len(self._batch.rows) if self._batch else 0)
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy `state` into the live parameters (strict by name and shape), drop kept caches, set the version.
-
-        Rows already decoding finish with the old weights first (no admissions meanwhile). A name
-        missing from `state` is accepted only when it aliases a provided tensor (tied weights).
-        """
-        with self._lock:
-            own = self._model.state_dict()
-            if is_adapter_state(state):  # a LoRA version (model.lora): base + B @ A of each adapted layer
-                state = self._adapters.merged(state, own)
-                problems = []
-            else:
-                problems = _state_problems(state, own)
-            if problems:
-                detail = "; ".join(problems)
-                raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded: {detail}")
-            self._admitting = False
-            try:
-                while self._batch is not None:
-                    self.step()
-            finally:
-                self._admitting = True
-            with torch.no_grad():
-                for name, tensor in state.items():
-                    own[name].copy_(tensor)
-            self._kv.clear()
-            self._version = version
-        _LOG.info("loaded policy version %d (%d tensors)", version, len(state))
 
     # ---------------------------------------------------------------- scheduling
 
@@ -316,7 +302,7 @@ class TorchEngine:
         if tight.held_tokens >= plan.held_tokens:
             return None
         head = self._intake[0]
-        trial = tight.join(len(head.prompt), head.req.max_new_tokens, self._new_part(head))
+        trial = tight.join(len(head.prompt), head.remaining, self._new_part(head))
         fits = trial.rows <= cap.max_concurrent_sequences and trial.peak_tokens <= cap.kv_budget_tokens
         return tight if fits else None
 
@@ -326,6 +312,8 @@ class TorchEngine:
             return
         try:
             for row in rows:
+                if row.interrupted:  # its key stays live; its KV is prefilled again
+                    continue
                 key = row.req.cache_key if self._can_keep and row.req.cache_key not in self._live_keys else None
                 row.keep_key = key
                 if key is not None:
@@ -372,7 +360,7 @@ class TorchEngine:
         ids, mask, positions = lay.ids.to(self._device), lay.mask.to(self._device), lay.positions.to(self._device)
         cache: DynamicCache | StaticKV | None
         if self._fast is not None:
-            capacity = width_c + width_n + max(r.req.max_new_tokens for r in rows)
+            capacity = width_c + width_n + max(r.remaining for r in rows)
             cache = self._fast.new_cache(len(sources), capacity)
             fill_kept(sources, cached, width_c, [(layer.k_buf, layer.v_buf) for layer in cache.layers])
             cache.length = width_c
@@ -390,6 +378,7 @@ class TorchEngine:
         self._counts["reused_tokens"] += sum(cached)
         for row in rows:
             row.kept = None  # its tensors now live in the batch cache
+            row.logits_version = self._version
         if len(sources) < len(rows):
             self._counts["shared_prefix_tokens"] += sum(len(r.prompt) for r in rows) - sum(len(r.prompt) for r in sources)
             idx = torch.tensor(index, dtype=torch.long, device=mask.device)
@@ -407,6 +396,7 @@ class TorchEngine:
             row = batch.rows[j]
             row.tokens.append(tok)
             row.logprobs.append(lp)
+            row.versions.append(row.logits_version)
             if row.req.on_token is not None:
                 _observe(row.req.on_token, tok)
             if tok in row.req.stop_token_ids:
@@ -417,13 +407,15 @@ class TorchEngine:
                 stay.append(j)
                 continue
             # its copy is made while the batch still holds the row: kept only if both fit the budget
-            room = self._capacity.kv_budget_tokens - batch.held_tokens - (len(row.prompt) + len(row.tokens) - 1)
-            if row.keep_key is not None and room >= 0:
+            room = self._capacity.kv_budget_tokens - batch.held_tokens - (row.fed - 1)
+            if row.keep_key is not None and room >= 0 and not row.stale_kv:
                 self._kv.evict_to(room)
                 self._kv.put(row.keep_key, kept_kv(row, batch.cache, batch.mask, j))
             self._live_keys.discard(row.keep_key or "")
             routed = self._routing.result(row) if self._routing is not None else None
-            row.finish(GenerateResult(row.tokens, row.logprobs, row.reason, self._version, routed))
+            mixed = len(set(row.versions)) > 1
+            row.finish(GenerateResult(row.tokens, row.logprobs, row.reason, row.versions[0],
+                                      routed_experts=routed, token_versions=list(row.versions) if mixed else None))
         self._counts["generated"] += len(batch.rows)
         if len(stay) < len(batch.rows):
             batch.keep_rows(stay)
@@ -448,6 +440,8 @@ class TorchEngine:
             self._routing.decode(batch.rows)
         batch.logits = logits.float()
         batch.positions = batch.positions + 1
+        for row in batch.rows:
+            row.logits_version = self._version
         self._counts["forward_calls"] += 1
 
 
@@ -462,23 +456,3 @@ def _observe(on_token: Callable[[int], None], token: int) -> None:
 def _check_capacity(capacity: EngineCapacity) -> None:
     if capacity.max_concurrent_sequences < 1 or capacity.kv_budget_tokens < 1:
         raise EngineError(f"invalid engine capacity {capacity}: both values must be >= 1")
-
-
-def _state_problems(state: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> list[str]:
-    """Every reason `state` cannot be loaded into a model whose state dict is `own` (empty if none)."""
-    problems = []
-    unknown = sorted(n for n in state if n not in own)
-    provided = {own[n].data_ptr() for n in state if n in own}
-    missing = sorted(n for n in own if n not in state and own[n].data_ptr() not in provided)
-    if unknown:
-        problems.append(f"unknown names {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
-    if missing:
-        problems.append(f"missing names {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-    for name, tensor in state.items():
-        if name not in own:
-            continue
-        if not isinstance(tensor, torch.Tensor):
-            problems.append(f"{name} is a {type(tensor).__name__}, not a tensor")
-        elif tuple(tensor.shape) != tuple(own[name].shape):
-            problems.append(f"{name} has shape {tuple(tensor.shape)}, the model has {tuple(own[name].shape)}")
-    return problems

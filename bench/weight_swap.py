@@ -1,0 +1,258 @@
+"""Weight swaps mid-generation: rollout throughput, pause per version, staleness and learning of each
+`rollout.weight_swap` mode (drain, interrupt, inplace), on `earl-stream up` runs (real processes: two
+rollout workers, one trainer, the built-in engine).
+
+    python bench/weight_swap.py [--minutes 2] [--modes drain,interrupt,inplace] [--model DIR] \
+        --json bench/results/weight_swap.json
+
+The issue asks 10 minutes per mode (`--minutes 10`); on a shared 2-core machine the default is 2.
+
+The environment (`LongReply`, below, loaded by path) asks for one reply of 64-256 tokens (drawn per
+episode from its seed: the long tail a drain waits for) and rewards the share of digits in it; the
+embedded model is taken without its warm start (`model.warm_start_steps=0`), so replies run to their
+token limit rather than stopping after a move. `--model DIR` runs a Hugging Face directory instead
+(SmolLM2-135M after `make real-model`).
+
+Per mode: rollout tokens/s (every rollout worker's generated tokens over the window from the first
+training step to the end), the pause per version (the workers' `swap_pause_s_total / swaps`, from their
+heartbeat stats in `earl-stream status --json`), the mean reply length, tokens re-prefilled per swap, the
+staleness of trained samples (the trainer's `earl_trainer_staleness_versions` histogram: versions between
+a sample's oldest token and the trained policy) and the too-stale token fraction the trainer masked (its
+log), and the learning curve (the supervisor's mean reward over its window, per poll).
+`best_speedup_vs_drain` is the best non-drain mode's rollout tokens/s over drain's. The `split` key (step-
+wise samples, `rollout.non_append`) is filled by that benchmark; this one leaves it null.
+
+`engine` isolates the swap itself (`--engine-seconds` per mode, 0 = skip): one built-in engine behind the
+rollout worker's batcher (`AsyncBatcher`, `weight_swap.swap_weights`), `--inflight` requests always in
+flight (64-256 new tokens each, temperature 1, no stop token: the lengths are the drawn ones), a new
+version every `--swap-every-s` seconds (the weights alternate between the model's and a perturbed copy,
+so the copy and refresh are real). In `up` runs the rollout workers also wait for the staleness bound
+(a prompt is played only with weights at least `step - max_staleness` new), which can hide the swap's
+cost behind the trainer's pace; the engine figures do not have that wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from earl_stream.env import StepResult
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODES = ("drain", "interrupt", "inplace")
+MASKED_LINE = re.compile(r"step (\d+): .*masked ([\d.]+) \(stale ([\d.]+)\)")
+
+
+class LongReply:
+    """One turn: reply with up to 64-256 tokens (per seed); reward = the share of digits in the reply."""
+
+    system_prompt = "Write digits."
+
+    def __init__(self) -> None:
+        self.max_turn_tokens = 256
+
+    async def reset(self, seed: int) -> str:
+        self.max_turn_tokens = random.Random(seed).randint(64, 256)
+        return "Write as many digits as you can."
+
+    async def step(self, action_text: str) -> StepResult:
+        text = action_text.strip()
+        digits = sum(c.isdigit() for c in text)
+        return StepResult("", digits / max(1, len(text)), True, {"outcome": "done"})
+
+
+def run_mode(mode: str, minutes: float, model: str | None, work: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    from pipeline_rates import watch_up
+
+    run_dir = work / mode
+    overrides = [f"run_dir={run_dir}", "seed=0", "rollout.workers=2", "trainer.nproc=1", f"rollout.weight_swap={mode}",
+                 "supervisor.heartbeat_s=0.25", "trainer.group_size=4", "trainer.groups_per_step=4",
+                 "rollout.groups_in_flight=4", "trainer.lr=1e-4", "algo.entropy_coef=0",
+                 "algo.lr_schedule=constant", "selector.enabled=false",
+                 f"envs.0.spec={HERE / 'weight_swap.py'}:LongReply", "envs.0.name=long_reply",
+                 "envs.0.group_seed=per_episode"]
+    overrides += [f"model.path={model}"] if model else ["model.warm_start_steps=0"]
+    seconds = minutes * 60
+    watch = watch_up(overrides, run_dir, lambda now, first: first is not None and now.t - first.t >= seconds,
+                     what=mode, poll_s=2.0)
+    return summarize(mode, watch, run_dir)
+
+
+def _rollout(status: dict[str, Any]) -> list[dict[str, float]]:
+    return [w.get("stats", {}) for w in status.get("workers", []) if w.get("role") == "rollout"]
+
+
+def summarize(mode: str, watch: Any, run_dir: Path) -> dict[str, Any]:
+    first, last = watch.first, watch.snapshots[-1]
+    if first is None:
+        raise SystemExit(f"{mode}: no training step was seen; see {run_dir}/logs")
+    tokens = [sum(s.get("tokens", 0) for s in _rollout(snap.status)) for snap in (first, last)]
+    workers = _rollout(last.status)
+    episodes = sum(s.get("episodes", 0) for s in workers)
+    swaps = sum(s.get("swaps", 0) for s in workers)
+    pause = sum(s.get("swap_pause_s_total", 0.0) for s in workers)
+    reprefill = sum(s.get("swap_reprefill_tokens_total", 0) for s in workers)
+    curve = [{"t_s": round(s.t - first.t, 1), "step": s.step, "mean_reward": s.status.get("mean_reward_last")}
+             for s in watch.snapshots if s.t >= first.t]
+    return {
+        "rollout_tokens_per_s": round((tokens[1] - tokens[0]) / max(1e-9, last.t - first.t), 1),
+        "pause_seconds_per_version": round(pause / swaps, 4) if swaps else None,
+        "mean_reply_tokens": round(sum(s.get("tokens", 0) for s in workers) / max(1, episodes), 1),
+        "reprefill_tokens_per_swap": round(reprefill / swaps, 1) if swaps else None,
+        "swaps": swaps, "steps": last.step - first.step, "window_s": round(last.t - first.t, 1),
+        "episodes": episodes, "swap_failures": sum(s.get("swap_failures", 0) for s in workers),
+        "staleness_of_trained_samples": _staleness(last.status),
+        "stale_token_fraction_masked": _masked(run_dir),
+        "learning_curve": curve,
+        "final_mean_reward": curve[-1]["mean_reward"] if curve else None,
+    }
+
+
+def _staleness(status: dict[str, Any]) -> dict[str, float]:
+    """The trainer's `earl_trainer_staleness_versions` histogram (cumulative buckets -> per bucket counts)."""
+    for w in status.get("workers", []):
+        if w.get("role") != "trainer" or not w.get("metrics_address"):
+            continue
+        try:
+            text = urllib.request.urlopen(f"http://{w['metrics_address']}/metrics", timeout=5).read().decode()
+        except OSError:
+            return {}
+        cum = {float(m.group(1)): float(m.group(2)) for m in re.finditer(
+            r'earl_trainer_staleness_versions_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)', text)}
+        out, below = {}, 0.0
+        for le in sorted(cum):
+            out[f"<={le:g}"] = cum[le] - below
+            below = cum[le]
+        return out
+    return {}
+
+
+def _masked(run_dir: Path) -> float | None:
+    """Mean too-stale token fraction per step, from the trainer's log."""
+    fracs = [float(m.group(3)) for log in (run_dir / "logs").glob("trainer*") for line in log.read_text().splitlines()
+             if (m := MASKED_LINE.search(line))]
+    return round(sum(fracs) / len(fracs), 5) if fracs else None
+
+
+def engine_mode(mode: str, model_dir: Path, seconds: float, inflight: int, swap_every_s: float) -> dict[str, Any]:
+    """One engine under a steady load of 64-256-token requests, swapping weights every `swap_every_s`."""
+    import asyncio
+    import time
+
+    import torch
+
+    from earl_stream.model import load_model
+    from earl_stream.workers.engines import AsyncBatcher, GenerateRequest, TorchEngine
+    from earl_stream.workers.engines.weight_swap import SwapMode, SwapTally, swap_weights
+
+    torch.manual_seed(0)
+    model, _ = load_model(model_dir)
+    states = [{k: v.clone() for k, v in model.state_dict().items()},
+              {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}]
+    engine = TorchEngine(model.eval(), weight_swap=mode, seed=0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(16, 48))] for _ in range(64)]
+
+    async def go() -> dict[str, Any]:
+        batcher, tally = AsyncBatcher(engine), SwapTally(mode)
+        done = {"tokens": 0, "replies": 0}
+        end = time.monotonic() + seconds
+
+        async def client(i: int) -> None:
+            while time.monotonic() < end:
+                req = GenerateRequest(prompts[(i * 7 + done["replies"]) % 64], rng.randint(64, 256), temperature=1.0)
+                res = await batcher.generate(req)
+                done["tokens"] += len(res.token_ids)
+                done["replies"] += 1
+
+        async def trainer() -> None:
+            version = 0
+            while time.monotonic() + swap_every_s < end:
+                await asyncio.sleep(swap_every_s)
+                version += 1
+                await swap_weights(batcher, engine, states[version % 2], version, SwapMode(mode), tally)
+
+        start = time.monotonic()
+        await asyncio.gather(trainer(), *[client(i) for i in range(inflight)])
+        wall = time.monotonic() - start
+        await batcher.aclose()
+        return {"rollout_tokens_per_s": round(done["tokens"] / wall, 1),
+                "pause_seconds_per_version": round(tally.pause_s_total / max(1, tally.swaps), 4),
+                "mean_reply_tokens": round(done["tokens"] / max(1, done["replies"]), 1),
+                "reprefill_tokens_per_swap": round(tally.reprefill_tokens_total / max(1, tally.swaps), 1),
+                "swaps": tally.swaps, "wall_s": round(wall, 1)}
+
+    return asyncio.run(go())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=2.0, help="measured minutes per mode (the issue: 10)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--model", default=None, help="a Hugging Face model directory (default: the embedded model)")
+    ap.add_argument("--json", default=str(HERE / "results" / "weight_swap.json"))
+    ap.add_argument("--engine-seconds", type=float, default=60.0, help="seconds per mode of the engine-only run")
+    ap.add_argument("--inflight", type=int, default=16)
+    ap.add_argument("--swap-every-s", type=float, default=2.0)
+    ap.add_argument("--skip-up", action="store_true", help="only the engine-only run; the `up` figures (modes, "
+                    "speedups) of an existing --json are kept, and marked as from that earlier run")
+    args = ap.parse_args()
+    engine: dict[str, Any] = {}
+    if args.engine_seconds > 0:
+        import torch
+
+        from earl_stream.model import ensure_default_model
+
+        torch.set_num_threads(1)
+        model_dir = Path(args.model) if args.model else ensure_default_model(warm_start_steps=0)
+        for mode in args.modes.split(","):
+            engine[mode] = engine_mode(mode, model_dir, args.engine_seconds, args.inflight, args.swap_every_s)
+            print(f"engine {mode:10s} {engine[mode]}", flush=True)
+    modes: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="earl-weight-swap-") as tmp:
+        for mode in [] if args.skip_up else args.modes.split(","):
+            modes[mode] = run_mode(mode, args.minutes, args.model, Path(tmp))
+            print(f"{mode:10s} {modes[mode]['rollout_tokens_per_s']:8.1f} tok/s  pause/version "
+                  f"{modes[mode]['pause_seconds_per_version']}s  reply {modes[mode]['mean_reply_tokens']} tokens  "
+                  f"reward {modes[mode]['final_mean_reward']}", flush=True)
+    earlier: dict[str, Any] = {}
+    if args.skip_up and Path(args.json).is_file():
+        import json
+
+        earlier = json.loads(Path(args.json).read_text())
+        modes = earlier.get("modes", {})
+    drain = (modes.get("drain") or {}).get("rollout_tokens_per_s")
+    speedups = {m: round(r["rollout_tokens_per_s"] / drain, 3) for m, r in modes.items() if m != "drain" and drain}
+    best = max(speedups.items(), key=lambda kv: kv[1]) if speedups else None
+    result = {
+        "model": args.model or "embedded (no warm start)", "minutes_per_mode": args.minutes,
+        "setup": "earl-stream up: 2 rollout workers, 1 trainer, built-in engine, LongReply (replies of 64-256 tokens), "
+                 "group_size 4, groups_per_step 4, max_staleness 1 (default)",
+        "modes": modes, "speedup_vs_drain": speedups,
+        "best_speedup_vs_drain": best[1] if best else None, "best_mode": best[0] if best else None,
+        "engine": {"modes": engine, "inflight": args.inflight, "swap_every_s": args.swap_every_s,
+                   "seconds_per_mode": args.engine_seconds,
+                   "speedup_vs_drain": {m: round(r["rollout_tokens_per_s"] / engine["drain"]["rollout_tokens_per_s"], 3)
+                                        for m, r in engine.items() if m != "drain" and "drain" in engine}},
+        "up_runs_from": earlier.get("provenance") if args.skip_up else "this run",
+        "split": None,  # step-wise samples (rollout.non_append=split): written by that benchmark
+    }
+    sys.path.insert(0, str(HERE))
+    from provenance import write_result
+
+    path = write_result(args.json, result, depends_on=["earl_stream/workers/engines", "earl_stream/workers/rollout.py",
+                                                       "bench/weight_swap.py"])
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
