@@ -85,6 +85,8 @@ bench: $(BENCH_VENV)/.installed ## every benchmark, then docs/BENCHMARKS.md (BEN
 	HF_HUB_OFFLINE=1 $(BPY) bench/lora.py $(BENCH_ARGS) --json bench/results/lora.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/rollout_memory.py $(BENCH_ARGS) --json bench/results/rollout_memory.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/real_scale.py $(BENCH_ARGS) --json bench/results/real_scale.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/split_episodes.py --json bench/results/split_episodes.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/weight_swap.py --split-from bench/results/split_episodes.json --json bench/results/weight_swap.json
 	$(MAKE) bench-report
 
 # docs/BENCHMARKS.md and the README's results table from bench/results/*.json, each result marked stale when

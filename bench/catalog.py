@@ -114,5 +114,14 @@ BENCHMARKS: list[dict[str, Any]] = [
      "title": "GPU check: the GPU-marked tests and a short run on a lent GPU",
      "script": "scripts/gpu-session.sh", "command": "bash scripts/gpu-session.sh (on a GPU host)",
      "files": ["gpu_check.json"], "render": render_generic},
+    {"name": "weight_swap", "depends_on": ["earl_stream/workers/engines", "earl_stream/workers/rollout.py",
+                                           "bench/weight_swap.py"],
+     "title": "Weight swaps without a drain: drain vs interrupt vs inplace, and split episodes",
+     "script": "bench/weight_swap.py", "command": "python bench/weight_swap.py --minutes 10 --json bench/results/weight_swap.json",
+     "files": ["weight_swap.json"], "render": render_generic},
+    {"name": "split_episodes", "depends_on": ["earl_stream/openai_api", "earl_stream/supervisor/ledger.py",
+                                              "bench/split_episodes.py"],
+     "title": "Agents that rewrite their history: split vs refuse",
+     "script": "bench/split_episodes.py", "command": "python bench/split_episodes.py --json bench/results/split_episodes.json",
+     "files": ["split_episodes.json"], "render": render_generic},
 ]
-

@@ -20,7 +20,9 @@ staleness of trained samples (the trainer's `earl_trainer_staleness_versions` hi
 a sample's oldest token and the trained policy) and the too-stale token fraction the trainer masked (its
 log), and the learning curve (the supervisor's mean reward over its window, per poll).
 `best_speedup_vs_drain` is the best non-drain mode's rollout tokens/s over drain's. The `split` key (step-
-wise samples, `rollout.non_append`) is filled by that benchmark; this one leaves it null.
+wise samples, `rollout.non_append`: the summarising agent's episodes kept under `split`, dropped under
+`refuse`) comes from `bench/split_episodes.py`'s `run_split` (`--split-episodes N`, 0 skips), or from a
+results file it wrote (`--split-from FILE`, its provenance kept with it).
 
 `engine` isolates the swap itself (`--engine-seconds` per mode, 0 = skip): one built-in engine behind the
 rollout worker's batcher (`AsyncBatcher`, `weight_swap.swap_weights`), `--inflight` requests always in
@@ -193,6 +195,25 @@ def engine_mode(mode: str, model_dir: Path, seconds: float, inflight: int, swap_
     return asyncio.run(go())
 
 
+def split_part(split_from: str, episodes: int) -> dict[str, Any] | None:
+    """The `split` key: bench/split_episodes.py's figures, from its results file or a run of `run_split`."""
+    if split_from:
+        import json
+
+        found = json.loads(Path(split_from).read_text())
+        keep = ("episodes_kept", "episodes_dropped_refuse", "episodes", "samples_split", "segments_split", "model",
+                "agent", "provenance")
+        return {k: found[k] for k in keep if k in found} | {"from": Path(split_from).name}
+    if episodes <= 0:
+        return None
+    sys.path.insert(0, str(HERE))
+    from split_episodes import run_split
+
+    found = run_split(episodes=episodes)
+    return {k: found[k] for k in ("episodes_kept", "episodes_dropped_refuse", "episodes", "samples_split",
+                                  "segments_split", "model", "agent") if k in found}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=2.0, help="measured minutes per mode (the issue: 10)")
@@ -202,6 +223,8 @@ def main() -> int:
     ap.add_argument("--engine-seconds", type=float, default=60.0, help="seconds per mode of the engine-only run")
     ap.add_argument("--inflight", type=int, default=16)
     ap.add_argument("--swap-every-s", type=float, default=2.0)
+    ap.add_argument("--split-episodes", type=int, default=16, help="summarising-agent episodes per setting (0 skips)")
+    ap.add_argument("--split-from", default="", help="take `split` from this bench/split_episodes.py results file")
     ap.add_argument("--skip-up", action="store_true", help="only the engine-only run; the `up` figures (modes, "
                     "speedups) of an existing --json are kept, and marked as from that earlier run")
     args = ap.parse_args()
@@ -229,6 +252,7 @@ def main() -> int:
 
         earlier = json.loads(Path(args.json).read_text())
         modes = earlier.get("modes", {})
+        engine = engine or earlier.get("engine", {}).get("modes", {})
     drain = (modes.get("drain") or {}).get("rollout_tokens_per_s")
     speedups = {m: round(r["rollout_tokens_per_s"] / drain, 3) for m, r in modes.items() if m != "drain" and drain}
     best = max(speedups.items(), key=lambda kv: kv[1]) if speedups else None
@@ -243,7 +267,7 @@ def main() -> int:
                    "speedup_vs_drain": {m: round(r["rollout_tokens_per_s"] / engine["drain"]["rollout_tokens_per_s"], 3)
                                         for m, r in engine.items() if m != "drain" and "drain" in engine}},
         "up_runs_from": earlier.get("provenance") if args.skip_up else "this run",
-        "split": None,  # step-wise samples (rollout.non_append=split): written by that benchmark
+        "split": split_part(args.split_from, args.split_episodes),
     }
     sys.path.insert(0, str(HERE))
     from provenance import write_result
