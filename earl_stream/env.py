@@ -318,6 +318,9 @@ def _import_module(module_name: str, spec: str) -> Any:
             _source_tree_envs()
         return importlib.import_module(module_name)
     except Exception as exc:
+        if module_name.split(".")[0] == "envs" and isinstance(exc, ModuleNotFoundError):
+            raise EnvError(f"environment spec {spec!r}: the built-in environments are the package earl_stream_envs "
+                           f"since 0.2.0: use {spec.replace('envs.', 'earl_stream_envs.', 1)!r}") from exc
         raise EnvError(
             f"environment spec {spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc

@@ -251,3 +251,16 @@ def test_builtin_envs_resolve_from_an_uninstalled_source_tree() -> None:
                           cwd="/")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["earl_stream_envs.tictactoe", "TicTacToe"]
+
+
+def test_the_old_envs_package_name_is_refused_with_the_new_one(tmp_path, monkeypatch) -> None:
+    """Specs written for 0.1 (`envs.tictactoe:TicTacToe`) name the package the environments install as now."""
+    import pytest
+
+    from earl_stream.env import resolve_env
+    from earl_stream.errors import EnvError
+
+    monkeypatch.chdir(tmp_path)  # not the repository root, whose envs/ folder would import as `envs`
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".")])
+    with pytest.raises(EnvError, match="earl_stream_envs.tictactoe:TicTacToe"):
+        resolve_env("envs.tictactoe:TicTacToe")
