@@ -143,6 +143,26 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation (`earl_stream.algo.distill`): a teacher scores the student's sampled tokens."""
+
+    teacher: str = _f("", "Hugging Face model directory of the teacher (its tokenizer must equal the student's); "
+                      "empty = off")
+    coef: float = _f(0.1, "weight of the per-token reverse KL (student log-prob - teacher log-prob)", minimum=0)
+    mode: str = _f("reward", "reward: the episode's summed reverse KL is subtracted from its reward before the "
+                   "advantages; loss: coef x k2 estimate of the reverse KL per loss token in the policy loss",
+                   choices=("reward", "loss"))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher) and self.coef > 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.teacher, str) and self.teacher:
+            object.__setattr__(self, "teacher", os.path.expanduser(os.path.expandvars(self.teacher)))
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgoConfig:
     """The learning algorithm: advantage estimator, loss shape, off-policy handling, optimisation schedule
     (`earl_stream.algo`). Cross-field rules (e.g. an estimator's smallest group): `earl_stream.algo.checks`."""
@@ -196,6 +216,7 @@ class AlgoConfig:
     min_lr_ratio: float = _f(0.1, "cosine: the final learning rate as a fraction of trainer.lr", minimum=0)
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (no signal) and fill the step with "
                                 "other groups; the dropped ones count as samples_filtered")
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     @property
     def updates(self) -> int:
@@ -424,6 +445,10 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
     from earl_stream.algo.checks import algo_problems  # it imports the estimator registry (numpy only)
 
     out = algo_problems(cfg)
+    if cfg.algo.distill.enabled:
+        from earl_stream.algo.distill import distill_problems  # reads both tokenizers (transformers)
+
+        out.extend(distill_problems(cfg))
     if cfg.model.lora.enabled:
         from earl_stream.model.lora_checks import lora_problems  # reads the model's config (transformers)
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from earl_stream.algo import distill
 from earl_stream.algo.advantages import EstimatorOptions, compute_advantages
 from earl_stream.algo.losses import kl_estimate, policy_loss, row_weights
 from earl_stream.algo.schedule import apply_lr, kl_factor, lr_factor
@@ -64,6 +65,7 @@ class StepResult:
     masked_frac: float = 0.0  # fraction of loss tokens masked: too stale, or outside the IS band
     stale_frac: float = 0.0  # the part of masked_frac that was too stale
     kl: float = 0.0  # mean per-token KL estimate to the reference (when kl_coef > 0)
+    distill_kl: float = 0.0  # mean per-token reverse KL to algo.distill's teacher (student - teacher log-prob)
     lr: float = 0.0
     updates: int = 0
 
@@ -103,6 +105,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
                           "apply the plan (workers.sharding / workers.ulysses.set_sequence_parallel) first")
     minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo, packed=cfg.packing)
     fields = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
+    if algo.distill.enabled and algo.distill.mode == "loss":
+        fields += (distill.FIELD,)
     pull_start = time.monotonic()
     ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} if layout.cp_size > 1 else None
     pulled, lost = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields)
@@ -131,6 +135,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         if run.kl_in_reward:
             rewards -= algo.kl_coef * kl_rows
             kl_in_reward = float(kl_rows.sum()) * algo.ppo_epochs  # reported like the in-loss KL sums
+    if algo.distill.enabled and algo.distill.mode == "reward":  # a sequence reward: see algo.distill
+        rewards -= distill.reward_penalties(metas, algo.distill.coef)
     advantages = _advantages(metas, rewards, set(lost), algo)
     lr = apply_lr(optimizer, lr_factor(algo, step, run_steps)) if _scheduled(algo) else optimizer.param_groups[0]["lr"]
     norms = [_update(model, optimizer, placement, run, [batches[u, k] for k in range(mini.passes)], advantages)
@@ -144,7 +150,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         pull_seconds=pull_seconds, pull_bytes=pull_bytes, lost_sample_ids=lost, ratio_dev=stats["ratio_dev"] / tokens,
         masked_frac=(stats["is_masked"] + stats["stale"]) / tokens, stale_frac=stats["stale"] / tokens,
         kl=(stats["kl"] + kl_in_reward) / tokens, lr=float(lr), updates=algo.updates,
+        distill_kl=_distill_kl(metas, stats, tokens, algo),
     )
+
+
+def _distill_kl(metas: Sequence[SampleMeta], stats: dict[str, float], tokens: float, algo: AlgoConfig) -> float:
+    if not algo.distill.enabled:
+        return 0.0
+    if algo.distill.mode == "loss":
+        return stats["distill_kl"] / tokens
+    return float(distill.reward_penalties(metas, 1.0).sum()) * algo.ppo_epochs / tokens
 
 
 def _update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, placement: Placement, run: _MicroBatchRunner,
@@ -228,6 +243,8 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
                 v = pulled[i][VERSION]
                 full[r, : len(v)] = torch.from_numpy(v.astype(np.int64))
             versions = full[:, 1:]
+        if distill.FIELD in pulled[rows[0]]:
+            batch[distill.FIELD] = distill.padded_field([pulled[i] for i in rows], mini.windows[k], distill.FIELD)
     stale = 0.0
     if versions is not None:
         old = (versions < min_version) & (batch["loss_mask"] > 0)
@@ -237,7 +254,7 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
     return batch
 
 
-_STATS = ("pg_loss", "mismatch_abs", "clip_frac", "entropy", "ratio_dev", "is_masked", "kl", "stale")
+_STATS = ("pg_loss", "mismatch_abs", "clip_frac", "entropy", "ratio_dev", "is_masked", "kl", "stale", "distill_kl")
 
 
 class _MicroBatchRunner:
@@ -304,7 +321,13 @@ class _MicroBatchRunner:
             terms = policy_loss(view(logp), view(dev["behaviour_logprobs"]), adv.to(logp.device), view(dev["loss_mask"]),
                                 dev["weights"], algo, old_logprobs=view(dev.get("old_logprobs")), ref_logprobs=view(ref),
                                 entropy=view(ent))
-            terms.loss.backward()
+            loss = terms.loss
+            if distill.FIELD in dev and algo.distill.mode == "loss":  # on-policy distillation's term (algo.distill)
+                extra, kl_sum = distill.distill_loss(
+                    view(logp), view(dev[distill.FIELD]), view(dev["loss_mask"]), dev["weights"], algo.distill.coef)
+                loss = loss + extra
+                self.sums["distill_kl"] += kl_sum
+            loss.backward()
         for k, v in terms.stats.items():
             if k in self.sums:
                 self.sums[k] += v
