@@ -102,7 +102,7 @@ def place_model(model: torch.nn.Module, cfg: SFTConfig, *, rank: int = 0, world:
                 device: torch.device | None = None) -> Placement:
     """Lay `model` out under the config's plan on this rank (a torch.distributed group when world > 1)."""
     device = device or torch.device("cpu")
-    problems = cfg.plan.problems(world, getattr(model, "config"))
+    problems = cfg.plan.problems(world, model.config)
     if problems:
         from earl_stream.errors import ConfigError
         raise ConfigError("sft plan " + cfg.plan.name + ": " + "; ".join(problems))
@@ -179,7 +179,7 @@ def export_model(model: torch.nn.Module, tokenizer: Any, out: str | os.PathLike[
     path = Path(out)
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
-        getattr(model, "save_pretrained")(path, state_dict=full)
+        model.save_pretrained(path, state_dict=full)  # type: ignore[operator]
         tokenizer.save_pretrained(path)
     return path
 

@@ -55,6 +55,10 @@ def step_weights(examples: Sequence[Example], context_weight: float) -> tuple[fl
     return 1.0 / max(1, own), (context_weight / max(1, other) if context_weight else 0.0)
 
 
+def _config(model: torch.nn.Module) -> Any:
+    return model.config
+
+
 def _row(e: Example) -> dict[str, np.ndarray]:
     return {"input_ids": e.input_ids, "loss_mask": e.loss_mask, "context_mask": (1 - e.loss_mask).astype(np.uint8)}
 
@@ -89,7 +93,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, examples:
     w_own, w_ctx = step_weights(examples, context_weight)
     sums = torch.zeros(2, dtype=torch.float64)
     group = placement.tp_group
-    vocab_start = placement.vocab_start(int(getattr(model, "config").vocab_size))
+    vocab_start = placement.vocab_start(int(_config(model).vocab_size))
     dtype = placement.autocast_dtype
     for batch in _micro_batches(examples, placement, micro_batch_tokens):
         dev = {k: v.to(placement.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

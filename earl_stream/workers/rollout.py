@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -54,6 +54,9 @@ from earl_stream.workers.engines.base import Engine, EngineCapacity
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.memory import EngineMemory, engine_memory
 from earl_stream.workers.engines.registry import make_engine
+
+if TYPE_CHECKING:
+    from earl_stream.algo.distill import TeacherScorer
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +141,12 @@ class RolloutWorker:
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
                            kv_budget_tokens=min(kv_tokens or 65536, 65536))
 
-    def _make_teacher(self) -> Any:
+    def _make_teacher(self) -> TeacherScorer | None:
         """algo.distill's teacher (`algo.distill.TeacherScorer`) on the engine's device, or None when off."""
         d = self.cfg.algo.distill
         if not d.enabled:
             return None
-        from earl_stream.algo.distill import TeacherScorer
+        from earl_stream.algo.distill import TeacherScorer  # noqa: F811 (imported for its type above)
 
         device = resolve_device(self.cfg.rollout.device, key="rollout.device",
                                 local_rank=int(os.environ.get("LOCAL_RANK", "0")))

@@ -104,7 +104,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         raise ConfigError(f"layout has sp={layout.cp_size} (rank {layout.cp_rank}) but the model runs sp={sp_state()}: "
                           "apply the plan (workers.sharding / workers.ulysses.set_sequence_parallel) first")
     minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo, packed=cfg.packing)
-    fields = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
+    fields: tuple[str, ...] = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
     if algo.distill.enabled and algo.distill.mode == "loss":
         fields += (distill.FIELD,)
     pull_start = time.monotonic()
