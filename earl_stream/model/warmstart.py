@@ -29,7 +29,7 @@ from earl_stream.env import StepResult, resolve_env
 from earl_stream.errors import EnvError
 from earl_stream.model.loading import load_model
 from earl_stream.sft.data import Example
-from earl_stream.sft.loop import SFTConfig, place_model, run_sft
+from earl_stream.sft.loop import SFTConfig, place_model, run_sft, strip_run_state
 
 __all__ = ["Game", "GameFactory", "WarmStartReport", "evaluate_game", "resolve_game", "synthetic_episode", "warm_start"]
 
@@ -185,6 +185,7 @@ def warm_start(
     sft = run_sft(model, tokenizer, lambda _step: _examples(fmt, tokenizer, rng, batch_size, factory), cfg,
                   place_model(model, cfg), steps=max_steps if max_steps is not None else 1 << 62)
     model.eval()
+    strip_run_state(model)
     model.save_pretrained(model_dir)
     start = time.monotonic()
     legal, win, draw = evaluate_game(model, tokenizer, factory, games=eval_games, seed=seed)

@@ -30,7 +30,7 @@ from earl_stream.workers import checkpoint as ckpt
 from earl_stream.workers.mesh import Placement, RankPlan, TrainerMesh
 from earl_stream.workers.sharding import apply_plan, shard_model
 
-__all__ = ["SFTConfig", "SFTReport", "export_model", "lr_factor", "place_model", "run_sft"]
+__all__ = ["SFTConfig", "SFTReport", "export_model", "lr_factor", "place_model", "run_sft", "strip_run_state"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ def _agree_stop(mine: bool, placement: Placement) -> bool:
 
 def _checkpoint(out: str | os.PathLike[str], step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
                 tokenizer: Any, placement: Placement, rank: int) -> None:
+    strip_run_state(model)  # the checkpoint's Hugging Face export must hold a clean config too
     state = ckpt.RunState(step=step, policy_version=step, rng=torch.get_rng_state(), unreleased=[],
                           world_size=placement.world)
     ckpt.save_checkpoint(out, state, model, opt, tokenizer, rank=rank, collective=placement.world > 1)
@@ -178,10 +179,22 @@ def export_model(model: torch.nn.Module, tokenizer: Any, out: str | os.PathLike[
         if sharded else None
     path = Path(out)
     if rank == 0:
+        strip_run_state(model)
         path.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(path, state_dict=full)  # type: ignore[operator]
         tokenizer.save_pretrained(path)
     return path
+
+
+def strip_run_state(model: torch.nn.Module) -> None:
+    """Drop what training recorded on the model's config (packed attention's note of the model's own
+    attention implementation), so that a saved config.json holds only the model's fields."""
+    from earl_stream.workers.packed_attention import BASE_ATTR
+
+    config = model.config
+    if hasattr(config, BASE_ATTR):
+        config._attn_implementation = getattr(config, BASE_ATTR)
+        delattr(config, BASE_ATTR)
 
 
 def _mean(values: list[float]) -> float:
