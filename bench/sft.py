@@ -93,7 +93,7 @@ def main() -> None:
            f"seed={args.seed}); print(json.dumps(r.as_dict()))")
     base_seconds = run([sys.executable, "-c", old], {**env, "PYTHONPATH": args.baseline_src})
     sft_cmd = [sys.executable, "-m", "earl_stream", "sft", "--model", str(sft_dir), "--data", str(data), "--out",
-               str(out_dir), "lr=3e-3", "betas=[0.9,0.98]", "batch_size=16", f"steps={args.steps}", "warmup_steps=20",
+               str(out_dir), "lr=3e-3", "beta2=0.98", "batch_size=16", f"steps={args.steps}", "warmup_steps=20",
                "decay_fraction=0.3", "min_lr_ratio=0.1", "context_weight=0.3", f"seed={args.seed}",
                "micro_batch_tokens=1048576"]
     sft_seconds = run(sft_cmd, {**env, "PYTHONPATH": str(ROOT)})

@@ -178,7 +178,7 @@ def warm_start(
     fmt = ChatFormat(tokenizer)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    cfg = SFTConfig(lr=lr, betas=(0.9, 0.98), batch_size=batch_size, seconds=seconds, warmup_steps=_WARMUP_STEPS,
+    cfg = SFTConfig(lr=lr, beta2=0.98, batch_size=batch_size, seconds=seconds, warmup_steps=_WARMUP_STEPS,
                     decay_fraction=_DECAY_FRACTION, min_lr_ratio=_MIN_LR_FRACTION, context_weight=observation_weight,
                     grad_clip=1.0, micro_batch_tokens=1 << 20, seed=seed)
     # the shared SFT loop (earl_stream.sft), on fresh games every step

@@ -42,7 +42,8 @@ class SFTConfig:
     """Supervised fine-tuning knobs (`earl-stream sft ... key=value`)."""
 
     lr: float = _f(1e-5, "peak learning rate (AdamW)", minimum=0)
-    betas: tuple[float, ...] = _f((0.9, 0.999), "AdamW betas")
+    beta1: float = _f(0.9, "AdamW beta1", minimum=0)
+    beta2: float = _f(0.999, "AdamW beta2", minimum=0)
     weight_decay: float = _f(0.0, "AdamW weight decay", minimum=0)
     batch_size: int = _f(16, "transcripts per optimizer step", minimum=1)
     epochs: float = _f(1.0, "passes over the transcript file (when steps = 0)", minimum=0)
@@ -117,7 +118,8 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, batches: Batches, cfg: SFTCo
             steps: int, out: str | os.PathLike[str] | None = None, rank: int = 0) -> SFTReport:
     """Train `steps` steps (or until `cfg.seconds`) on `batches(step)`; then, with `out`, write the
     final checkpoint and the Hugging Face model directory there. Every rank of the pool calls it."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)  # type: ignore[arg-type]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
     label = str(rank)
     losses: list[float] = []
     examples = tokens = 0
@@ -191,7 +193,7 @@ def strip_run_state(model: torch.nn.Module) -> None:
     attention implementation), so that a saved config.json holds only the model's fields."""
     from earl_stream.workers.packed_attention import BASE_ATTR
 
-    config = model.config
+    config: Any = model.config
     if hasattr(config, BASE_ATTR):
         config._attn_implementation = getattr(config, BASE_ATTR)
         delattr(config, BASE_ATTR)
