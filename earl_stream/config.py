@@ -152,6 +152,26 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation (`earl_stream.algo.distill`): a teacher scores the student's sampled tokens."""
+
+    teacher: str = _f("", "Hugging Face model directory of the teacher (its tokenizer must equal the student's); "
+                      "empty = off")
+    coef: float = _f(0.1, "weight of the per-token reverse KL (student log-prob - teacher log-prob)", minimum=0)
+    mode: str = _f("reward", "reward: the episode's summed reverse KL is subtracted from its reward before the "
+                   "advantages; loss: coef x k2 estimate of the reverse KL per loss token in the policy loss",
+                   choices=("reward", "loss"))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher) and self.coef > 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.teacher, str) and self.teacher:
+            object.__setattr__(self, "teacher", os.path.expanduser(os.path.expandvars(self.teacher)))
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgoConfig:
     """The learning algorithm: advantage estimator, loss shape, off-policy handling, optimisation schedule
     (`earl_stream.algo`). Cross-field rules (e.g. an estimator's smallest group): `earl_stream.algo.checks`."""
@@ -209,6 +229,7 @@ class AlgoConfig:
     routing_replay: str = _f("none", "MoE: rollout = the trainer's routers use the experts the engine chose for each "
                              "token (R3) for the old log-probs and the loss; none = they route on their own",
                              choices=("none", "rollout"))
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     @property
     def updates(self) -> int:
@@ -441,6 +462,10 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
         from earl_stream.model.moe_checks import routing_replay_problems  # reads the model's config.json
 
         out.extend(routing_replay_problems(cfg))
+    if cfg.algo.distill.enabled:
+        from earl_stream.algo.distill import distill_problems  # reads both tokenizers (transformers)
+
+        out.extend(distill_problems(cfg))
     if cfg.model.lora.enabled:
         from earl_stream.model.lora_checks import lora_problems  # reads the model's config (transformers)
 

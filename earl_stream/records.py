@@ -20,6 +20,7 @@ TOKEN_FIELDS: dict[str, np.dtype] = {
     "loss_mask": np.dtype(np.uint8),  # 1 only on the model's own (generated) tokens
     "behaviour_logprobs": np.dtype(np.float32),  # log-prob of each token under the sampling policy; 0 where mask is 0
     "policy_version": np.dtype(np.int32),  # policy version that produced each token; -1 on non-model tokens
+    "teacher_logprobs": np.dtype(np.float32),  # algo.distill's teacher log-prob of each token; 0 where mask is 0 or no teacher
 }
 
 # Routing replay (MoE models, `earl_stream.model.moe`): `SampleRecord.routed_experts` [T, L, k] holds, per
@@ -53,8 +54,11 @@ class SampleRecord:
     # segment `segment` of `segments` (same episode_id, group and reward; its own prompt and loss mask)
     segment: int = 0
     segments: int = 1
+    teacher_logprobs: np.ndarray | None = None  # None: zeros (no teacher scored the episode)
 
     def __post_init__(self) -> None:
+        if self.teacher_logprobs is None:
+            object.__setattr__(self, "teacher_logprobs", np.zeros(self.input_ids.shape[0], np.float32))
         length = None
         for name, dtype in TOKEN_FIELDS.items():
             arr = getattr(self, name)

@@ -254,7 +254,7 @@ def test_builtin_envs_resolve_from_an_uninstalled_source_tree() -> None:
 
 
 def test_the_old_envs_package_name_is_refused_with_the_new_one(tmp_path, monkeypatch) -> None:
-    """Specs written for 0.1 (`envs.tictactoe:TicTacToe`) name the package the environments install as now."""
+    """Specs written for 0.1 (`earl_stream_envs.tictactoe:TicTacToe`) name the package the environments install as now."""
     import pytest
 
     from earl_stream.env import resolve_env
@@ -263,4 +263,4 @@ def test_the_old_envs_package_name_is_refused_with_the_new_one(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)  # not the repository root, whose envs/ folder would import as `envs`
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".")])
     with pytest.raises(EnvError, match="earl_stream_envs.tictactoe:TicTacToe"):
-        resolve_env("envs.tictactoe:TicTacToe")
+        resolve_env("earl_stream_envs.tictactoe:TicTacToe")

@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     from earl_stream.model.commands import add_model_commands
 
     add_model_commands(sub)
+    from earl_stream.cli import sft
+
+    sft.add_parser(sub)
     return parser
 
 
@@ -305,6 +308,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.model.commands import run_model_command
 
         return run_model_command(args)
+    if args.command == "sft":
+        from earl_stream.cli.sft import run_sft_command
+
+        return run_sft_command(args)
     raise AssertionError(args.command)
 
 

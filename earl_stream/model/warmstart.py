@@ -20,14 +20,16 @@ from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from earl_stream.chat import ChatFormat
 from earl_stream.env import StepResult, resolve_env
 from earl_stream.errors import EnvError
 from earl_stream.model.loading import load_model
+from earl_stream.sft.data import Example
+from earl_stream.sft.loop import SFTConfig, place_model, run_sft, strip_run_state
 
 __all__ = ["Game", "GameFactory", "WarmStartReport", "evaluate_game", "resolve_game", "synthetic_episode", "warm_start"]
 
@@ -136,43 +138,14 @@ def synthetic_episode(
         mask += [0] * len(nxt)
 
 
-def _batch(
-    fmt: ChatFormat, tokenizer: PreTrainedTokenizerBase, rng: random.Random, size: int, pad_id: int, game: GameFactory
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`size` synthetic games right-padded: input_ids [B, T] int64 and loss_mask [B, T] bool."""
-    episodes = [synthetic_episode(fmt, tokenizer, rng.getrandbits(31), rng, game) for _ in range(size)]
-    width = max(len(ids) for ids, _ in episodes)
-    input_ids = torch.full((size, width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((size, width), dtype=torch.bool)
-    for row, (ids, mask) in enumerate(episodes):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        loss_mask[row, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
-    return input_ids, loss_mask
-
-
-def _losses(
-    model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy: (mean over model-token targets, mean over other real targets)."""
-    # Right padding needs no attention mask: causal attention never looks ahead at the pads.
-    logits = model(input_ids=input_ids).logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    own = loss_mask[:, 1:]
-    other = (targets != pad_id) & ~own
-    per_token = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-    return per_token[own].mean(), per_token[other].mean()
-
-
-def _lr_factor(step: int, progress: float) -> float:
-    """Linear warmup, constant, then linear decay to _MIN_LR_FRACTION over the last _DECAY_FRACTION.
-
-    `progress` in [0, 1] is the fraction of the budget (time or steps) used so far. A long constant
-    phase matters here: the model sits on a plateau (uniform over digits) until it learns to read
-    the board, and an early decay stretches that plateau.
-    """
-    warm = min(1.0, (step + 1) / _WARMUP_STEPS)
-    decay = min(1.0, max(0.0, (progress - (1.0 - _DECAY_FRACTION)) / _DECAY_FRACTION))
-    return warm * (1.0 - (1.0 - _MIN_LR_FRACTION) * decay)
+def _examples(fmt: ChatFormat, tokenizer: PreTrainedTokenizerBase, rng: random.Random, size: int,
+              game: GameFactory) -> list[Example]:
+    """`size` synthetic games as SFT examples (mask 1 on the model's own tokens)."""
+    out = []
+    for _ in range(size):
+        ids, mask = synthetic_episode(fmt, tokenizer, rng.getrandbits(31), rng, game)
+        out.append(Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))
+    return out
 
 
 def warm_start(
@@ -203,46 +176,27 @@ def warm_start(
     factory = resolve_game(game)
     model, tokenizer = load_model(model_dir)
     fmt = ChatFormat(tokenizer)
-    pad_id = int(tokenizer.pad_token_id)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    model.train()
-    losses: list[float] = []
-    tokens = games = 0
-    start = time.monotonic()
-    while max_steps is None or len(losses) < max_steps:
-        elapsed = time.monotonic() - start
-        if elapsed >= seconds:
-            break
-        progress = max(elapsed / seconds if seconds > 0 else 1.0,
-                       len(losses) / max_steps if max_steps else 0.0)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * _lr_factor(len(losses), progress)
-        input_ids, loss_mask = _batch(fmt, tokenizer, rng, batch_size, pad_id, factory)
-        loss, observation_loss = _losses(model, input_ids, loss_mask, pad_id)
-        optimizer.zero_grad(set_to_none=True)
-        (loss + observation_weight * observation_loss if observation_weight else loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        games += batch_size
-        tokens += int((input_ids != pad_id).sum())
-        if len(losses) % 50 == 0:
-            logger.info("warm start step %d loss %.4f (%.0f s)", len(losses), losses[-1], elapsed)
-    train_seconds = time.monotonic() - start
+    cfg = SFTConfig(lr=lr, beta2=0.98, batch_size=batch_size, seconds=seconds, warmup_steps=_WARMUP_STEPS,
+                    decay_fraction=_DECAY_FRACTION, min_lr_ratio=_MIN_LR_FRACTION, context_weight=observation_weight,
+                    grad_clip=1.0, micro_batch_tokens=1 << 20, seed=seed)
+    # the shared SFT loop (earl_stream.sft), on fresh games every step
+    sft = run_sft(model, tokenizer, lambda _step: _examples(fmt, tokenizer, rng, batch_size, factory), cfg,
+                  place_model(model, cfg), steps=max_steps if max_steps is not None else 1 << 62)
     model.eval()
+    strip_run_state(model)
     model.save_pretrained(model_dir)
     start = time.monotonic()
     legal, win, draw = evaluate_game(model, tokenizer, factory, games=eval_games, seed=seed)
-    window = max(1, min(10, len(losses) // 4))
+    games = sft.examples
     report = WarmStartReport(
-        steps=len(losses),
-        first_loss=_mean(losses[:window]),
-        final_loss=_mean(losses[-window:]),
+        steps=sft.steps,
+        first_loss=sft.first_loss,
+        final_loss=sft.final_loss,
         games_trained=games,
-        train_seconds=round(train_seconds, 2),
-        tokens_per_game=tokens / games if games else float("nan"),
+        train_seconds=sft.train_seconds,
+        tokens_per_game=sft.tokens / games if games else float("nan"),
         legal_rate=legal,
         win_rate=win,
         draw_rate=draw,
@@ -251,10 +205,6 @@ def warm_start(
     )
     logger.info("warm start done: %s", report)
     return report
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 class _Playing:

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -56,6 +56,9 @@ from earl_stream.workers.engines.memory import EngineMemory, engine_memory
 from earl_stream.workers.engines.registry import make_engine
 from earl_stream.workers.engines.weight_swap import SwapMode, SwapTally, swap_weights
 
+if TYPE_CHECKING:
+    from earl_stream.algo.distill import TeacherScorer
+
 log = logging.getLogger(__name__)
 
 
@@ -82,6 +85,7 @@ class RolloutWorker:
         with self._heartbeats_during("engine start"):  # vLLM starts in 30-60 s on CPU, longer than a lease
             self.engine = self._make_engine()
         self.chat = ChatFormat(self.tokenizer)
+        self.teacher = self._make_teacher()
         self.openai_sock, self.openai_url = self._bind_endpoint()
         if self.openai_url:  # the same worker id, now with its endpoint (bound once the run's config was known)
             register(self.client, P.Role.ROLLOUT, host=host, shard_address=self.node.address,
@@ -138,6 +142,18 @@ class RolloutWorker:
             self.tokenizer = load_tokenizer(model_dir)
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
                            kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.weight_swap)
+
+    def _make_teacher(self) -> TeacherScorer | None:
+        """algo.distill's teacher (`algo.distill.TeacherScorer`) on the engine's device, or None when off."""
+        d = self.cfg.algo.distill
+        if not d.enabled:
+            return None
+        from earl_stream.algo.distill import TeacherScorer  # noqa: F811 (imported for its type above)
+
+        device = resolve_device(self.cfg.rollout.device, key="rollout.device",
+                                local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        with self._heartbeats_during("teacher start"):
+            return TeacherScorer(d.teacher, self.tokenizer, device=device, temperature=self.cfg.rollout.temperature)
 
     def _kv_capacity(self, model_dir: Path, memory: EngineMemory) -> int:
         """KV tokens this engine's memory holds (0: unknown); fails at start, saying what the smallest plan
@@ -358,6 +374,8 @@ class RolloutWorker:
             if records is None:
                 await self._call(P.PutMeta(worker_id=self.worker_id, failed_groups=[prompt.group_id]))
                 continue
+            if self.teacher is not None:  # algo.distill: the teacher scores the episodes before they are stored
+                records = await asyncio.to_thread(self.teacher.score, records)
             rows = await asyncio.to_thread(self.writer.put, records)
             await asyncio.to_thread(self._keep_transcripts, records)
             await self._call(P.PutMeta(worker_id=self.worker_id, rows=rows))

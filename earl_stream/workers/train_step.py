@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from earl_stream.algo import distill
 from earl_stream.algo.advantages import EstimatorOptions, compute_advantages, episode_sums
 from earl_stream.algo.losses import kl_estimate, policy_loss, row_weights
 from earl_stream.algo.schedule import apply_lr, kl_factor, lr_factor
@@ -66,6 +67,7 @@ class StepResult:
     stale_frac: float = 0.0  # the part of masked_frac that was too stale
     kl: float = 0.0  # mean per-token KL estimate to the reference (when kl_coef > 0)
     routing_mismatch: float = 0.0  # MoE: fraction of recorded expert choices this rank's routers did not make
+    distill_kl: float = 0.0  # mean per-token reverse KL to algo.distill's teacher (student - teacher log-prob)
     lr: float = 0.0
     updates: int = 0
 
@@ -107,6 +109,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     fields: tuple[str, ...] = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
     replay = RoutingReplay.of(model, algo.routing_replay)  # MoE models: routed experts (workers.routing_replay)
     fields += replay.fields(metas) if replay is not None else ()
+    if algo.distill.enabled and algo.distill.mode == "loss":
+        fields += (distill.FIELD,)
     pull_start = time.monotonic()
     ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} if layout.cp_size > 1 else None
     pulled, lost = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields)
@@ -138,6 +142,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         if run.kl_in_reward:
             rewards -= algo.kl_coef * episode_sums(kl_rows, [episode_key(m) for m in metas])  # segments: one episode
             kl_in_reward = float(kl_rows.sum()) * algo.ppo_epochs  # reported like the in-loss KL sums
+    if algo.distill.enabled and algo.distill.mode == "reward":  # a sequence reward: see algo.distill
+        rewards -= episode_sums(distill.reward_penalties(metas, algo.distill.coef), [episode_key(m) for m in metas])
     advantages = _advantages(metas, rewards, set(lost), algo)
     lr = apply_lr(optimizer, lr_factor(algo, step, run_steps)) if _scheduled(algo) else optimizer.param_groups[0]["lr"]
     norms = [_update(model, optimizer, placement, run, [batches[u, k] for k in range(mini.passes)], advantages)
@@ -152,7 +158,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         masked_frac=(stats["is_masked"] + stats["stale"]) / tokens, stale_frac=stats["stale"] / tokens,
         kl=(stats["kl"] + kl_in_reward) / tokens, lr=float(lr), updates=algo.updates,
         routing_mismatch=replay.take_mismatch() if replay is not None else 0.0,
+        distill_kl=_distill_kl(metas, stats, tokens, algo),
     )
+
+
+def _distill_kl(metas: Sequence[SampleMeta], stats: dict[str, float], tokens: float, algo: AlgoConfig) -> float:
+    if not algo.distill.enabled:
+        return 0.0
+    if algo.distill.mode == "loss":
+        return stats["distill_kl"] / tokens
+    return float(distill.reward_penalties(metas, 1.0).sum()) * algo.ppo_epochs / tokens
 
 
 def _update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, placement: Placement, run: _MicroBatchRunner,
@@ -238,6 +253,8 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
                 v = pulled[i][VERSION]
                 full[r, : len(v)] = torch.from_numpy(v.astype(np.int64))
             versions = full[:, 1:]
+        if distill.FIELD in pulled[rows[0]]:
+            batch[distill.FIELD] = distill.padded_field([pulled[i] for i in rows], mini.windows[k], distill.FIELD)
     stale = 0.0
     if versions is not None:
         old = (versions < min_version) & (batch["loss_mask"] > 0)
@@ -247,7 +264,7 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
     return batch
 
 
-_STATS = ("pg_loss", "mismatch_abs", "clip_frac", "entropy", "ratio_dev", "is_masked", "kl", "stale")
+_STATS = ("pg_loss", "mismatch_abs", "clip_frac", "entropy", "ratio_dev", "is_masked", "kl", "stale", "distill_kl")
 
 
 class _MicroBatchRunner:
@@ -316,7 +333,13 @@ class _MicroBatchRunner:
             terms = policy_loss(view(logp), view(dev["behaviour_logprobs"]), adv.to(logp.device), view(dev["loss_mask"]),
                                 dev["weights"], algo, old_logprobs=view(dev.get("old_logprobs")), ref_logprobs=view(ref),
                                 entropy=view(ent))
-            terms.loss.backward()
+            loss = terms.loss
+            if distill.FIELD in dev and algo.distill.mode == "loss":  # on-policy distillation's term (algo.distill)
+                extra, kl_sum = distill.distill_loss(
+                    view(logp), view(dev[distill.FIELD]), view(dev["loss_mask"]), dev["weights"], algo.distill.coef)
+                loss = loss + extra
+                self.sums["distill_kl"] += kl_sum
+            loss.backward()
         for k, v in terms.stats.items():
             if k in self.sums:
                 self.sums[k] += v
