@@ -91,3 +91,26 @@ def test_the_framework_does_not_import_envs() -> None:
             "print(sorted(m for m in sys.modules if m == 'envs' or m.startswith('envs.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_default_model_ships_with_the_package(tmp_path, monkeypatch, caplog) -> None:
+    """A fresh machine gets the default model from the package (no minutes of warm start before the first step):
+    the shipped build is the current recipe's, unpacks whole, and loads through from_pretrained."""
+    import json
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from earl_stream.model import default as default_model
+
+    monkeypatch.setenv("EARL_STREAM_CACHE", str(tmp_path))
+    assert default_model.packaged_model(default_model.DEFAULT_MODEL_NAME) is not None, "the default model is not shipped"
+    with caplog.at_level(logging.INFO, logger=default_model.__name__):
+        built = default_model.ensure_default_model()
+    assert built == tmp_path / "models" / default_model.DEFAULT_MODEL_NAME
+    assert "copied from the package" in caplog.text
+    meta = json.loads((built / "earl_stream_model.json").read_text())
+    assert meta["name"] == default_model.DEFAULT_MODEL_NAME
+    assert meta["warm_start"]["steps"] == default_model.DEFAULT_WARM_START_STEPS
+    model = AutoModelForCausalLM.from_pretrained(built)
+    assert sum(p.numel() for p in model.parameters()) > 1_000_000
