@@ -85,11 +85,13 @@ class RolloutConfig:
                                   "(continuous batching); false: each batch runs to completion, so a seeded "
                                   "sample does not depend on when its request arrived (padding changes logits "
                                   "by ~1e-6, enough to flip a rare sampled token)")
-    weight_swap: str = _f("drain", "how a rollout engine loads a new policy version: drain = admissions stop until the "
+    weight_swap: str = _f("auto", "how a rollout engine loads a new policy version: drain = admissions stop until the "
                           "running rows end; interrupt = running rows stop at the next decode step and their contexts "
                           "are prefilled again under the new weights; inplace = the weights load between two decode "
                           "steps and rows keep their KV. Tokens carry the version that sampled them in every mode. "
-                          "vllm and sglang: drain only", choices=("drain", "interrupt", "inplace"))
+                          "auto = inplace on the built-in engine (1.48x drain's rollout tokens/s in "
+                          "bench/results/weight_swap.json), drain on vllm and sglang (drain only)",
+                          choices=("auto", "drain", "interrupt", "inplace"))
     temperature: float = _f(1.0, "sampling temperature; the trainer scores samples at the same temperature (its "
                             "log-probs, ratios and entropy are the tempered distribution's, as the engine reports)",
                             minimum=0)
@@ -117,6 +119,13 @@ class RolloutConfig:
                          "summarised, truncated or edited history): split = the episode goes on as a new segment, "
                          "each segment a sample of its own sharing the episode's reward and group; refuse = answered "
                          "400 (code non_append_history), nothing generated", choices=("refuse", "split"))
+
+    @property
+    def swap_mode(self) -> str:
+        """`weight_swap` with `auto` resolved for `engine`: inplace on the built-in engine, drain elsewhere."""
+        if self.weight_swap != "auto":
+            return self.weight_swap
+        return "inplace" if self.engine == "torch" else "drain"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,7 +479,7 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
         from earl_stream.model.lora_checks import lora_problems  # reads the model's config (transformers)
 
         out.extend(lora_problems(cfg))
-    if cfg.rollout.weight_swap != "drain" and cfg.rollout.engine in ("vllm", "sglang"):
+    if cfg.rollout.weight_swap not in ("auto", "drain") and cfg.rollout.engine in ("vllm", "sglang"):
         out.append(f"rollout.weight_swap={cfg.rollout.weight_swap} is not available with rollout.engine="
                    f"{cfg.rollout.engine}: that backend returns whole turns, so it can neither stop rows at a decode "
                    "step nor say which tokens the old weights sampled (make_engine says more); use "

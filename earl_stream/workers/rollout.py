@@ -99,7 +99,7 @@ class RolloutWorker:
         self.episodes_done = 0
         self.tokens_generated = 0
         self.inflight = 0
-        self.swaps = SwapTally(self.cfg.rollout.weight_swap)
+        self.swaps = SwapTally(self.cfg.rollout.swap_mode)
         self.draining = False  # scaled down: finish the groups held, take no new ones, leave when told
         log.info("%s ready: shards at %s, metrics at %s", self.worker_id, self.node.address, self.metrics_address)
 
@@ -141,7 +141,7 @@ class RolloutWorker:
             kv_tokens = self._kv_capacity(model_dir, self.memory)
             self.tokenizer = load_tokenizer(model_dir)
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
-                           kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.weight_swap)
+                           kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.swap_mode)
 
     def _make_teacher(self) -> TeacherScorer | None:
         """algo.distill's teacher (`algo.distill.TeacherScorer`) on the engine's device, or None when off."""
