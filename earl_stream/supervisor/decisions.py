@@ -88,8 +88,8 @@ class PlanDecision:
         `fsdp` shards the states over all of them (and sp): dp replicas, or one FSDP group of dp ranks."""
         p = self.plan
         if p.fsdp and p.dp // p.ep == 1:
-            raise ConfigError(f"plan v{self.version} ({p.describe()}): FSDP over the sequence-parallel or expert-parallel "
-                              "ranks alone is not a trainer plan (fsdp needs >= 2 data ranks per ep group)")
+            raise ConfigError(f"plan v{self.version} ({p.describe()}): FSDP over the sequence-parallel ranks alone (or the "
+                              "expert-parallel ones) is not a trainer plan (fsdp needs >= 2 data ranks per ep group)")
         dtype = _WIRE_DTYPE.get(p.precision)
         if dtype is None or p.recompute is Recompute.SELECTIVE:
             raise ConfigError(f"plan v{self.version}: precision {p.precision.value} / recompute {p.recompute.value} "
