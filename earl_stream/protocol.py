@@ -50,13 +50,14 @@ class TrainerPlan(msgspec.Struct, frozen=True):
     parameters, gradients and optimizer states are sharded over fsdp x sp ranks, torchtitan's
     dp_shard x cp, and under ep over fsdp x ep ranks); `tp`: tensor parallel; `sp`: Ulysses sequence
     parallel; `ep`: expert parallel (the experts of a mixture-of-experts model sharded over ep ranks,
-    tokens dispatched by all-to-all). The `data_ranks` (dp x fsdp x ep) get different rows; the tp x sp ranks of one data rank get the same rows (sp ranks their token
-    slices). `micro_batch_tokens`: the tokens one micro-batch materialises over its sp ranks,
-    `store.layout.materialised_tokens` (packed: its rows' total length with the alignment padding to
-    a multiple of sp; unpacked: rows x longest row, padded; the memory model's b x s: b = 1 and s =
-    the packed length when packed); `predicted_peak_bytes`: the memory model's per-device peak for the
-    worst micro-batch under that bound. `dtype`: "fp32", or "bf16" (bf16 compute, fp32 master
-    weights and optimizer state). `step`: the step at which the supervisor made the plan.
+    tokens dispatched by all-to-all). The `data_ranks` (dp x fsdp x ep) get different rows; the tp x sp
+    ranks of one data rank get the same rows (sp ranks their token slices). `micro_batch_tokens`: the
+    tokens one micro-batch materialises over its sp ranks, `store.layout.materialised_tokens` (packed:
+    its rows' total length with the alignment padding to a multiple of sp; unpacked: rows x longest
+    row, padded; the memory model's b x s: b = 1 and s = the packed length when packed);
+    `predicted_peak_bytes`: the memory model's per-device peak for the worst micro-batch under that
+    bound. `dtype`: "fp32", or "bf16" (bf16 compute, fp32 master weights and optimizer state).
+    `step`: the step at which the supervisor made the plan.
     """
 
     version: int

@@ -142,7 +142,8 @@ class Planner:
                            precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL,
                            lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
-            allow_fsdp=pool and s.allow_fsdp, allow_ep=pool and s.allow_ep, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
+            allow_fsdp=pool and s.allow_fsdp, allow_ep=pool and s.allow_ep,
+            step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
             pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes,
             only=[name for name in s.plans.split("|") if name])
         self.rollout = self._rollout_selector(cfg, shape, thresholds)

@@ -293,7 +293,8 @@ class TrainerSelector(_Selector[PlanDecision]):
     """Chooses dp/tp/sp, FSDP, recomputation and the micro-batch token budget of a trainer pool.
 
     Layouts are `layouts.pool_layouts`'s (tp x sp x dp, with and without FSDP over dp >= 2 data
-    ranks, and with `allow_ep` the expert-parallel degrees of a mixture-of-experts model); the tp x sp sizes the model or the pool cannot take are refused: `refused` lists them with
+    ranks, and with `allow_ep` the expert-parallel degrees of a mixture-of-experts model); the tp x sp
+    sizes (and ep degrees) the model or the pool cannot take are refused: `refused` lists them with
     the reason (status shows it), and each is logged once.
 
     `base` supplies what the selector does not choose (attention kind, precision, logit copies,

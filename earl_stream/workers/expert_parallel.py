@@ -85,12 +85,12 @@ def shard_experts(model: torch.nn.Module, mesh: DeviceMesh) -> list[torch.nn.Par
     if tuple(mesh.mesh_dim_names or ()) != EP_MESH_DIMS:
         raise ConfigError(f"expert parallel needs a mesh with dims {EP_MESH_DIMS}, got {mesh.mesh_dim_names}")
     ep = mesh.size(1)
-    blocks = expert_blocks(model)
+    blocks: list[Any] = expert_blocks(model)
     if not blocks:
         raise ConfigError(f"ep={ep}: {type(model).__name__} has no fused expert blocks to shard")
     out = []
     for block in blocks:
-        experts = block.gate_up_proj.shape[0]
+        experts = int(block.gate_up_proj.shape[0])
         if experts % ep:
             raise ConfigError(f"ep={ep} does not divide the {experts} experts of {type(block).__name__}")
         for name in EXPERT_PARAMS:

@@ -16,8 +16,7 @@ from earl_stream.errors import ConfigError
 from earl_stream.supervisor.cost_model import plan_features
 from earl_stream.supervisor.decisions import PlanDecision, Refusal
 from earl_stream.supervisor.layouts import pool_layouts
-from earl_stream.supervisor.memory_model import (Attention, ModelShape, Phase, Recompute, TrainPlan, expert_params,
-                                                 predict_train_memory)
+from earl_stream.supervisor.memory_model import Attention, ModelShape, Phase, Recompute, TrainPlan, expert_params, predict_train_memory
 from earl_stream.supervisor.selector import MIB, PoolBudget, TrainerSelector, layout_name
 from earl_stream.workers.mesh import RankPlan
 
