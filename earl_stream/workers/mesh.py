@@ -71,8 +71,9 @@ class RankPlan:
 
     @property
     def sharded(self) -> bool:
-        """Parameters are DTensors (FSDP2, tensor or expert parallel); no rank holds the whole model."""
-        return self.fsdp > 1 or self.tp > 1 or self.ep > 1
+        """Every parameter is a DTensor (FSDP2 or tensor parallel); no rank holds the whole model. Under
+        ep alone only the experts are: the embedding and LM head stay plain tensors."""
+        return self.fsdp > 1 or self.tp > 1
 
     @property
     def model_layout(self) -> tuple[int, int, int, int]:
