@@ -296,6 +296,8 @@ class SelectorConfig:
                           "trainer.nproc > 1")
     allow_tp: bool = _f(True, "let trainer plans use tensor parallelism when trainer.nproc > 1")
     allow_sp: bool = _f(True, "let trainer plans use Ulysses sequence parallelism when trainer.nproc > 1")
+    allow_ep: bool = _f(True, "let trainer plans shard the experts of a mixture-of-experts model over ranks (expert "
+                        "parallelism, tokens dispatched by all-to-all) when trainer.nproc > 1")
     attention: str = _f("eager", "how trainer plans size attention: eager = its s x s scores are stored (eager "
                         "attention; also SDPA's math path, e.g. fp32 with grouped KV heads on CUDA); flash = "
                         "they are not (flash or memory-efficient kernels: bf16 sdpa on CUDA)", choices=("eager", "flash"))
@@ -484,13 +486,19 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
                    f"{cfg.rollout.engine}: that backend returns whole turns, so it can neither stop rows at a decode "
                    "step nor say which tokens the old weights sampled (make_engine says more); use "
                    "rollout.weight_swap=drain, or rollout.engine=torch")
-    bad = [n for n in cfg.selector.plans.split("|") if n and not _LAYOUT_NAME.fullmatch(n)]
+    names = [n for n in cfg.selector.plans.split("|") if n]
+    bad = [n for n in names if not _LAYOUT_NAME.fullmatch(n)]
     if bad:
-        out.append(f"selector.plans: {bad} are not layout names (e.g. dp2, fsdp2, tp2, sp2, fsdp2_sp2, each "
-                   "optionally with +rc, '|'-separated)")
+        out.append(f"selector.plans: {bad} are not layout names (e.g. dp2, fsdp2, tp2, sp2, fsdp2_sp2, ep2, fsdp2_ep2, "
+                   "each optionally with +rc, '|'-separated)")
+    if eps := {int(m) for n in names for m in re.findall(r"(?:^|_)ep(\d+)", n)}:
+        from earl_stream.model.moe_checks import expert_parallel_problems  # reads the model's config.json
+
+        out.extend(expert_parallel_problems(cfg, sorted(eps)))
     return out
 
 
-_LAYOUT_NAME = re.compile(r"(dp1|(dp\d+|fsdp\d+|tp\d+|sp\d+)(_(dp\d+|fsdp\d+|tp\d+|sp\d+))*)(\+rc)?")
+_AXIS = r"(dp\d+|fsdp\d+|tp\d+|sp\d+|ep\d+)"
+_LAYOUT_NAME = re.compile(rf"(dp1|{_AXIS}(_{_AXIS})*)(\+rc)?")
 
 

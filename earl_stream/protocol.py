@@ -35,27 +35,29 @@ class Role(str, enum.Enum):
     CLIENT = "client"  # status / env CLI
 
 
-def plan_name(dp: int, fsdp: int, tp: int, sp: int) -> str:
-    """`dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`, ...: the degrees > 1 in the order dp, fsdp, tp, sp;
-    `dp1` for a single rank."""
-    parts = [f"{k}{n}" for k, n in (("dp", dp), ("fsdp", fsdp), ("tp", tp), ("sp", sp)) if n > 1]
+def plan_name(dp: int, fsdp: int, tp: int, sp: int, ep: int = 1) -> str:
+    """`dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`, `ep2`, `fsdp2_ep2`, ...: the degrees > 1 in the order
+    dp, fsdp, tp, sp, ep; `dp1` for a single rank."""
+    parts = [f"{k}{n}" for k, n in (("dp", dp), ("fsdp", fsdp), ("tp", tp), ("sp", sp), ("ep", ep)) if n > 1]
     return "_".join(parts) or "dp1"
 
 
 class TrainerPlan(msgspec.Struct, frozen=True):
     """The trainer pool's parallel plan, version `version`, sized for `design_seq_len`-token episodes.
 
-    A pool of `world` = dp x fsdp x tp x sp ranks. `dp`: data-parallel replicas (weights replicated,
+    A pool of `world` = dp x fsdp x tp x sp x ep ranks. `dp`: data-parallel replicas (weights replicated,
     gradients all-reduced); `fsdp`: FSDP2 shard degree over data ranks (1 = no FSDP; under FSDP the
     parameters, gradients and optimizer states are sharded over fsdp x sp ranks, torchtitan's
-    dp_shard x cp); `tp`: tensor parallel; `sp`: Ulysses sequence parallel. The `data_ranks` (dp x fsdp)
-    get different rows; the tp x sp ranks of one data rank get the same rows (sp ranks their token
-    slices). `micro_batch_tokens`: the tokens one micro-batch materialises over its sp ranks,
-    `store.layout.materialised_tokens` (packed: its rows' total length with the alignment padding to
-    a multiple of sp; unpacked: rows x longest row, padded; the memory model's b x s: b = 1 and s =
-    the packed length when packed); `predicted_peak_bytes`: the memory model's per-device peak for the
-    worst micro-batch under that bound. `dtype`: "fp32", or "bf16" (bf16 compute, fp32 master
-    weights and optimizer state). `step`: the step at which the supervisor made the plan.
+    dp_shard x cp, and under ep over fsdp x ep ranks); `tp`: tensor parallel; `sp`: Ulysses sequence
+    parallel; `ep`: expert parallel (the experts of a mixture-of-experts model sharded over ep ranks,
+    tokens dispatched by all-to-all). The `data_ranks` (dp x fsdp x ep) get different rows; the tp x sp
+    ranks of one data rank get the same rows (sp ranks their token slices). `micro_batch_tokens`: the
+    tokens one micro-batch materialises over its sp ranks, `store.layout.materialised_tokens` (packed:
+    its rows' total length with the alignment padding to a multiple of sp; unpacked: rows x longest
+    row, padded; the memory model's b x s: b = 1 and s = the packed length when packed);
+    `predicted_peak_bytes`: the memory model's per-device peak for the worst micro-batch under that
+    bound. `dtype`: "fp32", or "bf16" (bf16 compute, fp32 master weights and optimizer state).
+    `step`: the step at which the supervisor made the plan.
     """
 
     version: int
@@ -70,9 +72,10 @@ class TrainerPlan(msgspec.Struct, frozen=True):
     predicted_peak_bytes: int
     reason: str
     step: int
+    ep: int = 1  # expert parallel: the experts of each MoE layer sharded over ep ranks (which are data ranks)
 
     def __post_init__(self) -> None:  # msgspec turns a ValueError into a decode error: bad plans never arrive
-        bad = [f"{k}={getattr(self, k)}" for k in ("version", "dp", "fsdp", "tp", "sp", "design_seq_len")
+        bad = [f"{k}={getattr(self, k)}" for k in ("version", "dp", "fsdp", "tp", "sp", "design_seq_len", "ep")
                if getattr(self, k) < 1]
         if self.micro_batch_tokens < self.sp:
             bad.append(f"micro_batch_tokens={self.micro_batch_tokens} < sp={self.sp}")
@@ -84,12 +87,12 @@ class TrainerPlan(msgspec.Struct, frozen=True):
     @property
     def world(self) -> int:
         """Ranks the plan runs on."""
-        return self.dp * self.fsdp * self.tp * self.sp
+        return self.dp * self.fsdp * self.tp * self.sp * self.ep
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that get different rows of a claim (the layout's dp size)."""
-        return self.dp * self.fsdp
+        """Ranks that get different rows of a claim (the layout's dp size; ep ranks are data ranks)."""
+        return self.dp * self.fsdp * self.ep
 
     @property
     def rank_micro_batch_tokens(self) -> int:
@@ -98,9 +101,9 @@ class TrainerPlan(msgspec.Struct, frozen=True):
 
     @property
     def name(self) -> str:
-        """`dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`, ...: the degrees > 1 in the order dp, fsdp,
-        tp, sp; `dp1` for a single rank."""
-        return plan_name(self.dp, self.fsdp, self.tp, self.sp)
+        """`dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`, `ep2`, ...: the degrees > 1 in the order dp,
+        fsdp, tp, sp, ep; `dp1` for a single rank."""
+        return plan_name(self.dp, self.fsdp, self.tp, self.sp, self.ep)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields plus `name`, `world` and `rank_micro_batch_tokens` (status, logs)."""

@@ -1,4 +1,9 @@
-"""Load-time checks of `algo.routing_replay`: what cannot work with the model and the engine.
+"""Load-time checks of `algo.routing_replay` and of expert-parallel layouts: what cannot work with the
+model and the engine.
+
+`expert_parallel_problems`: the ep degrees `selector.plans` names need a mixture-of-experts model
+whose expert count each divides (a dense model, or 6 experts under ep4, is refused at load, not in
+a rank); how ep runs is `workers.expert_parallel`'s.
 
 `earl_stream.config` calls `routing_replay_problems` when routing replay is on and reports its lines
 with every other problem in one `ConfigError`: replay needs a mixture-of-experts model of a family
@@ -13,7 +18,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from earl_stream.model.moe_config import MOE_TYPES, moe_layers
+from earl_stream.model.moe_config import MOE_TYPES, moe_layers, num_experts
 
 if TYPE_CHECKING:
     from earl_stream.config import RunConfig
@@ -44,3 +49,22 @@ def routing_replay_problems(cfg: RunConfig) -> list[str]:
         out.append(f"algo.routing_replay={mode}: model {cfg.model.path} (model_type={kind!r}) has no routed expert "
                    f"layers of a supported family ({', '.join(sorted(MOE_TYPES))}); set algo.routing_replay=none")
     return out
+
+
+def expert_parallel_problems(cfg: RunConfig, degrees: list[int]) -> list[str]:
+    """One line per ep degree of `selector.plans` the model cannot take ([] when every one can)."""
+    names = ", ".join(f"ep{n}" for n in degrees)
+    if not cfg.model.path:
+        return [f"selector.plans names {names}: the embedded default model is dense (no experts to shard); set "
+                "model.path to a mixture-of-experts model or drop the ep layouts"]
+    config_file = Path(cfg.model.path) / "config.json"
+    try:
+        d = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"selector.plans names {names}: cannot read {config_file}: {exc}"]
+    if not moe_layers(d):
+        return [f"selector.plans names {names}: model {cfg.model.path} (model_type={d.get('model_type')!r}) is dense "
+                "(no routed experts to shard); drop the ep layouts"]
+    experts = num_experts(d)
+    return [f"selector.plans: ep{n} does not divide the {experts} experts per layer of {cfg.model.path}"
+            for n in degrees if experts % n]

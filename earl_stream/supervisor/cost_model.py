@@ -19,7 +19,14 @@ Per micro-batch on one device (n = b s / sp tokens outside attention, N = matrix
   (`seconds_per_collective`, 3 per layer and micro-batch) is on the critical path; DDP: one all-reduce
   of the grads per step over the dp x sp ranks that hold a replica (sp ranks train different tokens of
   the same weights), 2 P (dp sp - 1)/(dp sp) bytes; both spread over the step's micro-batches;
-* eager attention also pays memory-bound passes over the a s^2 b scores (softmax, mask, grads).
+* eager attention also pays memory-bound passes over the a s^2 b scores (softmax, mask, grads);
+* mixture-of-experts models compute with their *active* parameters (the top_k experts a token goes
+  through, `ModelShape.layer_matrix_params(active=True)`), whatever the plan; under expert parallel
+  (ep) each MoE layer sends its n top_k hidden rows to the experts' owners and back, forward and
+  backward: 4 all-to-alls of n k h e bytes, (ep-1)/ep of them leaving the device (+2 under full
+  recomputation), 6 collective calls per MoE layer (the counts and expert ids exchanged too); the
+  experts' gradients are all-reduced over the dp/ep ranks that hold the same experts only, and FSDP
+  neither gathers nor reduce-scatters them.
 Time of a micro-batch = seconds_per_flop * flops + seconds_per_byte * bytes + seconds_per_score * scores
 + fixed_seconds; a step adds step_fixed_seconds once (optimizer step, gradient clipping, per-step
 Python), which only steps with different numbers of micro-batches can tell apart from fixed_seconds,
@@ -38,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from earl_stream.errors import ConfigError
-from earl_stream.supervisor.memory_model import Attention, FitCheck, ModelShape, Recompute, TrainPlan
+from earl_stream.supervisor.memory_model import Attention, FitCheck, ModelShape, Recompute, TrainPlan, expert_params
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +66,7 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
     b, s, t, p = plan.micro_batch, plan.seq_len, plan.tp, plan.sp
     L, h, a, d = shape.num_layers, shape.hidden_size, shape.num_heads, shape.head_dim
     n = b * s / p
-    matrices = L * shape.layer_matrix_params() + shape.vocab_size * h  # the lm_head matmul too
+    matrices = L * shape.layer_matrix_params(active=True) + shape.vocab_size * h  # the lm_head matmul too
     # forward + backward (x2; x1 under LoRA: a frozen weight needs no weight gradient) (+ recomputed forward)
     forward_factor = (2 if plan.lora_params else 3) + (1 if plan.recompute is Recompute.FULL else 0)
     attn_factor = 4 if plan.recompute is not Recompute.NONE else 3
@@ -70,7 +77,14 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
         comm += L * 4 * n * h * e * 2 * (t - 1) / t
     if p > 1:
         comm += L * 8 * n * h * e * (p - 1) / p
-    params, replicas = shape.num_params() / t, plan.dp * p
+    experts = expert_params(shape) if plan.ep > 1 else 0  # ep: synced apart, over dp / ep replicas
+    if experts:
+        again = 1.5 if plan.recompute is Recompute.FULL else 1.0
+        comm += shape.moe_layers * 4 * again * n * shape.top_k * h * e * (plan.ep - 1) / plan.ep
+        expert_replicas = plan.dp // plan.ep
+        if expert_replicas > 1:
+            comm += experts / plan.ep * g_bytes * 2 * (expert_replicas - 1) / expert_replicas / accumulation_steps
+    params, replicas = shape.num_params() / t - experts, plan.dp * p
     trained = plan.lora_params or params  # LoRA: only the adapters' gradients are reduced
     if plan.fsdp and replicas > 1:  # once per step: on GPUs the per-micro-batch gathers overlap compute
         comm += (params * 2 * w_bytes + trained * g_bytes) * (replicas - 1) / replicas / accumulation_steps
@@ -78,10 +92,10 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
         comm += trained * g_bytes * 2 * (replicas - 1) / replicas / accumulation_steps
     scores = b * a * s * s / (t * p) if plan.attention is Attention.EAGER else 0.0
     return PlanFeatures(flops=flops, comm_bytes=comm, score_elements=scores, tokens=plan.dp * b * s,
-                        collectives=_collectives(L, plan, accumulation_steps))
+                        collectives=_collectives(L, plan, accumulation_steps, moe_layers=shape.moe_layers))
 
 
-def _collectives(layers: int, plan: TrainPlan, accumulation_steps: int) -> float:
+def _collectives(layers: int, plan: TrainPlan, accumulation_steps: int, *, moe_layers: int = 0) -> float:
     """Collective calls per device in one micro-batch (the `seconds_per_collective` feature)."""
     again = 1.5 if plan.recompute is Recompute.FULL else 1.0  # a recomputed forward repeats its collectives
     calls = 0.0
@@ -89,6 +103,8 @@ def _collectives(layers: int, plan: TrainPlan, accumulation_steps: int) -> float
         calls += 4 * layers * again + 4  # + the vocab-parallel log-prob reductions
     if plan.sp > 1:
         calls += 8 * layers * again
+    if plan.ep > 1:  # forward: counts, expert ids, rows out, rows back; backward: rows both ways
+        calls += 6 * moe_layers * again
     replicas = plan.dp * plan.sp
     if plan.fsdp and replicas > 1:
         calls += 3 * (layers + 1)  # per layer group and the root: gather, re-gather, reduce-scatter

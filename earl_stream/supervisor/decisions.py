@@ -87,17 +87,18 @@ class PlanDecision:
         """The plan as the trainer pool receives it. The memory model's dp counts every data rank and
         `fsdp` shards the states over all of them (and sp): dp replicas, or one FSDP group of dp ranks."""
         p = self.plan
-        if p.fsdp and p.dp == 1:
-            raise ConfigError(f"plan v{self.version} ({p.describe()}): FSDP over the sequence-parallel ranks alone "
-                              "is not a trainer plan (fsdp needs >= 2 data ranks)")
+        if p.fsdp and p.dp // p.ep == 1:
+            raise ConfigError(f"plan v{self.version} ({p.describe()}): FSDP over the sequence-parallel ranks alone (or the "
+                              "expert-parallel ones) is not a trainer plan (fsdp needs >= 2 data ranks per ep group)")
         dtype = _WIRE_DTYPE.get(p.precision)
         if dtype is None or p.recompute is Recompute.SELECTIVE:
             raise ConfigError(f"plan v{self.version}: precision {p.precision.value} / recompute {p.recompute.value} "
                               f"is not something the trainer runs (dtype {list(DTYPE_PRECISION)}, recompute none/full)")
-        return TrainerPlan(version=self.version, dp=1 if p.fsdp else p.dp, fsdp=p.dp if p.fsdp else 1, tp=p.tp,
+        data = p.dp // p.ep  # ep ranks are data ranks: the trainer's dp x fsdp x ep = the memory model's dp
+        return TrainerPlan(version=self.version, dp=1 if p.fsdp else data, fsdp=data if p.fsdp else 1, tp=p.tp,
                            sp=p.sp, micro_batch_tokens=self.micro_batch_tokens, recompute=p.recompute is Recompute.FULL,
                            dtype=dtype, design_seq_len=self.design_seq_len,
-                           predicted_peak_bytes=self.predicted_peak_bytes, reason=self.reason, step=self.step)
+                           predicted_peak_bytes=self.predicted_peak_bytes, reason=self.reason, step=self.step, ep=p.ep)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PlanDecision:

@@ -26,6 +26,11 @@ the weight-gradient temporary); (c) the last layer's backward: the other layers'
 that layer's own peak (softmax backward holds the probs, their grad and the scores' grad, 12 a s^2 b
 bytes; the SwiGLU backward adds 2 e s b I; a tied embedding's lm_head weight gradient waits in
 autograd's input buffer meanwhile); (d) the optimizer step's temporaries.
+Expert parallel (`TrainPlan.ep`, mixture-of-experts models): each device holds E/ep of every MoE
+layer's experts (weights, gradients, optimizer state; FSDP does not shard them further, nor gather
+them per layer) and, while a layer runs, its dispatch buffers: the N x top_k hidden rows sent, those
+received, the experts' outputs and those coming back (4 e N k h bytes; the received count is the
+average, a router that sends every token to one rank's experts holds more).
 Not modelled (keep a reserve for them): communication buffers (TP all-reduce, Ulysses all-to-all,
 DDP buckets), the runtime itself, and allocator slack. On CPU, glibc keeps freed blocks unless
 MALLOC_MMAP_THRESHOLD_ is fixed (e.g. 65536); bench/memory_model.py measured +22% RSS without it.
@@ -93,6 +98,9 @@ class Phase(enum.Enum):
 class TrainPlan:
     """How one training micro-batch runs. Devices = dp * tp * sp.
 
+    `ep`: expert parallel degree (mixture-of-experts models; divides dp: ep ranks are data ranks),
+    experts sharded ep-way; with fsdp the rest of the model is sharded over dp * sp as without ep.
+
     sp is Ulysses-style sequence parallelism (tokens split outside attention, heads inside); with
     fsdp the states are sharded over dp * sp (as FSDP over the whole non-tensor-parallel group).
     `sequence_parallel` is Megatron's SP inside the tensor-parallel group (splits the replicated
@@ -113,6 +121,7 @@ class TrainPlan:
     shard_logits: bool = True
     foreach_optimizer: bool = False  # torch's foreach AdamW (CUDA default) holds one fp32 copy of the states
     lora_params: int = 0  # LoRA (model.lora): adapter parameters of the whole model, the base frozen; 0 = full
+    ep: int = 1
 
     @property
     def devices(self) -> int:
@@ -120,7 +129,8 @@ class TrainPlan:
 
     def describe(self) -> str:
         megatron_sp = " (sequence parallel)" if self.sequence_parallel else ""
-        return (f"dp={self.dp} tp={self.tp}{megatron_sp} sp={self.sp} fsdp={self.fsdp} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"dp={self.dp} tp={self.tp}{megatron_sp} sp={self.sp}{ep} fsdp={self.fsdp} "
                 f"recompute={self.recompute.value} attention={self.attention.value} "
                 f"micro_batch={self.micro_batch} seq_len={self.seq_len}")
 
@@ -168,8 +178,11 @@ class LayerActivations:
 
 
 def _check_plan(shape: ModelShape, plan: TrainPlan) -> None:
-    bad = [f"{k}={getattr(plan, k)}" for k in ("micro_batch", "seq_len", "dp", "tp", "sp", "logit_copies")
+    bad = [f"{k}={getattr(plan, k)}" for k in ("micro_batch", "seq_len", "dp", "tp", "sp", "logit_copies", "ep")
            if getattr(plan, k) < 1]
+    if plan.ep > 1 and (plan.dp % plan.ep or not shape.is_moe or shape.num_experts % plan.ep or plan.tp * plan.sp > 1):
+        bad.append(f"ep={plan.ep} needs a mixture-of-experts model whose {shape.num_experts} experts it divides, "
+                   f"dp={plan.dp} it divides, and tp = sp = 1")
     if shape.num_heads % (plan.tp * plan.sp):
         bad.append(f"tp*sp={plan.tp * plan.sp} does not divide num_heads={shape.num_heads}")
     if plan.seq_len % plan.sp:
@@ -235,13 +248,19 @@ def _device_params(shape: ModelShape, tp: int) -> float:
             + shape.embedding_params() / tp + shape.hidden_size)
 
 
+def expert_params(shape: ModelShape) -> int:
+    """Parameters of every routed expert of the model (gate, up and down of each; routers excluded)."""
+    return shape.moe_layers * shape.num_experts * 3 * shape.hidden_size * shape.expert_size
+
+
 def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     """Peak bytes on one device for one micro-batch step (forward, backward, optimizer step): the
     largest of the four phases in the module docstring, on top of weights, grads and optimizer states.
     """
     lay = layer_activation_bytes(shape, plan)
     shards = plan.dp * plan.sp if plan.fsdp else 1
-    params = _device_params(shape, plan.tp) / shards
+    experts = expert_params(shape) if plan.ep > 1 else 0  # ep: E/ep experts per device, outside FSDP
+    params = (_device_params(shape, plan.tp) - experts) / shards + experts / plan.ep
     w_bytes, grad_bytes, opt_bytes, e = plan.precision.element_bytes
     # LoRA: the frozen base has weights only; the adapters have weights, gradients and AdamW state
     trained = plan.lora_params / shards if plan.lora_params else params
@@ -255,7 +274,7 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     head_norm = lay.replicated_bytes / 2
     fsdp_buf = 0.0
     if plan.fsdp:  # the unsharded weights of the current and the prefetched layer, one layer's full grads
-        layer_p = shape.layer_matrix_params() / t + shape.layer_small_params()
+        layer_p = shape.layer_matrix_params() / t + shape.layer_small_params() - experts / shape.num_layers
         layer_grads = plan.lora_params / shape.num_layers if plan.lora_params else layer_p
         fsdp_buf = layer_p * 2 * w_bytes + layer_grads * grad_bytes
     extra_logits = n * vocab * e if e < 4 else 0.0  # the lm_head output before the fp32 upcast
@@ -267,12 +286,13 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     # embedding's own contribution arrives at the very end of the backward.
     tied_wait = lm_w_grad if shape.tie_word_embeddings else 0.0
     biggest = min(max(shape.vocab_size, shape.intermediate_size) * shape.hidden_size / t, trained)
+    dispatch = 4 * e * n * shape.top_k * shape.hidden_size if plan.ep > 1 else 0.0  # one MoE layer's rows in flight
     phases = [
         (Phase.LOSS, kept + head_norm, plan.logit_copies * logit + extra_logits, ckpt_mask + fsdp_buf),
         (Phase.LM_HEAD_BACKWARD, kept + head_norm, logit,
          lay.residual_grad_bytes + lm_w_grad + ckpt_mask + fsdp_buf),
         (Phase.LAYER_BACKWARD, (L - 1) * (lay.input_bytes if full else lay.saved_bytes), 0.0,
-         lay.backward_peak_bytes + ckpt_mask + tied_wait + fsdp_buf),
+         lay.backward_peak_bytes + ckpt_mask + tied_wait + fsdp_buf + dispatch),
         # single-tensor AdamW: sqrt and division temporaries of the biggest tensor (fp32 master)
         (Phase.OPTIMIZER, 0.0, 0.0, trained * 4 if plan.foreach_optimizer else 2 * biggest * 4),
     ]

@@ -142,7 +142,8 @@ class Planner:
                            precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL,
                            lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
-            allow_fsdp=pool and s.allow_fsdp, step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
+            allow_fsdp=pool and s.allow_fsdp, allow_ep=pool and s.allow_ep,
+            step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
             pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes,
             only=[name for name in s.plans.split("|") if name])
         self.rollout = self._rollout_selector(cfg, shape, thresholds)
@@ -302,8 +303,8 @@ class Planner:
     def _note_running(self, plan: TrainerPlan | None) -> None:
         """The layout the trainer pool holds now: the selector weighs each plan's switch from it."""
         if self.trainer is not None and plan is not None:
-            self.trainer.running = dataclasses.replace(self.trainer.base, dp=plan.dp * plan.fsdp, fsdp=plan.fsdp > 1,
-                                                       tp=plan.tp, sp=plan.sp)
+            self.trainer.running = dataclasses.replace(self.trainer.base, dp=plan.dp * plan.fsdp * plan.ep,
+                                                       fsdp=plan.fsdp > 1, tp=plan.tp, sp=plan.sp, ep=plan.ep)
 
     def snapshot(self) -> PlannerState:
         return PlannerState(trainer=self.trainer_plan, rollout=self.rollout_plan, issued=list(self._issued.values()),

@@ -283,8 +283,9 @@ class _Selector(Generic[_D]):
 
 def layout_name(plan: TrainPlan) -> str:
     """A memory-model plan as `selector.plans` names it: the trainer plan's name (`dp2`, `fsdp2`, `tp2`,
-    `fsdp2_sp2`, ...), with `+rc` under full recomputation."""
-    name = plan_name(1 if plan.fsdp else plan.dp, plan.dp if plan.fsdp else 1, plan.tp, plan.sp)
+    `fsdp2_sp2`, `ep2`, `fsdp2_ep2`, ...), with `+rc` under full recomputation."""
+    data = plan.dp // plan.ep  # ep ranks are data ranks: dp (or fsdp) names the rest
+    name = plan_name(1 if plan.fsdp else data, data if plan.fsdp else 1, plan.tp, plan.sp, plan.ep)
     return name + ("+rc" if plan.recompute is Recompute.FULL else "")
 
 
@@ -292,7 +293,8 @@ class TrainerSelector(_Selector[PlanDecision]):
     """Chooses dp/tp/sp, FSDP, recomputation and the micro-batch token budget of a trainer pool.
 
     Layouts are `layouts.pool_layouts`'s (tp x sp x dp, with and without FSDP over dp >= 2 data
-    ranks); the tp x sp sizes the model or the pool cannot take are refused: `refused` lists them with
+    ranks, and with `allow_ep` the expert-parallel degrees of a mixture-of-experts model); the tp x sp
+    sizes (and ep degrees) the model or the pool cannot take are refused: `refused` lists them with
     the reason (status shows it), and each is logged once.
 
     `base` supplies what the selector does not choose (attention kind, precision, logit copies,
@@ -313,7 +315,8 @@ class TrainerSelector(_Selector[PlanDecision]):
     def __init__(self, shape: ModelShape, budget: PoolBudget, *, base: TrainPlan, thresholds: Thresholds | None = None,
                  cost_model: StepCostModel | None = None, pool: str = "trainer",
                  recomputes: Sequence[Recompute] = (Recompute.NONE, Recompute.FULL), allow_tp: bool = True,
-                 allow_sp: bool = True, allow_fsdp: bool = True, max_micro_batch_tokens: int = 1 << 16,
+                 allow_sp: bool = True, allow_fsdp: bool = True, allow_ep: bool = False,
+                 max_micro_batch_tokens: int = 1 << 16,
                  step_sequences: int = 1, pad_aware: bool = False, prior_fill: float = 0.75,
                  reshard_bucket_bytes: int = 64 * MIB, only: Sequence[str] = ()) -> None:
         super().__init__(budget, thresholds, pool)
@@ -326,7 +329,7 @@ class TrainerSelector(_Selector[PlanDecision]):
         self.shape, self.base = shape, base
         self.cost_model = cost_model or StepCostModel()
         self.recomputes = tuple(recomputes)
-        self.allow_tp, self.allow_sp, self.allow_fsdp = allow_tp, allow_sp, allow_fsdp
+        self.allow_tp, self.allow_sp, self.allow_fsdp, self.allow_ep = allow_tp, allow_sp, allow_fsdp, allow_ep
         self.max_micro_batch_tokens, self.step_sequences = max_micro_batch_tokens, step_sequences
         if not 0 < prior_fill <= 1:
             raise ConfigError(f"prior_fill={prior_fill} must be within (0, 1]")
@@ -342,7 +345,7 @@ class TrainerSelector(_Selector[PlanDecision]):
         that the model and the pool can take; sets `refused` to those they cannot."""
         out, refused = pool_layouts(self.shape, self.base, self.budget.devices, design_seq_len,
                                     recomputes=self.recomputes, allow_tp=self.allow_tp, allow_sp=self.allow_sp,
-                                    allow_fsdp=self.allow_fsdp)
+                                    allow_fsdp=self.allow_fsdp, allow_ep=self.allow_ep)
         if self.only:
             refused += [Refusal(layout_name(p), "not among selector.plans") for p in out
                         if layout_name(p) not in self.only]

@@ -17,6 +17,8 @@ either plan and returns its highest point. Under tensor parallelism q/k/v/gate/u
 biases) are split on their rows, o/down weights on their columns, the embedding and LM head on the
 vocabulary; norms and the row-wise biases stay whole. FSDP splits every tensor over dp x sp ranks
 (on top of tp). The largest share (the first rank's, FSDP's chunks are ceil-sized) is counted.
+A mixture-of-experts layer holds its router and its fused experts (gate_up [E, 2I, h], down [E, h, I])
+instead of a dense MLP; expert parallel (ep) splits the experts' dim 0 ep-way and FSDP leaves them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class _Tensor:
     cols: int
     tp_dim: int | None
     trained: bool = True  # has AdamW state (False: LoRA's frozen base)
+    expert: bool = False  # a fused expert tensor (rows = experts x ...): split by ep, not by FSDP
 
     @property
     def numel(self) -> int:
@@ -69,10 +72,10 @@ class SwitchMemory:
         return self.peak_bytes > 0
 
 
-def model_layout(plan: TrainPlan) -> tuple[int, int]:
+def model_layout(plan: TrainPlan) -> tuple[int, int, int]:
     """What the placement of the parameters depends on (as `workers.mesh.RankPlan.model_layout`):
-    FSDP's shard degree (dp x sp; 0 without FSDP) and the tp degree."""
-    return (plan.dp * plan.sp if plan.fsdp else 0, plan.tp)
+    FSDP's shard degree (dp x sp; 0 without FSDP), the tp degree and the ep degree."""
+    return (plan.dp * plan.sp if plan.fsdp else 0, plan.tp, plan.ep)
 
 
 def _tensors(shape: ModelShape) -> Iterator[_Tensor]:
@@ -80,7 +83,7 @@ def _tensors(shape: ModelShape) -> Iterator[_Tensor]:
     h, inter, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     yield _Tensor(v, h, 0)  # embed_tokens
-    for _ in range(shape.num_layers):
+    for layer in range(shape.num_layers):
         for out in (q, kv, kv):
             yield _Tensor(out, h, 0)
             if shape.qkv_bias:
@@ -88,6 +91,13 @@ def _tensors(shape: ModelShape) -> Iterator[_Tensor]:
         yield _Tensor(h, q, 1)
         if shape.o_bias:
             yield _Tensor(h, 1, None)
+        if layer < shape.moe_layers:  # router, then the fused experts (order within a layer barely matters)
+            e, es = shape.num_experts, shape.expert_size
+            yield from (_Tensor(e, h, None), _Tensor(e * 2 * es, h, None, expert=True),
+                        _Tensor(e * h, es, None, expert=True))
+            yield _Tensor(h, 1, None)
+            yield _Tensor(h, 1, None)
+            continue
         for dims in ((inter, h, 0), (inter, h, 0), (h, inter, 1)):
             yield _Tensor(*dims)
             if shape.mlp_bias:
@@ -113,6 +123,8 @@ def _share(t: _Tensor, plan: TrainPlan) -> tuple[int, bool]:
     """(elements on the fullest rank, whether the tensor is a DTensor) of `t` under `plan`."""
     rows, cols = t.rows, t.cols
     split = False
+    if t.expert and plan.ep > 1:
+        return rows // plan.ep * cols, True
     if plan.tp > 1 and t.tp_dim is not None:
         rows, cols = (rows // plan.tp, cols) if t.tp_dim == 0 else (rows, cols // plan.tp)
         split = True
@@ -181,7 +193,8 @@ def _buckets(items: list[tuple[int, int, bool, int, bool]], bucket_bytes: int
 
 def plan_label(plan: TrainPlan) -> str:
     """The trainer's name of `plan` (`protocol.plan_name`: dp2, fsdp2, tp2, fsdp2_sp2, ...)."""
-    return plan_name(1 if plan.fsdp else plan.dp, plan.dp if plan.fsdp else 1, plan.tp, plan.sp)
+    data = plan.dp // plan.ep
+    return plan_name(1 if plan.fsdp else data, data if plan.fsdp else 1, plan.tp, plan.sp, plan.ep)
 
 
 def switch_refusal(shape: ModelShape, old: TrainPlan, new: TrainPlan, bucket_bytes: int, *, budget_bytes: int,

@@ -1,7 +1,8 @@
 """A trainer rank's place in its pool under a plan, and the model placement that plan implies.
 
 Owns `RankPlan` (the knobs a trainer rank applies at a step boundary: dp replicas x FSDP2 shards x
-tensor parallel x Ulysses sequence parallel, micro-batch budget, recomputation, precision) and
+tensor parallel x Ulysses sequence parallel x expert parallel, micro-batch budget, recomputation,
+precision) and
 `TrainerMesh`, which turns a plan into this rank's `Placement`: its store `Layout`, the process
 groups and `DeviceMesh` the plan needs (created once per shape, collectively, at the step boundary
 where every rank adopts the plan), and how gradients are reduced and clipped. Laying a model out
@@ -12,6 +13,12 @@ then the data ranks (dp replicas x fsdp shards). The model's DeviceMesh under FS
 (replicate=dp, shard=fsdp*sp, tp): states are sharded over the fsdp and sp ranks together (as
 torchtitan's dp_shard x cp), so FSDP's reduce-scatter also sums the sp ranks' partial gradients.
 Without FSDP the gradients are all-reduced over every rank of the same tp rank (the data group).
+
+Expert parallel (ep, mixture-of-experts models, tp = sp = 1): the ep ranks are data ranks too (they
+train different rows: data index = (dp index x fsdp + fsdp index) x ep + ep index, ep innermost), and
+the experts of each layer are sharded over them (`workers.expert_parallel`) on a mesh (edp, ep) of
+its own: the experts' gradients are summed over the edp ranks that hold the same experts, never by
+FSDP. The rest of the model is replicated (no FSDP) or FSDP-sharded over fsdp x ep ranks.
 Gradients are summed, never averaged: the loss is normalised by the claim's token count.
 """
 
@@ -31,11 +38,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from earl_stream.errors import ConfigError
 from earl_stream.protocol import plan_name
 from earl_stream.store.layout import Layout
+from earl_stream.workers.expert_parallel import EP_MESH_DIMS, ep_problems, is_expert_param
 
 
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
-    """What a trainer rank runs. Ranks = dp * fsdp * tp * sp.
+    """What a trainer rank runs. Ranks = dp * fsdp * tp * sp * ep.
 
     `micro_batch_tokens` is in `store.layout.partition`'s units: tokens one sp rank materialises per
     micro-batch, `store.layout.materialised_tokens(rows, sp) // sp` (packed: its slice of the rows'
@@ -50,31 +58,34 @@ class RankPlan:
     micro_batch_tokens: int = 8192
     recompute: bool = False
     dtype: str = "fp32"
+    ep: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.fsdp * self.tp * self.sp
+        return self.dp * self.fsdp * self.tp * self.sp * self.ep
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that train different rows (the store layout's dp axis)."""
-        return self.dp * self.fsdp
+        """Ranks that train different rows (the store layout's dp axis): ep ranks are data ranks."""
+        return self.dp * self.fsdp * self.ep
 
     @property
     def sharded(self) -> bool:
-        """Parameters are DTensors (FSDP2 or tensor parallel); no rank holds the whole model."""
+        """Every parameter is a DTensor (FSDP2 or tensor parallel); no rank holds the whole model. Under
+        ep alone only the experts are: the embedding and LM head stay plain tensors."""
         return self.fsdp > 1 or self.tp > 1
 
     @property
-    def model_layout(self) -> tuple[int, int, int]:
-        """What the parameters' placement depends on (FSDP's (replicate, shard) mesh and tp); a plan
-        change that keeps it re-lays nothing."""
-        return (self.dp, self.fsdp * self.sp, self.tp) if self.fsdp > 1 else (0, 0, self.tp)
+    def model_layout(self) -> tuple[int, int, int, int]:
+        """What the parameters' placement depends on (FSDP's (replicate, shard) mesh, tp and ep); a
+        plan change that keeps it re-lays nothing."""
+        fsdp = (self.dp, self.fsdp * self.sp * self.ep) if self.fsdp > 1 else (0, 0)
+        return (*fsdp, self.tp, self.ep)
 
     @property
     def name(self) -> str:
-        """e.g. `dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`; `dp1` for a single rank."""
-        return plan_name(self.dp, self.fsdp, self.tp, self.sp)
+        """e.g. `dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`, `ep2`, `fsdp2_ep2`; `dp1` for a single rank."""
+        return plan_name(self.dp, self.fsdp, self.tp, self.sp, self.ep)
 
     def layout(self, rank: int) -> Layout:
         return Layout.from_rank(rank, dp=self.data_ranks, tp=self.tp, cp=self.sp)
@@ -84,24 +95,30 @@ class RankPlan:
         """From the control plane's `protocol.TrainerPlan` (or anything with the same attributes)."""
         return cls(dp=int(plan.dp), fsdp=int(plan.fsdp), tp=int(plan.tp), sp=int(plan.sp),
                    micro_batch_tokens=max(1, int(plan.micro_batch_tokens) // max(1, int(plan.sp))),
-                   recompute=bool(plan.recompute), dtype=str(getattr(plan, "dtype", "") or dtype))
+                   recompute=bool(plan.recompute), dtype=str(getattr(plan, "dtype", "") or dtype),
+                   ep=int(getattr(plan, "ep", 1) or 1))
 
     def problems(self, world: int, config: Any) -> list[str]:
         """Why this rank pool (of `world` ranks) cannot run the plan on a model with HF `config`."""
         out = []
-        for axis in ("dp", "fsdp", "tp", "sp"):
+        for axis in ("dp", "fsdp", "tp", "sp", "ep"):
             if getattr(self, axis) < 1:
                 out.append(f"{axis}={getattr(self, axis)} must be >= 1")
         if out:
             return out
         if self.world != world:
-            out.append(f"dp x fsdp x tp x sp = {self.world} but the pool has {world} ranks")
+            out.append(f"dp x fsdp x tp x sp x ep = {self.world} but the pool has {world} ranks")
         heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         if heads % (self.tp * self.sp):
             out.append(f"tp x sp = {self.tp * self.sp} does not divide the {heads} attention heads")
         if (self.tp > 1 or self.sp > 1) and (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
             out.append(f"tp={self.tp}, sp={self.sp}: mixture-of-experts blocks are not tensor or sequence parallel "
                        "in this version (use dp / fsdp)")
+        if self.ep > 1:
+            out += ep_problems(config, self.ep)
+            if self.tp > 1 or self.sp > 1:
+                out.append(f"ep={self.ep} with tp={self.tp}, sp={self.sp}: expert parallel runs with dp / fsdp only "
+                           "(tensor and sequence parallel do not split expert blocks in this version)")
         if self.tp > 1:
             for what, size in (("key/value heads", kv), ("vocabulary", config.vocab_size),
                                ("intermediate size", config.intermediate_size)):
@@ -123,6 +140,7 @@ class Placement:
     tp_group: Any = None  # vocab-parallel reductions; None when tp == 1
     sp_group: Any = None  # Ulysses all-to-alls; None when sp == 1
     data_group: Any = None  # manual gradient all-reduce (FSDP reduces by itself); WORLD when None and world > 1
+    ep_mesh: DeviceMesh | None = None  # the experts' (edp, ep) mesh; None when ep == 1
 
     @property
     def world(self) -> int:
@@ -134,8 +152,9 @@ class Placement:
 
     @property
     def lockstep(self) -> bool:
-        """Every data rank runs the same number of forward/backward passes (FSDP gathers in each)."""
-        return self.plan.fsdp > 1
+        """Every data rank runs the same number of forward/backward passes (FSDP gathers in each; ep
+        exchanges tokens in each)."""
+        return self.plan.fsdp > 1 or self.plan.ep > 1
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -181,15 +200,16 @@ class TrainerMesh:
             return Placement(plan=plan, layout=layout, device=self.device)
         mesh = tp_group = data_group = None
         if plan.fsdp > 1:
-            mesh = self._mesh((plan.dp, plan.fsdp * plan.sp, plan.tp), ("replicate", "shard", "tp"))
+            mesh = self._mesh((plan.dp, plan.fsdp * plan.sp * plan.ep, plan.tp), ("replicate", "shard", "tp"))
         elif plan.tp > 1:
             mesh = self._mesh((plan.data_ranks * plan.sp, plan.tp), ("data", "tp"))
             data_group = mesh.get_group("data")
         if plan.tp > 1 and mesh is not None:
             tp_group = mesh.get_group("tp")
         sp_group = self._sp_group(plan) if plan.sp > 1 else None
+        ep_mesh = self._mesh((self.world // plan.ep, plan.ep), EP_MESH_DIMS) if plan.ep > 1 else None
         return Placement(plan=plan, layout=layout, device=self.device, mesh=mesh, tp_group=tp_group,
-                         sp_group=sp_group, data_group=data_group)
+                         sp_group=sp_group, data_group=data_group, ep_mesh=ep_mesh)
 
     def _mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
         key = (shape, names)
@@ -222,15 +242,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_gradients(model: torch.nn.Module, placement: Placement) -> None:
-    """Sum the partial gradients of the data (and sp) ranks where FSDP did not already."""
-    if not placement.manual_reduce:
+    """Sum the partial gradients of the data (and sp) ranks where FSDP did not already; the experts'
+    (ep) over the edp ranks that hold the same experts."""
+    edp = placement.ep_mesh.size(0) if placement.ep_mesh is not None else 1
+    if not placement.manual_reduce and edp == 1:
         return
     for p in model.parameters():
         if not p.requires_grad:
             continue
+        expert = is_expert_param(p)
+        if not (placement.manual_reduce or expert) or (expert and edp == 1):
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(_local(p.grad), group=placement.data_group)
+        if expert:
+            assert placement.ep_mesh is not None
+            dist.all_reduce(_local(p.grad), group=placement.ep_mesh.get_group("edp"))
+        else:
+            dist.all_reduce(_local(p.grad), group=placement.data_group)
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float, placement: Placement) -> float:

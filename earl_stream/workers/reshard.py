@@ -12,7 +12,9 @@ all-gather over the old mesh; a plain tensor already is) and its storage is free
 piece of the new placement is then cut from it locally (`distribute_tensor` with no source rank: no
 communication, FSDP's strided shards over a tensor-parallel shard included) and copied into the new
 parameter or optimizer state. A rank's peak is thus its old shards + its new shards + one bucket.
-Every rank walks the same tensors in the same order, so the collectives match.
+Every rank walks the same tensors in the same order, so the collectives match. Expert-parallel
+experts (`workers.expert_parallel`: DTensors `Shard(0)` on the (edp, ep) mesh) move the same way:
+gathered over their ep ranks, cut locally for FSDP, another ep degree, or a plain replica.
 """
 
 from __future__ import annotations

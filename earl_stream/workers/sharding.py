@@ -3,7 +3,8 @@
 Owns `shard_model` (tensor parallel with DTensor `parallelize_module`, then FSDP2 `fully_shard`),
 `relayout` (a plan change at a step boundary: model and optimizer state move onto the new mesh shard
 to shard, bucket by bucket, with `workers.reshard`; never a full replica; no restart, same math) and `shard_pieces` (which
-parameter pieces this rank holds and publishes). Works for the Llama / Qwen2 / Mistral family:
+parameter pieces this rank holds and publishes). Under ep the experts of a mixture-of-experts model
+are `workers.expert_parallel`'s (FSDP2 ignores them). Works for the Llama / Qwen2 / Mistral family:
 decoder layers under `model.layers` with q/k/v/o attention projections and gate/up/down MLPs.
 
 Tensor parallel (Megatron-style, as torchtitan lays out Llama): q/k/v/gate/up column-wise,
@@ -30,6 +31,7 @@ from transformers import PreTrainedModel
 
 from earl_stream.errors import ConfigError
 from earl_stream.store.weights import WeightPiece
+from earl_stream.workers.expert_parallel import is_expert_param, shard_experts
 from earl_stream.workers.mesh import Placement, is_shard
 from earl_stream.workers.reshard import DEFAULT_BUCKET_BYTES, copy_buffers, meta_like, move_state
 from earl_stream.workers.ulysses import set_sequence_parallel
@@ -78,9 +80,10 @@ def _fully_shard(model: torch.nn.Module, placement: Placement) -> None:
     # copy of the whole unsharded model for the backward pass); gradients are reduced and kept in fp32
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if plan.dtype == "bf16" \
         else MixedPrecisionPolicy()
+    experts = {p for p in model.parameters() if is_expert_param(p)} or None  # ep shards them, FSDP leaves them
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, ignored_params=experts)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=experts)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -88,9 +91,14 @@ def _fully_shard(model: torch.nn.Module, placement: Placement) -> None:
 
 
 def shard_model(model: torch.nn.Module, placement: Placement) -> torch.nn.Module:
-    """Lay a plain (unsharded) `model` out in place under `placement`: tp, then FSDP2."""
+    """Lay a plain (unsharded) `model` out in place under `placement`: tp, ep (the experts), then FSDP2
+    (the rest)."""
     if placement.plan.tp > 1:
         _tensor_parallel(model, placement)
+    if placement.plan.ep > 1:
+        if placement.ep_mesh is None:
+            raise ConfigError(f"a plan with ep={placement.plan.ep} needs a pool of ranks (torch.distributed)")
+        shard_experts(model, placement.ep_mesh)
     if placement.plan.fsdp > 1:
         _fully_shard(model, placement)
     return model
@@ -175,6 +183,8 @@ def _blockwise(value: DTensor) -> DTensor:
 def _first_outside(mesh: Any, layout: Any) -> bool:
     """This rank is coordinate 0 on every pool axis the mesh does not span."""
     names = set(mesh.mesh_dim_names or ())
+    if "ep" in names:  # the expert mesh spans the whole pool (ep runs with tp = sp = 1)
+        return True
     if "shard" in names:  # FSDP spans replicate x shard (or shard alone) and, under tp, tp too
         return "tp" in names or layout.tp_rank == 0
     # a tensor-parallel-only tensor: every data and sp rank holds the same shard
