@@ -85,6 +85,7 @@ bench: $(BENCH_VENV)/.installed ## every benchmark, then docs/BENCHMARKS.md (BEN
 	HF_HUB_OFFLINE=1 $(BPY) bench/lora.py $(BENCH_ARGS) --json bench/results/lora.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/rollout_memory.py $(BENCH_ARGS) --json bench/results/rollout_memory.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/real_scale.py $(BENCH_ARGS) --json bench/results/real_scale.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/moe.py $(BENCH_ARGS) --json bench/results/moe.json
 	$(MAKE) bench-report
 
 # docs/BENCHMARKS.md and the README's results table from bench/results/*.json, each result marked stale when
