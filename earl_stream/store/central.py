@@ -14,6 +14,7 @@ Lost producers: rows the dispatcher could not fetch are absent there, so consume
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import threading
@@ -27,6 +28,7 @@ import msgspec
 import numpy as np
 
 from earl_stream.errors import StoreError
+from earl_stream.records import ROUTED_EXPERTS, routing_info
 from earl_stream.store import wire
 from earl_stream.store.client import PeerUnreachable, Piece, RemoteError, ShardClient
 from earl_stream.store.experience import pull_samples
@@ -177,7 +179,8 @@ class CentralClient:
             raise StoreError("CentralClient.set_step(step, claim) must come before pulling samples")
         new = [f for f in dict.fromkeys(fields) if f not in self._gathered]
         missing: list[str] = []
-        pieces = [(m.producer_address, (sample_key(m.sample_id, f), 0, m.total_tokens)) for m in self._claim for f in new]
+        pieces = [(m.producer_address, (sample_key(m.sample_id, f), 0, n)) for m in self._claim for f in new
+                  if (n := _stored_elements(m, f)) is not None]
         for i in range(0, len(pieces), self._chunk):
             sources: dict[str, list[Piece]] = {}
             for address, piece in pieces[i : i + self._chunk]:
@@ -259,6 +262,15 @@ class CentralClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stored_elements(meta: SampleMeta, name: str) -> int | None:
+    """Elements the producer stores for field `name` of this row (routed_experts: T x layers x top_k;
+    None for a row without routing, which no consumer pulls it for)."""
+    if name != ROUTED_EXPERTS:
+        return meta.total_tokens
+    found = routing_info(json.loads(meta.info_json))
+    return None if found is None else meta.total_tokens * found[1]
 
 
 def _count_runs(pieces: Sequence[Piece]) -> int:

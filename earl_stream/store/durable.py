@@ -18,10 +18,12 @@ header: {"format": 1, "run": the supervisor's run id, "model": model identity, "
 checkpoint it goes with, "samples": rows, "body_bytes": n, "body_crc32": crc}. body: an Arrow IPC
 stream of one table, the `SampleMeta` columns (`METADATA_SCHEMA`) plus one binary column per token
 field (`payload.<field>`: the raw bytes of the field's [total_tokens] array, its `TOKEN_FIELDS`
-dtype). It is written under a temporary name, fsync'd, renamed into place and the directory fsync'd;
+dtype), and `payload.routed_experts` (a MoE model's recorded routing, `records.ROUTED_EXPERTS`: the raw
+bytes of the flat [total_tokens * layers * top_k] array, null for a sample without; its dtype, width and
+crc32 are in the row's info). It is written under a temporary name, fsync'd, renamed into place and the directory fsync'd;
 then older generations are deleted, so a crash at any point leaves one whole generation. A file is
 refused, with a log line naming it and never an exception, when it is truncated or corrupt (magic,
-header, length, crc, Arrow, a row's tensors against its checksum), or written by another run or for
+header, length, crc, Arrow, a row's tensors against its checksum, a row's routing against its crc), or written by another run or for
 another model.
 """
 
@@ -44,7 +46,7 @@ import pyarrow as pa
 
 from earl_stream.errors import StoreError
 from earl_stream.files import write_durably
-from earl_stream.records import TOKEN_FIELDS
+from earl_stream.records import ROUTED_EXPERTS, TOKEN_FIELDS, routing_info
 from earl_stream.store.experience import record_checksum
 from earl_stream.store.schema import METADATA_SCHEMA, SampleMeta, metas_to_table, table_to_metas
 
@@ -85,6 +87,8 @@ def encode(identity: Identity, checkpoint_version: int, samples: Sequence[Sample
     for name, dtype in TOKEN_FIELDS.items():
         column = [np.ascontiguousarray(f[name], dtype=dtype).tobytes() for _, f in samples]
         table = table.append_column(PAYLOAD + name, pa.array(column, type=pa.large_binary()))
+    routed = [np.ascontiguousarray(f[ROUTED_EXPERTS]).tobytes() if ROUTED_EXPERTS in f else None for _, f in samples]
+    table = table.append_column(PAYLOAD + ROUTED_EXPERTS, pa.array(routed, type=pa.large_binary()))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -130,6 +134,8 @@ def _samples(body: bytes) -> list[Sample]:
             table = reader.read_all()
         metas = table_to_metas(table.select([n for n in METADATA_SCHEMA.names if n in table.column_names]))
         payload = {name: table.column(PAYLOAD + name).to_pylist() for name in TOKEN_FIELDS}
+        routed = (table.column(PAYLOAD + ROUTED_EXPERTS).to_pylist() if PAYLOAD + ROUTED_EXPERTS in table.column_names
+                  else [None] * table.num_rows)
     except (pa.ArrowException, KeyError, StoreError) as exc:
         raise PersistRefused(f"unreadable Arrow body ({exc})") from None
     out: list[Sample] = []
@@ -140,8 +146,29 @@ def _samples(body: bytes) -> list[Sample]:
             raise PersistRefused(f"sample {meta.sample_id}: unreadable payload ({exc})") from None
         if any(a.shape != (meta.total_tokens,) for a in fields.values()) or record_checksum(fields) != meta.checksum:
             raise PersistRefused(f"sample {meta.sample_id}: its tensors do not match its checksum")
+        found = _routing(meta, routed[i])
+        if found is not None:
+            fields[ROUTED_EXPERTS] = found
         out.append((meta, fields))
     return out
+
+
+def _routing(meta: SampleMeta, data: bytes | None) -> np.ndarray | None:
+    """A row's flat routed_experts, checked against what its info says (dtype, width, crc32)."""
+    try:
+        described = routing_info(json.loads(meta.info_json))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PersistRefused(f"sample {meta.sample_id}: unreadable {ROUTED_EXPERTS} description ({exc})") from None
+    if described is None:
+        if data is not None:
+            raise PersistRefused(f"sample {meta.sample_id}: {ROUTED_EXPERTS} stored but not described by its info")
+        return None
+    dtype, width, crc = described
+    if data is None:
+        raise PersistRefused(f"sample {meta.sample_id}: its info describes {ROUTED_EXPERTS} the file does not hold")
+    if len(data) != meta.total_tokens * width * dtype.itemsize or zlib.crc32(data) != crc:
+        raise PersistRefused(f"sample {meta.sample_id}: its {ROUTED_EXPERTS} do not match their checksum")
+    return np.frombuffer(data, dtype=dtype).copy()
 
 
 class Slot:

@@ -280,10 +280,18 @@ class _MicroBatchRunner:
         self.sums = dict.fromkeys(_STATS, 0.0)
         self.kl_in_reward = algo.kl_coef > 0 and algo.kl_in == "reward"
         self.replay = RoutingReplay.of(model, algo.routing_replay)
+        # the KL reference routes as the policy does: under `rollout` it too takes the recorded experts
+        self.ref_replay = (RoutingReplay.of(ref_model, algo.routing_replay)
+                           if ref_model is not None and self.replay is not None else None)
+        if self.ref_replay is not None:
+            self.ref_replay.take_mismatch()  # its counts are not reported (the metric is the policy's)
 
     def _packed(self, batch: dict[str, Any]) -> Any:
-        """Per-row attention for a packed micro-batch, over its forward and backward (a no-op padded)."""
+        """Per-row attention for a packed micro-batch, over its forward and backward (a no-op padded), and
+        the routers (policy and reference) set to the batch's recorded routing."""
         inner = packed_segments([m for m in (self.model, self.ref_model) if m is not None], batch.get("segments"))
+        if self.ref_replay is not None:
+            inner = self.ref_replay.around(inner, batch)
         return inner if self.replay is None else self.replay.around(inner, batch)
 
     def _forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

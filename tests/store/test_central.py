@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -133,3 +134,33 @@ def test_dispatcher_in_its_own_process(producers: tuple) -> None:
     finally:
         proc.stop()
     assert proc.process.exitcode == 0
+
+
+def test_central_carries_routed_experts_exactly(dispatcher: CentralDispatcher) -> None:
+    """`store.dispatch=central`: a MoE sample's routed_experts (uint8 [T, layers, top_k], flattened) reach every
+    rank through the dispatcher byte for byte, whole rows and context-parallel sub-ranges, crc-checked."""
+    from earl_stream.records import ROUTED_EXPERTS
+
+    rng = np.random.default_rng(3)
+    records = [dataclasses.replace(r, routed_experts=rng.integers(0, 8, (r.num_tokens, 3, 2)).astype(np.uint8))
+               for r in _records("m", 6, seed=5)]
+    fields = [*FIELDS, ROUTED_EXPERTS]
+    with ShardNode() as node:
+        claim = ExperienceWriter(node, "p").put(records)
+        lengths = [m.total_tokens for m in claim]
+        with CentralClient(ShardClient(timeout_s=10.0), dispatcher.address) as central:
+            for dp, cp in [(1, 1), (2, 1), (1, 2)]:
+                for rank in range(dp * cp):
+                    part = partition(lengths, Layout.from_rank(rank, dp=dp, cp=cp))
+                    ranges = part.ranges_by_position() if cp > 1 else None
+                    got = pull_samples_central(central, 7 + dp + 2 * cp, claim, [claim[i] for i in part.rows], fields, ranges)
+                    for pos, (i, row) in enumerate(zip(part.rows, got)):
+                        routed = records[i].routed_experts
+                        assert routed is not None
+                        spans = ranges[pos] if ranges is not None else [(0, routed.shape[0])]
+                        want = np.concatenate([routed[s:e] for s, e in spans])
+                        np.testing.assert_array_equal(row[ROUTED_EXPERTS].reshape(want.shape), want)
+                        np.testing.assert_array_equal(row["input_ids"], np.concatenate(
+                            [records[i].input_ids[s:e] for s, e in spans]))
+        assert any(k.endswith("/" + ROUTED_EXPERTS) for k in dispatcher.node.keys())  # they went through it
+        assert central._client.transport(node.address) is None

@@ -149,3 +149,78 @@ def test_a_well_formed_file_with_a_bad_payload_is_refused() -> None:
                          "body_bytes": len(body), "body_crc32": zlib.crc32(body)}).encode()
     with pytest.raises(PersistRefused, match="unreadable payload|checksum"):
         decode(MAGIC + struct.pack("!I", len(header)) + header + body, ME)
+
+
+def _routed_records(n: int) -> list:
+    """n records, the odd ones with routed_experts of a 2-layer top-2 MoE (uint8) and one int16 (>= 255 experts)."""
+    from earl_stream.records import SampleRecord
+
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(n):
+        t = 6 + i
+        routed = None
+        if i % 2:
+            dtype = np.int16 if i == 3 else np.uint8
+            routed = rng.integers(0, 250, (t, 2, 2)).astype(dtype)
+            routed[-1] = -1 if dtype == np.int16 else 255  # the last token is never fed
+        out.append(SampleRecord(
+            sample_id=f"r{i}", prompt_ordinal=i, episode_id=f"e{i}", group_id=f"g{i}", env="t", turns=1, prompt_tokens=2,
+            input_ids=np.arange(t, dtype=np.int32), loss_mask=(np.arange(t) >= 2).astype(np.uint8),
+            behaviour_logprobs=np.zeros(t, np.float32), policy_version=np.zeros(t, np.int32), reward=1.0,
+            routed_experts=routed))
+    return out
+
+
+def test_routed_experts_persist_and_are_served_again_exactly(tmp_path: Path) -> None:
+    """A resumed worker serves each sample's routed_experts byte for byte (its info's crc checks them); samples
+    without routing (dense) stay without."""
+    from earl_stream.records import ROUTED_EXPERTS
+    from earl_stream.store import ShardClient, pull_samples
+
+    records = _routed_records(4)
+    with ShardNode(shm=False) as old, ShardNode(shm=False) as new:
+        writer = ExperienceWriter(old, "w1")
+        writer.put(records)
+        slot = Slot(tmp_path, host="h")
+        slot.write(ME, 3, writer.held_samples())
+        slot.close()
+        _, loaded = Slot(tmp_path, host="h").load(ME)  # the restarted worker's slot
+        by_id = {m.sample_id: f for m, f in loaded}
+        for rec in records:
+            if rec.routed_experts is None:
+                assert ROUTED_EXPERTS not in by_id[rec.sample_id]
+            else:
+                got = by_id[rec.sample_id][ROUTED_EXPERTS]
+                assert got.dtype == rec.routed_experts.dtype
+                np.testing.assert_array_equal(got.reshape(rec.routed_experts.shape), rec.routed_experts)
+        again = ExperienceWriter(new, "w2")
+        rows = [again.restore(m, f) for m, f in loaded]
+        routed_rows = [r for r in rows if r.sample_id in {"r1", "r3"}]
+        with ShardClient(timeout_s=10.0) as client:
+            for meta in routed_rows:  # one dtype per pull (uint8 and int16 here)
+                (row,) = pull_samples(client, [meta], [*TOKEN_FIELDS, ROUTED_EXPERTS])  # crc-checked on arrival
+                want = records[int(meta.sample_id[1:])].routed_experts
+                assert want is not None
+                np.testing.assert_array_equal(row[ROUTED_EXPERTS].reshape(want.shape), want)
+
+
+def test_routed_experts_that_do_not_match_are_refused(tmp_path: Path) -> None:
+    """Routing bytes changed on disk (the body crc recomputed, as a crafted file would) or dropped from a
+    row whose info describes them: the generation is refused, never served with wrong routing."""
+    from earl_stream.records import ROUTED_EXPERTS
+
+    with ShardNode(shm=False) as node:
+        writer = ExperienceWriter(node, "w1")
+        writer.put(_routed_records(2))
+        held = writer.held_samples()
+    routed = next(f for _, f in held if ROUTED_EXPERTS in f)
+    routed[ROUTED_EXPERTS][4] ^= 1
+    with pytest.raises(PersistRefused, match="routed_experts do not match"):
+        decode(encode(ME, 1, held), ME)
+    routed[ROUTED_EXPERTS] = routed[ROUTED_EXPERTS][:-2]
+    with pytest.raises(PersistRefused, match="routed_experts do not match"):
+        decode(encode(ME, 1, held), ME)
+    del routed[ROUTED_EXPERTS]
+    with pytest.raises(PersistRefused, match="does not hold"):
+        decode(encode(ME, 1, held), ME)

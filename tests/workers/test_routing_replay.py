@@ -7,6 +7,7 @@ weights moved, while without replay its routers disagree with the rollout's (mis
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import msgspec
@@ -139,3 +140,24 @@ def test_model_shape_counts_total_and_active_parameters(moe_dir: Path) -> None:
     expert = 3 * shape.hidden_size * shape.expert_size  # gate, up and down of one expert
     assert shape.num_params() - shape.active_params() == shape.moe_layers * (8 - 2) * expert
     assert shape.layout_problems(1, 1) == [] and "not tensor or sequence parallel" in shape.layout_problems(2, 1)[0]
+
+
+@pytest.mark.parametrize("kl_in", ["loss", "reward"])
+def test_the_kl_reference_replays_the_rollout_routing(moe_dir: Path, kl_in: str) -> None:
+    """Under `routing_replay=rollout` the reference's forward takes the recorded experts too: with recorded
+    routing the routers would never choose (every choice shifted by 3 experts), a reference equal to the
+    policy has KL 0 to it (float precision), though the forced routing moves the log-probs far from the
+    engine's. A reference routing on its own would differ from the policy on every token."""
+    records = [dataclasses.replace(r, routed_experts=np.where(r.routed_experts == 255, 255, (r.routed_experts + 3) % 8)
+                                   .astype(np.uint8)) for r in _episodes(moe_dir)]
+    with ShardNode() as node, ShardClient(timeout_s=10.0) as client:
+        metas = ExperienceWriter(node, "p").put(records)
+        model, _ = load_model(moe_dir)
+        ref, _ = load_model(moe_dir)
+        ref.eval().requires_grad_(False)
+        algo = AlgoConfig(routing_replay="rollout", kl_coef=0.5, kl_in=kl_in, kl_estimator="k1")
+        res = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), metas, Layout(), client,
+                         TrainerConfig(micro_batch_tokens=64), algo=algo, ref_model=ref)
+    assert res.routing_mismatch > 0.5  # the policy's own routers disagree with the recorded (shifted) experts ...
+    assert res.mismatch > 1e-3  # ... which it replays: its log-probs moved away from the engine's
+    assert abs(res.kl) < 1e-6, res.kl  # the reference replayed them as well

@@ -1,5 +1,5 @@
-"""The built-in engine's own forward pass for Llama-family decoders (Qwen2, Llama, Mistral), with a
-preallocated KV cache written in place.
+"""The built-in engine's own forward pass for Llama-family decoders (Qwen2, Llama, Mistral, and the
+mixtures of experts Qwen3-MoE and Mixtral), with a preallocated KV cache written in place.
 
 Why it exists: on the small models rollout runs on CPU, a decode step's time goes to the Python
 overhead of the Hugging Face module stack (~60 module calls, mask construction, cache bookkeeping,
@@ -13,7 +13,10 @@ copies cost ~2/3 of the layers' weight memory again, acceptable for the small CP
 `StaticKV` (per layer [B, kv_heads, capacity, head_dim] buffers shared by every row of a batch, with
 the same `.layers[i].keys/.values/.batch_select_indices` surface the engine uses on a DynamicCache).
 It leaves everything else to the HF forward: `FastDecoder.supports(model)` says which models qualify
-(full attention only, SiLU MLP, standard pre-norm layers).
+(full attention only, SiLU MLP or a sparse expert block, standard pre-norm layers). A sparse expert block
+(router `gate` + `experts`) runs through its own module forward on the [B, n] tokens of the step, so the
+router hooks that record routing (`engines.routing`) see every fed token as under the HF forward;
+Qwen3-MoE's per-head q/k RMSNorm is applied before the rotary embedding as Hugging Face does.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-_FAMILIES = ("qwen2", "llama", "mistral")
+_FAMILIES = ("qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
+_QK_NORM = ("qwen3_moe",)  # families whose attention normalises q and k per head (q_norm, k_norm)
 
 
 class _StaticLayer:
@@ -184,11 +188,19 @@ class _Layer:
     o_b: torch.Tensor | None
     ln2: torch.Tensor
     ln2_eps: float
-    gate_up_w: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_w: torch.Tensor | None  # [2 * intermediate, hidden]; None for a sparse expert block
     gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
+    down_w: torch.Tensor | None
     down_b: torch.Tensor | None
     scaling: float
+    experts: Any = None  # the layer's sparse expert block (its forward: [B, n, hidden] -> [B, n, hidden])
+    q_norm: Any = None  # Qwen3-MoE: per-head RMSNorm modules of q and k
+    k_norm: Any = None
+
+
+def _is_dense(mlp: Any) -> bool:
+    """A SiLU gate/up/down MLP (fused here), as opposed to a sparse expert block."""
+    return all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +235,8 @@ class FastDecoder:
         out = []
         for layer in self._layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            dense = (mlp.gate_proj, mlp.up_proj) if _is_dense(mlp) else ()  # an expert block runs as it is
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, *dense):
                 out.append(lin.weight)
                 if lin.bias is not None:
                     out.append(lin.bias)
@@ -244,7 +257,6 @@ class FastDecoder:
         """`layer`: a Hugging Face decoder layer (its submodules are dynamic attributes, hence Any)."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        gate_up = (mlp.gate_proj, mlp.up_proj)
 
         def bias(lins: tuple[Any, ...]) -> torch.Tensor | None:
             if all(lin.bias is None for lin in lins):
@@ -252,13 +264,17 @@ class FastDecoder:
             return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.weight.shape[0])
                               for lin in lins])
 
+        dense = _is_dense(mlp)
         return _Layer(
             ln1=layer.input_layernorm.weight, ln1_eps=float(layer.input_layernorm.variance_epsilon),
             qkv_w=torch.cat([lin.weight for lin in qkv]), qkv_b=bias(qkv),
             o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
             ln2=layer.post_attention_layernorm.weight, ln2_eps=float(layer.post_attention_layernorm.variance_epsilon),
-            gate_up_w=torch.cat([lin.weight for lin in gate_up]), gate_up_b=bias(gate_up),
-            down_w=mlp.down_proj.weight, down_b=mlp.down_proj.bias, scaling=float(attn.scaling),
+            gate_up_w=torch.cat([lin.weight for lin in (mlp.gate_proj, mlp.up_proj)]) if dense else None,
+            gate_up_b=bias((mlp.gate_proj, mlp.up_proj)) if dense else None,
+            down_w=mlp.down_proj.weight if dense else None, down_b=mlp.down_proj.bias if dense else None,
+            scaling=float(attn.scaling), experts=None if dense else mlp,
+            q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
         )
 
     @staticmethod
@@ -271,14 +287,22 @@ class FastDecoder:
             return False
         if getattr(config, "use_sliding_window", False) or getattr(config, "pretraining_tp", 1) != 1:
             return False
+        moe = config.model_type in ("qwen3_moe", "mixtral")
+        if config.model_type == "mixtral" and getattr(config, "sliding_window", None) is not None:
+            return False  # Mixtral's sliding window: not the full attention computed here
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, n) for n in needed) or model.get_output_embeddings() is None:
             return False
-        layer = inner.layers[0]
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")) and all(
-            hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        for layer in inner.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+                return False
+            if not (_is_dense(mlp) or (moe and hasattr(mlp, "gate") and hasattr(mlp, "experts"))):
+                return False
+            if (config.model_type in _QK_NORM) != (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
+                return False
+        return True
 
     def new_cache(self, batch: int, capacity: int) -> StaticKV:
         """An empty cache for a new batch (and the moment to pick up changed weights)."""
@@ -307,14 +331,20 @@ class FastDecoder:
             h = _rms_norm(x, lay.ln1, lay.ln1_eps)
             qkv = F.linear(h, lay.qkv_w, lay.qkv_b).view(b, n, heads + 2 * kv_heads, d).transpose(1, 2)
             qk = qkv[:, : heads + kv_heads]
+            if lay.q_norm is not None:  # per head, over head_dim, before the rotation (as HF Qwen3-MoE)
+                qk = torch.cat([lay.q_norm(qk[:, :heads]), lay.k_norm(qk[:, heads:])], dim=1)
             qk = qk * cos + _rotate_half(qk) * sin  # q and k rotated in one go
             kv.k_buf[:, :, start:end] = qk[:, heads:]
             kv.v_buf[:, :, start:end] = qkv[:, heads + kv_heads :]
             o = self._attend(qk[:, :heads], kv.k_buf[:, :, :end], kv.v_buf[:, :, :end], mask, lay.scaling)
             x = x + F.linear(o.transpose(1, 2).reshape(b, n, heads * d), lay.o_w, lay.o_b)
             h = _rms_norm(x, lay.ln2, lay.ln2_eps)
-            gate, up = F.linear(h, lay.gate_up_w, lay.gate_up_b).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lay.down_w, lay.down_b)
+            if lay.experts is not None:
+                x = x + lay.experts(h)
+            else:
+                assert lay.gate_up_w is not None and lay.down_w is not None
+                gate, up = F.linear(h, lay.gate_up_w, lay.gate_up_b).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(gate) * up, lay.down_w, lay.down_b)
         cache.length = end
         if last_only:
             x = x[:, -1]

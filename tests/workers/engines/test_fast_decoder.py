@@ -109,3 +109,46 @@ def test_unsupported_models_fall_back_to_the_hf_forward() -> None:
     assert engine._fast is None
     res = engine.generate([GenerateRequest(list(range(1, 10)), 4, temperature=0.0)])[0]
     assert len(res.token_ids) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mixtures_of_experts_run_in_the_fast_decoder(family: str, tmp_path) -> None:  # noqa: ANN001
+    """Qwen3-MoE (q/k norms) and Mixtral: logits equal the HF forward (padding, growing cache); the engine
+    batches them continuously, its greedy tokens are `model.generate`'s, and it records the same routing
+    (and log-probs) as the HF path over multi-turn requests with kept caches."""
+    from earl_stream.model import load_model
+    from earl_stream.model.tiny_moe import init_moe_model
+
+    model, _ = load_model(init_moe_model(tmp_path / family, family=family, experts=8, top_k=2))
+    model.eval()
+    assert FastDecoder.supports(model)
+    fast = FastDecoder(model)
+    ids, mask, pos = padded_batch(5)
+    with torch.inference_mode():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        cache = fast.new_cache(3, 8)
+        prefill = fast.forward(ids[:, :16], pos[:, :16], mask[:, :16], cache, last_only=False)
+        for b in range(3):
+            real = mask[b, :16].bool()
+            torch.testing.assert_close(prefill[b, real], ref[b, :16][real], atol=1e-5, rtol=1e-5)
+        for t in range(16, 24):
+            torch.testing.assert_close(fast.forward(ids[:, t: t + 1], pos[:, t: t + 1], mask[:, : t + 1], cache),
+                                       ref[:, t], atol=1e-5, rtol=1e-5)
+    engine, hf_engine = TorchEngine(model), TorchEngine(model, fast_forward=False)
+    assert engine._fast is not None and engine._continuous
+    prompt = list(range(7, 30))
+    got = engine.generate([GenerateRequest(prompt, 12, temperature=0.0, stop_token_ids=[])])[0]
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    assert got.token_ids == want
+    gen = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (5, 17, 30)]
+    for turn in range(2):
+        reqs = [GenerateRequest(ctx, 6, temperature=1.0, seed=10 * e + turn, cache_key=f"e{e}")
+                for e, ctx in enumerate(contexts)]
+        for e, (f, h) in enumerate(zip(engine.generate(reqs), hf_engine.generate(reqs))):
+            assert f.token_ids == h.token_ids and f.logprobs == pytest.approx(h.logprobs, abs=1e-5)
+            assert f.routed_experts is not None and h.routed_experts is not None
+            assert (f.routed_experts == h.routed_experts).all()
+            contexts[e] = contexts[e] + f.token_ids + [9, 10, 11]
