@@ -236,7 +236,8 @@ class AlgoConfig:
                                 "other groups; the dropped ones count as samples_filtered")
     # MoE models (earl_stream.model.moe, workers.routing_replay); checked against model and engine at load
     routing_replay: str = _f("none", "MoE: rollout = the trainer's routers use the experts the engine chose for each "
-                             "token (R3) for the old log-probs and the loss; none = they route on their own",
+                             "token (R3) for the old log-probs, the loss and the KL reference's forward; none = they route on their "
+                             "own",
                              choices=("none", "rollout"))
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
