@@ -116,6 +116,7 @@ class LiveView:
         self.tty = sys.stdout.isatty()
         self.console = Console()
         self.curve: list[CurvePoint] = []
+        self.eval: dict[str, Any] = {}  # status "eval": env -> latest round and its history (eval.every)
         self._live: Live | None = None
         self._last_plain = 0.0
         self._started = time.monotonic()
@@ -139,6 +140,7 @@ class LiveView:
         if not status:
             return
         self._record(status)
+        self.eval = status.get("eval") or self.eval
         if self._live is not None:
             self._live.update(dashboard(status, self.steps))
         elif time.monotonic() - self._last_plain > 5:
@@ -159,16 +161,23 @@ class LiveView:
                      f"{summary['samples_trained']} samples trained of {summary['samples_produced']} produced, "
                      f"win rate {_fmt(summary['win_rate_last'], '.2f')}, mean reward {_fmt(summary['mean_reward_last'])}, "
                      f"{summary['tokens_per_second']:.0f} tok/s")
+        for env, e in (summary.get("eval") or {}).items():
+            if e.get("value") is not None:
+                passk = " ".join(f"pass@{k} {v:.3f}" for k, v in e["pass_at_k"].items())
+                self.message(f"held-out {env} at version {e['version']}: success {e['value']:.3f} "
+                             f"+- {e['stderr']:.3f}, {passk}, mean reward {e['mean_reward']:.3f} "
+                             f"({len(e['history'])} evaluations)")
 
     def write_learning_curve(self, path: Path) -> Path | None:
         """Plot reward, win/draw rate and loss per step to `path` (PNG); None when nothing was trained."""
         if not self.curve:
             return None
-        return plot_learning_curve(self.curve, path)
+        return plot_learning_curve(self.curve, path, self.eval)
 
 
-def plot_learning_curve(points: list[CurvePoint], path: Path) -> Path:
-    """Two panels over training steps: mean reward and win/draw rate (supervisor window), and loss."""
+def plot_learning_curve(points: list[CurvePoint], path: Path, evals: dict[str, Any] | None = None) -> Path:
+    """Two panels over training steps: mean reward and win/draw rate (supervisor window) with the held-out
+    success of each evaluated environment (status "eval", eval.every), and loss."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a training host
@@ -180,6 +189,11 @@ def plot_learning_curve(points: list[CurvePoint], path: Path) -> Path:
                          ("draw rate", [p.draw_rate for p in points])):
         xs = [s for s, v in zip(steps, values) if v is not None]
         ax.plot(xs, [v for v in values if v is not None], label=name)
+    for env, e in (evals or {}).items():
+        history = [p for p in e.get("history", []) if p.get("value") is not None]
+        if history:
+            ax.plot([p["version"] for p in history], [p["value"] for p in history], marker="o", linestyle="--",
+                    label=f"held-out success ({env})")
     ax.set_ylabel("last episodes window")
     ax.set_ylim(-1.05, 1.05)
     ax.grid(alpha=0.3)

@@ -66,6 +66,9 @@ def test_eval_rounds_overlap_training_and_are_never_trained(tmp_path: Path, tiny
         groups = [re.fullmatch(r"g(\d+)\.\d+", r.group_id) for r in rows]  # g{ordinal}.{attempt}
         assert rows and all(g and r.prompt_ordinal == int(g[1]) for g, r in zip(groups, rows)), rows[:3]
         final = status() or s
+    summary = json.loads((tmp_path / "summary.json").read_text())  # `up` stopped by SIGTERM writes it too
+    assert summary["eval"]["parity"]["history"][:len(versions)] == point["history"]
+    assert Path(summary["learning_curve_png"]).read_bytes()[:4] == b"\x89PNG"
     issued = final["prompts_issued"]
     trained = [o for line in (up.run_dir / "trained.jsonl").read_text().splitlines() for o in json.loads(line)["trained"]]
     assert trained and all(0 <= o < issued for o in trained) and len(trained) == len(set(trained))
