@@ -21,9 +21,8 @@ import torch
 from earl_stream.evaluation.heldout import held_out_set
 from earl_stream.evaluation.runner import evaluate as run_evaluation
 from earl_stream.model import load_model
-from envs.reasoning_gym_env import HELD_OUT_DATASET_SEED
 
-__all__ = ["HELD_OUT_DATASET_SEED", "HeldOut", "evaluate", "held_out_params"]
+__all__ = ["HeldOut", "evaluate", "held_out_params"]
 
 
 @dataclass(frozen=True)
