@@ -168,6 +168,7 @@ class Supervisor:
         if drained:  # its last frees go with this reply; it exits, nothing of it is needed any more
             worker.alive, worker.draining, worker.drained = False, False, True
             self._membership += 1
+            self.evals.worker_lost(worker.worker_id)  # evaluation episodes it was playing: to another worker
             log.info("%s drained: every sample it produced is trained and released; it leaves", worker.worker_id)
         route = self._weight_route(worker) if worker.role == P.Role.ROLLOUT and not drained else WeightRoute()
         return P.HeartbeatReply(policy_version=self.policy_version, weights_address=self.weights_address,

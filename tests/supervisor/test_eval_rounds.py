@@ -101,3 +101,14 @@ def test_an_environment_without_held_out_items_is_refused_at_config_load() -> No
     with pytest.raises(ConfigError, match="eval.samples=2 at eval.temperature=0"):
         load_config(None, [f"envs.0.spec={PARITY}", "eval.every=5", "eval.samples=2"])
     load_config(None, ["eval.every=0"])  # off: nothing checked
+
+
+def test_tasks_of_a_worker_that_drained_are_played_by_another() -> None:
+    sup = _sup()
+    held = _ask(sup, "0.0").eval_tasks
+    sup.handle(P.Scale(role=P.Role.ROLLOUT, replicas=0), 0.0)  # drains rollout-0: it leaves at its next heartbeat
+    reply = sup.handle(P.Heartbeat(worker_id="rollout-0"), 0.0)
+    assert isinstance(reply, P.HeartbeatReply) and reply.drained
+    sup.handle(P.Register(role=P.Role.ROLLOUT, host="h", pid=2, shard_address="127.0.0.1:8"), 0.0)
+    again = _ask(sup, "0.0", worker="rollout-1").eval_tasks
+    assert [t.task_id for t in again] == [t.task_id for t in held]
