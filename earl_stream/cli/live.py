@@ -39,7 +39,14 @@ def status_line(s: dict[str, Any], steps: int) -> str:
             f"| {s.get('tokens_per_second', 0):.0f} tok/s | store {s.get('samples_in_store', 0)} samples "
             f"| ctx p50 {_fmt(ctx.get('p50'), '.0f')} p99 {_fmt(ctx.get('p99'), '.0f')} "
             f"| plan {_plan_text(s)} | rollout workers {alive} | trained {s.get('samples_consumed', 0)} "
-            f"lost {s.get('samples_lost', 0)}")
+            f"lost {s.get('samples_lost', 0)}{_eval_text(s)}")
+
+
+def _eval_text(s: dict[str, Any]) -> str:
+    """' | held-out ENV SUCCESS@vVERSION ...' for the evaluated environments with a finished round (eval.every)."""
+    done = [f"{env} {e['value']:.3f}@v{e['version']}" for env, e in (s.get("eval") or {}).items()
+            if e.get("value") is not None]
+    return f" | held-out {' '.join(done)}" if done else ""
 
 
 def _plan_text(s: dict[str, Any]) -> str:
@@ -68,6 +75,9 @@ def dashboard(s: dict[str, Any], steps: int) -> Group:
     top.add_row("reward", _bar(None if reward is None else (reward + 1) / 2), _fmt(reward))  # rewards in [-1, 1]
     win = s.get("win_rate_last")
     top.add_row("win rate", _bar(win), f"{_fmt(win, '.2f')} (draw {_fmt(s.get('draw_rate_last'), '.2f')})")
+    for env, e in (s.get("eval") or {}).items():  # evaluation during training (eval.every)
+        if e.get("value") is not None:
+            top.add_row("held-out", _bar(e["value"]), f"{env} success {e['value']:.3f} at version {e['version']}")
     ctx = s.get("context_length", {})
     trainer = s.get("trainer") or {}
     facts = Table.grid(padding=(0, 2))
