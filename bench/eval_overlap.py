@@ -110,7 +110,7 @@ def main() -> int:
     rate = {a: sum(x["trained_tokens"] for x in xs) / sum(x["window_s"] for x in xs) for a, xs in total.items()}
     result = {
         "workload": args.config or "embedded default model on configs/smollm2_arithmetic.yaml's task",
-        "overrides": base, "eval": evals, "minutes_per_arm": args.minutes, "repeats": args.repeats,
+        "overrides": [o.replace(f"{ROOT}/", "") for o in base], "eval": evals, "minutes_per_arm": args.minutes, "repeats": args.repeats,
         "trained_tokens_per_s_off": rate["off"], "trained_tokens_per_s_on": rate["on"],
         "ratio": rate["on"] / rate["off"] if rate["off"] else None, "goal": ">= 0.9",
         "pair_ratios": [on["trained_tokens_per_s"] / off["trained_tokens_per_s"]
@@ -118,8 +118,10 @@ def main() -> int:
         "eval_curve": [r | {"arm": a["arm"]} for a in total["on"] for r in a["eval_rounds"]],
         "arms": [{k: v for k, v in a.items() if k != "eval_rounds"} for a in arms],
     }
-    print(f"trained tokens/s: off {rate['off']:.1f}, on {rate['on']:.1f}, ratio {result['ratio']:.3f} (goal >= 0.9)")
-    for p in result["eval_curve"]:
+    print(f"trained tokens/s: off {rate['off']:.1f}, on {rate['on']:.1f}, ratio {result['ratio']:.3f} (goal >= 0.9); "
+          f"per pair {', '.join(f'{r:.3f}' for r in result['pair_ratios'])}; {len(result['eval_curve'])} evaluation rounds")
+    curve = result["eval_curve"]
+    for p in curve if len(curve) <= 12 else curve[:6] + curve[-6:]:  # the whole curve is in the JSON
         print(f"  eval {p['env']} v{p['version']} ({p['arm']}, {p['t']:.0f}s): success {p['value']:.3f} "
               f"pass@1 {p['pass_at_k']['1']:.3f} mean reward {p['mean_reward']:.3f}")
     write_result(args.json, result, depends_on=["earl_stream/supervisor/eval_rounds.py", "earl_stream/evaluation",

@@ -459,7 +459,8 @@ def _eval_problems(cfg: RunConfig) -> list[str]:
         return []
     from earl_stream.evaluation.heldout import HeldOutUnavailable, check_held_out
 
-    out, names = [], {e.display_name: e for e in cfg.envs}
+    out: list[str] = []
+    names = {e.display_name: e for e in cfg.envs}
     if cfg.eval.samples > 1 and cfg.eval.temperature <= 0:
         out.append(f"eval.samples={cfg.eval.samples} at eval.temperature=0 plays each item the same greedy way: "
                    "set a temperature above 0 for pass@k with k > 1")

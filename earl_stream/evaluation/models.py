@@ -49,7 +49,7 @@ def _merged(adapter: Path, tokenizer_dir: Path | None, base: str) -> tuple[Any, 
         raise ModelError(f"{adapter / ADAPTER_CONFIG} names the base model {base!r}, which is not a directory here: "
                          "pass --base DIR")
     model, tokenizer = load_model(base)
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    merged: Any = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     if tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").exists():
         tokenizer = load_tokenizer(tokenizer_dir)
     return merged.eval(), tokenizer
