@@ -3,32 +3,26 @@ loop (the exact rendering and stopping that RL sees), on problems the training e
 
     python bench/heldout.py MODEL_DIR --problems 200 [--config configs/X.yaml | --params JSON] [--json out.json]
 
-The training environment poses item `seed % size` of the dataset built with its `dataset_seed`; the
-held-out set is built with another dataset seed and keeps only questions that are not in the training
-dataset, so none of them can ever be trained on. Success is exact: the episode's outcome is "correct"
-(score 1.0). Prints success with its binomial standard error.
+A thin caller of `earl_stream.evaluation` (what `earl-stream eval` runs): the held-out set is
+`ReasoningGymEnv.held_out` (another dataset seed, every question of the training dataset removed), so none
+of them can ever be trained on. Success is exact: the episode's outcome is "correct" (score 1.0). Prints
+success with its binomial standard error.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from earl_stream.chat import ChatFormat
-from earl_stream.env import env_options, make_env
+from earl_stream.evaluation.heldout import held_out_set
+from earl_stream.evaluation.runner import evaluate as run_evaluation
 from earl_stream.model import load_model
-from earl_stream.workers.agent_loop import Sampling, play_episode
-from earl_stream.workers.engines.batcher import AsyncBatcher
-from earl_stream.workers.engines.torch_engine import TorchEngine
 
-HELD_OUT_DATASET_SEED = 987_654_321
+__all__ = ["HeldOut", "evaluate", "held_out_params"]
 
 
 @dataclass(frozen=True)
@@ -44,65 +38,21 @@ class HeldOut:
     examples: list[dict[str, Any]]
 
 
-def held_out_params(params: dict[str, Any], problems: int) -> tuple[dict[str, Any], list[int]]:
+def held_out_params(params: dict[str, Any], problems: int, spec: str = "reasoning_gym") -> tuple[dict[str, Any], list[int]]:
     """Env params of the held-out set and the seeds (item indices) of `problems` questions not in training."""
-    import reasoning_gym
-
-    task, config = params.get("task", "basic_arithmetic"), dict(params.get("config") or {})
-    train = reasoning_gym.create_dataset(task, seed=int(params.get("dataset_seed", 0)),
-                                         size=int(params.get("size", 10_000)), **config)
-    seen = {item["question"] for item in train}
-    size = problems * 50  # small tasks repeat questions: draw until `problems` unseen ones (items are made lazily)
-    held = reasoning_gym.create_dataset(task, seed=HELD_OUT_DATASET_SEED, size=size, **config)
-    seeds, questions = [], set()
-    for i in range(size):
-        q = held[i]["question"]
-        if q not in seen and q not in questions:
-            seeds.append(i)
-            questions.add(q)
-        if len(seeds) == problems:
-            break
-    if len(seeds) < problems:
-        raise SystemExit(f"only {len(seeds)} held-out questions differ from the training set; widen the task")
-    return {**params, "dataset_seed": HELD_OUT_DATASET_SEED, "size": size}, seeds
-
-
-async def _play_all(model: Any, tokenizer: Any, spec: str, params: dict[str, Any], seeds: list[int],
-                    batch: int) -> list[Any]:
-    engine = TorchEngine(model, max_batch_size=batch)
-    batcher = AsyncBatcher(engine, max_batch_size=batch, max_wait_s=0.05)
-    chat = ChatFormat(tokenizer)
-    limit = asyncio.Semaphore(batch)
-
-    async def one(seed: int) -> Any:
-        async with limit:
-            env = make_env(spec, params)
-            return await play_episode(env, env_options(env), chat, batcher, env_name="eval", seed=seed,
-                                      prompt_ordinal=seed, group_id="eval", sampling=Sampling(temperature=0.0),
-                                      policy_version=lambda: 0, decode=tokenizer.decode, step_timeout_s=120)
-
-    try:
-        return list(await asyncio.gather(*[one(s) for s in seeds]))
-    finally:
-        batcher.close()
+    held = held_out_set(spec, params, problems)
+    return held.params, list(held.seeds)
 
 
 def evaluate(model: Any, tokenizer: Any, params: dict[str, Any], problems: int = 200, batch: int = 32,
              spec: str = "reasoning_gym") -> HeldOut:
     """Greedy success of `model` on `problems` held-out questions of the task in `params` (ReasoningGymEnv's)."""
-    eval_params, seeds = held_out_params(params, problems)
-    start = time.monotonic()
-    records = asyncio.run(_play_all(model, tokenizer, spec, eval_params, seeds, batch))
-    outcomes: dict[str, int] = {}
-    for r in records:
-        key = str(r.info.get("outcome", ""))
-        outcomes[key] = outcomes.get(key, 0) + 1
-    p = outcomes.get("correct", 0) / len(records)
-    examples = [{"reply": tokenizer.decode([int(t) for t, m in zip(r.input_ids, r.loss_mask) if m]),
-                 "outcome": r.info.get("outcome")} for r in records[:6]]
-    return HeldOut(success=p, stderr=math.sqrt(p * (1 - p) / len(records)), problems=len(records),
-                   outcomes=outcomes, seconds=round(time.monotonic() - start, 1),
-                   generated_tokens=int(sum(int(r.loss_mask.sum()) for r in records)), examples=examples)
+    run = run_evaluation(model, tokenizer, held_out_set(spec, params, problems), samples=1, temperature=0.0,
+                         batch=batch)
+    s = run.summary
+    return HeldOut(success=s.success, stderr=s.stderr, problems=s.problems, outcomes=s.outcomes, seconds=run.seconds,
+                   generated_tokens=s.generated_tokens, examples=[{k: e[k] for k in ("reply", "outcome")}
+                                                                  for e in run.examples])
 
 
 def main() -> int:

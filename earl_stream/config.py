@@ -375,6 +375,22 @@ class SecurityConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation during training (`earl_stream.supervisor.eval_rounds`): held-out items played by the rollout
+    pool between training episodes, never trained on. Checked in `earl_stream.evaluation.heldout`."""
+
+    every: int = _f(0, "evaluate when the policy version reaches a multiple of this (and at version 0); 0 = off",
+                    minimum=0)
+    envs: list[str] = _f([], "names of environments in `envs` to evaluate on their held-out items (items their "
+                         "training params never pose); empty = every one")
+    problems: int = _f(64, "held-out items per environment and evaluation", minimum=1)
+    samples: int = _f(1, "episodes per item; pass@k is reported for k = 1..samples", minimum=1)
+    temperature: float = _f(0.0, "sampling temperature of evaluation episodes (0 = greedy)", minimum=0)
+    share: float = _f(0.5, "at most this fraction of a rollout worker's groups_in_flight slots plays evaluation "
+                      "episodes at once (at least one): the rest keeps playing training groups", minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     steps: int = _f(0, "training steps; 0 = run until stopped", minimum=0)
     seed: int = _f(0, "seed of prompts, sampling and initialisation")
@@ -389,6 +405,7 @@ class RunConfig:
     selector: SelectorConfig = dataclasses.field(default_factory=SelectorConfig)
     launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
 # Keys that moved to another section: named in the error rather than silently dropped.
@@ -487,6 +504,7 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
                    f"{cfg.rollout.engine}: that backend returns whole turns, so it can neither stop rows at a decode "
                    "step nor say which tokens the old weights sampled (make_engine says more); use "
                    "rollout.weight_swap=drain, or rollout.engine=torch")
+    out.extend(_eval_problems(cfg))
     names = [n for n in cfg.selector.plans.split("|") if n]
     bad = [n for n in names if not _LAYOUT_NAME.fullmatch(n)]
     if bad:
@@ -501,5 +519,29 @@ def _algo_problems(cfg: RunConfig) -> list[str]:
 
 _AXIS = r"(dp\d+|fsdp\d+|tp\d+|sp\d+|ep\d+)"
 _LAYOUT_NAME = re.compile(rf"(dp1|{_AXIS}(_{_AXIS})*)(\+rc)?")
+
+
+def _eval_problems(cfg: RunConfig) -> list[str]:
+    """The `eval` section: its environments are configured ones that can give held-out items."""
+    if cfg.eval.every <= 0:
+        return []
+    from earl_stream.evaluation.heldout import HeldOutUnavailable, check_held_out
+
+    out: list[str] = []
+    names = {e.display_name: e for e in cfg.envs}
+    if cfg.eval.samples > 1 and cfg.eval.temperature <= 0:
+        out.append(f"eval.samples={cfg.eval.samples} at eval.temperature=0 plays each item the same greedy way: "
+                   "set a temperature above 0 for pass@k with k > 1")
+    for name in cfg.eval.envs or list(names):
+        if name not in names:
+            out.append(f"eval.envs: {name!r} names none of the run's environments {sorted(names)}")
+            continue
+        try:
+            check_held_out(names[name].spec, name)
+        except HeldOutUnavailable as exc:
+            out.append(f"eval.envs: {exc}")
+    return out
+
+
 
 

@@ -42,6 +42,16 @@ ROLLOUT_EPISODE_REWARD = Histogram("earl_rollout_episode_reward", "Reward of eac
 ROLLOUT_CONTEXT_TOKENS = Histogram("earl_rollout_context_tokens", "Context length (prompt + all turns) of each episode",
                                    ["worker", "env"], buckets=tuple(float(2 ** k) for k in range(5, 18)))
 
+# Evaluation during training (supervisor.eval_rounds): the latest finished round per environment
+EVAL_SUCCESS = Gauge("earl_eval_success", "Fraction of evaluation episodes on held-out items that succeeded, latest "
+                     "round", ["env"])
+EVAL_PASS_AT_K = Gauge("earl_eval_pass_at_k", "Unbiased pass@k on held-out items (k = 1..eval.samples), latest round",
+                       ["env", "k"])
+EVAL_REWARD = Gauge("earl_eval_reward_mean", "Mean reward of evaluation episodes, latest round", ["env"])
+EVAL_VERSION = Gauge("earl_eval_policy_version", "Policy version of the latest finished evaluation round", ["env"])
+EVAL_EPISODES = Counter("earl_eval_episodes_total", "Evaluation episodes played (never trained on)",
+                        ["worker", "env", "outcome"])
+
 # Store
 STORE_PULL_SECONDS = Histogram("earl_store_pull_seconds", "Time of one step's pull by a trainer rank", ["rank"])
 STORE_PULL_BYTES = Counter("earl_store_pull_bytes_total", "Bytes pulled from producers", ["rank"])

@@ -238,8 +238,40 @@ class RequestPrompts(Msg, tag="request_prompts", frozen=True):
     request_id: str = ""  # unique per request of this worker; a retry re-sends it and gets the same prompts
 
 
+class EvalTask(msgspec.Struct, frozen=True):
+    """One evaluation episode (`supervisor.eval_rounds`): sample `sample` of held-out item `item` of `env`
+    (`spec` built with `params_json`, reset with `seed`), for the round of policy version `version` (play it
+    with weights at least that new). Never trained on: its result goes back in `PutEval`, not to the store."""
+
+    task_id: str
+    version: int
+    env: str
+    spec: str
+    params_json: str
+    item: int
+    seed: int
+    sample: int
+    temperature: float
+    success_outcomes: list[str] = []
+
+
+class EvalResult(msgspec.Struct, frozen=True):
+    task_id: str
+    reward: float
+    success: bool
+    outcome: str
+    tokens: int = 0
+    policy_version: int = -1  # the oldest policy version of its tokens
+
+
 class Prompts(Msg, tag="prompts", frozen=True):
     prompts: list[Prompt] = []
+    eval_tasks: list[EvalTask] = []  # evaluation episodes to play instead (between training groups)
+
+
+class PutEval(Msg, tag="put_eval", frozen=True):
+    worker_id: str = ""
+    results: list[EvalResult] = []
 
 
 class PutMeta(Msg, tag="put_meta", frozen=True):
@@ -342,6 +374,7 @@ AnyMsg = (
     Register | Registered | Heartbeat | HeartbeatReply | RequestPrompts | Prompts | PutMeta | Claim | Claimed
     | Release | PlanAdopted | PublishVersion | Finished | StatusRequest | StatusReply | Ack | ErrorReply | EnvAttach | EnvDetach
     | EnvList | EnvListReply | RecentEpisodes | RecentEpisodesReply | Scale | ScaleReply | RecoverSamples | Recovered
+    | PutEval
 )
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)

@@ -31,7 +31,7 @@ from typing import Any
 from earl_stream.env import StepResult
 from earl_stream.errors import EnvError
 
-__all__ = ["ReasoningGymEnv"]
+__all__ = ["HELD_OUT_DATASET_SEED", "ReasoningGymEnv"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ _CACHE_SIZE = 16
 _datasets: OrderedDict[tuple[str, str, int, int], Any] = OrderedDict()
 _datasets_lock = threading.Lock()
 
+HELD_OUT_DATASET_SEED = 987_654_321  # the dataset seed of held-out items (`ReasoningGymEnv.held_out`)
 _BARE_PROMPT = "Answer the question. Reply with the final answer only."
 _ANSWER_FROM = ("tag", "last_number")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -107,6 +108,33 @@ class ReasoningGymEnv:
         self._entry: dict[str, Any] = {}
         self._attempts = 0
         self._done = True
+
+    @classmethod
+    def held_out(cls, params: dict[str, Any], problems: int) -> tuple[dict[str, Any], list[int]]:
+        """Params and reset seeds of `problems` questions the environment built with `params` never poses
+        (`earl_stream.evaluation.heldout`): drawn from the dataset of another seed (HELD_OUT_DATASET_SEED),
+        keeping only questions absent from the training dataset, each once. EnvError when the task has too
+        few distinct questions."""
+        task, config = str(params.get("task", "basic_arithmetic")), params.get("config") or {}
+        if isinstance(config, str):
+            config = json.loads(config)
+        train = _dataset(task, dict(config), int(params.get("dataset_seed", 0)), int(params.get("size", 10_000)))
+        seen = {item["question"] for item in train}
+        size = problems * 50  # small tasks repeat questions: draw until `problems` unseen ones (items are made lazily)
+        held = _dataset(task, dict(config), HELD_OUT_DATASET_SEED, size)
+        seeds: list[int] = []
+        questions: set[str] = set()
+        for i in range(size):
+            q = held[i]["question"]
+            if q not in seen and q not in questions:
+                seeds.append(i)
+                questions.add(q)
+            if len(seeds) == problems:
+                break
+        if len(seeds) < problems:
+            raise EnvError(f"reasoning-gym task {task!r}: only {len(seeds)} of {problems} held-out questions differ "
+                           "from the training set; widen the task (its config) or ask for fewer problems")
+        return {**params, "dataset_seed": HELD_OUT_DATASET_SEED, "size": size}, seeds
 
     async def reset(self, seed: int) -> str:
         """Pose question `seed % size` of the task's dataset."""

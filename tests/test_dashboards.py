@@ -219,8 +219,12 @@ def test_every_dashboard_query_names_exported_metrics(tmp_path: Path, tiny_model
     dashboard = json.loads(DASHBOARD.read_text())
     queries = list(_queries(dashboard))
     wanted = set().union(*(metric_names(expr) for _, expr in queries))
-    with RunningUp(tmp_path, tiny_model_dir, "rollout.workers=1") as up:
-        by_role, exported = _wait_for_exports(up, wanted, timeout_s=60)
+    # evaluation during training (the Evaluation row): a held-out environment evaluated at every version,
+    # never trained (weight 0), beside the trained Tic-Tac-Toe
+    parity = Path(__file__).resolve().parent / "evaluation" / "parity_env.py"
+    with RunningUp(tmp_path, tiny_model_dir, "rollout.workers=1", f"envs.1.spec={parity}:ParityEnv", "envs.1.name=parity",
+                   "envs.1.weight=0", "eval.every=1", "eval.envs=[parity]", "eval.problems=2") as up:
+        by_role, exported = _wait_for_exports(up, wanted, timeout_s=120)
         log = up.log_tail()
     assert set(ROLES) <= set(by_role), by_role.keys()
     for role in ROLES:  # every process serves the Python process metrics the health panels use

@@ -56,3 +56,22 @@ def test_learning_curve_png(tmp_path: Path) -> None:
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     points = [CurvePoint(1, 1.0, None, None, None, None), CurvePoint(2, 2.0, 0.5, 0.5, 0.0, 0.1)]
     assert plot_learning_curve(points, tmp_path / "sparse.png").exists()  # missing values are skipped
+
+
+EVAL = {"add3": {"version": 4, "value": 0.25, "stderr": 0.05, "pass_at_k": {"1": 0.25}, "mean_reward": 0.25,
+                 "history": [{"version": 0, "value": 0.125, "pass_at_k": {"1": 0.125}, "mean_reward": 0.125},
+                             {"version": 4, "value": 0.25, "pass_at_k": {"1": 0.25}, "mean_reward": 0.25}]},
+        "broken": {"error": "cannot give held-out items"}}
+
+
+def test_eval_in_the_line_the_dashboard_and_the_curve(tmp_path: Path) -> None:
+    status = {**STATUS, "eval": EVAL}
+    assert status_line(status, 20).endswith("| held-out add3 0.250@v4")
+    assert "add3 success 0.250 at version 4" in _render(status, 20)
+    view = LiveView(load_config(None, ["steps=3"]))
+    for step in (1, 2, 3, 4):
+        view.update({**status, "policy_version": step})
+    assert view.eval == EVAL
+    with_eval = view.write_learning_curve(tmp_path / "eval.png")
+    without = plot_learning_curve(view.curve, tmp_path / "plain.png")  # the same points, no held-out curve
+    assert with_eval is not None and with_eval.read_bytes() != without.read_bytes()

@@ -39,7 +39,14 @@ def status_line(s: dict[str, Any], steps: int) -> str:
             f"| {s.get('tokens_per_second', 0):.0f} tok/s | store {s.get('samples_in_store', 0)} samples "
             f"| ctx p50 {_fmt(ctx.get('p50'), '.0f')} p99 {_fmt(ctx.get('p99'), '.0f')} "
             f"| plan {_plan_text(s)} | rollout workers {alive} | trained {s.get('samples_consumed', 0)} "
-            f"lost {s.get('samples_lost', 0)}")
+            f"lost {s.get('samples_lost', 0)}{_eval_text(s)}")
+
+
+def _eval_text(s: dict[str, Any]) -> str:
+    """' | held-out ENV SUCCESS@vVERSION ...' for the evaluated environments with a finished round (eval.every)."""
+    done = [f"{env} {e['value']:.3f}@v{e['version']}" for env, e in (s.get("eval") or {}).items()
+            if e.get("value") is not None]
+    return f" | held-out {' '.join(done)}" if done else ""
 
 
 def _plan_text(s: dict[str, Any]) -> str:
@@ -68,6 +75,9 @@ def dashboard(s: dict[str, Any], steps: int) -> Group:
     top.add_row("reward", _bar(None if reward is None else (reward + 1) / 2), _fmt(reward))  # rewards in [-1, 1]
     win = s.get("win_rate_last")
     top.add_row("win rate", _bar(win), f"{_fmt(win, '.2f')} (draw {_fmt(s.get('draw_rate_last'), '.2f')})")
+    for env, e in (s.get("eval") or {}).items():  # evaluation during training (eval.every)
+        if e.get("value") is not None:
+            top.add_row("held-out", _bar(e["value"]), f"{env} success {e['value']:.3f} at version {e['version']}")
     ctx = s.get("context_length", {})
     trainer = s.get("trainer") or {}
     facts = Table.grid(padding=(0, 2))
@@ -116,6 +126,7 @@ class LiveView:
         self.tty = sys.stdout.isatty()
         self.console = Console()
         self.curve: list[CurvePoint] = []
+        self.eval: dict[str, Any] = {}  # status "eval": env -> latest round and its history (eval.every)
         self._live: Live | None = None
         self._last_plain = 0.0
         self._started = time.monotonic()
@@ -139,6 +150,7 @@ class LiveView:
         if not status:
             return
         self._record(status)
+        self.eval = status.get("eval") or self.eval
         if self._live is not None:
             self._live.update(dashboard(status, self.steps))
         elif time.monotonic() - self._last_plain > 5:
@@ -159,16 +171,23 @@ class LiveView:
                      f"{summary['samples_trained']} samples trained of {summary['samples_produced']} produced, "
                      f"win rate {_fmt(summary['win_rate_last'], '.2f')}, mean reward {_fmt(summary['mean_reward_last'])}, "
                      f"{summary['tokens_per_second']:.0f} tok/s")
+        for env, e in (summary.get("eval") or {}).items():
+            if e.get("value") is not None:
+                passk = " ".join(f"pass@{k} {v:.3f}" for k, v in e["pass_at_k"].items())
+                self.message(f"held-out {env} at version {e['version']}: success {e['value']:.3f} "
+                             f"+- {e['stderr']:.3f}, {passk}, mean reward {e['mean_reward']:.3f} "
+                             f"({len(e['history'])} evaluations)")
 
     def write_learning_curve(self, path: Path) -> Path | None:
         """Plot reward, win/draw rate and loss per step to `path` (PNG); None when nothing was trained."""
         if not self.curve:
             return None
-        return plot_learning_curve(self.curve, path)
+        return plot_learning_curve(self.curve, path, self.eval)
 
 
-def plot_learning_curve(points: list[CurvePoint], path: Path) -> Path:
-    """Two panels over training steps: mean reward and win/draw rate (supervisor window), and loss."""
+def plot_learning_curve(points: list[CurvePoint], path: Path, evals: dict[str, Any] | None = None) -> Path:
+    """Two panels over training steps: mean reward and win/draw rate (supervisor window) with the held-out
+    success of each evaluated environment (status "eval", eval.every), and loss."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a training host
@@ -180,6 +199,11 @@ def plot_learning_curve(points: list[CurvePoint], path: Path) -> Path:
                          ("draw rate", [p.draw_rate for p in points])):
         xs = [s for s, v in zip(steps, values) if v is not None]
         ax.plot(xs, [v for v in values if v is not None], label=name)
+    for env, e in (evals or {}).items():
+        history = [p for p in e.get("history", []) if p.get("value") is not None]
+        if history:
+            ax.plot([p["version"] for p in history], [p["value"] for p in history], marker="o", linestyle="--",
+                    label=f"held-out success ({env})")
     ax.set_ylabel("last episodes window")
     ax.set_ylim(-1.05, 1.05)
     ax.grid(alpha=0.3)

@@ -147,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
         _add_secret_arg(e)
 
+    from earl_stream.cli import eval as eval_cli
     from earl_stream.cli import keys, scale, slurm
 
+    eval_cli.add_parser(sub)
     scale.add_parser(sub, _add_secret_arg)
     keys.add_parser(sub, _add_secret_arg)
     slurm.add_parser(sub)
@@ -274,6 +276,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.cli.env import run_env_command
 
         return run_env_command(args)
+    if args.command == "eval":
+        from earl_stream.cli.eval import run_eval
+
+        return run_eval(args)
     if args.command == "scale":
         from earl_stream.cli.scale import run_scale
 

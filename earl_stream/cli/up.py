@@ -275,6 +275,9 @@ def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
         "duplicates_detected": status.get("duplicates_detected", 0),
         "samples_in_store": status.get("samples_in_store", 0),
         "samples_claimed": status.get("samples_claimed", 0),
+        # evaluation during training (eval.every): env -> latest round (version, value = success, pass@k, mean
+        # reward) and its history
+        "eval": {env: {k: v for k, v in e.items() if k != "in_progress"} for env, e in status.get("eval", {}).items()},
         "last_loss": trainer.get("loss"),
         "weight_bytes_per_version": trainer.get("weight_bytes_per_version"),  # the model, or its LoRA adapters
         # where each process ran (host, and ray_node_id under the ray launcher), a trainer's rank, and

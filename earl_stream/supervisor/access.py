@@ -18,7 +18,7 @@ _READ = (P.StatusRequest, P.EnvList, P.RecentEpisodes)
 _OPERATE = (P.Scale, P.EnvAttach, P.EnvDetach, P.Finished)
 # what workers send about their own work (Finished: the trainer's end of the run)
 _WORK = (P.Register, P.Heartbeat, P.RequestPrompts, P.PutMeta, P.RecoverSamples, P.Claim, P.PlanAdopted, P.Release,
-         P.PublishVersion, P.Finished)
+         P.PublishVersion, P.Finished, P.PutEval)
 
 _ALLOWED: dict[KeyRole, tuple[type, ...]] = {
     KeyRole.READONLY: _READ,

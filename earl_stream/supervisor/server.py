@@ -24,6 +24,7 @@ from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
 from earl_stream.store.weight_route import WeightRoute, weight_route
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.supervisor.episode_window import Finished, outcome_rate, outcome_rate_stderr, window_stats
+from earl_stream.supervisor.eval_rounds import EvalRounds
 from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
 from earl_stream.supervisor.planning import Planner, PlannerState
 from earl_stream.supervisor.pools import Member, decide, order_of
@@ -67,6 +68,7 @@ class SupervisorState(msgspec.Struct):
     wal_seq: int = 0  # the last write-ahead log record this snapshot holds (supervisor/wal.py)
     checkpoint_version: int = -1  # the step of the trainer's latest checkpoint (-1: none, or an older snapshot)
     run_id: str = ""  # random, made when the run's state was first written ("" in older snapshots)
+    evals: bytes = b""  # evaluation rounds (supervisor/eval_rounds.py; "" in older snapshots)
 
 
 class Supervisor:
@@ -84,6 +86,7 @@ class Supervisor:
         self.ledger = Ledger(self.envs.usable_specs(), seed=cfg.seed, group_size=t.group_size, groups_per_step=t.groups_per_step,
                              max_staleness=t.max_staleness, dynamic_sampling=cfg.algo.dynamic_sampling)
         self.workers: dict[str, Worker] = {}
+        self.evals = EvalRounds(cfg)  # evaluation during training: never in the ledger
         self.policy_version = 0
         self.weights_address = ""
         self.trainer_metrics: dict[str, float] = {}
@@ -165,6 +168,7 @@ class Supervisor:
         if drained:  # its last frees go with this reply; it exits, nothing of it is needed any more
             worker.alive, worker.draining, worker.drained = False, False, True
             self._membership += 1
+            self.evals.worker_lost(worker.worker_id)  # evaluation episodes it was playing: to another worker
             log.info("%s drained: every sample it produced is trained and released; it leaves", worker.worker_id)
         route = self._weight_route(worker) if worker.role == P.Role.ROLLOUT and not drained else WeightRoute()
         return P.HeartbeatReply(policy_version=self.policy_version, weights_address=self.weights_address,
@@ -195,7 +199,15 @@ class Supervisor:
     def _on_requestprompts(self, msg: P.RequestPrompts, now: float) -> P.Msg:
         if self.finished or msg.worker_id not in self.workers or self.workers[msg.worker_id].draining:
             return P.Prompts(prompts=[])
+        if self.evals.enabled and msg.request_id not in self.ledger.requests.get(msg.worker_id, {}):
+            self.evals.on_version(self.policy_version)
+            if tasks := self.evals.issue(msg.worker_id, msg.request_id):  # between training groups
+                return P.Prompts(eval_tasks=tasks)
         return P.Prompts(prompts=self.ledger.issue(msg.worker_id, msg.max_groups, msg.request_id, now))
+
+    def _on_puteval(self, msg: P.PutEval, now: float) -> P.Msg:
+        self.evals.put(msg.worker_id, msg.results)
+        return P.Ack()
 
     def _on_putmeta(self, msg: P.PutMeta, now: float) -> P.Msg:
         self.ledger.add_rows(msg.worker_id, msg.rows)
@@ -316,7 +328,8 @@ class Supervisor:
                                 workers=list(self.workers.values()), next_id=self._ids,
                                 trainer_metrics=self.trainer_metrics, plans=self.planner.snapshot(),
                                 rollout_replicas=self.rollout_replicas, wal_seq=wal_seq,
-                                checkpoint_version=self.checkpoint_version, run_id=self.run_id)
+                                checkpoint_version=self.checkpoint_version, run_id=self.run_id,
+                                evals=self.evals.snapshot())
         return msgspec.msgpack.encode(state)
 
     def restore(self, data: bytes, now: float) -> int:
@@ -332,6 +345,7 @@ class Supervisor:
         self.rollout_replicas = state.rollout_replicas
         self.checkpoint_version = state.checkpoint_version
         self.run_id = state.run_id or self.run_id
+        self.evals.restore(state.evals)
         if state.plans is not None:
             self.planner.restore(state.plans)
         # A finished run resumed with more steps (`up --resume --steps M`) goes on training.
@@ -366,6 +380,7 @@ class Supervisor:
         w.alive = False
         self._membership += 1
         result = self.ledger.worker_lost(w.worker_id, w.shard_address)
+        self.evals.worker_lost(w.worker_id)
         self.pending_free.pop(w.shard_address, None)
         log.warning("worker %s (pid %d) %s: declared dead; %d samples lost, %d prompts re-issued%s", w.worker_id, w.pid,
                     why, result["samples_lost"], result["prompts_reissued"],
@@ -416,6 +431,9 @@ class Supervisor:
                                          if (w := stats.envs.get(e["name"])) else {})}
                      for e in self._describe_envs()},
             "trainer": self.trainer_metrics,
+            # evaluation during training (eval.every): env -> latest round's version and value (success), pass@k,
+            # mean reward, history; {} when off
+            "eval": self.evals.status() if self.evals.enabled else {},
             "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
                          "ray_node_id": w.ray_node_id,
                          "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats,
@@ -444,6 +462,7 @@ class Supervisor:
             M.SUP_WORKERS.labels(role.value, "dead").set(sum(not w.alive and not w.drained for w in ws))
             M.SUP_WORKERS.labels(role.value, "draining").set(sum(w.alive and w.draining for w in ws))
             M.SUP_WORKERS.labels(role.value, "drained").set(sum(w.drained for w in ws))
+        self.evals.export_metrics()
         stats = window_stats(self.recent)
         if stats.mean_reward is not None:
             M.SUP_REWARD.set(stats.mean_reward)

@@ -33,6 +33,7 @@ from earl_stream.config import EnvSpec
 from earl_stream.devices import resolve_device
 from earl_stream.env import make_env, resolve_env, seeds_per_episode
 from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
+from earl_stream.evaluation.worker import play_eval_tasks
 from earl_stream.model.loading import load_model, load_tokenizer, torch_dtype
 from earl_stream.openai_api.http import bind_socket
 from earl_stream.records import TRANSCRIPTS_KEPT, SampleRecord, transcript_key
@@ -360,6 +361,9 @@ class RolloutWorker:
             # a retry after a lost reply re-sends this id and gets the same prompt, not a second one
             reply = await self._call(P.RequestPrompts(worker_id=self.worker_id, max_groups=1,
                                                       request_id=f"{slot}.{n}"))
+            if reply.eval_tasks:
+                await self._play_eval(reply.eval_tasks)
+                continue
             if not reply.prompts:
                 await asyncio.sleep(0.05)
                 continue
@@ -379,6 +383,19 @@ class RolloutWorker:
             rows = await asyncio.to_thread(self.writer.put, records)
             await asyncio.to_thread(self._keep_transcripts, records)
             await self._call(P.PutMeta(worker_id=self.worker_id, rows=rows))
+
+    async def _play_eval(self, tasks: list[P.EvalTask]) -> None:
+        """Evaluation episodes (eval.every; never trained on): played with weights at least as new as their
+        round, only their results sent back (`PutEval`), nothing put in the store (evaluation/worker.py)."""
+        version = max(t.version for t in tasks)
+        async with self.version_changed:
+            await self.version_changed.wait_for(lambda: self.engine.policy_version >= version or bool(self.stop))
+        if self.stop:
+            return  # the tasks go back to the queue when this worker is gone
+        results = await play_eval_tasks(tasks, self.batcher, self.chat, self.tokenizer.decode, worker_id=self.worker_id,
+                                        policy_version=lambda: self.engine.policy_version,
+                                        max_episode_tokens=lambda: self.max_episode_tokens)
+        await self._call(P.PutEval(worker_id=self.worker_id, results=results))
 
     async def _call(self, msg: P.Msg) -> Any:
         """A control call that waits out a supervisor restart (up to the lease of a few minutes)."""

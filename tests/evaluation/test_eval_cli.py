@@ -1,0 +1,82 @@
+"""`earl-stream eval` on a trainer checkpoint: the same figure as bench/heldout.py on the same items (the
+model of the checkpoint's Hugging Face export, played in-process); samples and pass@k through the CLI;
+an environment without held-out items is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from earl_stream.model import load_model
+from earl_stream.workers.checkpoint import RunState, save_checkpoint
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PARITY = f"{Path(__file__).resolve().parent / 'parity_env.py'}:ParityEnv"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """A run directory with one checkpoint of the tiny model, its weights moved off their init."""
+    model, tokenizer = load_model(tiny_model_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    run = tmp_path_factory.mktemp("run")
+    save_checkpoint(run, RunState(step=3, policy_version=3, rng=torch.get_rng_state(), unreleased=[]), model,
+                    torch.optim.AdamW(model.parameters()), tokenizer, collective=False)
+    return run
+
+
+def _eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "earl_stream", "eval", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def test_eval_of_a_checkpoint_equals_bench_heldout(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    proc = _eval("--model", str(run_dir), "--env", PARITY, "--params", '{"size": 500}', "--problems", "16",
+                 "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["model_kind"] == "checkpoint" and result["model"].endswith("step_000003")
+    assert "success" in proc.stdout and "pass@1" in proc.stdout
+    assert result["seeds"] == list(range(500, 516)) and result["heldout_params"]["held"] is True
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import heldout
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    model, tokenizer = load_model(run_dir / "checkpoints" / "step_000003")
+    bench = heldout.evaluate(model, tokenizer, {"size": 500}, problems=16, batch=8, spec=PARITY)
+    assert bench.problems == result["problems"] == 16
+    assert bench.outcomes == result["outcomes"] and bench.success == result["success"]
+    assert 0 < result["success"] < 1, "the parity task should split a random policy's items"
+    assert result["pass_at_k"] == {"1": result["success"]}
+
+
+def test_eval_samples_give_pass_at_k(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    proc = _eval("--model", str(run_dir), "--env", PARITY, "--problems", "6", "--samples", "3",
+                 "--temperature", "1.0", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["episodes"] == 18 and set(r["pass_at_k"]) == {"1", "2", "3"}
+    assert r["pass_at_k"]["1"] == pytest.approx(r["success"])
+    assert r["pass_at_k"]["1"] <= r["pass_at_k"]["2"] <= r["pass_at_k"]["3"]
+
+
+def test_eval_refuses_an_environment_without_held_out_items(run_dir: Path) -> None:
+    proc = _eval("--model", str(run_dir), "--env", "tictactoe", "--problems", "4")
+    assert proc.returncode == 2
+    assert "cannot give held-out items: TicTacToe defines no held_out(params, problems)" in proc.stderr
+    proc = _eval("--model", str(run_dir), "--env", PARITY, "--samples", "2")
+    assert proc.returncode == 2 and "needs a temperature above 0" in proc.stderr

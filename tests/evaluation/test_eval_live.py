@@ -1,0 +1,76 @@
+"""Evaluation during a live `earl-stream up` (eval.every): rounds are played by the rollout pool while it
+trains, their results reach `status --json` (`eval.{env}`) and the `earl_eval_*` gauges, and no evaluation
+episode ever reaches the ledger, the store or a training step."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import wait_for
+from test_dashboards import RunningUp, scrape
+
+from earl_stream import protocol as P
+from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
+from earl_stream.store.schema import table_from_ipc, table_to_metas
+
+pytestmark = pytest.mark.slow
+
+PARITY = f"{Path(__file__).resolve().parent / 'parity_env.py'}:ParityEnv"
+
+
+def test_eval_rounds_overlap_training_and_are_never_trained(tmp_path: Path, tiny_model_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = create_secret_file(tmp_path / "secret")
+    monkeypatch.setenv(SECRET_ENV, str(secret))
+    overrides = ("rollout.workers=1", f"envs.0.spec={PARITY}", "envs.0.name=parity", "eval.every=2", "eval.problems=3",
+                 "eval.samples=2", "eval.temperature=1.0", "trainer.checkpoint_every=2")
+    with RunningUp(tmp_path, tiny_model_dir, *overrides) as up:
+        def status() -> dict[str, Any]:
+            try:
+                address = json.loads((up.run_dir / "supervisor.json").read_text())["address"]
+            except (OSError, ValueError, KeyError):
+                return {}
+            out = subprocess.run([sys.executable, "-m", "earl_stream", "status", "--json", "--supervisor", address],
+                                 capture_output=True, text=True, timeout=60)
+            return json.loads(out.stdout) if out.returncode == 0 else {}
+
+        s = wait_for(lambda: (st := status()) and len(st.get("eval", {}).get("parity", {}).get("history", [])) >= 2
+                     and st, 300, f"two evaluation rounds in `status --json`\n{up.log_tail()}")
+        point = s["eval"]["parity"]
+        versions = [p["version"] for p in point["history"]]
+        # at version 0, then multiples of 2 (one due while the last was still being played is skipped, and said)
+        assert versions[0] == 0 and versions == sorted(set(versions)) and all(v % 2 == 0 for v in versions)
+        assert point["version"] == versions[-1] >= 2
+        assert 0.0 <= point["value"] <= 1.0 and set(point["pass_at_k"]) == {"1", "2"}
+        assert point["problems"] == 3 and point["samples"] == 2 and point["episodes"] == 6
+        assert point["versions"][0] >= point["version"]  # played with weights at least as new as its round
+
+        targets = up.wait_for_roles()
+        [sup] = [a for a, role in targets.items() if role == "supervisor"]
+        metrics = scrape(sup)
+        assert {"env": "parity"} in metrics["earl_eval_success"]
+        assert {m["k"] for m in metrics["earl_eval_pass_at_k"] if m["env"] == "parity"} == {"1", "2"}
+        played = [a for a, role in targets.items() if role == "rollout" and "earl_eval_episodes_total" in scrape(a)]
+        assert played, "no rollout worker counted an evaluation episode"
+
+        client = P.ControlClient(s["address"], timeout_s=10, secret=load_secret())
+        rows = table_to_metas(table_from_ipc(client.call(P.RecentEpisodes(since=0)).table_ipc))
+        client.close()
+        # every row the ledger got (all it can ever hand a training step) is a training group's episode
+        groups = [re.fullmatch(r"g(\d+)\.\d+", r.group_id) for r in rows]  # g{ordinal}.{attempt}
+        assert rows and all(g and r.prompt_ordinal == int(g[1]) for g, r in zip(groups, rows)), rows[:3]
+        final = status() or s
+    summary = json.loads((tmp_path / "summary.json").read_text())  # `up` stopped by SIGTERM writes it too
+    assert summary["eval"]["parity"]["history"][:len(versions)] == point["history"]
+    assert Path(summary["learning_curve_png"]).read_bytes()[:4] == b"\x89PNG"
+    issued = final["prompts_issued"]
+    trained = [o for line in (up.run_dir / "trained.jsonl").read_text().splitlines() for o in json.loads(line)["trained"]]
+    assert trained and all(0 <= o < issued for o in trained) and len(trained) == len(set(trained))
+    # eval episodes played: 2 rounds x 6 at least; the ledger counted only training groups of 4 episodes
+    assert final["samples_produced"] % 4 == 0 and final["samples_produced"] <= 4 * issued
