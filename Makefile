@@ -89,8 +89,8 @@ bench: $(BENCH_VENV)/.installed ## every benchmark, then docs/BENCHMARKS.md (BEN
 	HF_HUB_OFFLINE=1 $(BPY) bench/weight_swap.py --split-from bench/results/split_episodes.json --json bench/results/weight_swap.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/moe.py $(BENCH_ARGS) --json bench/results/moe.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/eval_overlap.py --json bench/results/eval_overlap.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/sft.py --json bench/results/sft.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/distill.py --json bench/results/distill.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/sft.py --out bench/results/sft.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/distill.py --out bench/results/distill.json
 	$(MAKE) bench-report
 
 # docs/BENCHMARKS.md and the README's results table from bench/results/*.json, each result marked stale when

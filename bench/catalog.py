@@ -138,10 +138,10 @@ BENCHMARKS: list[dict[str, Any]] = [
      "files": ["eval_overlap.json", "eval_overlap_*.json"], "render": render_generic},
     {"name": "sft", "depends_on": ["earl_stream/sft", "earl_stream/model/warmstart.py", "bench/sft.py"],
      "title": "SFT: the embedded warm start through earl-stream sft vs the old loop",
-     "script": "bench/sft.py", "command": "python bench/sft.py --json bench/results/sft.json",
+     "script": "bench/sft.py", "command": "python bench/sft.py --out bench/results/sft.json",
      "files": ["sft.json"], "render": render_generic},
     {"name": "distill", "depends_on": ["earl_stream/algo/distill.py", "earl_stream/workers/train_step.py", "bench/distill.py"],
      "title": "On-policy distillation vs plain GRPO on the same budget",
-     "script": "bench/distill.py", "command": "python bench/distill.py --json bench/results/distill.json",
+     "script": "bench/distill.py", "command": "python bench/distill.py --out bench/results/distill.json",
      "files": ["distill.json"], "render": render_generic},
 ]
