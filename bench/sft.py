@@ -1,9 +1,9 @@
-"""SFT warm start of the embedded model through `earl-stream sft` against the warm start of the parent
-commit (`git worktree` of HEAD~N's code is not needed: the old loop is run from a checkout given by
---baseline-src, default /work/main), side by side: legal-move rate, win rate (temperature 1.0,
-`warmstart.evaluate_game`) and training time.
+"""SFT warm start of the embedded model through `earl-stream sft` against the warm start's own loop before it
+became a caller of SFT (the code of commit --baseline-ref, default f664abf, checked out with `git worktree`
+into a temporary directory; --baseline-src names a checkout instead), side by side: legal-move rate, win
+rate (temperature 1.0, `warmstart.evaluate_game`) and training time.
 
-    python bench/sft.py [--steps 150] [--eval-games 200] [--baseline-src /work/main] [--out bench/results/sft.json]
+    python bench/sft.py [--steps 150] [--eval-games 200] [--baseline-ref f664abf] [--out bench/results/sft.json]
 
 The transcripts are the warm start's own synthetic games (uniformly random legal moves by the model's
 side, same seed, same number of games) written as JSONL chat messages; `earl-stream sft` trains on them
@@ -74,7 +74,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-games", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--baseline-src", default="/work/main", help="a checkout whose warm start is the old loop")
+    ap.add_argument("--baseline-ref", default="f664abf", help="a commit whose warm start is the old loop")
+    ap.add_argument("--baseline-src", default="", help="a checkout whose warm start is the old loop (instead of --baseline-ref)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/sft.json"))
     args = ap.parse_args()
     from earl_stream.model.tiny import init_model
@@ -91,7 +92,16 @@ def main() -> None:
     old = ("import sys, json, torch; torch.set_num_threads(1); from earl_stream.model.warmstart import warm_start; "
            f"r = warm_start({str(base_dir)!r}, {GAME!r}, seconds=1e9, max_steps={args.steps}, eval_games=0, "
            f"seed={args.seed}); print(json.dumps(r.as_dict()))")
-    base_seconds = run([sys.executable, "-c", old], {**env, "PYTHONPATH": args.baseline_src})
+    src = args.baseline_src
+    if not src:
+        src = str(tmp / "baseline-src")
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", src, args.baseline_ref], check=True,
+                       capture_output=True)
+    try:
+        base_seconds = run([sys.executable, "-c", old], {**env, "PYTHONPATH": src})
+    finally:
+        if not args.baseline_src:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", src], capture_output=True)
     sft_cmd = [sys.executable, "-m", "earl_stream", "sft", "--model", str(sft_dir), "--data", str(data), "--out",
                str(out_dir), "lr=3e-3", "beta2=0.98", "batch_size=16", f"steps={args.steps}", "warmup_steps=20",
                "decay_fraction=0.3", "min_lr_ratio=0.1", "context_weight=0.3", f"seed={args.seed}",
@@ -100,7 +110,7 @@ def main() -> None:
     report = json.loads((out_dir / "sft_report.json").read_text())
     result: dict[str, Any] = {
         "steps": args.steps, "eval_games": args.eval_games, "transcripts": args.steps * 16,
-        "baseline_warm_start": {"src": args.baseline_src, "wall_seconds": round(base_seconds, 1),
+        "baseline_warm_start": {"src": args.baseline_src or f"commit {args.baseline_ref}", "wall_seconds": round(base_seconds, 1),
                                 **evaluate(base_dir, args.eval_games, args.seed)},
         "earl_stream_sft": {"wall_seconds": round(sft_seconds, 1), "train_seconds": report["train_seconds"],
                             "first_loss": report["first_loss"], "final_loss": report["final_loss"],
