@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from earl_stream.chat import ChatFormat
+from earl_stream.model.chat import ChatFormat
 from earl_stream.env import env_options, make_env
 from earl_stream.model import load_model
 from earl_stream.workers.agent_loop import Sampling, play_episode

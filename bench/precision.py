@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from earl_stream.chat import ChatFormat
+from earl_stream.model.chat import ChatFormat
 from earl_stream.model import load_model, torch_dtype
 from earl_stream.workers.engines import GenerateRequest, TorchEngine
 

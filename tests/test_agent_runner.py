@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from earl_stream.chat import ChatFormat
+from earl_stream.model.chat import ChatFormat
 from earl_stream.env import make_env
 from earl_stream.model import load_model
 from earl_stream.openai_api import OpenAIEndpoint

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from earl_stream.chat import ChatFormat
+from earl_stream.model.chat import ChatFormat
 from earl_stream.errors import ModelError
 from earl_stream.model import CHAT_TEMPLATE, init_model, load_tokenizer
 

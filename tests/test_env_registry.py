@@ -217,7 +217,7 @@ NEEDS_PARAMS: dict[str, dict | None] = {"remote": None, "agent": None, "verifier
 
 @pytest.mark.parametrize("name", [n for n in known_envs()])
 def test_every_known_env_honours_the_protocol(name: str) -> None:
-    from earl_stream.agent_env import is_agent_env
+    from earl_stream.env.api import is_agent_env
 
     if name in NEEDS_PARAMS and NEEDS_PARAMS[name] is None:
         pytest.skip(f"{name} needs a server or a user's function to build")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from earl_stream.algo.losses import LossTerms, is_weights, policy_loss, token_logprobs
-from earl_stream.chat import ChatFormat
+from earl_stream.model.chat import ChatFormat
 from earl_stream.config import AlgoConfig, load_config
 from earl_stream.env import StepResult, env_options
 from earl_stream.errors import ConfigError

@@ -11,7 +11,7 @@ import pytest
 
 from earl_stream.env import StepResult, env_options, env_reset, env_step
 from earl_stream.errors import EnvError
-from earl_stream.tools import (
+from earl_stream.env.tools import (
     MAX_RESULT_CHARS,
     Tool,
     ToolCall,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from earl_stream.chat import ChatFormat
+from earl_stream.model.chat import ChatFormat
 from earl_stream.env import make_env
 from earl_stream.errors import EnvError
 from earl_stream.model import load_model

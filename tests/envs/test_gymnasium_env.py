@@ -10,7 +10,7 @@ import pytest
 import torch
 from earl_stream_envs.gymnasium_env import ansi_to_text
 
-from earl_stream.chat import ChatFormat
+from earl_stream.model.chat import ChatFormat
 from earl_stream.env import make_env
 from earl_stream.errors import EnvError
 from earl_stream.model import load_model

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from earl_stream.algo.losses import token_logprobs
-from earl_stream.chat import ChatFormat
+from earl_stream.model.chat import ChatFormat
 from earl_stream.config import AlgoConfig, TrainerConfig
 from earl_stream.env import StepResult, env_options
 from earl_stream.model import load_model

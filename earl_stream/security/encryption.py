@@ -66,7 +66,7 @@ def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
 
 def curve_server(sock: zmq.Socket, secret: bytes | None) -> None:
     """Make `sock` (before bind) a CURVE server of the run's key pair."""
-    from earl_stream.keys import parse_role_token
+    from earl_stream.security.keys import parse_role_token
 
     if parse_role_token(_check_curve(secret)) is not None:
         raise ConfigError("a control-plane server needs the cluster secret, not a role key (`keys derive` prints "
@@ -78,8 +78,8 @@ def curve_server(sock: zmq.Socket, secret: bytes | None) -> None:
 
 def curve_client(sock: zmq.Socket, secret: bytes | None) -> None:
     """Make `sock` (before connect) a CURVE client of the run's servers, with a fresh key pair. `secret` may
-    be a role key (`earl_stream.keys`), which carries the servers' public key."""
-    from earl_stream.keys import parse_role_token
+    be a role key (`earl_stream.security.keys`), which carries the servers' public key."""
+    from earl_stream.security.keys import parse_role_token
 
     role_key = parse_role_token(_check_curve(secret))
     server_public = role_key.curve_public if role_key is not None else curve_server_keys(_check_curve(secret))[0]

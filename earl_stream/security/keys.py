@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.utils.z85
 
-from earl_stream import encryption
+from earl_stream.security.secret import encryption
 from earl_stream.errors import ConfigError, EarlError
 
 TOKEN_PREFIX = "earl-"
