@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from earl_stream.model.chat import ChatFormat
 from earl_stream.env import env_options, make_env
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.workers.agent_loop import Sampling, play_episode
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine

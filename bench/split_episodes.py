@@ -66,8 +66,8 @@ async def _play(model_dir: Path, setting: str, episodes: int, params: dict[str, 
     import torch
     from earl_stream_envs.calculator_agent import CalculatorAgent
 
-    from earl_stream.model.chat import ChatFormat
     from earl_stream.model import load_model
+    from earl_stream.model.chat import ChatFormat
     from earl_stream.openai_api import OpenAIEndpoint
     from earl_stream.openai_api.http import bind_socket
     from earl_stream.workers.agent_episode import play_agent_episode

@@ -129,7 +129,7 @@ def start_metrics_server(host: str = "127.0.0.1", port: int = 0, *, tls: ssl.SSL
     run's read-only key where metrics_auth is on) is refused with 401 and counted."""
     if not port and os.environ.get(METRICS_PORT_ENV):
         port = int(os.environ[METRICS_PORT_ENV]) + int(os.environ.get("LOCAL_RANK", "0"))
-    from earl_stream.security.secret import tls as T
+    from earl_stream.security import tls as T
 
     tls = tls if tls is not None else T.server_context([host])
     if token is None and T.metrics_auth_enabled():

@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from earl_stream.security.secret import encryption
 from earl_stream.errors import ControlPlaneTimeout, ProtocolError
+from earl_stream.security import encryption
 from earl_stream.security.secret import ReplayGuard, sign, verify
 from earl_stream.store.schema import SampleMeta
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from earl_stream.env import StepResult
-from earl_stream.errors import EnvError
 from earl_stream.env.tools import DEFAULT_TOOL_TURN_TOKENS, Tool, ToolDispatcher, render_tools
+from earl_stream.errors import EnvError
 
 __all__ = ["CALCULATOR_TOOL", "Calculator", "CalculatorError", "Problem", "make_problem", "safe_eval"]
 

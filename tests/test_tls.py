@@ -17,13 +17,13 @@ import torch
 from cluster import Cluster
 
 from earl_stream import metrics as M
-from earl_stream.model.chat import ChatFormat
 from earl_stream.env import make_env
 from earl_stream.errors import ConfigError
-from earl_stream.security.keys import KeyRole, role_token
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.openai_api.http import bind_socket
+from earl_stream.security.keys import KeyRole, role_token
 from earl_stream.security.secret import load_secret
 from earl_stream.security.tls import TLS_ENV, client_context, run_ca, run_ca_pem, server_context, tls_env
 from earl_stream.workers.agent_episode import play_agent_episode

@@ -12,9 +12,9 @@ import torch
 from earl_stream_envs.connect_four import ConnectFour
 from earl_stream_envs.tictactoe import TicTacToe
 
-from earl_stream.model.chat import ChatFormat
 from earl_stream.errors import EnvError
 from earl_stream.model import init_model, load_model, load_tokenizer
+from earl_stream.model.chat import ChatFormat
 from earl_stream.model.warmstart import WarmStartReport, evaluate_game, resolve_game, synthetic_episode, warm_start
 
 torch.set_num_threads(1)

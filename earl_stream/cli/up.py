@@ -22,12 +22,12 @@ from earl_stream.cli.keys import write_key
 from earl_stream.cli.launchers import Launcher, Placed, RunSpec, make_launcher
 from earl_stream.cli.live import LiveView
 from earl_stream.config import RunConfig, config_to_yaml, replace
-from earl_stream.security.encryption import export_encrypt
 from earl_stream.errors import ChildProcessFailed, EarlError
+from earl_stream.security.encryption import export_encrypt
 from earl_stream.security.keys import KeyRole, role_token
 from earl_stream.security.secret import RUN_SECRET, SECRET_ENV, create_secret_file, find_run_secret, load_secret
-from earl_stream.store.durable import EXPERIENCE_DIR
 from earl_stream.security.tls import CA_FILE, READONLY_KEY_FILE, tls_env, write_run_ca
+from earl_stream.store.durable import EXPERIENCE_DIR
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",

@@ -9,8 +9,7 @@
 The names below are the API's face: `from earl_stream.env import StepResult, make_env`.
 """
 
-from earl_stream.env.api import EnvFactory, EnvOptions, Environment, StepResult, env_options, env_reset, env_step, \
-    seeds_per_episode
+from earl_stream.env.api import EnvFactory, Environment, EnvOptions, StepResult, env_options, env_reset, env_step, seeds_per_episode
 from earl_stream.env.registry import ENTRY_POINT_GROUP, known_envs, make_env, register_env, resolve_env, unregister_env
 
 __all__ = [

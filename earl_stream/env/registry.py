@@ -198,6 +198,10 @@ def _source_tree_envs() -> bool:
 
 
 def _import_module(module_name: str, spec: str) -> Any:
+    moved = _MOVED_MODULES.get(module_name)
+    if moved is not None:
+        raise EnvError(f"environment spec {spec!r}: module {module_name} is {moved} since 0.2.0: "
+                       f"use {spec.replace(module_name, moved, 1)!r}")
     try:
         if module_name.split(".")[0] == "earl_stream_envs":
             _source_tree_envs()
@@ -206,10 +210,6 @@ def _import_module(module_name: str, spec: str) -> Any:
         if module_name.split(".")[0] == "envs" and isinstance(exc, ModuleNotFoundError):
             raise EnvError(f"environment spec {spec!r}: the built-in environments are the package earl_stream_envs "
                            f"since 0.2.0: use {spec.replace('envs.', 'earl_stream_envs.', 1)!r}") from exc
-        moved = _MOVED_MODULES.get(module_name)
-        if moved is not None and isinstance(exc, ModuleNotFoundError):
-            raise EnvError(f"environment spec {spec!r}: module {module_name} is {moved} since 0.2.0: "
-                           f"use {spec.replace(module_name, moved, 1)!r}") from exc
         raise EnvError(
             f"environment spec {spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc

@@ -40,8 +40,8 @@ from typing import Any
 from prometheus_client import Counter
 from transformers import PreTrainedTokenizerBase
 
-from earl_stream.model.chat import ChatFormat
 from earl_stream.errors import EngineError
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import http
 from earl_stream.openai_api.auth import Denied, EndpointAuth
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan

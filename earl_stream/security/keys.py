@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.utils.z85
 
-from earl_stream.security.secret import encryption
 from earl_stream.errors import ConfigError, EarlError
+from earl_stream.security import encryption
 
 TOKEN_PREFIX = "earl-"
 _ROLE_CONTEXT = b"earl_stream role key v1:"

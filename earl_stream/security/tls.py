@@ -36,8 +36,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from earl_stream.config import SecurityConfig
-from earl_stream.security.encryption import encrypt_enabled
 from earl_stream.errors import ConfigError
+from earl_stream.security.encryption import encrypt_enabled
 
 TLS_ENV = "EARL_STREAM_TLS"
 TLS_CERT_ENV = "EARL_STREAM_TLS_CERT"

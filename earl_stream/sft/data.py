@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from earl_stream.model.chat import ChatFormat
 from earl_stream.errors import ConfigError
+from earl_stream.model.chat import ChatFormat
 
 __all__ = ["Example", "TranscriptError", "load_transcripts", "tokenize_chat"]
 

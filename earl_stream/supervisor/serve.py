@@ -18,12 +18,12 @@ from pathlib import Path
 
 import zmq
 
-from earl_stream.security.secret import encryption
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError, ProtocolError
 from earl_stream.files import write_durably
+from earl_stream.security import encryption
 from earl_stream.security.keys import KeyRole, keyring, role_of
 from earl_stream.security.secret import Refusal, ReplayGuard, check_keys, refusal_text, sign
 from earl_stream.supervisor import access

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from earl_stream.model.chat import ChatFormat
 from earl_stream.env import Environment, EnvOptions, StepResult, env_options, env_reset, env_step
 from earl_stream.errors import EnvError
+from earl_stream.model.chat import ChatFormat
 from earl_stream.records import SampleRecord
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, RequestRefused
 from earl_stream.workers.engines.batcher import AsyncBatcher

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from earl_stream.config import RunConfig
-from earl_stream.security.encryption import ENCRYPT_ENV
 from earl_stream.errors import ConfigError
+from earl_stream.security.encryption import ENCRYPT_ENV
 
 ENTRY_POINT_GROUP = "earl_stream.launchers"
 _BUILTIN = {"local": "earl_stream.cli.launchers.local:LocalLauncher",
