@@ -1,4 +1,4 @@
-"""Which control-plane message each key role may send to the supervisor (least privilege; keys.py says
+"""Which control-plane message each key role may send to the supervisor (least privilege; security/keys.py says
 who holds which key).
 
 The supervisor verifies a message against every role's key (`security.check_keys`), then asks
