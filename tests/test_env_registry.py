@@ -264,7 +264,9 @@ def test_the_old_envs_package_name_is_refused_with_the_new_one(tmp_path, monkeyp
     from earl_stream.errors import EnvError
 
     monkeypatch.chdir(tmp_path)  # not the repository root, whose envs/ folder would import as `envs`
-    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".")])
+    root = str(Path(__file__).resolve().parents[1])  # PYTHONPATH=<checkout> would make its envs/ folder `envs`
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", root)])
+    monkeypatch.delitem(__import__("sys").modules, "envs", raising=False)
     with pytest.raises(EnvError, match="earl_stream_envs.tictactoe:TicTacToe"):
         resolve_env("envs" + ".tictactoe:TicTacToe")
 
