@@ -5,7 +5,7 @@
 One ShardNode and one ShardClient in this process (transport tcp, so the bytes cross the socket), a
 int32 tensor of each size; per size, open (no secret: crc32 only) and authenticated (secret: every frame
 after the handshake carries a Poly1305 tag, store/frame_mac.py) and encrypted (security.encrypt: the
-frames also ChaCha20-encrypted under that tag, earl_stream/encryption.py) pulls alternate, --reps each,
+frames also ChaCha20-encrypted under that tag, earl_stream/security/encryption.py) pulls alternate, --reps each,
 and the medians and their ratios to open are reported. One host: the socket costs a memory copy, so the ratio is an upper
 bound of what the MAC adds where a network link is the bottleneck.
 """

@@ -49,8 +49,8 @@ from transformers import GenerationConfig, PreTrainedModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.provenance import write_result  # noqa: E402
-from earl_stream.chat import ChatFormat  # noqa: E402
 from earl_stream.model import ensure_default_model, init_model, load_model  # noqa: E402
+from earl_stream.model.chat import ChatFormat  # noqa: E402
 from earl_stream.workers.engines import GenerateRequest, TorchEngine  # noqa: E402
 from earl_stream.workers.engines.running import Row  # noqa: E402
 

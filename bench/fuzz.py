@@ -42,7 +42,7 @@ from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
 
 from bench.provenance import write_result  # noqa: E402
 from earl_stream import protocol as P  # noqa: E402
-from earl_stream.security import sign  # noqa: E402
+from earl_stream.security.secret import sign  # noqa: E402
 from earl_stream.store import wire  # noqa: E402
 
 REPLY_WAIT_S = 0.02  # how long the fuzzer waits for an answer to a frame (it does not need one)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from earl_stream import protocol as P  # noqa: E402
 from earl_stream.errors import EarlError  # noqa: E402
-from earl_stream.security import SECRET_ENV, create_secret_file, load_secret  # noqa: E402
+from earl_stream.security.secret import SECRET_ENV, create_secret_file, load_secret  # noqa: E402
 
 
 class LiveUp:

@@ -79,7 +79,7 @@ def _build(plan_name: str, rank: int, world: int) -> tuple[Any, Any]:
     torch.manual_seed(0)
     d = model_dir()
     if d is not None:
-        from earl_stream.modeling import load_model
+        from earl_stream.model import load_model
 
         model, _ = load_model(str(d))
     else:

@@ -46,10 +46,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.provenance import write_result  # noqa: E402
-from earl_stream.agent_env import EnvAsAgent  # noqa: E402
-from earl_stream.chat import ChatFormat  # noqa: E402
 from earl_stream.env import make_env  # noqa: E402
+from earl_stream.env.agent import EnvAsAgent  # noqa: E402
 from earl_stream.model import cache_dir, ensure_default_model, init_model, load_model  # noqa: E402
+from earl_stream.model.chat import ChatFormat  # noqa: E402
 from earl_stream.openai_api import OpenAIEndpoint  # noqa: E402
 from earl_stream.openai_api.http import bind_socket  # noqa: E402
 from earl_stream.records import SampleRecord  # noqa: E402

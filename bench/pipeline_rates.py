@@ -73,7 +73,7 @@ def start_up(cmd: list[str], run_dir: Path, *, what: str = "", wait_s: float = 0
     secret; wait for the supervisor's ready file and return the process and a control client on it.
     SystemExit if the run exits first; the caller stops the process (SIGTERM) when it is done."""
     from earl_stream import protocol as P
-    from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
+    from earl_stream.security.secret import SECRET_ENV, create_secret_file, load_secret
 
     secret_file = create_secret_file(run_dir / "secret")
     ready = run_dir / "supervisor.json"

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from earl_stream_envs.tictactoe import TicTacToe, render_board, winner  # noqa: E402
 
-from earl_stream.chat import ChatFormat  # noqa: E402
+from earl_stream.model.chat import ChatFormat  # noqa: E402
 from earl_stream.model.loading import load_model  # noqa: E402
 
 Board = tuple[str, ...]

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from earl_stream.chat import ChatFormat
 from earl_stream.model import load_model, torch_dtype
+from earl_stream.model.chat import ChatFormat
 from earl_stream.workers.engines import GenerateRequest, TorchEngine
 
 SYSTEM = "Solve the arithmetic problem. End your reply with the final answer as a number."

@@ -66,8 +66,8 @@ async def _play(model_dir: Path, setting: str, episodes: int, params: dict[str, 
     import torch
     from earl_stream_envs.calculator_agent import CalculatorAgent
 
-    from earl_stream.chat import ChatFormat
     from earl_stream.model import load_model
+    from earl_stream.model.chat import ChatFormat
     from earl_stream.openai_api import OpenAIEndpoint
     from earl_stream.openai_api.http import bind_socket
     from earl_stream.workers.agent_episode import play_agent_episode
@@ -105,7 +105,7 @@ async def _play(model_dir: Path, setting: str, episodes: int, params: dict[str, 
 
 def _status(run: Path) -> dict[str, Any]:
     from earl_stream import protocol as P
-    from earl_stream.security import load_secret
+    from earl_stream.security.secret import load_secret
 
     ready = run / "supervisor.json"
     if not ready.exists():

@@ -38,7 +38,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.provenance import write_result  # noqa: E402
 from earl_stream import protocol as P  # noqa: E402
-from earl_stream.security import create_secret_file, load_secret, sign, verify  # noqa: E402
+from earl_stream.security.secret import create_secret_file, load_secret, sign, verify  # noqa: E402
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta  # noqa: E402
 
 HEARTBEAT_HZ = 1.0  # heartbeats per rollout worker and second (supervisor.heartbeat_s = 1)

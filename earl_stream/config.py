@@ -349,12 +349,12 @@ class LauncherConfig:
 @dataclasses.dataclass(frozen=True)
 class SecurityConfig:
     encrypt: bool = _f(False, "encrypt both planes with keys derived from the cluster secret: the control plane with "
-                       "ZMQ CURVE, data-plane frames with ChaCha20 under their MACs (earl_stream/encryption.py); "
+                       "ZMQ CURVE, data-plane frames with ChaCha20 under their MACs (earl_stream/security/encryption.py); "
                        "shared memory and UCX bytes are not encrypted, so UCX is not used. Workers started by "
                        "hand then need `--encrypt`")
     tls: bool = _f(False, "serve the OpenAI and metrics endpoints over HTTPS (on whenever encrypt is): certificates "
                    "from a run CA derived from the cluster secret, whose certificate `up` writes to RUN_DIR/tls/ca.pem "
-                   "for clients to trust (earl_stream/tls.py), or the files below")
+                   "for clients to trust (earl_stream/security/tls.py), or the files below")
     tls_cert_file: str = _f("", "a server certificate (PEM) for every process instead of the run CA's; it must name "
                             "every host the endpoints are served from (give tls_key_file and tls_ca_file with it)")
     tls_key_file: str = _f("", "the private key (PEM) of tls_cert_file")

@@ -3,7 +3,7 @@ read-only HTTP endpoint each process serves them on.
 
 Each role updates the metrics it owns; the endpoint address is reported to the supervisor at
 registration so that `up` can write a Prometheus file_sd targets file. The endpoint serves HTTPS and
-asks for the run's read-only key when the run says so (earl_stream/tls.py).
+asks for the run's read-only key when the run says so (earl_stream/security/tls.py).
 """
 
 from __future__ import annotations
@@ -135,15 +135,15 @@ def start_metrics_server(host: str = "127.0.0.1", port: int = 0, *, tls: ssl.SSL
 
     Port 0 takes $EARL_STREAM_METRICS_PORT (+ LOCAL_RANK, so the ranks of one host differ) where it is set:
     a fixed port that Prometheus' pod annotations can name (deploy/k8s); else any free port. HTTPS with `tls`,
-    else when the environment turns TLS on (earl_stream/tls.py); a request without the bearer `token` (else the
+    else when the environment turns TLS on (earl_stream/security/tls.py); a request without the bearer `token` (else the
     run's read-only key where metrics_auth is on) is refused with 401 and counted."""
     if not port and os.environ.get(METRICS_PORT_ENV):
         port = int(os.environ[METRICS_PORT_ENV]) + int(os.environ.get("LOCAL_RANK", "0"))
-    from earl_stream import tls as T
+    from earl_stream.security import tls as T
 
     tls = tls if tls is not None else T.server_context([host])
     if token is None and T.metrics_auth_enabled():
-        from earl_stream.keys import KeyRole, role_token
+        from earl_stream.security.keys import KeyRole, role_token
 
         token = role_token(T._cluster_secret(), KeyRole.READONLY)
     if tls is None and token is None:

@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from earl_stream import encryption
 from earl_stream.errors import ControlPlaneTimeout, ProtocolError
-from earl_stream.security import ReplayGuard, sign, verify
+from earl_stream.security import encryption
+from earl_stream.security.secret import ReplayGuard, sign, verify
 from earl_stream.store.schema import SampleMeta
 
 # 2: plans travel as typed structs (TrainerPlan with a claim, RolloutPlan with a heartbeat), PlanAdopted
@@ -409,7 +409,7 @@ class ControlClient:
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, secret: bytes | None = None,
                  encrypt: bool | None = None) -> None:
-        """`encrypt`: CURVE to the server (None: $EARL_STREAM_ENCRYPT; `earl_stream.encryption`)."""
+        """`encrypt`: CURVE to the server (None: $EARL_STREAM_ENCRYPT; `earl_stream.security.encryption`)."""
         self.address = normalize_address(address)
         self.secret = secret
         self.encrypt = encryption.encrypt_enabled(encrypt)

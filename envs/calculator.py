@@ -1,7 +1,7 @@
 """Arithmetic word problems solved with a calculator tool, over several turns (a tool-use task).
 
 `reset(seed)` draws one word problem from a few templates with `random.Random(seed)`; every answer is
-an integer. The model may call the `calculator` tool (see `earl_stream.tools` for the call format),
+an integer. The model may call the `calculator` tool (see `earl_stream.env.tools` for the call format),
 whose result comes back as the next observation, and finishes with a reply containing
 `answer: N`. Rewards: 1.0 for a correct final answer, 0.0 otherwise (wrong answer, no answer within
 `max_turns` replies, or more than `max_tool_calls` calls). `info["outcome"]` on the terminal step is
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from earl_stream.env import StepResult
+from earl_stream.env.tools import DEFAULT_TOOL_TURN_TOKENS, Tool, ToolDispatcher, render_tools
 from earl_stream.errors import EnvError
-from earl_stream.tools import DEFAULT_TOOL_TURN_TOKENS, Tool, ToolDispatcher, render_tools
 
 __all__ = ["CALCULATOR_TOOL", "Calculator", "CalculatorError", "Problem", "make_problem", "safe_eval"]
 

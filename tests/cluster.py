@@ -14,7 +14,7 @@ from typing import Any
 
 from earl_stream import protocol as P
 from earl_stream.errors import EarlError
-from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
+from earl_stream.security.secret import SECRET_ENV, create_secret_file, load_secret
 
 
 class Cluster:

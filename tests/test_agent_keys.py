@@ -14,15 +14,15 @@ import torch
 from cluster import Cluster
 
 from earl_stream import protocol as P
-from earl_stream.chat import ChatFormat
 from earl_stream.env import make_env
 from earl_stream.errors import ProtocolError
-from earl_stream.keys import KeyRole, agent_key, role_of, role_token
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.openai_api.auth import Denied, EndpointAuth, Grant
 from earl_stream.openai_api.http import bind_socket
-from earl_stream.security import SECRET_ENV, load_secret
+from earl_stream.security.keys import KeyRole, agent_key, role_of, role_token
+from earl_stream.security.secret import SECRET_ENV, load_secret
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_runner import AgentRunners
 from earl_stream.workers.engines.batcher import AsyncBatcher

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from earl_stream.chat import ChatFormat
 from earl_stream.errors import ModelError
 from earl_stream.model import CHAT_TEMPLATE, init_model, load_tokenizer
+from earl_stream.model.chat import ChatFormat
 
 SYSTEM = "Play Tic-Tac-Toe as X. Reply with the number of an empty cell."
 B0 = "1 2 3\n4 5 6\n7 8 9"

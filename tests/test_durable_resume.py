@@ -17,7 +17,7 @@ import pytest
 from cluster import wait_for
 
 from earl_stream import protocol as P
-from earl_stream.security import load_secret
+from earl_stream.security.secret import load_secret
 
 pytestmark = pytest.mark.slow
 

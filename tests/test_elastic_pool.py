@@ -12,7 +12,7 @@ import pytest
 from cluster import Cluster, wait_for
 
 from earl_stream import protocol as P
-from earl_stream.security import load_secret
+from earl_stream.security.secret import load_secret
 
 pytestmark = pytest.mark.slow
 

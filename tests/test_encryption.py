@@ -1,4 +1,4 @@
-"""security.encrypt (earl_stream/encryption.py): data-plane frames are encrypted on the wire (a sniffing proxy
+"""security.encrypt (earl_stream/security/encryption.py): data-plane frames are encrypted on the wire (a sniffing proxy
 sees none of the pulled bytes; it does without encryption), a flipped ciphertext bit fails the frame's tag, an
 encrypting client refuses a node that does not encrypt; the control plane speaks CURVE (a client that does not
 encrypt gets no answer, and its timeout says what to pass); a whole `up` run trains encrypted, and `status`

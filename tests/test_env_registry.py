@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-import earl_stream.env as env_mod
+import earl_stream.env.registry as env_registry
 from earl_stream.env import (
     Environment,
+    EnvOptions,
     StepResult,
     env_options,
     env_reset,
@@ -91,7 +93,7 @@ def test_bad_results_and_crashes_become_env_errors() -> None:
 
 
 def test_env_options_defaults_and_validation() -> None:
-    assert env_options(SyncEcho()) == env_mod.EnvOptions(None, 32, None)
+    assert env_options(SyncEcho()) == EnvOptions(None, 32, None)
 
     class Bad(SyncEcho):
         max_turn_tokens = 0
@@ -113,7 +115,7 @@ def test_builtin_name_and_module_spec_resolve() -> None:
 
 def test_builtin_fallback_when_envs_is_not_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     # As in an uninstalled source tree run from elsewhere: no entry points, no `envs` on sys.path.
-    monkeypatch.setattr(env_mod, "_entry_points", lambda: {})
+    monkeypatch.setattr(env_registry, "_entry_points", lambda: {})
     monkeypatch.setitem(sys.modules, "envs", None)  # makes `import earl_stream_envs` raise ModuleNotFoundError
     monkeypatch.delitem(sys.modules, "earl_stream_envs.tictactoe", raising=False)
     cls = resolve_env("tictactoe")
@@ -217,7 +219,7 @@ NEEDS_PARAMS: dict[str, dict | None] = {"remote": None, "agent": None, "verifier
 
 @pytest.mark.parametrize("name", [n for n in known_envs()])
 def test_every_known_env_honours_the_protocol(name: str) -> None:
-    from earl_stream.agent_env import is_agent_env
+    from earl_stream.env.api import is_agent_env
 
     if name in NEEDS_PARAMS and NEEDS_PARAMS[name] is None:
         pytest.skip(f"{name} needs a server or a user's function to build")
@@ -254,13 +256,27 @@ def test_builtin_envs_resolve_from_an_uninstalled_source_tree() -> None:
 
 
 def test_the_old_envs_package_name_is_refused_with_the_new_one(tmp_path, monkeypatch) -> None:
-    """Specs written for 0.1 (`earl_stream_envs.tictactoe:TicTacToe`) name the package the environments install as now."""
+    """Specs written for 0.1 (`envs.tictactoe:TicTacToe`) name the package the environments install as now (the old
+    name is built in pieces so that the rename script leaves it alone)."""
     import pytest
 
     from earl_stream.env import resolve_env
     from earl_stream.errors import EnvError
 
     monkeypatch.chdir(tmp_path)  # not the repository root, whose envs/ folder would import as `envs`
-    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".")])
+    root = str(Path(__file__).resolve().parents[1])  # PYTHONPATH=<checkout> would make its envs/ folder `envs`
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", root)])
+    monkeypatch.delitem(__import__("sys").modules, "envs", raising=False)
     with pytest.raises(EnvError, match="earl_stream_envs.tictactoe:TicTacToe"):
-        resolve_env("earl_stream_envs.tictactoe:TicTacToe")
+        resolve_env("envs" + ".tictactoe:TicTacToe")
+
+
+@pytest.mark.parametrize("old, new", [("agent_env:EnvAsAgent", "earl_stream.env.agent:EnvAsAgent"),
+                                      ("env_server:RemoteEnv", "earl_stream.env.server:RemoteEnv"),
+                                      ("tools:ToolEnv", "earl_stream.env.tools:ToolEnv")])
+def test_the_old_module_paths_of_the_env_api_are_refused_with_the_new_ones(old: str, new: str) -> None:
+    """The environment API is the package earl_stream.env since 0.2.0: a spec with a 0.1 module path names the new one
+    (the old path is built in pieces so that the import rewrite leaves it alone)."""
+    with pytest.raises(EnvError, match=re.escape(f"use {new!r}")):
+        resolve_env("earl_stream." + old)
+    assert resolve_env(new).__module__ == new.partition(":")[0]

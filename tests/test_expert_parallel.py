@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from earl_stream.config import AlgoConfig, TrainerConfig
-    from earl_stream.modeling import load_model
+    from earl_stream.model import load_model
     from earl_stream.workers.expert_parallel import expert_blocks
     from earl_stream.workers.mesh import Placement, RankPlan, TrainerMesh
     from earl_stream.workers.sharding import apply_plan, relayout, shard_model, shard_pieces

@@ -18,7 +18,7 @@ from cluster import Cluster, wait_for
 from earl_stream import protocol as P
 from earl_stream.config import load_config
 from earl_stream.errors import ProtocolError
-from earl_stream.security import create_secret_file, load_secret
+from earl_stream.security.secret import create_secret_file, load_secret
 from earl_stream.supervisor.server import Supervisor
 from earl_stream.supervisor.wal import StateLog
 

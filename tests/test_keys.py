@@ -1,4 +1,4 @@
-"""Least privilege on the control plane: keys derived per role from the cluster secret (earl_stream/keys.py),
+"""Least privilege on the control plane: keys derived per role from the cluster secret (earl_stream/security/keys.py),
 and a real supervisor that refuses, names the role needed, counts and changes nothing for a message signed
 with a key whose role does not allow it (supervisor/access.py)."""
 
@@ -16,8 +16,8 @@ from cluster import Cluster
 
 from earl_stream import protocol as P
 from earl_stream.errors import ConfigError, ProtocolError
-from earl_stream.keys import AgentKeyError, KeyRole, agent_key, check_agent_key, key_for, parse_role_token, role_of, role_token
-from earl_stream.security import load_secret
+from earl_stream.security.keys import AgentKeyError, KeyRole, agent_key, check_agent_key, key_for, parse_role_token, role_of, role_token
+from earl_stream.security.secret import load_secret
 
 SECRET = b"0123456789abcdef" * 4
 

@@ -21,7 +21,7 @@ import pytest
 from cluster import wait_for
 
 from earl_stream.cli.up import worker_commands
-from earl_stream.security import (
+from earl_stream.security.secret import (
     SECRET_ENV,
     create_secret_file,
     find_run_secret,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from earl_stream.chat import ChatFormat
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.openai_api.episodes import Episode
 from earl_stream.openai_api.http import bind_socket

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from cluster import wait_for
 
-from earl_stream.security import SECRET_ENV, create_secret_file
+from earl_stream.security.secret import SECRET_ENV, create_secret_file
 
 openai = pytest.importorskip("openai", reason="the openai client package is not installed (pip install openai)")
 

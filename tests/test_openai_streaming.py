@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from earl_stream.chat import ChatFormat
 from earl_stream.errors import EngineError
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.openai_api.http import bind_socket
 from earl_stream.openai_api.messages import reply_message

@@ -161,7 +161,7 @@ def test_prometheus_scrapes_a_tls_run_with_its_ca_and_read_only_key(prometheus_b
                                                                     tiny_model_dir: Path) -> None:
     """With security.tls=true, the shipped TLS settings (pointed at the run's CA and read-only key files) scrape
     every role; a job trusting another CA, and one without the key, scrape none."""
-    from earl_stream.tls import run_ca_pem
+    from earl_stream.security.tls import run_ca_pem
 
     with RunningUp(tmp_path, tiny_model_dir, "security.tls=true") as up:
         up.wait_for_roles(ROLES, timeout_s=90)

@@ -18,7 +18,7 @@ import zmq
 from cluster import Cluster
 
 from earl_stream import protocol as P
-from earl_stream.security import MAC_BYTES, Refusal, ReplayGuard, check, load_secret, sign, verify
+from earl_stream.security.secret import MAC_BYTES, Refusal, ReplayGuard, check, load_secret, sign, verify
 
 
 def _stamped(secret: bytes, payload: bytes, when: float, nonce: bytes = b"n" * 16) -> bytes:

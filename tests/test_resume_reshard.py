@@ -17,7 +17,7 @@ from cluster import REPLY_LENGTH_ENV, wait_for
 from safetensors.torch import load_file
 
 from earl_stream.errors import ModelError
-from earl_stream.modeling import load_model
+from earl_stream.model import load_model
 from earl_stream.workers import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow

@@ -28,7 +28,7 @@ def _chats(n: int) -> list[list[dict[str, str]]]:
 
 
 def test_mask_covers_exactly_the_assistant_tokens(tiny_model_dir: Path) -> None:
-    from earl_stream.chat import ChatFormat
+    from earl_stream.model.chat import ChatFormat
     from earl_stream.model.loading import load_tokenizer
     from earl_stream.sft import tokenize_chat
 
@@ -89,7 +89,7 @@ PLANS = [("dp2", dict(dp=2)), ("fsdp2", dict(fsdp=2)), ("sp2", dict(sp=2)), ("fs
 def _step(model_dir: str, cfg: Any, rank: int = 0, world: int = 1) -> tuple[float, dict[str, torch.Tensor]]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from earl_stream.chat import ChatFormat
+    from earl_stream.model.chat import ChatFormat
     from earl_stream.model.loading import load_model
     from earl_stream.sft import sft_step, tokenize_chat
     from earl_stream.sft.loop import place_model
@@ -143,7 +143,7 @@ def test_step_under_dp2_fsdp2_sp2_equals_one_process(tiny_model_dir: Path, tmp_p
 
 def test_loss_is_the_assistant_token_cross_entropy(tiny_model_dir: Path) -> None:
     """The step's reported loss is the mean next-token cross-entropy over the masked tokens, by hand."""
-    from earl_stream.chat import ChatFormat
+    from earl_stream.model.chat import ChatFormat
     from earl_stream.model.loading import load_model
     from earl_stream.sft import SFTConfig, sft_step, tokenize_chat
     from earl_stream.sft.loop import place_model

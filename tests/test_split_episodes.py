@@ -22,9 +22,9 @@ from earl_stream_envs.calculator_agent import CalculatorAgent
 
 from earl_stream import protocol as P
 from earl_stream.algo.advantages import compute_advantages, episode_sums
-from earl_stream.chat import ChatFormat
 from earl_stream.config import AlgoConfig, EnvSpec
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.openai_api.http import bind_socket
 from earl_stream.records import TOKEN_FIELDS

@@ -1,6 +1,6 @@
 """Golden-trajectory invariant: at `trainer.max_staleness=0` and a fixed seed, the asynchronous
 pipeline (supervisor, rollout worker and trainer as real processes) trains on exactly the episodes
-the in-process synchronous loop (`earl_stream.sync_loop`) plays, and produces the same losses, for
+the in-process synchronous loop (`earl_stream.workers.sync_loop`) plays, and produces the same losses, for
 every advantage estimator (each with one more loss option, so the options reach the trainer too).
 
 Rollouts are deterministic because every episode samples with its own seed
@@ -19,7 +19,7 @@ import torch
 from cluster import Cluster, wait_for
 
 from earl_stream.config import load_config
-from earl_stream.sync_loop import run_sync_loop
+from earl_stream.workers.sync_loop import run_sync_loop
 
 STEPS = 3
 SEED = 3

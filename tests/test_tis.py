@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from earl_stream.algo.losses import LossTerms, is_weights, policy_loss, token_logprobs
-from earl_stream.chat import ChatFormat
 from earl_stream.config import AlgoConfig, load_config
 from earl_stream.env import StepResult, env_options
 from earl_stream.errors import ConfigError
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.records import SampleRecord
 from earl_stream.workers.agent_loop import Sampling, episode_sample_seed, play_episode
 from earl_stream.workers.batches import batch_tensors, local_batch

@@ -1,4 +1,4 @@
-"""TLS for the HTTP endpoints (earl_stream/tls.py): a run CA derived from the cluster secret, HTTPS metrics and
+"""TLS for the HTTP endpoints (earl_stream/security/tls.py): a run CA derived from the cluster secret, HTTPS metrics and
 OpenAI endpoints that a client trusting the CA reaches while plain HTTP and another CA fail, and metrics that
 refuse a request without the read-only key."""
 
@@ -17,15 +17,15 @@ import torch
 from cluster import Cluster
 
 from earl_stream import metrics as M
-from earl_stream.chat import ChatFormat
 from earl_stream.env import make_env
 from earl_stream.errors import ConfigError
-from earl_stream.keys import KeyRole, role_token
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.openai_api.http import bind_socket
-from earl_stream.security import load_secret
-from earl_stream.tls import TLS_ENV, client_context, run_ca, run_ca_pem, server_context, tls_env
+from earl_stream.security.keys import KeyRole, role_token
+from earl_stream.security.secret import load_secret
+from earl_stream.security.tls import TLS_ENV, client_context, run_ca, run_ca_pem, server_context, tls_env
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_runner import AgentRunners
 from earl_stream.workers.engines.batcher import AsyncBatcher
@@ -162,7 +162,7 @@ def test_ssl_module_rejects_an_untrusted_handshake_at_once() -> None:
 
 def test_tls_files_that_do_not_fit_together_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from earl_stream.config import load_config
-    from earl_stream.tls import issue
+    from earl_stream.security.tls import issue
 
     cert, key = issue(SECRET, ["127.0.0.1"])
     _, other_key = issue(SECRET, ["127.0.0.1"])

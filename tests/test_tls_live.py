@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from cluster import wait_for
 
-from earl_stream.security import SECRET_ENV, create_secret_file
-from earl_stream.tls import client_context
+from earl_stream.security.secret import SECRET_ENV, create_secret_file
+from earl_stream.security.tls import client_context
 
 openai = pytest.importorskip("openai", reason="the openai client package is not installed (pip install openai)")
 

@@ -10,8 +10,7 @@ from typing import Any, TypeVar
 import pytest
 
 from earl_stream.env import StepResult, env_options, env_reset, env_step
-from earl_stream.errors import EnvError
-from earl_stream.tools import (
+from earl_stream.env.tools import (
     MAX_RESULT_CHARS,
     Tool,
     ToolCall,
@@ -25,6 +24,7 @@ from earl_stream.tools import (
     render_tools,
     with_tools,
 )
+from earl_stream.errors import EnvError
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from cluster import wait_for
 from test_newcomer import stop_group, terminal_env
 
 from earl_stream import protocol as P
-from earl_stream.security import load_secret
+from earl_stream.security.secret import load_secret
 
 pytestmark = pytest.mark.slow
 

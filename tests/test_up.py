@@ -16,7 +16,7 @@ import pytest
 from cluster import wait_for
 
 from earl_stream import protocol as P
-from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
+from earl_stream.security.secret import SECRET_ENV, create_secret_file, load_secret
 from earl_stream.store.ucx import ucx_available
 
 pytestmark = pytest.mark.slow

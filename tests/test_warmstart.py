@@ -12,9 +12,9 @@ import torch
 from earl_stream_envs.connect_four import ConnectFour
 from earl_stream_envs.tictactoe import TicTacToe
 
-from earl_stream.chat import ChatFormat
 from earl_stream.errors import EnvError
 from earl_stream.model import init_model, load_model, load_tokenizer
+from earl_stream.model.chat import ChatFormat
 from earl_stream.model.warmstart import WarmStartReport, evaluate_game, resolve_game, synthetic_episode, warm_start
 
 torch.set_num_threads(1)
@@ -87,7 +87,7 @@ def test_the_framework_does_not_import_envs() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, earl_stream.model, earl_stream.modeling, earl_stream.model.warmstart; "
+    code = ("import sys, earl_stream.model, earl_stream.model, earl_stream.model.warmstart; "
             "print(sorted(m for m in sys.modules if m == 'envs' or m.startswith('envs.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,5 +1,5 @@
 """`earl-stream env attach|detach|list`: change the environments of a running system; `env serve`: run
-an environment as a server of its own (`earl_stream.env_server`) for `env attach NAME --address`."""
+an environment as a server of its own (`earl_stream.env.server`) for `env attach NAME --address`."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from earl_stream import protocol as P
 from earl_stream.config import EnvSpec
 from earl_stream.errors import ConfigError, EnvError
 from earl_stream.files import write_durably
-from earl_stream.keys import KeyRole, key_for
-from earl_stream.security import load_secret
+from earl_stream.security.keys import KeyRole, key_for
+from earl_stream.security.secret import load_secret
 
 
 def _params(items: list[str]) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def add_serve_parser(esub: Any) -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from earl_stream.env_server import EnvServer
+    from earl_stream.env.server import EnvServer
 
     secret = load_secret()
     if secret is None:

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 
 from earl_stream import protocol as P
 from earl_stream.errors import ConfigError, StoreError
-from earl_stream.keys import KeyRole, key_for, role_of
 from earl_stream.records import transcript_key
-from earl_stream.security import load_secret
+from earl_stream.security.keys import KeyRole, key_for, role_of
+from earl_stream.security.secret import load_secret
 from earl_stream.store.client import ShardClient
 from earl_stream.store.schema import SampleMeta, table_from_ipc, table_to_metas
 

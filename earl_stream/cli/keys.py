@@ -1,4 +1,4 @@
-"""`earl-stream keys show|derive ROLE`: the scoped keys derived from a run's cluster secret (earl_stream/keys.py).
+"""`earl-stream keys show|derive ROLE`: the scoped keys derived from a run's cluster secret (earl_stream/security/keys.py).
 
 `show` lists every role's key and what it allows; `derive ROLE` prints one (or writes it to a file only this
 user can read), for a dashboard, an operator or an agent program that should not hold the cluster secret.
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream.errors import ConfigError
-from earl_stream.keys import ROLE_KEYS, KeyRole, agent_key, role_of, role_token
-from earl_stream.security import load_secret
+from earl_stream.security.keys import ROLE_KEYS, KeyRole, agent_key, role_of, role_token
+from earl_stream.security.secret import load_secret
 
 WHAT = {
     KeyRole.WORKER: "registers rollout workers and trainer ranks and sends their messages (a worker also needs "

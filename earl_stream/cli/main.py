@@ -185,18 +185,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars in our logs
-    from earl_stream.security import is_secret_refusal, secret_refusal_hint, use_secret
+    from earl_stream.security.secret import is_secret_refusal, secret_refusal_hint, use_secret
 
     address = getattr(args, "supervisor", None)
     run = use_secret(getattr(args, "secret_file", None), address)
     if run is not None:
         log.info("using the cluster secret of the run in %s (its ready file names %s)", run.run_dir, address)
     if getattr(args, "encrypt", False) or (run is not None and _run_encrypts(run.run_dir)):
-        from earl_stream.encryption import export_encrypt
+        from earl_stream.security.encryption import export_encrypt
 
         export_encrypt(True)
     if getattr(args, "tls", False):
-        from earl_stream.tls import TLS_ENV
+        from earl_stream.security.tls import TLS_ENV
 
         os.environ[TLS_ENV] = "1"
     try:
@@ -213,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _agent_key_hint() -> str:
     """When the credential given is an agent key: why the control plane refused it."""
-    from earl_stream.keys import KeyRole, role_of
-    from earl_stream.security import load_secret
+    from earl_stream.security.keys import KeyRole, role_of
+    from earl_stream.security.secret import load_secret
 
     try:
         held = role_of(load_secret())
@@ -251,12 +251,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return up(load_config(args.config, overrides), bind=args.bind, summary_path=args.summary, resume=args.resume,
                   restart=args.restart)
     if args.command == "supervisor":
-        from earl_stream.security import load_secret
+        from earl_stream.security.secret import load_secret
         from earl_stream.supervisor.serve import serve
 
         cfg = load_config(args.config, list(args.overrides) + (["security.encrypt=true"] if args.encrypt else []))
         if cfg.security.encrypt:
-            from earl_stream.encryption import export_encrypt
+            from earl_stream.security.encryption import export_encrypt
 
             export_encrypt(True)
         serve(cfg, args.bind, ready_file=args.ready_file, secret=load_secret(), state_dir=args.state_dir,
@@ -324,8 +324,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from earl_stream import protocol as P
     from earl_stream.cli.live import status_line
-    from earl_stream.keys import KeyRole, key_for
-    from earl_stream.security import load_secret
+    from earl_stream.security.keys import KeyRole, key_for
+    from earl_stream.security.secret import load_secret
 
     client = P.ControlClient(args.supervisor, timeout_s=5, secret=key_for(load_secret(), KeyRole.READONLY))
     status = json.loads(client.call(P.StatusRequest(), what="status").status_json)

@@ -16,8 +16,8 @@ from typing import Any
 
 from earl_stream import protocol as P
 from earl_stream.errors import ControlPlaneTimeout
-from earl_stream.keys import KeyRole, key_for
-from earl_stream.security import load_secret
+from earl_stream.security.keys import KeyRole, key_for
+from earl_stream.security.secret import load_secret
 
 
 def add_parser(sub: Any, add_secret_arg: Any) -> None:

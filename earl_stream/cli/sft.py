@@ -86,7 +86,7 @@ def run_sft_command(args: argparse.Namespace) -> int:
 
 
 def _examples(model_dir: str, data: str) -> list[Example]:
-    from earl_stream.chat import ChatFormat
+    from earl_stream.model.chat import ChatFormat
     from earl_stream.model.loading import load_tokenizer
     from earl_stream.sft.data import load_transcripts, tokenize_chat
 

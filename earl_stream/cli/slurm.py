@@ -31,7 +31,7 @@ from earl_stream.config import RunConfig, apply_run_override, config_from_dict, 
 from earl_stream.config_fields import apply_override, build
 from earl_stream.config_fields import field as _f
 from earl_stream.errors import ConfigError, SlurmError
-from earl_stream.security import create_secret_file
+from earl_stream.security.secret import create_secret_file
 
 SCRIPT_NAME = "earl-stream.sbatch"
 SECTION = "slurm"  # the config file's section (and the overrides' prefix) read by this module

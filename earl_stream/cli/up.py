@@ -22,12 +22,12 @@ from earl_stream.cli.keys import write_key
 from earl_stream.cli.launchers import Launcher, Placed, RunSpec, make_launcher
 from earl_stream.cli.live import LiveView
 from earl_stream.config import RunConfig, config_to_yaml, replace
-from earl_stream.encryption import export_encrypt
 from earl_stream.errors import ChildProcessFailed, EarlError
-from earl_stream.keys import KeyRole, role_token
-from earl_stream.security import RUN_SECRET, SECRET_ENV, create_secret_file, find_run_secret, load_secret
+from earl_stream.security.encryption import export_encrypt
+from earl_stream.security.keys import KeyRole, role_token
+from earl_stream.security.secret import RUN_SECRET, SECRET_ENV, create_secret_file, find_run_secret, load_secret
+from earl_stream.security.tls import CA_FILE, READONLY_KEY_FILE, tls_env, write_run_ca
 from earl_stream.store.durable import EXPERIENCE_DIR
-from earl_stream.tls import CA_FILE, READONLY_KEY_FILE, tls_env, write_run_ca
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",
@@ -39,7 +39,7 @@ def prepare(cfg: RunConfig) -> tuple[RunConfig, Path]:
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not cfg.model.path:
-        from earl_stream.modeling import ensure_default_model
+        from earl_stream.model import ensure_default_model
 
         log.info("preparing the embedded tiny model (built once, then cached)")
         model_dir = ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
@@ -271,6 +271,7 @@ def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
         # episodes kept as several samples (rollout.non_append=split): samples beyond an episode's first
         "episodes_produced": status.get("episodes_produced", 0),
         "segments_split": status.get("segments_split", 0),
+        "prompts_issued": status.get("prompts_issued", 0),
         "prompts_reissued": status.get("prompts_reissued", 0),
         "duplicates_detected": status.get("duplicates_detected", 0),
         "samples_in_store": status.get("samples_in_store", 0),

@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from earl_stream.chat import ChatFormat
 from earl_stream.env import make_env
+from earl_stream.env.tools import with_tools
 from earl_stream.errors import EngineError, EnvError
 from earl_stream.evaluation.heldout import HeldOutSet
 from earl_stream.evaluation.passk import EpisodeOutcome, EvalSummary, summarize
-from earl_stream.tools import with_tools
+from earl_stream.model.chat import ChatFormat
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_sample_seed, play_episode
 from earl_stream.workers.engines.batcher import AsyncBatcher
 

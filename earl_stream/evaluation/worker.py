@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from earl_stream import metrics as M
 from earl_stream import protocol as P
-from earl_stream.chat import ChatFormat
 from earl_stream.evaluation.runner import ItemSpec, play_item
+from earl_stream.model.chat import ChatFormat
 from earl_stream.workers.engines.batcher import AsyncBatcher
 
 

@@ -5,9 +5,11 @@
 - `tiny`: `init_model`, a small Qwen2 + byte-level BPE tokenizer built offline (tests, the default run);
 - `warmstart`: supervised warm start of the tiny model on legal play of a game given as a parameter;
 - `default`: the embedded default run's model, built once per machine under a file lock;
-- `commands`: the `earl-stream model ...` subcommands.
+- `commands`: the `earl-stream model ...` subcommands; `export`: `model export` (a run's checkpoint as a model);
+- `chat`: `ChatFormat`, rendering a conversation to the tokens a model sees (the agent loop, SFT, the endpoint);
+- `lora`, `lora_export`, `lora_checks`, `moe*`: LoRA adapters and mixture-of-experts models.
 
-Engines, the trainer and chat rendering use these; none of them lives here. The names below are
+Engines and the trainer use these; neither lives here. The names below are
 imported on first use, so that `earl_stream.model.commands` (read by every CLI start) stays free of
 torch and transformers.
 """

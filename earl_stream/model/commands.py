@@ -44,7 +44,7 @@ def run_model_command(args: argparse.Namespace) -> int:
     from earl_stream.model.importing import import_model
 
     if args.model_command == "export":
-        from earl_stream.model.lora_export import export_model
+        from earl_stream.model.export import export_model
 
         out = export_model(args.run_dir, args.out, merge=args.merge, base=args.base, overwrite=args.overwrite)
         print(json.dumps({"out_dir": str(out), "merged": bool(args.merge)}))

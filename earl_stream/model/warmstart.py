@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from earl_stream.chat import ChatFormat
 from earl_stream.env import StepResult, resolve_env
 from earl_stream.errors import EnvError
+from earl_stream.model.chat import ChatFormat
 from earl_stream.model.loading import load_model
 from earl_stream.sft.data import Example
 from earl_stream.sft.loop import SFTConfig, place_model, run_sft, strip_run_state

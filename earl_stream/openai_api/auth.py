@@ -1,4 +1,4 @@
-"""Who may call the OpenAI endpoint: the bearer token of each request (earl_stream/keys.py says who holds which key).
+"""Who may call the OpenAI endpoint: the bearer token of each request (earl_stream/security/keys.py says who holds which key).
 
 - No cluster secret (an open run): anyone.
 - The cluster secret: any request, in any episode or none (a user's own agent program, as before).
@@ -19,7 +19,7 @@ import hmac
 import time
 from dataclasses import dataclass
 
-from earl_stream.keys import AGENT_PREFIX, AgentKeyError, agent_key, check_agent_key, role_of
+from earl_stream.security.keys import AGENT_PREFIX, AgentKeyError, agent_key, check_agent_key, role_of
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from earl_stream.env.tools import ToolCall, parse_tool_call
 from earl_stream.errors import EarlError, ModelError
-from earl_stream.tools import ToolCall, parse_tool_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Message = dict[str, Any]

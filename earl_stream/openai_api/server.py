@@ -40,8 +40,8 @@ from typing import Any
 from prometheus_client import Counter
 from transformers import PreTrainedTokenizerBase
 
-from earl_stream.chat import ChatFormat
 from earl_stream.errors import EngineError
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import http
 from earl_stream.openai_api.auth import Denied, EndpointAuth
 from earl_stream.openai_api.episodes import Episode, EpisodeBook, TurnPlan
@@ -49,7 +49,7 @@ from earl_stream.openai_api.messages import BadRequest, ChatRenderer, Message, a
 from earl_stream.openai_api.params import integer, number
 from earl_stream.openai_api.params import stops as stops_of
 from earl_stream.openai_api.streaming import Ending, ReplyText, StreamHead, TokenFeed, chat_events, cut_at_stop, text_events
-from earl_stream.tls import client_ca_pem, server_context, tls_enabled
+from earl_stream.security.tls import client_ca_pem, server_context, tls_enabled
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult, RequestRefused
 from earl_stream.workers.engines.batcher import AsyncBatcher
 
@@ -119,7 +119,7 @@ class OpenAIEndpoint:
     async def start(self, sock: socket.socket, advertise_host: str, tls: ssl.SSLContext | None = None,
                     ca_pem: str = "") -> str:
         """Serve on a listening socket (`http.bind_socket`); returns the base URL (…/v1). HTTPS with `tls`
-        (whose certificate `ca_pem` signed), else where the run turns TLS on (earl_stream/tls.py)."""
+        (whose certificate `ca_pem` signed), else where the run turns TLS on (earl_stream/security/tls.py)."""
         if tls is None and tls_enabled():
             tls, ca_pem = server_context([advertise_host]), client_ca_pem()
         self.ca_pem = ca_pem if tls is not None else ""

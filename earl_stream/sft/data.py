@@ -3,7 +3,7 @@
 One transcript per line: `{"messages": [{"role": ..., "content": ...}, ...]}` (OpenAI-style). The
 tokens are those of the tokenizer's chat template, rendered turn by turn: every prefix of the
 conversation is rendered and the new text tokenized on its own, the way the agent loop builds an
-episode (`earl_stream.chat`), so a model trained here sees exactly the token sequences RL will give
+episode (`earl_stream.model.chat`), so a model trained here sees exactly the token sequences RL will give
 it. The mask is 1 on each assistant turn's content and its end-of-turn token (what the model
 generates before the engine stops it), 0 on everything else (system, user, tool turns, the assistant
 header, and any text the template puts after the end-of-turn token).
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from earl_stream.chat import ChatFormat
 from earl_stream.errors import ConfigError
+from earl_stream.model.chat import ChatFormat
 
 __all__ = ["Example", "TranscriptError", "load_transcripts", "tokenize_chat"]
 

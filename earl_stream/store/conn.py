@@ -2,7 +2,8 @@
 
 Owns `PeerConn` (one persistent connection: its lock, the `Transport` its pulls go through, and
 the held leases whose arrays are gone and must be reported to the node) and `LeaseToken` (counts the
-live base arrays of one zero-copy reply). Requests and replies are `client.py`'s and `receive.py`'s.
+live base arrays of one zero-copy reply), and the `Transport` protocol whose implementations (TCP, shared memory,
+UCX) are `transport.py`'s. Requests and replies are `client.py`'s and `receive.py`'s.
 """
 
 from __future__ import annotations
@@ -10,12 +11,26 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from earl_stream.store import wire
 
 if TYPE_CHECKING:
-    from earl_stream.store.transport import Transport
+    import numpy as np
+
+    from earl_stream.store.receive import Piece
+
+
+class Transport(Protocol):
+    """The bytes of one connection's pulls. `pull` runs under the connection's lock, on its socket."""
+
+    name: ClassVar[str]  # 'tcp', 'shm' or 'ucx', as `ShardClient.transport(address)` reports it
+
+    def pull(self, conn: PeerConn, deadline: float, pieces: list[Piece], zero_copy: bool, merge_runs: bool) -> list[np.ndarray]:
+        """One 1-D array per piece (or per run of one key, with `merge_runs`), verified against the
+        peer's checksums. `zero_copy` is honoured where the transport can (shared memory); elsewhere
+        the arrays are copies. Errors as `ShardClient.pull`."""
+        ...
 
 
 @dataclass

@@ -13,7 +13,7 @@ this or another connection) or injected frame fails its tag: the receiver raises
 (the node closes the connection, the client reports the peer as broken) and counts it
 (earl_security_refused_total{plane="data"}).
 
-With `encrypt` (security.encrypt, `earl_stream/encryption.py`) the bytes of each frame are also
+With `encrypt` (security.encrypt, `earl_stream/security/encryption.py`) the bytes of each frame are also
 encrypted with ChaCha20 under a one-time key e_i = HMAC-SHA256(K, "E" || direction || sequence), and the
 tag is computed over the ciphertext (encrypt-then-MAC); the tag itself is sent in the clear.
 

@@ -24,8 +24,8 @@ from typing import Any, cast
 import msgspec
 import numpy as np
 
-from earl_stream import encryption
 from earl_stream.errors import ProtocolError, StoreError
+from earl_stream.security import encryption
 from earl_stream.store import ucx as ucx_transport
 from earl_stream.store import wire
 from earl_stream.store.frame_mac import AuthedStream, session_key

@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 
 from earl_stream.errors import ProtocolError, StoreError
 from earl_stream.store import ucx as ucx_transport
 from earl_stream.store import wire
-from earl_stream.store.conn import LeaseToken, PeerConn
+from earl_stream.store.conn import LeaseToken, PeerConn, Transport
 from earl_stream.store.receive import BufferPool, Piece, pieces_of_tcp_reply, receive_pieces
 from earl_stream.store.shm import SegmentCache, read_probe
 from earl_stream.store.wire import ErrorCode, Kind
@@ -65,18 +65,6 @@ class PullContext:
     buffers: BufferPool
     max_payload: int
     maps: SegmentCache | None  # None: this client does not use shared memory
-
-
-class Transport(Protocol):
-    """The bytes of one connection's pulls. `pull` runs under the connection's lock, on its socket."""
-
-    name: ClassVar[str]  # 'tcp', 'shm' or 'ucx', as `ShardClient.transport(address)` reports it
-
-    def pull(self, conn: PeerConn, deadline: float, pieces: list[Piece], zero_copy: bool, merge_runs: bool) -> list[np.ndarray]:
-        """One 1-D array per piece (or per run of one key, with `merge_runs`), verified against the
-        peer's checksums. `zero_copy` is honoured where the transport can (shared memory); elsewhere
-        the arrays are copies. Errors as `ShardClient.pull`."""
-        ...
 
 
 class TcpTransport:

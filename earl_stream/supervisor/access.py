@@ -1,4 +1,4 @@
-"""Which control-plane message each key role may send to the supervisor (least privilege; keys.py says
+"""Which control-plane message each key role may send to the supervisor (least privilege; security/keys.py says
 who holds which key).
 
 The supervisor verifies a message against every role's key (`security.check_keys`), then asks
@@ -10,7 +10,7 @@ logged); the sender hears which role it needed, and the refusal is counted
 from __future__ import annotations
 
 from earl_stream import protocol as P
-from earl_stream.keys import KeyRole
+from earl_stream.security.keys import KeyRole
 
 # what only reads the run
 _READ = (P.StatusRequest, P.EnvList, P.RecentEpisodes)

@@ -1,7 +1,7 @@
 """The supervisor's process: its socket, the write-ahead state around `Supervisor.handle`, its metrics.
 
 Each turn of the loop takes every message waiting on the socket (up to BATCH), verifies each (the
-cluster secret, its nonce and time: security.py), hands it to the state machine, logs the accepted
+cluster secret, its nonce and time: security/secret.py), hands it to the state machine, logs the accepted
 state-changing ones (supervisor/wal.py), makes the log durable with one fsync for the whole batch and
 only then sends the batch's replies. Leases are checked and metrics exported between turns; a worker
 declared dead for a missed lease is logged too, so that a restarted supervisor replays the same story.
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import zmq
 
-from earl_stream import encryption
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError, ProtocolError
 from earl_stream.files import write_durably
-from earl_stream.keys import KeyRole, keyring, role_of
-from earl_stream.security import Refusal, ReplayGuard, check_keys, refusal_text, sign
+from earl_stream.security import encryption
+from earl_stream.security.keys import KeyRole, keyring, role_of
+from earl_stream.security.secret import Refusal, ReplayGuard, check_keys, refusal_text, sign
 from earl_stream.supervisor import access
 from earl_stream.supervisor.server import Supervisor
 from earl_stream.supervisor.wal import StateLog, WalStats
@@ -77,7 +77,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    guard = ReplayGuard()  # refuses replayed and stale signed messages (security.py)
+    guard = ReplayGuard()  # refuses replayed and stale signed messages (security/secret.py)
     last_tick = 0.0
     exported = WalStats()
     while not stopping:
@@ -109,7 +109,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
 
 
 def _keyring(secret: bytes | None) -> dict[KeyRole, bytes] | None:
-    """Every role's key that messages may be signed with (keys.py, supervisor/access.py); None: an open run."""
+    """Every role's key that messages may be signed with (security/keys.py, supervisor/access.py); None: an open run."""
     held = role_of(secret)
     if held is not None and held is not KeyRole.CLUSTER:
         raise ConfigError(f"the supervisor needs the cluster secret; it was given the {held.value} key "

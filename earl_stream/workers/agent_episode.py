@@ -16,7 +16,7 @@ import dataclasses
 import uuid
 from typing import Any
 
-from earl_stream.agent_env import DEFAULT_AGENT_TIMEOUT_S
+from earl_stream.env.api import DEFAULT_AGENT_TIMEOUT_S
 from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.records import SampleRecord
 from earl_stream.workers.agent_loop import EpisodeFailed, trace_record

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from earl_stream.chat import ChatFormat
 from earl_stream.env import Environment, EnvOptions, StepResult, env_options, env_reset, env_step
 from earl_stream.errors import EnvError
+from earl_stream.model.chat import ChatFormat
 from earl_stream.records import SampleRecord
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, RequestRefused
 from earl_stream.workers.engines.batcher import AsyncBatcher
@@ -115,7 +115,7 @@ async def play_episode(
 ) -> SampleRecord:
     """Play one episode to its end. Raises EpisodeFailed if the environment misbehaves.
 
-    `options=None` reads the environment's options after its reset (see `earl_stream.env_server`).
+    `options=None` reads the environment's options after its reset (see `earl_stream.env.server`).
 
     With `sample_seed`, turn k samples with the engine's per-request seed `sample_seed + k` (see
     `episode_sample_seed`); without, from the engine's shared generator.

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from earl_stream.security import SECRET_ENV
+from earl_stream.security.secret import SECRET_ENV
 from earl_stream.workers.agent_loop import EpisodeFailed
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def agent_environment() -> dict[str, str]:
     and the TLS key's. Its programs get each episode's agent key instead (openai_api/auth.py). (They run as the
     worker's user: a program that goes looking can still read files that user can, the secret's included; run
     agent programs under another user or in a sandbox for a hard boundary.)"""
-    from earl_stream.tls import TLS_KEY_ENV
+    from earl_stream.security.tls import TLS_KEY_ENV
 
     return {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, TLS_KEY_ENV)}
 
@@ -234,7 +234,7 @@ def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float, c
         raise EpisodeFailed("agent environments need the openai package (pip install 'earl_stream[agents]')") from None
     base = _clients.get((url, ca_pem))
     if base is None or base.is_closed():
-        from earl_stream.tls import client_context  # (only under TLS: the child starts faster without it)
+        from earl_stream.security.tls import client_context  # (only under TLS: the child starts faster without it)
 
         http_client = openai.DefaultAsyncHttpxClient(verify=client_context(ca_pem)) if ca_pem else None
         base = _clients[(url, ca_pem)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0,

@@ -27,25 +27,25 @@ import numpy as np
 from earl_stream import metrics as M
 from earl_stream import openai_api
 from earl_stream import protocol as P
-from earl_stream.agent_env import is_agent_env
-from earl_stream.chat import ChatFormat
 from earl_stream.config import EnvSpec
 from earl_stream.devices import resolve_device
 from earl_stream.env import make_env, resolve_env, seeds_per_episode
+from earl_stream.env.api import is_agent_env
+from earl_stream.env.tools import with_tools
 from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
 from earl_stream.evaluation.worker import play_eval_tasks
+from earl_stream.model.chat import ChatFormat
 from earl_stream.model.loading import load_model, load_tokenizer, torch_dtype
 from earl_stream.openai_api.http import bind_socket
 from earl_stream.records import TRANSCRIPTS_KEPT, SampleRecord, transcript_key
-from earl_stream.security import load_secret
+from earl_stream.security.secret import load_secret
+from earl_stream.security.tls import tls_enabled
 from earl_stream.store.client import ShardClient
 from earl_stream.store.experience import ExperienceWriter
 from earl_stream.store.node import ShardNode
 from earl_stream.store.relay import sync_weights
 from earl_stream.store.weight_route import WeightRoute
 from earl_stream.supervisor.rollout_selector import engine_kv_capacity
-from earl_stream.tls import tls_enabled
-from earl_stream.tools import with_tools
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_env_seed, episode_sample_seed, play_episode
 from earl_stream.workers.agent_runner import AgentRunners
@@ -175,7 +175,7 @@ class RolloutWorker:
             raise EarlError(f"rollout.openai_bind={bind!r}: cannot listen there: {exc}") from exc
         host, port = sock.getsockname()[:2]
         advertise = self.host if host in ("0.0.0.0", "::") else host
-        return sock, f"{'https' if tls_enabled() else 'http'}://{advertise}:{port}/v1"  # HTTPS: earl_stream/tls.py
+        return sock, f"{'https' if tls_enabled() else 'http'}://{advertise}:{port}/v1"  # HTTPS: earl_stream/security/tls.py
 
     def _max_context(self) -> int:
         """The model's context length (the endpoint refuses longer requests)."""

@@ -29,9 +29,9 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.devices import resolve_device
 from earl_stream.errors import ControlPlaneTimeout, EarlError
+from earl_stream.model import load_model
 from earl_stream.model.lora import LoraSpec, adapter_state, apply_lora, state_bytes
-from earl_stream.modeling import load_model
-from earl_stream.security import load_secret
+from earl_stream.security.secret import load_secret
 from earl_stream.store.central import CentralClient, start_dispatcher_process
 from earl_stream.store.client import ShardClient
 from earl_stream.store.node import ShardNode

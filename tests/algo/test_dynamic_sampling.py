@@ -13,7 +13,7 @@ from earl_stream.config import EnvSpec, load_config
 from earl_stream.protocol import Prompt
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, table_from_ipc, table_to_metas
 from earl_stream.supervisor.ledger import Ledger
-from earl_stream.sync_loop import SyncLoop
+from earl_stream.workers.sync_loop import SyncLoop
 
 
 def _rows(prompt: Prompt, rewards: list[float], versions: tuple[int, int] = (0, 0)) -> list[SampleMeta]:

@@ -33,7 +33,7 @@ from earl_stream.cli.launchers.slurm import split_nodes
 from earl_stream.cli.up import prepare
 from earl_stream.config import load_config
 from earl_stream.errors import ConfigError, SlurmError
-from earl_stream.security import create_secret_file, load_secret
+from earl_stream.security.secret import create_secret_file, load_secret
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from cluster import wait_for
 from ray_cluster import PLACEMENT, node_ids
 
 from earl_stream import protocol as P
-from earl_stream.security import load_secret
+from earl_stream.security.secret import load_secret
 from earl_stream.workers import checkpoint as ckpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

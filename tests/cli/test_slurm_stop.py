@@ -19,7 +19,7 @@ from earl_stream.cli.launchers.slurm import SlurmLauncher
 from earl_stream.cli.procs import Child
 from earl_stream.cli.up import prepare
 from earl_stream.config import load_config
-from earl_stream.security import create_secret_file
+from earl_stream.security.secret import create_secret_file
 
 # Stands in for srun around one task on this host, with the signal handling of Slurm 22.05's srun
 # (src/srun/libsrun/srun_job.c): a SIGTERM kills the step's tasks at once ("forcing job termination"); a single

@@ -15,7 +15,7 @@ import pytest
 from cluster import wait_for
 
 from earl_stream import protocol as P
-from earl_stream.security import create_secret_file, load_secret
+from earl_stream.security.secret import create_secret_file, load_secret
 
 pytestmark = pytest.mark.slow
 

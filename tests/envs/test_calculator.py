@@ -167,7 +167,7 @@ class ScriptedEngine:
 def test_a_tool_using_episode_through_the_agent_loop(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from earl_stream.chat import ChatFormat
+    from earl_stream.model.chat import ChatFormat
     from earl_stream.workers.agent_loop import Sampling, play_episode
     from earl_stream.workers.engines.batcher import AsyncBatcher
 

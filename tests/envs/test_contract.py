@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from earl_stream.env import StepResult, env_options, env_reset, env_step, make_env
+from earl_stream.env.tools import ToolEnv
 from earl_stream.errors import EnvError
-from earl_stream.tools import ToolEnv
 
 MAX_STEPS = 100
 SEEDS = range(8)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from earl_stream.chat import ChatFormat
 from earl_stream.env import make_env
 from earl_stream.errors import EnvError
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.openai_api import OpenAIEndpoint
 from earl_stream.openai_api.http import bind_socket
 from earl_stream.workers.agent_episode import play_agent_episode

@@ -17,11 +17,11 @@ import pytest
 import torch
 from cluster import Cluster, wait_for
 
-from earl_stream.chat import ChatFormat
-from earl_stream.env_server import EnvServer, RemoteEnv
+from earl_stream.env.server import EnvServer, RemoteEnv
 from earl_stream.errors import EnvError
 from earl_stream.model import load_model
-from earl_stream.security import SECRET_ENV
+from earl_stream.model.chat import ChatFormat
+from earl_stream.security.secret import SECRET_ENV
 from earl_stream.workers.agent_loop import Sampling, play_episode
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine

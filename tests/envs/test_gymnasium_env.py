@@ -10,10 +10,10 @@ import pytest
 import torch
 from earl_stream_envs.gymnasium_env import ansi_to_text
 
-from earl_stream.chat import ChatFormat
 from earl_stream.env import make_env
 from earl_stream.errors import EnvError
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.workers.agent_loop import Sampling, play_episode
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine

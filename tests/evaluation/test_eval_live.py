@@ -16,7 +16,7 @@ from cluster import wait_for
 from test_dashboards import RunningUp, scrape
 
 from earl_stream import protocol as P
-from earl_stream.security import SECRET_ENV, create_secret_file, load_secret
+from earl_stream.security.secret import SECRET_ENV, create_secret_file, load_secret
 from earl_stream.store.schema import table_from_ipc, table_to_metas
 
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ def test_eval_rounds_overlap_training_and_are_never_trained(tmp_path: Path, tiny
     summary = json.loads((tmp_path / "summary.json").read_text())  # `up` stopped by SIGTERM writes it too
     assert summary["eval"]["parity"]["history"][:len(versions)] == point["history"]
     assert Path(summary["learning_curve_png"]).read_bytes()[:4] == b"\x89PNG"
-    issued = final["prompts_issued"]
+    issued = summary["prompts_issued"]  # at the stop: `final` is older than the last steps trained.jsonl holds
     trained = [o for line in (up.run_dir / "trained.jsonl").read_text().splitlines() for o in json.loads(line)["trained"]]
     assert trained and all(0 <= o < issued for o in trained) and len(trained) == len(set(trained))
     # eval episodes played: 2 rounds x 6 at least; the ledger counted only training groups of 4 episodes

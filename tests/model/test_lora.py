@@ -140,7 +140,7 @@ def _save(run_dir: Path, model: Any, tokenizer: Any) -> Path:
 def test_checkpoint_holds_the_adapter_resumes_and_exports(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from earl_stream.model.lora_export import export_model
+    from earl_stream.model.export import export_model
     from earl_stream.workers import checkpoint as ckpt
 
     model = lora_model(tiny_model_dir)

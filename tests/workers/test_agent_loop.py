@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from earl_stream_envs.tictactoe import TicTacToe
 
-from earl_stream.chat import ChatFormat
 from earl_stream.env import StepResult, env_options
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine

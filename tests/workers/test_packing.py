@@ -62,7 +62,7 @@ def test_packed_forward_equals_the_padded_forward_row_by_row(tiny_model_dir: Pat
     """... and transformers builds no packed-sequence (S x S) mask for it."""
     import transformers.masking_utils as masking
 
-    from earl_stream.modeling import load_model
+    from earl_stream.model import load_model
     from earl_stream.workers.vocab_parallel import forward_logprobs
 
     def no_mask(*_: object, **__: object) -> None:

@@ -29,7 +29,7 @@ def _step(model_dir: str, claim: Any, placement: Any, packing: bool, algo: Any, 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from earl_stream.config import TrainerConfig
-    from earl_stream.modeling import load_model
+    from earl_stream.model import load_model
     from earl_stream.workers.sharding import apply_plan, shard_model
     from earl_stream.workers.train_step import train_step
 
@@ -59,7 +59,7 @@ def test_packed_step_equals_padded_step_on_one_process(tiny_model_dir: Path) -> 
     from test_parallel_equivalence import _claim
 
     from earl_stream.config import AlgoConfig
-    from earl_stream.modeling import load_model
+    from earl_stream.model import load_model
     from earl_stream.workers.mesh import Placement
 
     torch.set_num_threads(1)
@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     from test_parallel_equivalence import _claim
 
     from earl_stream.config import AlgoConfig
-    from earl_stream.modeling import load_model
+    from earl_stream.model import load_model
     from earl_stream.workers.mesh import RankPlan, TrainerMesh
 
     torch.set_num_threads(1)

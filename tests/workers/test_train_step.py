@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from earl_stream.config import load_config
-from earl_stream.modeling import load_model
+from earl_stream.model import load_model
 from earl_stream.store.client import ShardClient
 from earl_stream.store.layout import Layout
 from earl_stream.store.node import ShardNode

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from earl_stream.config import RunConfig
-from earl_stream.encryption import ENCRYPT_ENV
 from earl_stream.errors import ConfigError
+from earl_stream.security.encryption import ENCRYPT_ENV
 
 ENTRY_POINT_GROUP = "earl_stream.launchers"
 _BUILTIN = {"local": "earl_stream.cli.launchers.local:LocalLauncher",
@@ -54,9 +54,9 @@ class RunSpec:
 
     def encrypt_env(self) -> dict[str, str]:
         """In every process's environment: whether it encrypts its planes (security.encrypt) and serves its HTTP
-        endpoints over TLS with which files (earl_stream/tls.py), since a worker connects and starts its metrics
+        endpoints over TLS with which files (earl_stream/security/tls.py), since a worker connects and starts its metrics
         endpoint before it has the run's config."""
-        from earl_stream.tls import tls_env
+        from earl_stream.security.tls import tls_env
 
         return {ENCRYPT_ENV: "1" if self.cfg.security.encrypt else "0", **tls_env(self.cfg.security)}
 

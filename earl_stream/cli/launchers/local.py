@@ -69,7 +69,7 @@ class LocalLauncher:
         self.group.stop()
 
     def _env(self) -> dict[str, str]:
-        from earl_stream.security import SECRET_ENV
+        from earl_stream.security.secret import SECRET_ENV
 
         return {SECRET_ENV: str(self.run.secret_file), **self.run.encrypt_env()}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream.cli.procs import STOP_GRACE_S, Child, ProcessGroup
-from earl_stream.security import SECRET_ENV
+from earl_stream.security.secret import SECRET_ENV
 
 log = logging.getLogger(__name__)
 RAY_NODE_ENV = "EARL_STREAM_RAY_NODE_ID"

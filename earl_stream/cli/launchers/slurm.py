@@ -44,7 +44,7 @@ from earl_stream.cli.launchers import Placed, RunSpec
 from earl_stream.cli.launchers.local import READY_TIMEOUT_S, wait_ready
 from earl_stream.cli.procs import STOP_GRACE_S, Child, ProcessGroup
 from earl_stream.errors import ConfigError, SlurmError
-from earl_stream.security import SECRET_ENV
+from earl_stream.security.secret import SECRET_ENV
 
 log = logging.getLogger(__name__)
 OUTSIDE = ("`up --launcher slurm` places the run inside a Slurm allocation, and $SLURM_JOB_ID is not set: run it "

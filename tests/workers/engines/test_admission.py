@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from earl_stream.chat import ChatFormat
 from earl_stream.env import StepResult, env_options
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.workers.agent_loop import Sampling, play_episode
 from earl_stream.workers.engines import AsyncBatcher, FinishReason, GenerateRequest, GenerateResult, TorchEngine
 from earl_stream.workers.engines.admission import KVPlan

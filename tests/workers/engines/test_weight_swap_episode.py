@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from earl_stream.algo.losses import token_logprobs
-from earl_stream.chat import ChatFormat
 from earl_stream.config import AlgoConfig, TrainerConfig
 from earl_stream.env import StepResult, env_options
 from earl_stream.model import load_model
+from earl_stream.model.chat import ChatFormat
 from earl_stream.records import SampleRecord
 from earl_stream.store.client import ShardClient
 from earl_stream.store.experience import ExperienceWriter

@@ -21,17 +21,15 @@ to check `--encrypt`.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 
 import zmq
 import zmq.utils.z85
 
 from earl_stream.errors import ConfigError
+from earl_stream.security.keys import curve_server_keys, parse_role_token
 
 ENCRYPT_ENV = "EARL_STREAM_ENCRYPT"
-_CURVE_CONTEXT = b"earl_stream control-plane CURVE server key v1"
 HINT = ("if the run uses security.encrypt=true, this process must encrypt too: pass --encrypt (or set "
         f"{ENCRYPT_ENV}=1)")
 
@@ -57,17 +55,8 @@ def _check_curve(secret: bytes | None) -> bytes:
     return secret
 
 
-def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
-    """(public, secret) Z85 keys of every control-plane server of the run holding `secret`."""
-    seed = hmac.new(secret, _CURVE_CONTEXT, hashlib.sha256).digest()
-    private = zmq.utils.z85.encode(seed)
-    return zmq.curve_public(private), private
-
-
 def curve_server(sock: zmq.Socket, secret: bytes | None) -> None:
     """Make `sock` (before bind) a CURVE server of the run's key pair."""
-    from earl_stream.keys import parse_role_token
-
     if parse_role_token(_check_curve(secret)) is not None:
         raise ConfigError("a control-plane server needs the cluster secret, not a role key (`keys derive` prints "
                           "keys for clients)")
@@ -78,9 +67,7 @@ def curve_server(sock: zmq.Socket, secret: bytes | None) -> None:
 
 def curve_client(sock: zmq.Socket, secret: bytes | None) -> None:
     """Make `sock` (before connect) a CURVE client of the run's servers, with a fresh key pair. `secret` may
-    be a role key (`earl_stream.keys`), which carries the servers' public key."""
-    from earl_stream.keys import parse_role_token
-
+    be a role key (`earl_stream.security.keys`), which carries the servers' public key."""
     role_key = parse_role_token(_check_curve(secret))
     server_public = role_key.curve_public if role_key is not None else curve_server_keys(_check_curve(secret))[0]
     public, private = zmq.curve_keypair()

@@ -26,13 +26,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from earl_stream import encryption
 from earl_stream import metrics as M
 from earl_stream.env import Environment, StepResult, env_options, env_reset, env_step, make_env
+from earl_stream.env.tools import with_tools
 from earl_stream.errors import EnvError
 from earl_stream.protocol import Msg, normalize_address
-from earl_stream.security import Refusal, ReplayGuard, check, load_secret, refusal_text, sign, verify
-from earl_stream.tools import with_tools
+from earl_stream.security import encryption
+from earl_stream.security.secret import Refusal, ReplayGuard, check, load_secret, refusal_text, sign, verify
 
 __all__ = ["EnvServer", "RemoteEnv"]
 

@@ -250,7 +250,7 @@ class ToolDispatcher:
         self.tools: dict[str, Tool] = {}
         for tool in tools:
             if not isinstance(tool, Tool):
-                raise EnvError(f"tools must be earl_stream.tools.Tool instances, got {type(tool).__name__}")
+                raise EnvError(f"tools must be earl_stream.env.tools.Tool instances, got {type(tool).__name__}")
             if tool.name in self.tools:
                 raise EnvError(f"duplicate tool name {tool.name!r}")
             self.tools[tool.name] = tool

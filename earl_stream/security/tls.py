@@ -36,8 +36,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from earl_stream.config import SecurityConfig
-from earl_stream.encryption import encrypt_enabled
 from earl_stream.errors import ConfigError
+from earl_stream.security.encryption import encrypt_enabled
 
 TLS_ENV = "EARL_STREAM_TLS"
 TLS_CERT_ENV = "EARL_STREAM_TLS_CERT"
@@ -134,8 +134,8 @@ def issue(secret: bytes, hosts: list[str]) -> tuple[bytes, bytes]:
 
 
 def _cluster_secret() -> bytes:
-    from earl_stream.keys import KeyRole, role_of
-    from earl_stream.security import load_secret
+    from earl_stream.security.keys import KeyRole, role_of
+    from earl_stream.security.secret import load_secret
 
     secret = load_secret()
     if secret is None or role_of(secret) is not KeyRole.CLUSTER:

@@ -35,13 +35,20 @@ from dataclasses import dataclass
 import zmq
 import zmq.utils.z85
 
-from earl_stream import encryption
 from earl_stream.errors import ConfigError, EarlError
 
 TOKEN_PREFIX = "earl-"
 _ROLE_CONTEXT = b"earl_stream role key v1:"
 _AGENT_CONTEXT = b"earl_stream agent key v1"
 AGENT_PREFIX = "earl-agent-"
+_CURVE_CONTEXT = b"earl_stream control-plane CURVE server key v1"
+
+
+def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys of every control-plane server of the run holding `secret`."""
+    seed = hmac.new(secret, _CURVE_CONTEXT, hashlib.sha256).digest()
+    private = zmq.utils.z85.encode(seed)
+    return zmq.curve_public(private), private
 
 
 class KeyRole(str, enum.Enum):
@@ -70,7 +77,7 @@ def role_token(secret: bytes, role: KeyRole) -> bytes:
 def _curve_public_hex(secret: bytes) -> str:
     if not zmq.has("curve"):  # a libzmq without CURVE cannot encrypt anyway: the part is unused
         return "00" * 32
-    public, _ = encryption.curve_server_keys(secret)
+    public, _ = curve_server_keys(secret)
     return bytes(zmq.utils.z85.decode(public)).hex()
 
 

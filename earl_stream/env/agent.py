@@ -4,7 +4,8 @@ An agent environment has `task(seed)` (one task of its dataset, drawn by the pro
 `async run(client, task) -> float` (plays the task with an `openai.AsyncOpenAI` client pointed at the
 rollout worker's own endpoint and returns the reward). It owns no tokens: the endpoint records what
 the model saw and generated (`earl_stream.openai_api`), and the worker turns that and the reward into
-a sample (`earl_stream.workers.agent_episode`). Registry lookup is `earl_stream.env`'s.
+a sample (`earl_stream.workers.agent_episode`). The protocol (`AgentEnvironment`, `is_agent_env`) is
+`earl_stream.env.api`'s, registry lookup `earl_stream.env.registry`'s.
 
 `AgentFunction` (registry name `agent`) brings a plain function and a dataset without a class:
 `params: {run: path/to/agent.py:run, tasks: path/to/tasks.jsonl}` (or a module:function, and tasks as a
@@ -17,35 +18,17 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
+from earl_stream.env.api import DEFAULT_AGENT_TIMEOUT_S, env_options, env_reset, env_step
+from earl_stream.env.registry import _import_module, _load_file, make_env
+from earl_stream.env.tools import with_tools
 from earl_stream.errors import EnvError
 
-__all__ = ["AgentEnvironment", "AgentFunction", "DEFAULT_AGENT_TIMEOUT_S", "EnvAsAgent", "is_agent_env"]
-
-DEFAULT_AGENT_TIMEOUT_S = 300.0
-
-
-@runtime_checkable
-class AgentEnvironment(Protocol):
-    """An environment whose episode is an agent program (see the module docstring).
-
-    Optional attribute: `timeout_s: float` (300): an episode still running after it fails.
-    """
-
-    def task(self, seed: int) -> Any: ...
-
-    async def run(self, client: Any, task: Any) -> float: ...
-
-
-def is_agent_env(env: object) -> bool:
-    """Whether `env` is played as an agent (has `run` and `task`, and no `step`)."""
-    return callable(getattr(env, "run", None)) and callable(getattr(env, "task", None)) and not hasattr(env, "step")
+__all__ = ["AgentFunction", "EnvAsAgent"]
 
 
 def _load_callable(spec: str) -> Any:
-    from earl_stream.env import _import_module, _load_file
-
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise EnvError(f"agent run={spec!r} must look like 'path/to/file.py:function' or 'module:function'")
@@ -100,8 +83,6 @@ class EnvAsAgent:
 
     def __init__(self, env: str, params: dict[str, Any] | None = None, model: str = "policy",
                  temperature: float | None = None, timeout_s: float = DEFAULT_AGENT_TIMEOUT_S) -> None:
-        from earl_stream.env import make_env
-
         self.spec, self.params = env, dict(params or {})
         make_env(env, self.params)  # fail at load, not in every episode
         self.model, self.temperature, self.timeout_s = model, temperature, float(timeout_s)
@@ -110,9 +91,6 @@ class EnvAsAgent:
         return seed
 
     async def run(self, client: Any, task: int) -> float:
-        from earl_stream.env import env_options, env_reset, env_step, make_env
-        from earl_stream.tools import with_tools
-
         env = with_tools(make_env(self.spec, self.params))
         observation = await env_reset(env, int(task))
         options = env_options(env)

@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from earl_stream.chat import ChatFormat
 from earl_stream.config import RunConfig
 from earl_stream.env import env_options, make_env, seeds_per_episode
+from earl_stream.env.tools import with_tools
 from earl_stream.errors import EarlError
+from earl_stream.model.chat import ChatFormat
 from earl_stream.model.loading import load_model, torch_dtype
 from earl_stream.protocol import Prompt
 from earl_stream.records import SampleRecord
@@ -30,7 +31,6 @@ from earl_stream.store.layout import Layout
 from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.supervisor.ledger import Ledger
-from earl_stream.tools import with_tools
 from earl_stream.workers.agent_loop import Sampling, episode_env_seed, episode_sample_seed, play_episode
 from earl_stream.workers.common import model_path
 from earl_stream.workers.engines.batcher import AsyncBatcher

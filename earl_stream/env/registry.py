@@ -1,19 +1,19 @@
-"""The environment plug-in protocol, its result type, and the environment registry.
+"""The environment registry: how a spec string becomes an environment class or factory.
 
-This module owns what an environment *is* to earl_stream (`Environment`, `StepResult`), how its
-optional attributes are read (`env_options`), how sync or async implementations are driven
-(`env_reset`, `env_step`), and how a spec string becomes a class (`resolve_env`, `make_env`).
-Running episodes, timeouts and turning a crashing environment into a failed episode are the agent
-loop's job; concrete games live in the top-level `envs` package.
+`register_env` / `unregister_env` (in-process names), the entry-point group `earl_stream.envs`, the
+built-in names (`_BUILTIN_ENVS`, which also work from an uninstalled source tree), and `resolve_env` /
+`make_env`. What an environment *is* (`Environment`, `StepResult`, `env_options`, ...) is
+`earl_stream.env.api`'s; running episodes is the agent loop's; concrete games live in the package
+`earl_stream_envs` (the envs/ folder).
 
 A spec is one of:
   * a registered name (`register_env`), or a name in the entry-point group `earl_stream.envs`;
   * `package.module:Class`;
   * `path/to/file.py:Class` (the file is imported once per resolved path).
 
-A spec may also name an agent environment (`earl_stream.agent_env`: `task(seed)` and `async run(client,
+A spec may also name an agent environment (`earl_stream.env.agent`: `task(seed)` and `async run(client,
 task)`, played through the rollout worker's OpenAI endpoint) or an environment served by another
-process (`remote`, params {address}; see `earl_stream.env_server`).
+process (`remote`, params {address}; see `earl_stream.env.server`).
 """
 
 from __future__ import annotations
@@ -27,23 +27,14 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from earl_stream.agent_env import is_agent_env
+from earl_stream.env.api import EnvFactory, Environment, is_agent_env
 from earl_stream.errors import EnvError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
-    "EnvFactory",
-    "EnvOptions",
-    "Environment",
-    "StepResult",
-    "env_options",
-    "env_reset",
-    "env_step",
     "known_envs",
     "make_env",
     "register_env",
@@ -65,128 +56,22 @@ _BUILTIN_ENVS: dict[str, str] = {
     "textarena": "earl_stream_envs.textarena_env:TextArenaEnv",
     "long_recall": "earl_stream_envs.long_recall:LongRecall",
     "tictactoe_match": "earl_stream_envs.tictactoe_match:TicTacToeMatch",
-    "agent": "earl_stream.agent_env:AgentFunction",
-    "env_agent": "earl_stream.agent_env:EnvAsAgent",
+    "agent": "earl_stream.env.agent:AgentFunction",
+    "env_agent": "earl_stream.env.agent:EnvAsAgent",
     "calculator_agent": "earl_stream_envs.calculator_agent:CalculatorAgent",
-    "remote": "earl_stream.env_server:RemoteEnv",
+    "remote": "earl_stream.env.server:RemoteEnv",
     "gymnasium": "earl_stream_envs.gymnasium_env:GymnasiumEnv",
     "verifiers": "earl_stream_envs.verifiers_env:VerifiersEnv",
     "openenv": "earl_stream_envs.openenv_env:OpenEnvEnv",
 }
 
-DEFAULT_MAX_TURN_TOKENS = 32
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one environment step returns.
-
-    observation: the text shown to the model next (ignored by the agent loop once `done`).
-    reward: float reward of this step; an episode's return is the sum over its steps.
-    done: True on the terminal step.
-    info: small JSON-able dict (e.g. {"outcome": "win"} on the terminal step).
-    """
-
-    observation: str
-    reward: float
-    done: bool
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@runtime_checkable
-class Environment(Protocol):
-    """A multi-turn text environment.
-
-    Required: `reset(seed)` returns the first observation; `step(action_text)` applies the model's
-    decoded reply. Both may be `async def` (preferred) or plain methods; drive them with
-    `env_reset` / `env_step`. Optional attributes, read with `env_options`:
-    `system_prompt: str | None` (None), `max_turn_tokens: int` (32),
-    `max_episode_tokens: int | None` (None, no limit beyond the engine's);
-    `seed_per_episode: bool` (False; read with `seeds_per_episode`): True where the seed only draws chance,
-    not the task, so the episodes of a group may each get their own.
-    """
-
-    async def reset(self, seed: int) -> str: ...
-
-    async def step(self, action_text: str) -> StepResult: ...
-
-
-EnvFactory = Callable[..., Environment]
-
-
-@dataclass(frozen=True)
-class EnvOptions:
-    """The optional attributes of an environment, with defaults filled in."""
-
-    system_prompt: str | None = None
-    max_turn_tokens: int = DEFAULT_MAX_TURN_TOKENS
-    max_episode_tokens: int | None = None
-
-
-def env_options(env: object) -> EnvOptions:
-    """Read an environment's optional attributes (see `Environment`), checking their types."""
-    name = type(env).__name__
-    system_prompt = getattr(env, "system_prompt", None)
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise EnvError(f"{name}.system_prompt must be a str or None, got {type(system_prompt).__name__}")
-    max_turn = getattr(env, "max_turn_tokens", DEFAULT_MAX_TURN_TOKENS)
-    if not isinstance(max_turn, int) or isinstance(max_turn, bool) or max_turn < 1:
-        raise EnvError(f"{name}.max_turn_tokens must be a positive int, got {max_turn!r}")
-    max_episode = getattr(env, "max_episode_tokens", None)
-    if max_episode is not None and (not isinstance(max_episode, int) or max_episode < 1):
-        raise EnvError(f"{name}.max_episode_tokens must be a positive int or None, got {max_episode!r}")
-    return EnvOptions(system_prompt, max_turn, max_episode)
-
-
-def seeds_per_episode(group_seed: str, env: object) -> bool:
-    """Whether the episodes of a group reset `env` with a seed each (`EnvSpec.group_seed`): `auto` asks the
-    environment's `seed_per_episode` attribute before its reset (a served environment's proxy has none: shared)."""
-    if group_seed != "auto":
-        return group_seed == "per_episode"
-    flag = getattr(env, "seed_per_episode", False)
-    if not isinstance(flag, bool):
-        raise EnvError(f"{type(env).__name__}.seed_per_episode must be a bool, got {flag!r}")
-    return flag
-
-
-async def _call(env: object, method: str, arg: object) -> object:
-    fn = getattr(env, method, None)
-    if fn is None or not callable(fn):
-        raise EnvError(f"{type(env).__name__} has no callable {method}(); it is not an Environment")
-    try:
-        result = fn(arg)
-        if inspect.isawaitable(result):
-            result = await result
-    except EnvError:
-        raise
-    except Exception as exc:  # an environment's own bug: typed so the agent loop can fail the episode
-        raise EnvError(f"{type(env).__name__}.{method}() raised {type(exc).__name__}: {exc}") from exc
-    return result
-
-
-async def env_reset(env: object, seed: int) -> str:
-    """Reset `env` (sync or async `reset`) and return its first observation (checked to be a str)."""
-    observation = await _call(env, "reset", seed)
-    if not isinstance(observation, str):
-        raise EnvError(
-            f"{type(env).__name__}.reset() must return the first observation as str, "
-            f"got {type(observation).__name__}"
-        )
-    return observation
-
-
-async def env_step(env: object, action: str) -> StepResult:
-    """Step `env` (sync or async `step`) with the decoded action text; the result must be a StepResult."""
-    result = await _call(env, "step", action)
-    if not isinstance(result, StepResult):
-        raise EnvError(
-            f"{type(env).__name__}.step() must return earl_stream.env.StepResult, "
-            f"got {type(result).__name__}"
-        )
-    return result
-
-
-# ---------------------------------------------------------------------------------------- registry
+# Modules of the environment API that moved into the package earl_stream.env: a spec naming the old path is refused
+# with the new one.
+_MOVED_MODULES: dict[str, str] = {
+    "earl_stream.agent_env": "earl_stream.env.agent",
+    "earl_stream.env_server": "earl_stream.env.server",
+    "earl_stream.tools": "earl_stream.env.tools",
+}
 
 _registry: dict[str, EnvFactory] = {}
 _registry_lock = threading.Lock()
@@ -299,7 +184,7 @@ def _source_tree_envs() -> bool:
     package `earl_stream_envs` (what the install maps it to). Registers it; False when there is no such folder."""
     if "earl_stream_envs" in sys.modules or importlib.util.find_spec("earl_stream_envs") is not None:
         return True
-    folder = Path(__file__).resolve().parents[1] / "envs"
+    folder = Path(__file__).resolve().parents[2] / "envs"
     if not (folder / "__init__.py").is_file():
         return False
     spec = importlib.util.spec_from_file_location("earl_stream_envs", folder / "__init__.py",
@@ -313,6 +198,10 @@ def _source_tree_envs() -> bool:
 
 
 def _import_module(module_name: str, spec: str) -> Any:
+    moved = _MOVED_MODULES.get(module_name)
+    if moved is not None:
+        raise EnvError(f"environment spec {spec!r}: module {module_name} is {moved} since 0.2.0: "
+                       f"use {spec.replace(module_name, moved, 1)!r}")
     try:
         if module_name.split(".")[0] == "earl_stream_envs":
             _source_tree_envs()
