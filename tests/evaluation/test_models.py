@@ -11,8 +11,8 @@ import torch
 from earl_stream.errors import ModelError
 from earl_stream.evaluation.models import load_for_eval
 from earl_stream.model import load_model
+from earl_stream.model.export import export_model
 from earl_stream.model.lora import LoraSpec, apply_lora
-from earl_stream.model.lora_export import export_model
 from earl_stream.workers.checkpoint import RunState, save_checkpoint
 
 
