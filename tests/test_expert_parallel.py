@@ -214,4 +214,5 @@ def test_up_trains_a_tiny_moe_under_ep2(moe_dir: Path, tmp_path: Path) -> None:
     assert json.loads(summary.read_text())["steps"] == 2
     logs = "".join(p.read_text(errors="replace") for p in run.rglob("*.log"))
     assert logs.count("adopted trainer plan v1: ep2") == 2, "both ranks run ep2"
-    assert "loaded policy version 2" in logs  # weights assembled from the expert shards reached rollout
+    # weights assembled from the expert shards reached rollout (the last version may still be in flight at the stop)
+    assert "loaded policy version 1" in logs or "loaded policy version 2" in logs

@@ -152,7 +152,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
             stopping.append("interrupted" if not stopping else stopping[0])
         if trainer.poll() not in (None, 0):
             raise ChildProcessFailed(trainer.describe_exit())
-        status.update(_status(client) or {})
+        status.update(_final_status(client) or {})
     finally:
         launcher.stop()
     summary = make_summary(status, wall=time.time() - started)
@@ -225,6 +225,17 @@ def scale_up(launcher: Launcher, status: dict[str, Any], rollout: list[Placed], 
     new = [launcher.start_rollout_worker(len(rollout) + i, address) for i in range(max(0, missing))]
     rollout.extend(new)
     return new
+
+
+def _final_status(client: P.ControlClient, tries: int = 3) -> dict[str, Any] | None:
+    """The status the summary rests on, asked once the trainer pool ended: patient (a loaded host may answer
+    a status call slower than the live view's 5 s), so the summary does not keep an older poll's step."""
+    for _ in range(tries):
+        try:
+            return json.loads(client.call(P.StatusRequest(), timeout_s=20).status_json)
+        except EarlError:
+            continue
+    return None
 
 
 def _status(client: P.ControlClient) -> dict[str, Any] | None:

@@ -1,7 +1,7 @@
 """Which control-plane message each key role may send to the supervisor (least privilege; security/keys.py says
 who holds which key).
 
-The supervisor verifies a message against every role's key (`security.check_keys`), then asks
+The supervisor verifies a message against every role's key (`security.secret.check_keys`), then asks
 `refusal` whether that role may send it. A refused message changes nothing (it is neither handled nor
 logged); the sender hears which role it needed, and the refusal is counted
 (`earl_security_refused_total{plane="control", reason="role"}`).
