@@ -29,7 +29,8 @@ from earl_stream.errors import EnvError
 from earl_stream.model.chat import ChatFormat
 from earl_stream.model.loading import load_model
 from earl_stream.sft.data import Example
-from earl_stream.sft.loop import SFTConfig, place_model, run_sft, strip_run_state
+from earl_stream.sft.loop import SFTConfig, place_model, run_sft
+from earl_stream.workers.packed_attention import strip_run_state
 
 __all__ = ["Game", "GameFactory", "WarmStartReport", "evaluate_game", "resolve_game", "synthetic_episode", "warm_start"]
 

@@ -28,9 +28,10 @@ from earl_stream.sft.data import Example
 from earl_stream.sft.step import SFTStepResult, sft_step
 from earl_stream.workers import checkpoint as ckpt
 from earl_stream.workers.mesh import Placement, RankPlan, TrainerMesh
+from earl_stream.workers.packed_attention import strip_run_state
 from earl_stream.workers.sharding import apply_plan, shard_model
 
-__all__ = ["SFTConfig", "SFTReport", "export_model", "lr_factor", "place_model", "run_sft", "strip_run_state"]
+__all__ = ["SFTConfig", "SFTReport", "lr_factor", "place_model", "run_sft", "save_model_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, batches: Batches, cfg: SFTCo
     train_seconds = time.monotonic() - start
     if out is not None:
         _checkpoint(out, len(losses), model, opt, tokenizer, placement, rank)
-        export_model(model, tokenizer, out, rank=rank)
+        save_model_dir(model, tokenizer, out, rank=rank)
     window = max(1, min(10, len(losses) // 4))
     return SFTReport(steps=len(losses), first_loss=_mean(losses[:window]), final_loss=_mean(losses[-window:]),
                      examples=examples, tokens=tokens, train_seconds=round(train_seconds, 2))
@@ -165,13 +166,12 @@ def _agree_stop(mine: bool, placement: Placement) -> bool:
 
 def _checkpoint(out: str | os.PathLike[str], step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
                 tokenizer: Any, placement: Placement, rank: int) -> None:
-    strip_run_state(model)  # the checkpoint's Hugging Face export must hold a clean config too
     state = ckpt.RunState(step=step, policy_version=step, rng=torch.get_rng_state(), unreleased=[],
                           world_size=placement.world)
     ckpt.save_checkpoint(out, state, model, opt, tokenizer, rank=rank, collective=placement.world > 1)
 
 
-def export_model(model: torch.nn.Module, tokenizer: Any, out: str | os.PathLike[str], *, rank: int = 0) -> Path:
+def save_model_dir(model: torch.nn.Module, tokenizer: Any, out: str | os.PathLike[str], *, rank: int = 0) -> Path:
     """The whole model and tokenizer as a Hugging Face directory `out` (rank 0 writes; sharded
     parameters are gathered first, which every rank of the pool must join)."""
     from torch.distributed.tensor import DTensor
@@ -186,17 +186,6 @@ def export_model(model: torch.nn.Module, tokenizer: Any, out: str | os.PathLike[
         model.save_pretrained(path, state_dict=full)  # type: ignore[operator]
         tokenizer.save_pretrained(path)
     return path
-
-
-def strip_run_state(model: torch.nn.Module) -> None:
-    """Drop what training recorded on the model's config (packed attention's note of the model's own
-    attention implementation), so that a saved config.json holds only the model's fields."""
-    from earl_stream.workers.packed_attention import BASE_ATTR
-
-    config: Any = model.config
-    if hasattr(config, BASE_ATTR):
-        config._attn_implementation = getattr(config, BASE_ATTR)
-        delattr(config, BASE_ATTR)
 
 
 def _mean(values: list[float]) -> float:

@@ -49,6 +49,7 @@ from earl_stream.model.lora_export import (
     whole_adapters,
     write_adapter_dir,
 )
+from earl_stream.workers.packed_attention import strip_run_state
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def save_checkpoint(run_dir: str | os.PathLike[str], state: RunState, model: tor
         write_adapter_dir(out / ADAPTER_DIR, model, adapters)
     if tokenizer is not None:
         if not lora:
+            strip_run_state(model)  # config.json holds the model's own fields, not packed attention's note
             model.save_pretrained(out, state_dict=full)  # type: ignore[operator]
         tokenizer.save_pretrained(out)
     _atomic_torch_save({**dataclasses.asdict(state), **side_info(model)}, out / RUN_STATE)

@@ -50,6 +50,15 @@ def base_implementation(config: Any) -> str:
     return str(getattr(config, BASE_ATTR))
 
 
+def strip_run_state(model: torch.nn.Module) -> None:
+    """Drop what training recorded on the model's config (packed attention's note of the model's own
+    attention implementation), so that a saved config.json holds only the model's fields."""
+    config: Any = model.config
+    if hasattr(config, BASE_ATTR):
+        config._attn_implementation = getattr(config, BASE_ATTR)
+        delattr(config, BASE_ATTR)
+
+
 def segment_bounds(lengths: Sequence[int], width: int) -> tuple[int, ...]:
     """Boundaries of rows of `lengths` packed from position 0, plus the alignment padding up to `width`
     as one more segment; empty rows are left out."""
