@@ -1,8 +1,8 @@
 """Issue 32's experiment: SmolLM2-135M on episodes that grow 8x, a trainer pool of ranks under a real memory
 cap, the adaptive selector side by side with every static plan and a dynamic sequence-parallel policy.
 
-    python bench/real_scale.py --json bench/results/real_scale.json [--quick] [--only adaptive,static:fsdp2+rc]
-    python bench/real_scale.py --grow-every 1 --json bench/results/real_scale_long.json   # full lengths, 1 step/phase
+    python bench/real_scale.py --grow-every 1 --json bench/results/real_scale.json   # full lengths, 1 step/phase (~40 min)
+    python bench/real_scale.py --quick --json /tmp/real_scale_quick.json [--only adaptive,static:fsdp2+rc]   # a check
 
 Every strategy is one `earl-stream up` (configs/smollm2_real_scale.yaml: `make real-model` first) on the same
 seeds, environment, steps and cap:

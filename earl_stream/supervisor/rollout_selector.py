@@ -143,7 +143,7 @@ class RolloutSelector(_Selector[RolloutDecision]):
             self._last = last  # a new memory figure is no context decision: hysteresis timing is unchanged
         return result
 
-    def _plan(self, design: int, reason: str, step: int) -> RolloutDecision | Infeasible:
+    def _plan(self, design: int, reason: str, step: int, floor: int = 0) -> RolloutDecision | Infeasible:
         n = self.budget.devices
         options = []  # (sequences per engine, tp), smallest tp first
         for tp in [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0] if self.allow_tp else [1]:

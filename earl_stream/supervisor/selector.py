@@ -14,8 +14,11 @@ x < lower_factor x D (it wastes memory), and not sooner than `min_episodes_betwe
 `min_steps_between` steps) after the previous decision, unless x is past D itself: then waiting
 would train past what the plan was sized for. Right after a decision D' lies in [h x, 2 h x), so x
 sits inside (D'/(2h), D'/h]: `Thresholds` refuses factors for which that band would re-trigger.
-When D fits no plan but x does, the plan is sized for the longest design length in [x, D) that fits
-(the headroom is given up before the pool is left on a plan its contexts outgrew).
+A layout that cannot hold D but holds the headroom itself (h x, rounded up to `_DESIGN_QUANTUM`) is
+ranked at the longest length in [h x, D] it holds: the power of two is hysteresis, not a need, and a
+faster plan is not given up for a few tokens of it. When not even h x fits any plan but x does, the
+plan is sized for the longest design length in [x, h x) that fits (the headroom is given up before
+the pool is left on a plan its contexts outgrew).
 
 Everything is pure and deterministic: the same snapshots and steps give the same decisions.
 """
@@ -161,7 +164,9 @@ class _Selector(Generic[_D]):
     def version(self) -> int:
         return self._current.version if self._current else 0
 
-    def _plan(self, design: int, reason: str, step: int) -> _D | Infeasible:
+    def _plan(self, design: int, reason: str, step: int, floor: int = 0) -> _D | Infeasible:
+        """The decision for `design`; a layout that cannot hold it may be sized for any length in
+        [floor, design) instead (0: design only)."""
         raise NotImplementedError
 
     def plan_for(self, design_seq_len: int, *, reason: str = "", step: int = 0) -> _D | Infeasible:
@@ -186,7 +191,7 @@ class _Selector(Generic[_D]):
         observed, current = snapshot.value(self.thresholds.percentile), self._current
         if current is not None and self._ceiling == (design, current.design_seq_len) and observed <= current.design_seq_len:
             return None  # the headroom design fits nothing and the current plan is already the longest that fits
-        result = self._plan(design, reason, step)
+        result = self._plan(design, reason, step, floor=self._floor(observed, design))
         if isinstance(result, Infeasible):
             result = self._without_headroom(observed, result, step)
             if (not isinstance(result, Infeasible) and self._current is not None
@@ -194,6 +199,11 @@ class _Selector(Generic[_D]):
                 self._ceiling = (design, result.design_seq_len)
                 return None
         return self._adopt(result, snapshot.total, step)
+
+    def _floor(self, observed: float, design: int) -> int:
+        """The shortest design length that still keeps the headroom over `observed` (quantum multiples)."""
+        th, q = self.thresholds, _DESIGN_QUANTUM
+        return min(design, max(th.min_design_seq_len, q * math.ceil(observed * th.headroom / q)))
 
     def _without_headroom(self, observed: float, failed: Infeasible, step: int) -> _D | Infeasible:
         """The headroom design fits no plan: the longest design between the observed length and it that
@@ -364,31 +374,40 @@ class TrainerSelector(_Selector[PlanDecision]):
                 and check_fit(self.shape, bound, self.budget.memory_bytes_per_device,
                               reserve_bytes=self.budget.reserve_bytes).fits)
 
-    def _plan(self, design: int, reason: str, step: int) -> PlanDecision | Infeasible:
+    def _plan(self, design: int, reason: str, step: int, floor: int = 0) -> PlanDecision | Infeasible:
         cap = max(self.max_micro_batch_tokens, design)
-        ranked: list[tuple[RankedPlan, int, float]] = []  # with the micro-batch token budget and the score
+        floor = min(floor or design, design)
+        ranked: list[tuple[RankedPlan, int, int, float]] = []  # + micro-batch token budget, design length, score
         for layout in self.layouts(design):
-            if not check_fit(self.shape, layout, self.budget.memory_bytes_per_device,
-                             reserve_bytes=self.budget.reserve_bytes).fits or not self._switch_fits(layout):
-                continue
             largest = micro_batch_tokens(self.shape, layout, self.budget, max_tokens=cap)
-            for tokens in self._budgets(largest, design):
-                rep = dataclasses.replace(layout, micro_batch=max(1, tokens // design))
+            # the longest design this layout holds, down to the floor (one packed sequence of it fits)
+            held = design if largest >= design else largest // _DESIGN_QUANTUM * _DESIGN_QUANTUM
+            if held < floor or held < 1 or not self._switch_fits(layout):
+                continue
+            for tokens in self._budgets(largest, held):
+                rep = dataclasses.replace(layout, seq_len=held, micro_batch=self._rows(tokens // held, layout.dp))
                 fit = check_fit(self.shape, rep, self.budget.memory_bytes_per_device,
                                 reserve_bytes=self.budget.reserve_bytes)
                 # states sync (FSDP gathers, DDP all-reduce) is paid once per step, over its micro-batches
                 acc = max(1, math.ceil(self.step_sequences / (rep.dp * rep.micro_batch)))
                 r = rank_plans(self.shape, [fit], self.cost_model, accumulation_steps=acc)[0]
-                ranked.append((r, tokens, r.tokens_per_second * self._fill(rep.micro_batch)))
+                ranked.append((r, tokens, held, r.tokens_per_second * self._fill(rep.micro_batch)))
         if not ranked:
             return Infeasible(self._infeasible_message(design), self.pool, design, reason, step)
-        # as rank_plans orders: fastest, then most headroom; then the earliest layout (least model parallelism)
-        best, tokens, score = min(ranked, key=lambda r: (-r[2], -r[0].check.headroom_bytes))
+        # fastest, then the longest design (fewer re-plans), then most headroom; then the earliest layout
+        best, tokens, held, score = min(ranked, key=lambda r: (-r[3], -r[2], -r[0].check.headroom_bytes))
+        if held < design:
+            reason += f" ({layout_name(best.check.plan)} holds {held} of it, above the headroom's {floor})"
         bound = dataclasses.replace(best.check.plan, micro_batch=1, seq_len=tokens)
         peak = predict_train_memory(self.shape, bound).total_bytes
         return PlanDecision(version=self.version + 1, pool=self.pool, plan=best.check.plan, micro_batch_tokens=tokens,
-                            design_seq_len=design, predicted_peak_bytes=peak,
+                            design_seq_len=held, predicted_peak_bytes=peak,
                             predicted_tokens_per_s=score, reason=reason, step=step)
+
+    def _rows(self, fit_rows: int, data_ranks: int) -> int:
+        """Rows a micro-batch really holds: what its budget fits, but no more than a step gives a data
+        rank (a budget of 4 rows is 1 row when a step brings one sequence per rank)."""
+        return max(1, min(fit_rows, math.ceil(self.step_sequences / max(1, data_ranks))))
 
     def _switch_fits(self, layout: TrainPlan) -> bool:
         """Whether the pool can move from the layout it holds to `layout`; if not, the refusal is kept."""
