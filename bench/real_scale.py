@@ -44,11 +44,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from bench.provenance import write_result  # noqa: E402
-
 sys.path.insert(0, str(ROOT))
-
 from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
+
+from bench.provenance import write_result  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smollm2_real_scale.yaml"
 SITE = ROOT / "bench" / "real_scale_site"
