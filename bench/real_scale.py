@@ -11,17 +11,19 @@ seeds, environment, steps and cap:
 - static:<plan>: one layout forced for the whole run (dp2, fsdp2, tp2, sp2 and each with full recomputation
   `+rc`), sized by the selector for the first phase and never re-selected; a plan that the pool or the model
   cannot run "does not start" and its reason is recorded (SmolLM2 has 9 attention heads: no tp2 or sp2);
-- dynamic_sp: verl-style dynamic context parallelism: the model's sharding never changes (replicated) and the
-  sequence-parallel degree follows the longest sequence (dp<N> while one sequence fits a rank, sp<N> when it
-  does not). The trainer has no per-micro-batch sp degree today, so this is emulated per step: the selector
-  restricted to {dp<N>, sp<N>} without recomputation, driven by the window's longest episode, re-planned at
-  every step boundary (`--dynamic-sp-hook` names what the trainer would need).
+- dynamic_sp: verl-style dynamic context parallelism: the model's sharding never changes (FSDP, as verl's
+  workers shard) and the sequence-parallel degree follows the longest sequence (fsdp<N> while one sequence fits
+  a rank, sp<N> when it does not; SmolLM2's 9 heads rule sp2 out on 2 ranks, so here it stays fsdp2). The
+  trainer has no per-micro-batch sp degree, so this is emulated per step: the selector restricted to
+  {fsdp<N>, sp<N>} without recomputation, driven by the window's longest episode, re-planned at every step
+  boundary (`--dynamic-sp-hook` names what the trainer would need).
 The environment (envs/long_recall.py with filler) starts at <= 512 tokens per episode and ends at >= 4,096
 (full run; --quick: ~220 -> ~1,270). Each trainer rank is capped before it imports torch (bench/real_scale_site:
 a memory cgroup of its own, or setrlimit with --cap-mode rlimit) at --cap-gib; the selector's budget is the
 same cap less --reserve-gib. Past the cap the kernel kills the rank (or torch raises): a crash.
 Recorded per strategy from the trainer's log and the supervisor's status: crashes (and the allocation error),
-refused or truncated samples, trained tokens per training second per context phase, the plans adopted, each
+refused or truncated samples, trained tokens per training second per context phase (and per rank-CPU-second,
+from /proc: the strategies run one after another on a machine others share), the plans adopted, each
 re-layout's measured peak (the rank's resident memory sampled every 50 ms during the switch) and each rank's
 peak. JSON keys: adaptive_crashed, adaptive_truncated, static (per plan), vs_best_static_min, vs_dynamic_sp,
 plans_used, switch_peak_bytes, context_growth, runs (everything measured), settings.
@@ -91,34 +93,52 @@ def setup(kind: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str
         over += [f"selector.plans={kind.split(':', 1)[1]}", "selector.upper_factor=1000", "selector.lower_factor=0.001"]
     elif kind == "dynamic_sp":
         n = args.nproc
-        over += [f"selector.plans=dp{n}|sp{n}", "selector.percentile=max", "selector.headroom=1.0", "selector.upper_factor=1.0",
-                 "selector.min_episodes_between=0"]
+        over += [f"selector.plans=fsdp{n}|sp{n}", "selector.percentile=max", "selector.headroom=1.0",
+                 "selector.upper_factor=1.0", "selector.min_episodes_between=0"]
     return over, env
 
 
 class RssSampler(threading.Thread):
-    """Resident memory (VmRSS) and peak (VmHWM) of the trainer ranks, every `period` seconds."""
+    """Resident memory (VmRSS) and peak (VmHWM) of the trainer ranks, and the CPU seconds each has used
+    (all its threads, /proc/PID/stat), every `period` seconds."""
 
     def __init__(self, period: float = 0.05) -> None:
         super().__init__(daemon=True)
         self.period, self.pids, self.samples, self.hwm = period, set[int](), dict[int, list](), dict[int, int]()
+        self.cpu: dict[int, list[tuple[float, float]]] = {}
         self.done = threading.Event()
 
     def run(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
         while not self.done.wait(self.period):
             now = time.time()
             for pid in list(self.pids):
                 try:
                     text = Path(f"/proc/{pid}/status").read_text()
+                    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 except OSError:
                     continue
                 fields = {ln.split(":")[0]: ln.split()[1] for ln in text.splitlines() if ln.startswith(("VmRSS", "VmHWM"))}
                 if "VmRSS" in fields:
                     self.samples.setdefault(pid, []).append((now, int(fields["VmRSS"]) * 1024))
                     self.hwm[pid] = max(self.hwm.get(pid, 0), int(fields.get("VmHWM", 0)) * 1024)
+                self.cpu.setdefault(pid, []).append((now, (int(stat[11]) + int(stat[12])) / tick))  # utime + stime
 
     def peak(self, pid: int, start: float, end: float) -> int:
         return max((b for t, b in self.samples.get(pid, []) if start <= t <= end), default=0)
+
+    def cpu_seconds(self, pid: int, start: float, end: float) -> float | None:
+        """CPU seconds `pid` used in [start, end] (the nearest samples at or before each end; the first sample
+        when the rank was seen only after `start`)."""
+        series = self.cpu.get(pid, [])
+        before = [c for t, c in series if t <= start] or [c for _, c in series[:1]]
+        upto = [c for t, c in series if t <= end]
+        return upto[-1] - before[-1] if before and upto else None
+
+    def rank_cpu_seconds(self, start: float, end: float) -> float | None:
+        """The mean over the trainer ranks of the CPU seconds each used in [start, end]."""
+        used = [c for pid in self.cpu if (c := self.cpu_seconds(pid, start, end)) is not None]
+        return sum(used) / len(used) if used else None
 
 
 def _cgroup(kind: str, pid: int) -> Path:
@@ -252,7 +272,7 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
         crashed = ""  # a plan that never started did not crash
     lengths = phase_lengths(args)
     phases: list[dict[str, Any]] = [{"phase": k, "expected_tokens": n, "steps": 0, "tokens": 0, "seconds": 0.0,
-                                     "episode_tokens": []} for k, n in enumerate(lengths)]
+                                     "cpu_seconds": 0.0, "episode_tokens": []} for k, n in enumerate(lengths)]
     for st in log["steps"]:
         per = st["tokens"] / max(1, st["samples"])
         k = min(range(len(lengths)), key=lambda i: abs(math.log(per / lengths[i])))
@@ -260,10 +280,15 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
         ph["steps"] += 1
         ph["tokens"] += st["tokens"]
         ph["seconds"] += st["seconds"]
+        st["cpu_seconds"] = sampler.rank_cpu_seconds(st["t"] - st["seconds"], st["t"])
+        ph["cpu_seconds"] += st["cpu_seconds"] or 0.0
         ph["episode_tokens"].append(round(per))
         st["phase"] = k
     for ph in phases:
         ph["tokens_per_s"] = round(ph["tokens"] / ph["seconds"], 2) if ph["seconds"] else None
+        # per rank-CPU-second: what the other users of a shared machine take from a run's wall time is left out
+        ph["tokens_per_cpu_s"] = round(ph["tokens"] / ph["cpu_seconds"], 2) if ph["cpu_seconds"] else None
+        ph["cpu_seconds"] = round(ph["cpu_seconds"], 2)
         ph["p99_episode_tokens"] = max(ph.pop("episode_tokens"), default=None)
     switches = []
     for r in log["relays"]:
@@ -316,15 +341,19 @@ def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
     def survived(r: dict[str, Any], k: int) -> bool:  # trained phase k and did not crash in it
         return r["started"] and r["phases"][k]["steps"] > 0 and not (r["crashed"] and r["crash_phase"] == k)
 
-    per_phase = []
-    for k in range(levels):
-        best = max(((n, r["phases"][k]["tokens_per_s"]) for n, r in static.items() if survived(r, k)),
-                   key=lambda x: x[1], default=(None, None))
-        mine = adaptive["phases"][k]["tokens_per_s"] if adaptive else None
-        per_phase.append({"phase": k, "adaptive_tokens_per_s": mine, "best_static": best[0],
-                          "best_static_tokens_per_s": best[1],
-                          "ratio": round(mine / best[1], 3) if mine and best[1] else None})
+    def versus(key: str) -> list[dict[str, Any]]:  # adaptive over the best surviving static plan, per phase
+        out = []
+        for k in range(levels):
+            best = max(((n, r["phases"][k].get(key)) for n, r in static.items() if survived(r, k)
+                        and r["phases"][k].get(key)), key=lambda x: x[1], default=(None, None))
+            mine = adaptive["phases"][k].get(key) if adaptive else None
+            out.append({"phase": k, f"adaptive_{key}": mine, "best_static": best[0], f"best_static_{key}": best[1],
+                        "ratio": round(mine / best[1], 3) if mine and best[1] else None})
+        return out
+
+    per_phase, per_phase_cpu = versus("tokens_per_s"), versus("tokens_per_cpu_s")
     ratios = [p["ratio"] for p in per_phase if p["ratio"] is not None]
+    ratios_cpu = [p["ratio"] for p in per_phase_cpu if p["ratio"] is not None]
 
     def rate(r: dict[str, Any] | None) -> float | None:
         return r["trained_tokens"] / r["train_seconds"] if r and r["train_seconds"] else None
@@ -338,10 +367,14 @@ def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         "adaptive_truncated": adaptive["truncated"] if adaptive else None,
         "static": {n: {"started": r["started"], "start_error": r["start_error"], "crashed": r["crashed"],
                        "crash_phase": r["crash_phase"], "truncated": r["truncated"],
-                       "tokens_per_s": [p["tokens_per_s"] for p in r["phases"]], "plans_used": r["plans_used"],
+                       "tokens_per_s": [p["tokens_per_s"] for p in r["phases"]],
+                       "tokens_per_cpu_s": [p.get("tokens_per_cpu_s") for p in r["phases"]], "plans_used": r["plans_used"],
                        "trained_tokens": r["trained_tokens"]} for n, r in static.items()},
         "vs_best_static_min": min(ratios) if ratios else None,
         "vs_best_static_per_phase": per_phase,
+        # the same per rank-CPU-second (the runs follow each other on a shared machine whose load varies)
+        "vs_best_static_min_cpu": min(ratios_cpu) if ratios_cpu else None,
+        "vs_best_static_per_phase_cpu": per_phase_cpu,
         # the issue's definition: trained tokens over the run (same steps and time budget; a crash ends a run)
         "vs_dynamic_sp": round(adaptive["trained_tokens"] / dynamic["trained_tokens"], 3)
         if adaptive and dynamic and dynamic["trained_tokens"] else None,
@@ -367,7 +400,8 @@ def table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
         rows.append(f"{name:18s} {str(r['started'])[0]:5s} {str(r['crashed'])[0]:5s} "
                     f"{'' if r['crash_phase'] is None else r['crash_phase']!s:5s} {r['steps']:5d} {tps}  "
                     f"{' -> '.join(r['plans_used']) or r['start_error'][-80:]}")
-    keys = ("adaptive_crashed", "adaptive_truncated", "vs_best_static_min", "vs_dynamic_sp", "plans_used",
+    keys = ("adaptive_crashed", "adaptive_truncated", "vs_best_static_min", "vs_best_static_min_cpu", "vs_dynamic_sp",
+            "plans_used",
             "switch_peak_bytes", "context_growth", "static_crashed_any")
     return "\n".join(rows + [f"{k}: {result[k]}" for k in keys])
 
