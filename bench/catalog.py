@@ -1,6 +1,7 @@
 """Every benchmark of the project: what it is called, which script makes it, which results files it writes,
 how its table is drawn, and which code it measures (`depends_on`: a result is stale once any of these
-paths differs from the commit the result was measured at). `bench/report.py` renders the page from it.
+paths differs from the commit the result was measured at; `not_measured`: paths inside them that the
+benchmark never runs, e.g. the vLLM and SGLang engines of a run on the built-in one). `bench/report.py` renders the page from it.
 
 A result written through `bench/provenance.py` names its own commit and `depends_on`; for older results
 (no `provenance`) the commit is the one that last wrote the file and `depends_on` comes from here.
@@ -24,6 +25,10 @@ from bench.report_tables import (
     render_selector,
     render_weight_sync,
 )
+
+# Code no benchmark but `engine --vllm` runs: every other one generates with the built-in engine (vLLM and
+# SGLang have their own test tiers, and a GPU run of SGLang is not benchmarked here).
+_OTHER_ENGINES = ["earl_stream/workers/engines/vllm_engine.py", "earl_stream/workers/engines/sglang_engine.py"]
 
 BENCHMARKS: list[dict[str, Any]] = [
     {"name": "dispatch", "depends_on": ["earl_stream/store", "bench/dispatch.py", "bench/dispatch_common.py"],
@@ -101,7 +106,7 @@ BENCHMARKS: list[dict[str, Any]] = [
     {"name": "real_scale", "depends_on": ["earl_stream/supervisor", "earl_stream/workers", "envs/long_recall.py", "bench/real_scale.py"],
      "title": "Real scale: SmolLM2-135M under a per-rank memory cap as contexts grow 8x",
      "script": "bench/real_scale.py", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
-     "files": ["real_scale.json", "real_scale_long.json", "real_scale_gpu.json"], "render": render_generic},
+     "files": ["real_scale.json", "real_scale_gpu.json"], "render": render_generic},
     {"name": "lora", "depends_on": ["earl_stream/model/lora.py", "earl_stream/store/weights.py", "bench/lora.py"],
      "title": "LoRA: adapter-only weight sync and the trainer's peak vs the full fine-tune",
      "script": "bench/lora.py", "command": "python bench/lora.py --json bench/results/lora.json",
@@ -145,3 +150,7 @@ BENCHMARKS: list[dict[str, Any]] = [
      "script": "bench/distill.py", "command": "python bench/distill.py --out bench/results/distill.json",
      "files": ["distill.json"], "render": render_generic},
 ]
+
+for _bench in BENCHMARKS:
+    if _bench["name"] != "engine":
+        _bench.setdefault("not_measured", _OTHER_ENGINES)

@@ -4,7 +4,9 @@ Every benchmark writes its JSON through `write_result`, which adds a `provenance
 (nothing in it is typed by hand):
 
 - `when`: UTC time of the write (ISO 8601);
-- `commit`: the checkout's HEAD, with `dirty: true` when tracked files differ from it;
+- `commit`: the checkout's HEAD when the benchmark started (this module's import), with `dirty: true`
+  when tracked files differed from it then, or when HEAD or a tracked file changed while it ran (a long
+  benchmark that starts processes along the way may have measured a mix: it names no single commit);
 - `machine`: CPU model, cores, memory, OS, Python and torch versions, and the GPU name, count and
   driver where CUDA is available;
 - `depends_on`: the paths (files or folders, relative to the repository) whose code the result
@@ -80,18 +82,31 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def _checkout() -> tuple[str, str]:
+    """HEAD and the tracked files' differences from it (a diff's text: '' for a clean checkout), results
+    files aside (a benchmark writes them as it goes)."""
+    return _git("rev-parse", "HEAD"), _git("diff", "HEAD", "--", ".", ":(exclude)bench/results")
+
+
+_STARTED = _checkout()  # the code a benchmark measures is the code it started from
+
+
 def provenance(depends_on: list[str]) -> dict[str, Any]:
     """The `provenance` object of a result measuring the code under `depends_on` (repository paths)."""
     missing = [p for p in depends_on if not (ROOT / p).exists()]
     if missing:
         raise ValueError(f"depends_on names paths that do not exist in the repository: {missing}")
-    return {
+    head, diff = _STARTED
+    out = {
         "when": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": head,
+        "dirty": bool(diff) or _checkout() != _STARTED,
         "machine": machine(),
         "depends_on": sorted(depends_on),
     }
+    if _checkout()[0] != head:
+        out["commit_at_write"] = _checkout()[0]  # the checkout moved on while it ran
+    return out
 
 
 def relative(path: str | Path) -> str:

@@ -72,23 +72,25 @@ def measured_at(data: dict[str, Any], path: Path) -> tuple[str, str]:
     return commit, date
 
 
-def changed_since(commit: str, depends_on: list[str]) -> list[str]:
-    """The measured paths whose content in this checkout differs from `commit` (None-safe: [] if unknown)."""
+def changed_since(commit: str, depends_on: list[str], not_measured: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+    """The measured paths whose content in this checkout differs from `commit` (None-safe: [] if unknown),
+    less the `not_measured` paths inside them (code the benchmark never runs, e.g. another engine)."""
     present = [p for p in depends_on if (ROOT / p).exists()]
     if not commit or not present:
         return []
-    rc, out = _git("diff", "--name-only", commit, "--", *present)
+    rc, out = _git("diff", "--name-only", commit, "--", *present, *(f":(exclude){p}" for p in not_measured))
     return sorted(out.splitlines()) if rc == 0 else []
 
 
-def currency(data: dict[str, Any], path: Path, depends_on: list[str]) -> tuple[str, bool]:
+def currency(data: dict[str, Any], path: Path, depends_on: list[str], not_measured: list[str] = ()  # type: ignore[assignment]
+             ) -> tuple[str, bool]:
     """One line on when and at which commit a result was measured and whether the code it measures has
     changed since (the stale mark), and whether it is stale."""
     commit, date = measured_at(data, path)
     if not commit:
         return "Measured: not committed yet.", False
     deps = list((data.get("provenance") or {}).get("depends_on") or depends_on)
-    changed = changed_since(commit, deps)
+    changed = changed_since(commit, deps, not_measured)
     where = f"Measured {date} at `{commit[:7]}`"
     if not changed:
         return f"{where}; the code it measures ({', '.join(f'`{d}`' for d in deps)}) is unchanged since.", False
@@ -141,7 +143,8 @@ def section(bench: dict[str, Any], results: Path, out_dir: Path) -> tuple[list[s
             continue
         if len(files) > 1:
             out += [f"### `{path.name}`", ""]
-        out += [currency(data, path, bench["depends_on"])[0], "", f"Machine: {machine_of(data)}.", ""]
+        out += [currency(data, path, bench["depends_on"], bench.get("not_measured", []))[0], "",
+                f"Machine: {machine_of(data)}.", ""]
         out += bench["render"](data)
         png = path.with_suffix(".png")
         copy = out_dir / "benchmarks" / png.name
@@ -193,7 +196,7 @@ def readme_table(results: Path) -> str:
         commit, date = measured_at(data, path)
         bench = next((b for b in BENCHMARKS if any(fnmatch.fnmatch(name, f) for f in b["files"])), None)
         measured = list((data.get("provenance") or {}).get("depends_on") or (bench["depends_on"] if bench else []))
-        changed = changed_since(commit, measured)
+        changed = changed_since(commit, measured, bench.get("not_measured", []) if bench else [])
         mark = (f"stale: {len(changed)} measured files changed since" if changed else "yes") if commit else "uncommitted"
         anchor = _slug(bench["title"]) if bench else ""
         rows.append(f"| [`{name}`](docs/BENCHMARKS.md#{anchor}) | {date} `{commit[:7]}` | {mark} |")

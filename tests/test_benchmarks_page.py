@@ -56,3 +56,37 @@ def test_a_result_is_stale_once_its_code_changes(tmp_path: Path) -> None:
                           "depends_on": ["earl_stream/config.py"]}}
     line, stale = currency(old, tmp_path / "x.json", [])
     assert stale and "earl_stream/config.py" in line
+
+
+def test_provenance_names_the_commit_a_benchmark_started_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long benchmark measures the code it started from: a commit landing while it runs does not become
+    its commit (it is named apart and the result is marked dirty: processes it started later ran newer code)."""
+    import bench.provenance as prov
+
+    head = {"rev-parse": "a" * 40, "diff": ""}
+    monkeypatch.setattr(prov, "_git", lambda *args: head[args[0]])
+    monkeypatch.setattr(prov, "_STARTED", prov._checkout())
+    quiet = prov.provenance(["bench"])
+    assert quiet["commit"] == "a" * 40 and not quiet["dirty"] and "commit_at_write" not in quiet
+    head["rev-parse"] = "b" * 40  # a merge lands mid-run
+    moved = prov.provenance(["bench"])
+    assert moved["commit"] == "a" * 40 and moved["dirty"] and moved["commit_at_write"] == "b" * 40
+
+
+def test_code_a_benchmark_never_runs_does_not_make_it_stale() -> None:
+    """`not_measured` paths (the vLLM and SGLang engines for a run on the built-in engine) are left out of
+    the stale check; the rest of the depends_on folder still counts."""
+    from bench.catalog import BENCHMARKS
+    from bench.report import changed_since
+
+    real_scale = next(b for b in BENCHMARKS if b["name"] == "real_scale")
+    assert "earl_stream/workers/engines/vllm_engine.py" in real_scale["not_measured"]
+    engine = next(b for b in BENCHMARKS if b["name"] == "engine")
+    assert "not_measured" not in engine  # bench/engine.py --vllm runs it
+    first = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-parents=0", "HEAD"], capture_output=True,
+                           text=True).stdout.split()[0]
+    everything = changed_since(first, ["earl_stream/workers"])
+    assert "earl_stream/workers/engines/vllm_engine.py" in everything
+    rest = changed_since(first, ["earl_stream/workers"], real_scale["not_measured"])
+    assert set(everything) - set(rest) == {"earl_stream/workers/engines/vllm_engine.py",
+                                           "earl_stream/workers/engines/sglang_engine.py"}
