@@ -75,10 +75,10 @@ def measured_at(data: dict[str, Any], path: Path) -> tuple[str, str]:
 def changed_since(commit: str, depends_on: list[str], not_measured: list[str] = ()) -> list[str]:  # type: ignore[assignment]
     """The measured paths whose content in this checkout differs from `commit` (None-safe: [] if unknown),
     less the `not_measured` paths inside them (code the benchmark never runs, e.g. another engine)."""
-    present = [p for p in depends_on if (ROOT / p).exists()]
-    if not commit or not present:
+    if not commit or not depends_on:
         return []
-    rc, out = _git("diff", "--name-only", commit, "--", *present, *(f":(exclude){p}" for p in not_measured))
+    # a measured path gone since (moved or deleted) shows as changed: git names its deletion
+    rc, out = _git("diff", "--name-only", commit, "--", *depends_on, *(f":(exclude){p}" for p in not_measured))
     return sorted(out.splitlines()) if rc == 0 else []
 
 

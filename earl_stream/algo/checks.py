@@ -1,6 +1,6 @@
 """Cross-field rules of the `algo` config section: what cannot work with the rest of the config.
 
-`earl_stream.config` calls `algo_problems` at load time and reports its lines with every other problem
+`earl_stream.config.validate` calls `algo_problems` at load time and reports its lines with every other problem
 in one `ConfigError`. Numpy only (through the estimator registry), so loading a config stays light.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from earl_stream.algo.advantages import estimator_names, get_estimator_class
 
 if TYPE_CHECKING:
-    from earl_stream.config import RunConfig
+    from earl_stream.config.run import RunConfig
 
 
 def algo_problems(cfg: RunConfig) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from earl_stream.config_fields import apply_override, build
+from earl_stream.config.fields import apply_override, build
 from earl_stream.errors import ConfigError
 from earl_stream.sft.data import Example
 from earl_stream.sft.loop import SFTConfig
@@ -58,7 +58,7 @@ def load_sft_config(overrides: list[str]) -> SFTConfig:
 
 
 def run_sft_command(args: argparse.Namespace) -> int:
-    from earl_stream.config_fields import field_help
+    from earl_stream.config.fields import field_help
 
     if args.fields:
         for name, text in field_help(SFTConfig):

@@ -28,8 +28,8 @@ import yaml
 from earl_stream.cli.launchers.slurm import stopped_is_success
 from earl_stream.cli.procs import STOP_GRACE_S
 from earl_stream.config import RunConfig, apply_run_override, config_from_dict, config_to_yaml
-from earl_stream.config_fields import apply_override, build
-from earl_stream.config_fields import field as _f
+from earl_stream.config.fields import apply_override, build
+from earl_stream.config.fields import field as _f
 from earl_stream.errors import ConfigError, SlurmError
 from earl_stream.security.secret import create_secret_file
 

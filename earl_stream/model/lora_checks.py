@@ -1,6 +1,6 @@
 """Load-time checks of `model.lora`: what cannot work with the model and the rest of the config.
 
-`earl_stream.config` calls `lora_problems` when `model.lora.enabled` and reports its lines with every
+`earl_stream.config.validate` calls `lora_problems` when `model.lora.enabled` and reports its lines with every
 other problem in one `ConfigError`. The model's architecture is built on the meta device from its
 `config.json` (no weights read, no memory), so a target that matches none of its linear layers is
 named before any process starts. How adapters are made and moved is `model.lora`'s.
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from earl_stream.config import RunConfig
+    from earl_stream.config.run import RunConfig
 
 # engines that apply a published adapter to their copy of the base (model.lora's merge)
 ADAPTER_ENGINES = ("torch",)

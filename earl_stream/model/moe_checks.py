@@ -5,7 +5,7 @@ model and the engine.
 whose expert count each divides (a dense model, or 6 experts under ep4, is refused at load, not in
 a rank); how ep runs is `workers.expert_parallel`'s.
 
-`earl_stream.config` calls `routing_replay_problems` when routing replay is on and reports its lines
+`earl_stream.config.validate` calls `routing_replay_problems` when routing replay is on and reports its lines
 with every other problem in one `ConfigError`: replay needs a mixture-of-experts model of a family
 whose routers `model.moe` hooks (read from `config.json` alone, no weights) and an engine that records
 the experts it routed each token to. Recording and replaying are `workers.engines.routing`'s and
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from earl_stream.model.moe_config import MOE_TYPES, moe_layers, num_experts
 
 if TYPE_CHECKING:
-    from earl_stream.config import RunConfig
+    from earl_stream.config.run import RunConfig
 
 # engines that record routed experts per token (workers.engines.routing)
 ROUTING_ENGINES = ("torch",)

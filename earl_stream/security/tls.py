@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from earl_stream.config import SecurityConfig
+from earl_stream.config.cluster import SecurityConfig
 from earl_stream.errors import ConfigError
 from earl_stream.security.encryption import encrypt_enabled
 

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from earl_stream import metrics as M
-from earl_stream.config_fields import field as _f
+from earl_stream.config.fields import field as _f
 from earl_stream.sft.data import Example
 from earl_stream.sft.step import SFTStepResult, sft_step
 from earl_stream.workers import checkpoint as ckpt

@@ -191,7 +191,7 @@ def state_fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 def _load_legacy(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> RunState:
     """A checkpoint written before DCP: HF weights plus rank 0's torch.save of the optimizer."""
-    from earl_stream.model import load_model
+    from earl_stream.model.loading import load_model
 
     saved, _ = load_model(ckpt)
     model.load_state_dict(saved.state_dict())

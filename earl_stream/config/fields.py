@@ -1,7 +1,7 @@
 """How the config dataclasses are declared and built: a field with its help and validation rule
 (`field`), raw YAML (plus dotted overrides, `apply_override`) turned into frozen dataclasses with every
-problem collected (`build`), and back (`to_dict`, `field_help`). What the fields are is `config.py`'s
-(the run) and `cli/slurm.py`'s (the `slurm:` section of `slurm render|submit`).
+problem collected (`build`), and back (`to_dict`, `field_help`). What the fields are is the sections'
+(`training.py`, `rollout.py`, `cluster.py`: the run), `cli/slurm.py`'s (the `slurm:` section of `slurm render|submit`).
 """
 
 from __future__ import annotations

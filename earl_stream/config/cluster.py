@@ -1,0 +1,138 @@
+"""The sections of how a run's processes are connected, planned and placed: the data plane (`store`), the
+supervisor, the plan selector, the launcher (Ray, Slurm) and security. Pure types with each field's help
+and rule; a `selector.plans` that names unknown layouts is refused in `earl_stream.config.validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from earl_stream.config.fields import field as _f
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    dispatch: str = _f("pull", "pull: consumers pull from producers; central: via one process", choices=("pull", "central"))
+    max_bytes_per_node: int = _f(1 << 30, "bytes a shard node holds before producers block", minimum=1 << 20)
+    transport: str = _f("auto", "data-plane transport per peer: auto = shared memory on one host, else UCX when "
+                        "both sides have ucxx, else TCP", choices=("auto", "shm", "ucx", "tcp"))
+    weight_sync: str = _f("auto", "how rollout workers get a new policy version: direct = each pulls it from the trainer "
+                          "ranks' shards; relay = a chain, each worker pulls chunks from the one that joined before "
+                          "it and serves them on (about one model's transfer time plus a chunk time per worker); "
+                          "auto = relay once the rollout pool spans more hosts than the trainer pool (measured "
+                          "faster there, bench/dispatch_cluster.py), else direct",
+                          choices=("auto", "direct", "relay"))
+    durable_experience: bool = _f(True, "rollout workers persist the samples they hold in run_dir/experience at each "
+                                  "trainer checkpoint and on a clean stop; a resumed run (or a worker restarted on "
+                                  "the same host) trains them instead of playing their prompts again")
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisorConfig:
+    heartbeat_s: float = _f(1.0, "worker heartbeat period", minimum=0.05)
+    lease_s: float = _f(10.0, "a worker silent this long is declared dead", minimum=0.1)
+    stats_window: int = _f(512, "episodes in the sliding window of reward/length statistics", minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectorConfig:
+    enabled: bool = _f(True, "reselect pool plans from observed context-length percentiles")
+    context_window: int = _f(512, "episodes in the sliding window of context-length percentiles", minimum=16)
+    percentile: str = _f("p99", "statistic that drives re-plans", choices=("p50", "p90", "p99", "max"))
+    upper_factor: float = _f(0.9, "re-plan up when the percentile exceeds this x the plan's design length", minimum=0)
+    lower_factor: float = _f(0.4, "re-plan down when the percentile falls below this x the design length", minimum=0)
+    headroom: float = _f(1.25, "a new plan's design length is the next power of two >= headroom x percentile", minimum=1)
+    min_episodes_between: int = _f(64, "episodes between re-plans (a percentile past the design length skips it)",
+                                   minimum=0)
+    min_episodes: int = _f(16, "episodes the context window must hold before its statistics drive a plan", minimum=1)
+    plans: str = _f("", "trainer layouts the selector may choose, '|'-separated as status names them (dp2, fsdp2, "
+                    "tp2, sp2, fsdp2_sp2, ...; '+rc' = with full recomputation, e.g. 'fsdp2+rc|dp2'); empty = all")
+    initial_seq_len: int = _f(256, "design length of the plan adopted before any episode finishes", minimum=16)
+    trainer_memory_bytes: int = _f(0, "per-rank memory budget; 0 = this machine's RAM / 4", minimum=0)
+    reserve_bytes: int = _f(1 << 30, "memory kept free for what the model does not count (runtime, allocator)",
+                            minimum=0)
+    cost_model_path: str = _f("", "JSON of a step cost-model calibration to start from (StepCostModel.to_dict(), "
+                              "or a file with it under \"cost_model\" like bench/results/selector.json); empty = defaults")
+    cost_model_min_steps: int = _f(8, "refit the cost model from the trainer's measured step times after this many "
+                                   "steps, and as often again after that; 0 = never", minimum=0)
+    cost_model_window: int = _f(64, "most recent measured training steps the cost model is refit on", minimum=2)
+    allow_fsdp: bool = _f(True, "let trainer plans shard weights, gradients and optimizer state (FSDP2) when "
+                          "trainer.nproc > 1")
+    allow_tp: bool = _f(True, "let trainer plans use tensor parallelism when trainer.nproc > 1")
+    allow_sp: bool = _f(True, "let trainer plans use Ulysses sequence parallelism when trainer.nproc > 1")
+    allow_ep: bool = _f(True, "let trainer plans shard the experts of a mixture-of-experts model over ranks (expert "
+                        "parallelism, tokens dispatched by all-to-all) when trainer.nproc > 1")
+    attention: str = _f("eager", "how trainer plans size attention: eager = its s x s scores are stored (eager "
+                        "attention; also SDPA's math path, e.g. fp32 with grouped KV heads on CUDA); flash = "
+                        "they are not (flash or memory-efficient kernels: bf16 sdpa on CUDA)", choices=("eager", "flash"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RayRoleConfig:
+    num_cpus: float = _f(1.0, "Ray CPUs each process of this role reserves", minimum=0)
+    num_gpus: float = _f(0.0, "Ray GPUs each process of this role reserves (a trainer rank on cuda: 1)", minimum=0)
+    resources: dict[str, Any] = _f({}, "custom Ray resources each process of this role reserves, e.g. "
+                                   "{rollout_node: 1}: it runs only on nodes that declare them")
+
+
+@dataclasses.dataclass(frozen=True)
+class RayLauncherConfig:
+    address: str = _f("", "Ray cluster to join (HOST:6379, ray://HOST:10001 or auto); empty = this process's "
+                      "ray.init context, else $RAY_ADDRESS, else a new single-node Ray instance")
+    connect_timeout_s: float = _f(30.0, "give up joining the Ray cluster after this long", minimum=1)
+    placement_timeout_s: float = _f(120.0, "give up when a role's processes are not placed after this long "
+                                    "(resources the cluster lacks or holds for others)", minimum=1)
+    rollout_max_restarts: int = _f(3, "times Ray restarts a rollout worker that dies (it re-registers and "
+                                   "rejoins the run); -1 = without limit", minimum=-1)
+    supervisor: RayRoleConfig = dataclasses.field(default_factory=RayRoleConfig)
+    rollout: RayRoleConfig = dataclasses.field(default_factory=RayRoleConfig)
+    trainer: RayRoleConfig = dataclasses.field(default_factory=RayRoleConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmLauncherConfig:
+    srun: str = _f("srun", "how the launcher runs srun (a path, or a wrapper)")
+    trainer_nodes: int = _f(1, "nodes of the allocation the trainer pool spans (one torchrun per node, "
+                            "trainer.nproc / trainer_nodes ranks each); the last nodes of the allocation", minimum=1)
+    master_port: int = _f(29500, "port of the trainer pool's rendezvous on its first node", minimum=1)
+    step_args: str = _f("", "more srun options for every step, space-separated (e.g. --gpus-per-task=1)")
+    ready_timeout_s: float = _f(120.0, "give up when the supervisor's step does not listen within this long",
+                                minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherConfig:
+    kind: str = _f("local", "how `up` places the processes: local (child processes), ray (actors on a Ray "
+                   "cluster), slurm (srun steps inside a Slurm allocation), or a registered launcher "
+                   "(earl_stream.cli.launchers)")
+    ray: RayLauncherConfig = dataclasses.field(default_factory=RayLauncherConfig)
+    slurm: SlurmLauncherConfig = dataclasses.field(default_factory=SlurmLauncherConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    encrypt: bool = _f(False, "encrypt both planes with keys derived from the cluster secret: the control plane with "
+                       "ZMQ CURVE, data-plane frames with ChaCha20 under their MACs (earl_stream/security/encryption.py); "
+                       "shared memory and UCX bytes are not encrypted, so UCX is not used. Workers started by "
+                       "hand then need `--encrypt`")
+    tls: bool = _f(False, "serve the OpenAI and metrics endpoints over HTTPS (on whenever encrypt is): certificates "
+                   "from a run CA derived from the cluster secret, whose certificate `up` writes to RUN_DIR/tls/ca.pem "
+                   "for clients to trust (earl_stream/security/tls.py), or the files below")
+    tls_cert_file: str = _f("", "a server certificate (PEM) for every process instead of the run CA's; it must name "
+                            "every host the endpoints are served from (give tls_key_file and tls_ca_file with it)")
+    tls_key_file: str = _f("", "the private key (PEM) of tls_cert_file")
+    tls_ca_file: str = _f("", "the CA certificate (PEM) that signed tls_cert_file: what agents and Prometheus trust")
+    metrics_auth: bool = _f(False, "metrics endpoints answer only requests whose bearer token is the run's read-only "
+                            "key (`earl-stream keys derive readonly`; `up` writes it to RUN_DIR/keys/readonly); on "
+                            "whenever TLS is")
+
+    @property
+    def tls_on(self) -> bool:
+        """Whether the HTTP endpoints serve TLS."""
+        return self.tls or self.encrypt
+
+    @property
+    def metrics_auth_on(self) -> bool:
+        """Whether the metrics endpoints require the read-only key."""
+        return self.metrics_auth or self.tls_on
