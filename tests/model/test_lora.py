@@ -57,6 +57,13 @@ def test_bad_lora_config_is_refused_naming_the_field(tiny_model_dir: Path, overr
         load_config(None, [f"model.path={tiny_model_dir}", "model.lora.enabled=true", override])
 
 
+def test_lora_with_vllm_loads_and_with_sglang_is_refused_saying_why(tiny_model_dir: Path) -> None:
+    base = [f"model.path={tiny_model_dir}", "model.lora.enabled=true"]
+    assert load_config(None, [*base, "rollout.engine=vllm"]).rollout.engine == "vllm"  # vllm_lora serves adapters
+    with pytest.raises(ConfigError, match=r"rollout\.engine=sglang cannot apply LoRA adapters.*cannot run on the CPU"):
+        load_config(None, [*base, "rollout.engine=sglang"])
+
+
 def test_lora_config_loads_with_defaults(tiny_model_dir: Path) -> None:
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "model.lora.enabled=true", "model.lora.rank=8"])
     assert cfg.model.lora.rank == 8 and "q_proj" in cfg.model.lora.target_modules
