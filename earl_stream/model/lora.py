@@ -3,8 +3,9 @@
 Owns `apply_lora` (peft's `inject_adapter_in_model` on a Hugging Face causal LM, in place: the model
 keeps its class and its `model.layers`, so the trainer's placements and re-shards lay it out like any
 other; the base is frozen, only `lora_A` / `lora_B` train), `adapter_state` (what a policy version
-publishes: the adapter tensors alone, under wire names) and `AdapterMerger` (how an engine applies a
-version to its working copy of the base). Config checks are `model.lora_checks`'; checkpoints and
+publishes: the adapter tensors alone, under wire names), `adapter_problems` / `merged_weights` (whether a
+version fits a model; base + B @ A) and `AdapterMerger` (how an engine applies a version to its working
+copy of the base). Config checks are `model.lora_checks`'; checkpoints and
 export of adapters are `model.lora_export`'s.
 
 Wire format of a version's adapter (one per adapted linear layer `M`, e.g.
@@ -133,6 +134,37 @@ def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
+def adapter_problems(state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Why the adapter version `state` does not fit a model whose weights have `shapes` (by the model's names);
+    [] when it does."""
+    problems = [k for k in state if not k.endswith((_A, _B)) or k.replace(_B, _A) not in state]
+    for module in adapted_modules(state):
+        a, b, target = state[module + _A], state.get(module + _B), module + ".weight"
+        if b is None or target not in shapes:
+            problems.append(f"{module}: {'no lora_B' if b is None else 'the model has no ' + target}")
+            continue
+        base = tuple(shapes[target])
+        if len(base) != 2 or tuple(b.shape) != (base[0], a.shape[0]) or a.shape[1] != base[1]:
+            problems.append(f"{module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit {base}")
+    return sorted(set(problems))
+
+
+def adapted_modules(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The layers an adapter version adapts (`model.layers.0.self_attn.q_proj`, ...), sorted."""
+    return sorted({k[: -len(_A)] for k in state if k.endswith(_A)})
+
+
+def merged_weights(state: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """base weight + B @ A of each layer `state` adapts (fp32, cast back to the base's dtype), by the model's
+    names; `state` must fit (`adapter_problems`). `base` is not changed."""
+    out: dict[str, torch.Tensor] = {}
+    for module in adapted_modules(state):
+        a, b, weight = state[module + _A], state[module + _B], base[module + ".weight"]
+        dev, f32 = weight.device, torch.float32
+        out[module + ".weight"] = torch.addmm(weight.to(dev, f32), b.to(dev, f32), a.to(dev, f32)).to(weight.dtype)
+    return out
+
+
 class AdapterMerger:
     """An engine's working copy of the base plus a version's adapter: `merged` returns, for each adapted
     layer, base weight + B @ A (computed in fp32, cast to the engine's dtype). The base weights of the
@@ -145,22 +177,10 @@ class AdapterMerger:
     def merged(self, state: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Merged weights by the engine's own names; EngineError (nothing changed) when `state` does not
         fit the model."""
-        modules = sorted({k[: -len(_A)] for k in state if k.endswith(_A)})
-        problems = [k for k in state if not k.endswith((_A, _B)) or k.replace(_B, _A) not in state]
-        out: dict[str, torch.Tensor] = {}
-        for module in modules:
-            a, b, target = state[module + _A], state.get(module + _B), module + ".weight"
-            if b is None or target not in own:
-                problems.append(f"{module}: {'no lora_B' if b is None else 'the model has no ' + target}")
-                continue
-            base = self._base.get(target, own[target])
-            if tuple(b.shape) != (base.shape[0], a.shape[0]) or a.shape[1] != base.shape[1]:
-                problems.append(f"{module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit {tuple(base.shape)}")
-                continue
-            dev, f32 = base.device, torch.float32
-            out[target] = torch.addmm(base.to(dev, f32), b.to(dev, f32), a.to(dev, f32)).to(base.dtype)  # one pass
+        problems = adapter_problems(state, {k: tuple(v.shape) for k, v in own.items()})
         if problems:
-            raise EngineError("adapter rejected, nothing was loaded: " + "; ".join(sorted(set(problems))[:8]))
+            raise EngineError("adapter rejected, nothing was loaded: " + "; ".join(problems[:8]))
+        out = merged_weights(state, {**own, **self._base})
         for target in out:
             if target not in self._base:
                 self._base[target] = own[target].detach().clone()

@@ -15,8 +15,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from earl_stream.config.run import RunConfig
 
-# engines that apply a published adapter to their copy of the base (model.lora's merge)
-ADAPTER_ENGINES = ("torch",)
+# engines that apply a published adapter version: the built-in one merges it into its copy of the base; vLLM
+# serves it as a LoRA adapter or merges and reloads (workers.engines.vllm_lora)
+ADAPTER_ENGINES = ("torch", "vllm")
+# why the others cannot (SGLang's LoRA path would be written blind: it cannot start without CUDA here)
+_NO_ADAPTERS = {"sglang": "its LoRA path (load_lora_adapter, or merge and reload) is not built: SGLang cannot run "
+                          "on the CPU machines this project is tested on, so it would ship untested"}
 # the projections of the Llama / Qwen2 / Mistral decoder layer, which the embedded tiny model (Qwen2) has
 _LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -34,7 +38,8 @@ def lora_problems(cfg: RunConfig) -> list[str]:
     if not lora.target_modules:
         out.append("model.lora.target_modules is empty: name at least one linear layer")
     if cfg.rollout.engine not in ADAPTER_ENGINES:
-        out.append(f"model.lora: rollout.engine={cfg.rollout.engine} cannot apply LoRA adapters in this version "
+        why = _NO_ADAPTERS.get(cfg.rollout.engine, "it has no way to apply adapter versions")
+        out.append(f"model.lora: rollout.engine={cfg.rollout.engine} cannot apply LoRA adapters in this version: {why} "
                    f"(engines that can: {', '.join(ADAPTER_ENGINES)})")
     try:
         linears = linear_module_names(cfg.model.path)

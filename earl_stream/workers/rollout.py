@@ -141,8 +141,15 @@ class RolloutWorker:
             self.memory = EngineMemory(r.memory_bytes, "rollout.memory_bytes" if r.memory_bytes else f"{r.engine}'s own")
             kv_tokens = self._kv_capacity(model_dir, self.memory)
             self.tokenizer = load_tokenizer(model_dir)
+        lora = self.cfg.model.lora
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
-                           kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.swap_mode)
+                           kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.swap_mode,
+                           lora_rank=lora.rank if lora.enabled else 0)
+
+    def _lora_stats(self) -> dict[str, float]:
+        """How the engine applied LoRA versions (vLLM: `lora_versions_as_adapter` / `lora_versions_merged`)."""
+        stats = getattr(self.engine, "lora_stats", None)
+        return stats() if callable(stats) else {}
 
     def _make_teacher(self) -> TeacherScorer | None:
         """algo.distill's teacher (`algo.distill.TeacherScorer`) on the engine's device, or None when off."""
@@ -243,7 +250,7 @@ class RolloutWorker:
                     raise task.exception()  # type: ignore[misc]
             stats: dict[str, float] = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
                      "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held,
-                     "memory_bytes": self.memory.bytes, **self.swaps.stats()}
+                     "memory_bytes": self.memory.bytes, **self.swaps.stats(), **self._lora_stats()}
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
                     worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors,

@@ -57,6 +57,13 @@ def test_bad_lora_config_is_refused_naming_the_field(tiny_model_dir: Path, overr
         load_config(None, [f"model.path={tiny_model_dir}", "model.lora.enabled=true", override])
 
 
+def test_lora_with_vllm_loads_and_with_sglang_is_refused_saying_why(tiny_model_dir: Path) -> None:
+    base = [f"model.path={tiny_model_dir}", "model.lora.enabled=true"]
+    assert load_config(None, [*base, "rollout.engine=vllm"]).rollout.engine == "vllm"  # vllm_lora serves adapters
+    with pytest.raises(ConfigError, match=r"rollout\.engine=sglang cannot apply LoRA adapters.*cannot run on the CPU"):
+        load_config(None, [*base, "rollout.engine=sglang"])
+
+
 def test_lora_config_loads_with_defaults(tiny_model_dir: Path) -> None:
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "model.lora.enabled=true", "model.lora.rank=8"])
     assert cfg.model.lora.rank == 8 and "q_proj" in cfg.model.lora.target_modules
@@ -191,3 +198,21 @@ def test_the_smollm2_lora_config_is_the_full_one_with_adapters(tmp_path: Path) -
     for d in (lora, full):
         d["model"].pop("lora"), d["trainer"].pop("lr"), d.pop("run_dir")
     assert lora == full
+
+
+def test_a_version_on_the_wire_becomes_a_peft_adapter_vllm_can_load(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's adapter mode writes each pulled version as a PEFT directory (B pre-scaled, so lora_alpha = r):
+    peft reads it back to the same model the trainer had."""
+    from peft import PeftModel
+
+    from earl_stream.workers.engines.vllm_lora import VllmLora, vllm_max_lora_rank, write_adapter_version
+
+    model = lora_model(tiny_model_dir).eval()
+    out = write_adapter_version(adapter_state(model), tmp_path / "v1", str(tiny_model_dir))
+    loaded = PeftModel.from_pretrained(load_model(tiny_model_dir)[0], str(out)).eval()
+    ids = torch.arange(5, 45)[None]
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+    assert [vllm_max_lora_rank(r) for r in (1, 4, 16, 17, 512, 513)] == [1, 8, 16, 32, 512, None]
+    assert VllmLora(0).llm_args() == {} and VllmLora(600).llm_args() == {}  # not LoRA / too large: merge
+    assert VllmLora(4).llm_args()["max_lora_rank"] == 8

@@ -38,10 +38,11 @@ def _torch(model_dir: Path, model: PreTrainedModel | None, max_batch_size: int, 
 
 
 def _vllm(model_dir: Path, model: PreTrainedModel | None, max_batch_size: int, kv_budget_tokens: int,
-          seed: int) -> Engine:
+          seed: int, lora_rank: int = 0) -> Engine:
     from earl_stream.workers.engines.vllm_engine import VllmEngine
 
-    return VllmEngine(model_dir, max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, seed=seed)
+    return VllmEngine(model_dir, max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, seed=seed,
+                      lora_rank=lora_rank)
 
 
 def _sglang(model_dir: Path, model: PreTrainedModel | None, max_batch_size: int, kv_budget_tokens: int,
@@ -95,6 +96,7 @@ def make_engine(
     kv_budget_tokens: int = 65536,
     seed: int = 0,
     weight_swap: str = "drain",
+    lora_rank: int = 0,
 ) -> Engine:
     """Start backend `name` on the Hugging Face directory `model_dir`.
 
@@ -103,6 +105,8 @@ def make_engine(
     ignore it, so pass None there to save memory. Raises EngineError naming the known backends, or
     saying what to install, when `name` cannot run here, and before starting anything when it cannot
     swap weights by `weight_swap` (`weight_swap.SwapMode`; only the built-in engine has all three).
+    `lora_rank` > 0 (a `model.lora` run): vLLM starts able to serve adapters of that rank (the built-in
+    engine merges adapters and needs nothing at start).
     """
     reason = unavailable_reason(name)
     if reason is not None:
@@ -114,7 +118,10 @@ def make_engine(
         raise EngineError(problem)
     if model is not None and name != "torch":
         _LOG.info("engine %s loads %s itself; the model passed in is not used", name, model_dir)
-    engine = _FACTORIES[name](Path(model_dir), model, max_batch_size, kv_budget_tokens, seed)
+    if name == "vllm" and lora_rank > 0:
+        engine = _vllm(Path(model_dir), model, max_batch_size, kv_budget_tokens, seed, lora_rank)
+    else:
+        engine = _FACTORIES[name](Path(model_dir), model, max_batch_size, kv_budget_tokens, seed)
     if mode is not SwapMode.DRAIN:
         setter = getattr(engine, "set_weight_swap", None)
         if setter is None:

@@ -41,7 +41,7 @@ import torch
 
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
-from earl_stream.workers.engines.vllm_engine import _shm_root, clamp_capacity, read_model_shape, state_problems, write_checkpoint
+from earl_stream.workers.engines.model_files import clamp_capacity, read_model_shape, shm_root, state_problems, write_checkpoint
 
 _LOG = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class SglangEngine:
         import json
 
         if self._root is None:
-            self._root = _shm_root()
+            self._root = shm_root()
             weakref.finalize(self, shutil.rmtree, self._root, True)
         self._loads += 1
         for old in self._root.iterdir():

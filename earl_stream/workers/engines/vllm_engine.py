@@ -2,7 +2,8 @@
 
 It owns: starting a `vllm.LLM` sized from our capacity knobs, turning each `GenerateRequest` into
 its own `SamplingParams`, mapping vLLM's outputs to `GenerateResult`s, and swapping in new weights
-through a safetensors directory under /dev/shm (`collective_rpc("reload_weights")`). It leaves
+through a safetensors directory under /dev/shm (`collective_rpc("reload_weights")`); a LoRA version
+(adapter tensors only) is served as a vLLM LoRA adapter or merged and reloaded (`vllm_lora`). It leaves
 scheduling, continuous batching and KV reuse between the turns of an episode to vLLM (automatic
 prefix caching, so `release` has nothing to do) and tokenisation to the agent loop.
 
@@ -27,18 +28,19 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from earl_stream.errors import EngineError
+from earl_stream.model.lora import adapter_problems, is_adapter_state
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
+from earl_stream.workers.engines.model_files import clamp_capacity, read_model_shape, shm_root, state_problems, write_checkpoint
+from earl_stream.workers.engines.vllm_lora import LoraMode, VllmLora
 
 _LOG = logging.getLogger(__name__)
 
@@ -47,94 +49,10 @@ VLLM_INSTALL_HINT = (
     "`pip uninstall -y torchvision torchaudio torchcodec`), `pip install vllm` on a GPU; "
     "`make test-vllm` builds such an environment in .venv-vllm"
 )
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 # KV blocks are allocated whole and vLLM keeps one block back; rounding the budget up to this many
 # tokens and adding as many covers every block size.
 _KV_ROUND_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the backends need to know about a model directory without loading its weights."""
-
-    vocab_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_positions: int
-    tied_embeddings: bool
-    tensors: dict[str, tuple[int, ...]]  # checkpoint tensor name -> shape (empty if not safetensors)
-
-    def kv_bytes_per_token(self, dtype: str) -> int:
-        """Bytes of KV cache one token takes: keys and values of every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES.get(dtype, 4)
-
-
-def read_model_shape(model_dir: Path) -> ModelShape:
-    """Read config.json and the safetensors headers of `model_dir` (no weights are loaded)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    if not (model_dir / "config.json").is_file():
-        raise EngineError(f"{model_dir} has no config.json; it is not a Hugging Face model directory")
-    full = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    config = full.get_text_config(decoder=True)
-    heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-    tensors: dict[str, tuple[int, ...]] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name] = tuple(handle.get_slice(name).get_shape())
-    return ModelShape(
-        vocab_size=int(config.vocab_size),
-        num_layers=int(config.num_hidden_layers),
-        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=int(head_dim),
-        max_positions=int(getattr(config, "max_position_embeddings", 4096)),
-        tied_embeddings=bool(getattr(full, "tie_word_embeddings", False)),
-        tensors=tensors,
-    )
-
-
-def state_problems(state: Mapping[str, torch.Tensor], shape: ModelShape) -> list[str]:
-    """Every reason `state` does not match the checkpoint's tensors (empty if it does or is unknown)."""
-    if not shape.tensors:
-        return []
-    problems = []
-    own = shape.tensors
-    # A tied output head is absent from the checkpoint but present in a trainer's state_dict.
-    unknown = sorted(n for n in state if n not in own and not (shape.tied_embeddings and n == "lm_head.weight"))
-    missing = sorted(n for n in own if n not in state)
-    if unknown:
-        problems.append(f"unknown names {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
-    if missing:
-        problems.append(f"missing names {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-    for name, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor):
-            problems.append(f"{name} is a {type(tensor).__name__}, not a tensor")
-        elif name in own and tuple(tensor.shape) != own[name]:
-            problems.append(f"{name} has shape {tuple(tensor.shape)}, the model has {own[name]}")
-    return problems
-
-
-def write_checkpoint(state: Mapping[str, torch.Tensor], out_dir: Path, config: dict[str, Any]) -> Path:
-    """Write `state` as out_dir/model.safetensors plus out_dir/config.json; return out_dir."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in state.items():
-        t = tensor.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:  # safetensors refuses aliased tensors (tied weights)
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return out_dir
 
 
 class _NoTokenizerWarmupWarning(logging.Filter):
@@ -147,32 +65,14 @@ class _NoTokenizerWarmupWarning(logging.Filter):
 _WARMUP_FILTER = _NoTokenizerWarmupWarning()
 
 
-def _shm_root() -> Path:
-    """A fresh private directory in RAM (/dev/shm) if there is one, else in the temp directory."""
-    shm = Path("/dev/shm")
-    base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix="earl-vllm-", dir=base))
-
-
-
-def clamp_capacity(requested: EngineCapacity, started: EngineCapacity, engine: str) -> EngineCapacity:
-    """The capacity an engine sized at start-up can take: lower values as asked, higher ones clamped."""
-    if requested.max_concurrent_sequences < 1 or requested.kv_budget_tokens < 1:
-        raise EngineError(f"invalid engine capacity {requested}: both values must be >= 1")
-    clamped = EngineCapacity(min(requested.max_concurrent_sequences, started.max_concurrent_sequences),
-                             min(requested.kv_budget_tokens, started.kv_budget_tokens))
-    if clamped != requested:
-        _LOG.warning("%s sizes its scheduler and KV cache at start (%s); %s clamped to %s", engine, started,
-                     requested, clamped)
-    return clamped
-
 class VllmEngine:
     """Generates with a `vllm.LLM` started on the Hugging Face directory `model_dir`.
 
     `max_batch_size` becomes vLLM's `max_num_seqs`; `kv_budget_tokens` sizes its KV cache exactly
     (`kv_cache_memory_bytes`) and caps the context length. Both are start-up values: `set_capacity`
     can lower them (requests are then submitted in chunks) but not raise them. Thread-safe:
-    `generate` and `load_state_dict` serialise on one lock.
+    `generate` and `load_state_dict` serialise on one lock. `lora_rank` > 0 (a `model.lora` run) starts
+    vLLM able to serve adapters of that rank; `lora_mode` is `vllm_lora.LoraMode`'s.
     """
 
     def __init__(
@@ -185,6 +85,8 @@ class VllmEngine:
         dtype: str = "float32",
         enable_prefix_caching: bool = True,
         llm_kwargs: Mapping[str, Any] | None = None,
+        lora_rank: int = 0,
+        lora_mode: LoraMode | str = LoraMode.AUTO,
     ) -> None:
         if max_batch_size < 1 or kv_budget_tokens < 1:
             raise EngineError(f"invalid engine capacity ({max_batch_size}, {kv_budget_tokens}): both must be >= 1")
@@ -196,7 +98,7 @@ class VllmEngine:
         self._shape = read_model_shape(self._model_dir)
         self._config = json.loads((self._model_dir / "config.json").read_text())
         self._max_len = min(self._shape.max_positions, kv_budget_tokens)
-        self._root = _shm_root()
+        self._root = shm_root()
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._root, True)
         self._loads = 0
         start_dir = self._untied_copy() if self._shape.tied_embeddings else self._model_dir
@@ -209,23 +111,30 @@ class VllmEngine:
         logging.getLogger("vllm.renderers.base").addFilter(_WARMUP_FILTER)
         kwargs = self._llm_args(start_dir, max_batch_size, kv_budget_tokens, seed, dtype, enable_prefix_caching)
         kwargs.update(llm_kwargs or {})
-        try:
-            self._llm = vllm.LLM(**kwargs)
-        except Exception as exc:
-            self._cleanup()
-            raise EngineError(f"vLLM could not start on {self._model_dir}: {type(exc).__name__}: {exc}") from exc
+        self._lora = VllmLora(lora_rank, lora_mode)
+        self._llm = self._start(vllm, kwargs)
         self._started = EngineCapacity(max_batch_size, kv_budget_tokens)
         self._capacity = self._started
         self._lock = threading.Lock()
         self._version = 0
-        _LOG.info("vLLM %s engine ready on %s (%d sequences, %d KV tokens)", vllm.__version__, self._model_dir,
-                  max_batch_size, kwargs["kv_cache_memory_bytes"] // self._shape.kv_bytes_per_token(dtype))
+        _LOG.info("vLLM %s engine ready on %s (%d sequences, %d KV tokens)%s", vllm.__version__, self._model_dir,
+                  max_batch_size, kwargs["kv_cache_memory_bytes"] // self._shape.kv_bytes_per_token(dtype),
+                  f"; LoRA versions: {self.lora_mode} (rank <= {self._lora.max_rank})" if lora_rank > 0 else "")
 
     # ---------------------------------------------------------------- Engine protocol
 
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def lora_mode(self) -> str:
+        """How LoRA versions are applied now: "adapter" (vLLM LoRA requests) or "merge" (merged, reloaded)."""
+        return "adapter" if self._lora.uses_adapters else "merge"
+
+    def lora_stats(self) -> dict[str, float]:
+        """LoRA versions applied so far by each mode (rollout heartbeats report them)."""
+        return {k: float(v) for k, v in self._lora.counts.items()}
 
     @property
     def capacity(self) -> EngineCapacity:
@@ -257,34 +166,61 @@ class VllmEngine:
         return results
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Write `state` to a safetensors directory in RAM and reload the live engine's weights from it.
+        """Write `state` to a safetensors directory in RAM and reload the live engine's weights from it; a
+        LoRA version (adapter tensors only) is loaded as a vLLM adapter or merged first (`vllm_lora`).
 
         Names and shapes are checked against the model directory first (nothing is loaded if they
         differ). The prefix cache is reset so that no KV computed with old weights is reused.
         """
-        problems = state_problems(state, self._shape)
+        lora = is_adapter_state(state)
+        problems = adapter_problems(state, self._shape.tensors) if lora else state_problems(state, self._shape)
         if problems:
             raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded: {'; '.join(problems)}")
         with self._lock:
             self._loads += 1
             target = self._root / f"v{version}-{self._loads}"
-            write_checkpoint(self._full_state(state), target, self._untied_config())
-            llm = self._live()
-            try:
-                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
-            except Exception as exc:
-                shutil.rmtree(target, ignore_errors=True)
-                raise EngineError(
-                    f"vLLM could not reload weights (version {version}) from {target}: {type(exc).__name__}: {exc}. "
-                    "The engine's weights may be partly replaced: load a complete state again or restart it."
-                ) from exc
-            if not llm.reset_prefix_cache():
-                _LOG.warning("vLLM did not reset its prefix cache after loading version %d", version)
-            previous, self._weights_dir = self._weights_dir, target
-            if previous is not None:
-                shutil.rmtree(previous, ignore_errors=True)
-            self._version = version
-        _LOG.info("loaded policy version %d (%d tensors) into vLLM", version, len(state))
+            if lora and self._lora.uses_adapters:
+                if self._lora.load_adapter(self._live(), state, version, target, str(self._model_dir)):
+                    self._reset_cache(version)
+                    return
+            if lora:
+                state = self._lora.merged_state(state, self._base_state)
+            self._reload(state, version, target)
+        _LOG.info("loaded policy version %d (%d tensors%s) into vLLM", version, len(state),
+                  ", an adapter merged into the base" if lora else "")
+
+    def _reload(self, state: Mapping[str, torch.Tensor], version: int, target: Path) -> None:
+        """The whole model from `state` (engine lock held): written to `target`, reloaded by vLLM's workers."""
+        write_checkpoint(self._full_state(state), target, self._untied_config())
+        llm = self._live()
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target)})
+        except Exception as exc:
+            shutil.rmtree(target, ignore_errors=True)
+            raise EngineError(
+                f"vLLM could not reload weights (version {version}) from {target}: {type(exc).__name__}: {exc}. "
+                "The engine's weights may be partly replaced: load a complete state again or restart it."
+            ) from exc
+        self._lora.drop_adapter(llm)
+        previous, self._weights_dir = self._weights_dir, target
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        self._reset_cache(version)
+
+    def _reset_cache(self, version: int) -> None:
+        """After a load: no KV computed with the old weights is reused; requests are of `version` now."""
+        if not self._live().reset_prefix_cache():
+            _LOG.warning("vLLM did not reset its prefix cache after loading version %d", version)
+        self._version = version
+
+    def _base_state(self) -> dict[str, torch.Tensor]:
+        """The base weights of the model directory (what LoRA versions are merged into)."""
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for path in sorted(self._model_dir.glob("*.safetensors")):
+            state.update(load_file(str(path)))
+        return state
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -306,6 +242,22 @@ class VllmEngine:
         self.close()
 
     # ---------------------------------------------------------------- helpers
+
+    def _start(self, vllm: Any, kwargs: dict[str, Any]) -> Any:
+        """`vllm.LLM(**kwargs)` plus what LoRA needs; without LoRA if vLLM cannot serve adapters here (auto)."""
+        lora_args = self._lora.llm_args()
+        try:
+            return vllm.LLM(**kwargs, **lora_args)
+        except Exception as exc:
+            if not lora_args:
+                self._cleanup()
+                raise EngineError(f"vLLM could not start on {self._model_dir}: {type(exc).__name__}: {exc}") from exc
+            try:
+                self._lora.start_failed(exc)  # adapter mode: raises
+            except EngineError:
+                self._cleanup()
+                raise
+        return self._start(vllm, kwargs)
 
     def _live(self) -> Any:
         if self._llm is None:
@@ -353,7 +305,7 @@ class VllmEngine:
         prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in reqs]
         llm = self._live()
         try:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora.request)
         except Exception as exc:
             raise EngineError(f"vLLM failed on a batch of {len(reqs)} requests: {type(exc).__name__}: {exc}") from exc
         return [self._result(r, out) for r, out in zip(reqs, outputs)]
