@@ -179,6 +179,20 @@ def backfill(path: Path) -> bool:
     return True
 
 
+def scrub_file(path: Path) -> bool:
+    """Scrub the machine paths out of a results file in place (its numbers and layout untouched); False when it
+    held none."""
+    text = path.read_text()
+    data = json.loads(text)
+    clean = scrub(data)
+    if clean == data:
+        return False
+    second = text.split("\n", 2)[1] if text.count("\n") > 1 else ""
+    indent = (len(second) - len(second.lstrip(" "))) or None  # the file's own indentation
+    path.write_text(json.dumps(clean, indent=indent, default=str) + "\n")
+    return True
+
+
 def write_result(out: str | Path, result: dict[str, Any], depends_on: list[str] | None = None, indent: int = 2) -> Path:
     """Write `result` as JSON to `out` with its `provenance` added (the code it measures: `depends_on`, else
     what bench/catalog.py names for that file); returns the path written."""
@@ -203,7 +217,8 @@ def stale_since(result: dict[str, Any]) -> list[str]:
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="Backfill the provenance of results written before it existed.")
+    ap = argparse.ArgumentParser(description="Backfill the provenance of results written before it existed, and "
+                                             "scrub machine paths out of results that have one.")
     ap.add_argument("files", nargs="+", type=Path, help="results JSON files")
     for f in ap.parse_args().files:
-        print(f"{f}: {'backfilled' if backfill(f) else 'unchanged'}")
+        print(f"{f}: {'backfilled' if backfill(f) else 'scrubbed' if scrub_file(f) else 'unchanged'}")
