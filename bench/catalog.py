@@ -28,7 +28,8 @@ from bench.report_tables import (
 
 # Code no benchmark but `engine --vllm` runs: every other one generates with the built-in engine (vLLM and
 # SGLang have their own test tiers, and a GPU run of SGLang is not benchmarked here).
-_OTHER_ENGINES = ["earl_stream/workers/engines/vllm_engine.py", "earl_stream/workers/engines/sglang_engine.py"]
+_OTHER_ENGINES = ["earl_stream/workers/engines/vllm_engine.py", "earl_stream/workers/engines/vllm_lora.py",
+                  "earl_stream/workers/engines/sglang_engine.py", "earl_stream/workers/engines/model_files.py"]
 
 BENCHMARKS: list[dict[str, Any]] = [
     {"name": "dispatch", "depends_on": ["earl_stream/store", "bench/dispatch.py", "bench/dispatch_common.py"],
