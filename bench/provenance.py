@@ -5,7 +5,7 @@ Every benchmark writes its JSON through `write_result`, which adds a `provenance
 
 - `when`: UTC time of the write (ISO 8601);
 - `commit`: the checkout's HEAD when the benchmark started (this module's import), with `dirty: true`
-  when tracked files differed from it then, or when HEAD or a tracked file changed while it ran (a long
+  when tracked files (prose and results aside) differed from it then, or when HEAD or a tracked file changed while it ran (a long
   benchmark that starts processes along the way may have measured a mix: it names no single commit);
 - `machine`: CPU model, cores, memory, OS, Python and torch versions, and the GPU name, count and
   driver where CUDA is available;
@@ -83,9 +83,10 @@ def machine() -> dict[str, Any]:
 
 
 def _checkout() -> tuple[str, str]:
-    """HEAD and the tracked files' differences from it (a diff's text: '' for a clean checkout), results
-    files aside (a benchmark writes them as it goes)."""
-    return _git("rev-parse", "HEAD"), _git("diff", "HEAD", "--", ".", ":(exclude)bench/results")
+    """HEAD and the tracked code's differences from it (a diff's text: '' for a clean checkout); results,
+    docs and the README aside (a benchmark writes results as it goes; prose measures nothing)."""
+    return _git("rev-parse", "HEAD"), _git("diff", "HEAD", "--", ".", ":(exclude)bench/results", ":(exclude)docs",
+                                           ":(exclude)*.md")
 
 
 _STARTED = _checkout()  # the code a benchmark measures is the code it started from
