@@ -1,9 +1,10 @@
-"""LoRA against the full fine-tune: weight-sync bytes and seconds per version, the trainer's peak memory.
+"""LoRA against the full fine-tune (and TRL's GRPOTrainer + peft): held-out gain, trained tokens/s, weight-sync
+bytes and seconds per version, the trainer's peak memory (issue 33's benchmark).
 
     python bench/lora.py --json bench/results/lora.json [--minutes 60] [--problems 200] [--quick]
-    python bench/lora.py --systems trl ...   # rerun some systems; the others' entries are kept from --json
+    python bench/lora.py --systems trl_lora ...   # rerun some systems; the others' entries are kept from --json
 
-Measured here (what this script does today):
+Measured here:
 - sync per version, both ways: the trainer side's `publish_weights` of what a version holds (the whole
   state dict, or `model.lora.adapter_state`: the adapters alone) into a `ShardNode`, a `ShardClient`'s
   `pull_weights` of it, and the built-in engine's `load_state_dict` (a LoRA version is merged into the
@@ -13,7 +14,6 @@ Measured here (what this script does today):
   prediction for the same plan. The weights are copied out of their memory-mapped safetensors first (so
   that all of them are resident, as the model assumes) and the high-water mark is reset after that copy;
   freed blocks go back to the OS (glibc's mmap threshold at 64 KiB, as `trainer.malloc_mmap_threshold`).
-
 - learning, same budget (`--minutes`, default 60, start-up included) per system, from the same imported
   checkpoint: `earl-stream up` on configs/smollm2_arithmetic.yaml (`full`) and on
   configs/smollm2_arithmetic_lora.yaml (`lora`, rank 16), both through bench/real_model.py's `train`; and TRL's
@@ -23,8 +23,9 @@ Measured here (what this script does today):
   the three; `after` evaluates the full run's last checkpoint, the LoRA run's merged export
   (`earl-stream model export --merge`'s `export_model`) and TRL's merged adapter. Trained tokens/s: prompt +
   completion tokens of the trained samples per second, over the steps after the first (earl_stream: the trainer
-  log's step lines; TRL: its `num_tokens`). `gain_ratio` = LoRA's held-out gain / the full fine-tune's (null,
-  with a note, when the full fine-tune gained nothing).
+  log's step lines; TRL: its `num_tokens`; earl_stream's dynamic sampling trains only groups with unequal
+  rewards, TRL trains every sample). `gain_ratio` = LoRA's held-out gain / the full fine-tune's (null, with a
+  note, when the full fine-tune gained nothing; a note, too, when its gain is within noise).
 
 The model: SmolLM2-135M-Instruct where `make real-model` imported it, else the embedded tiny model.
 """
@@ -251,20 +252,28 @@ def learn_trl(model_dir: str, minutes: float, problems: int, work: Path, threads
             **run, "heldout_after_detail": _heldout(after)}
 
 
-def ratios(result: dict[str, Any]) -> None:
-    """sync_bytes_ratio, sync_seconds_ratio (full over LoRA) and gain_ratio (LoRA's gain over the full one's)."""
+def ratios(result: dict[str, Any]) -> list[str]:
+    """sync_bytes_ratio, sync_seconds_ratio (full over LoRA), each system's held-out gain (and its standard error,
+    before and after taken as independent: an upper bound) and gain_ratio (LoRA's gain over the full one's: null
+    when the full fine-tune gained nothing). Returns notes on what the gains can and cannot say."""
     full, lora = result["full"], result["lora"]
     result["sync_bytes_ratio"] = full["sync_bytes_per_version"] / lora["sync_bytes_per_version"]
     result["sync_seconds_ratio"] = full["sync_seconds_per_version"] / lora["sync_seconds_per_version"]
-    gains = {k: result[k]["heldout_after"] - result[k]["heldout_before"]
-             for k in SYSTEMS if result.get(k, {}).get("heldout_after") is not None}
+    ran = [k for k in SYSTEMS if result.get(k, {}).get("heldout_after") is not None]
+    gains = {k: result[k]["heldout_after"] - result[k]["heldout_before"] for k in ran}
     result["heldout_gain"] = gains
+    result["heldout_gain_stderr"] = {k: (result[k]["heldout_before_stderr"] ** 2 + result[k]["heldout_after_stderr"] ** 2)
+                                     ** 0.5 for k in ran}
     full_gain = gains.get("full")
-    result["gain_ratio"] = gains["lora"] / full_gain if full_gain and full_gain > 0 and "lora" in gains else None
-    if "full" in gains and (full_gain is None or full_gain <= 0):
-        result.setdefault("notes", []).append(
-            f"gain_ratio is null: the full fine-tune gained {full_gain:+.3f} on the held-out set in its budget, so "
-            "LoRA's gain over it is meaningless")
+    result["gain_ratio"] = gains["lora"] / full_gain if full_gain is not None and full_gain > 0 and "lora" in gains else None
+    notes = []
+    if full_gain is not None and full_gain <= 0:
+        notes.append(f"gain_ratio is null: the full fine-tune gained {full_gain:+.3f} on the held-out set in its "
+                     "budget, so LoRA's gain over it is meaningless")
+    elif full_gain is not None and full_gain < 2 * result["heldout_gain_stderr"]["full"]:
+        notes.append(f"the full fine-tune's held-out gain ({full_gain:+.3f} +- {result['heldout_gain_stderr']['full']:.3f}) "
+                     "is within two standard errors of zero: gain_ratio is not meaningful at this budget")
+    return notes
 
 
 def main() -> int:
@@ -296,9 +305,9 @@ def main() -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(out.read_text()) if out.exists() else {}
-    result: dict[str, Any] = {"model": model_dir, "lora": {"rank": RANK, "alpha": ALPHA, "targets": list(TARGETS)},
-                              "peak_seq_len": seq_len, "quick": args.quick, "minutes_per_system": args.minutes,
-                              "problems": args.problems, "notes": []}
+    result: dict[str, Any] = {"model": model_dir, "peak_seq_len": seq_len, "quick": args.quick,
+                              "lora_spec": {"rank": RANK, "alpha": ALPHA, "targets": list(TARGETS)},
+                              "minutes_per_system": args.minutes, "problems": args.problems}
     load_before = os.getloadavg()
     synced = sync(model_dir, 2 if args.quick else 5)
     for kind in ("full", "lora"):
@@ -317,14 +326,13 @@ def main() -> int:
                              "heldout_before_detail": before, **learned})
         log.info("%s: held-out %.3f -> %.3f, %.1f trained tokens/s", kind, before["success"],
                  learned["heldout_after"], learned["trained_tokens_per_s"] or 0.0)
-        ratios(result)
+        result["notes"] = ratios(result)
         write_result(out, result, indent=2, depends_on=DEPENDS_ON)  # kept should a later system fail
-    if systems:
-        result["notes"].append("heldout_before is one greedy evaluation of the imported checkpoint, shared by the "
-                               "three systems (they all start from it)")
     result["machine"] = {"cpus": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                          "note": "shared machine: other sessions' runs and tests ran alongside (see the load)"}
-    ratios(result)
+    result["notes"] = ratios(result) + (
+        ["heldout_before is one greedy evaluation of the imported checkpoint, shared by the systems (they all start "
+         "from it)"] if any(result[k].get("heldout_before") is not None for k in SYSTEMS) else [])
     write_result(out, result, indent=2, depends_on=DEPENDS_ON)
     print_table(result)
     return 0

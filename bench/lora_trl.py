@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -129,7 +130,8 @@ def child(args: argparse.Namespace) -> int:
         max_completion_length=int(env["max_turn_tokens"]), logging_steps=1, save_strategy="no", max_steps=1_000_000,
         disable_tqdm=True, gradient_checkpointing=False)
     budget = _budget_callback(args.minutes * 60, launched)
-    trainer = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model), reward_funcs=scorer, args=grpo,
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # as earl_stream's load_model
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=scorer, args=grpo,
                               train_dataset=data, processing_class=AutoTokenizer.from_pretrained(args.model),
                               peft_config=spec.peft_config(), callbacks=[budget])
     trainer.remove_callback(PrinterCallback)
@@ -138,6 +140,7 @@ def child(args: argparse.Namespace) -> int:
     merged = trainer.model.merge_and_unload()
     merged.save_pretrained(out / "merged")
     trainer.processing_class.save_pretrained(out / "merged")
+    shutil.copy(Path(args.model) / "generation_config.json", out / "merged")  # the base's stop tokens, not TRL's sampling
     (out / "trl.json").write_text(json.dumps(_result(budget, trainable, trl.__version__, args, group * groups)))
     return 0
 
