@@ -297,6 +297,9 @@ def main() -> int:
     if args.peak:
         print(json.dumps(peak(args.peak, model_dir, seq_len)))
         return 0
+    from earl_stream.workers.host_memory import set_malloc_mmap_threshold
+
+    set_malloc_mmap_threshold(65536)  # this process loads and frees models: give their memory back to the OS
     if args.quick:
         args.minutes, args.problems = min(args.minutes, 3.0), min(args.problems, 24)
     systems = [s for s in args.systems.split(",") if s]

@@ -14,7 +14,8 @@ breaks `import trl`). The child:
   does), merges the adapter into the base (`merge_and_unload`) and saves the model to WORK_DIR/merged, which
   the parent then evaluates with bench/heldout.py's held-out set and scorer;
 - writes WORK_DIR/trl.json: steps, trained tokens/s (prompt + completion tokens of the trained samples, TRL's
-  `num_tokens`, over the steps after the first, timed from the first step's end to the last's), the reward curve.
+  `num_tokens`, over the steps after the first, timed from the first step's end to the last's; over the only step
+  when the budget allowed one), the reward curve.
 """
 
 from __future__ import annotations
@@ -84,8 +85,12 @@ def _budget_callback(seconds: float, launched: float) -> Any:
         """Stops at the first step end past the budget; keeps each step's end and logged metrics."""
 
         def __init__(self) -> None:
+            self.begun = 0.0
             self.ends: list[float] = []
             self.logs: list[dict[str, float]] = []
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.begun = time.monotonic() - launched
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
             self.ends.append(time.monotonic() - launched)
@@ -149,10 +154,12 @@ def _result(budget: Any, trainable: int, version: str, args: argparse.Namespace,
     tokens = [x["num_tokens"] for x in budget.logs]  # cumulative: prompt + completion tokens of trained samples
     steps = len(budget.ends)
     window = budget.ends[-1] - budget.ends[0] if steps > 1 else 0.0
+    rate, measured = ((tokens[-1] - tokens[0]) / window, "the steps after the first") if window else (
+        (tokens[0] / (budget.ends[0] - budget.begun), "the only step, from train()'s start") if tokens else (None, ""))
     return {
         "system": f"trl {version} GRPOTrainer + peft_config", "steps": steps, "samples": steps * per_step,
         "wall_seconds": round(budget.ends[-1], 1), "startup_s": round(budget.ends[0], 1), "window_s": round(window, 1),
-        "trained_tokens_per_s": (tokens[-1] - tokens[0]) / window if window and len(tokens) == steps else None,
+        "trained_tokens_per_s": rate if len(tokens) == steps else None, "trained_tokens_over": measured,
         "trainable_params": trainable, "torch_threads": args.threads,
         "curve": [{"t": round(t, 1), "step": i + 1, "reward": x.get("reward")}
                   for i, (t, x) in enumerate(zip(budget.ends, budget.logs))],
