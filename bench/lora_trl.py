@@ -40,7 +40,7 @@ LORA_CONFIG = ROOT / "configs" / "smollm2_arithmetic_lora.yaml"
 
 def run_trl(model_dir: str, minutes: float, work: Path, threads: int) -> dict[str, Any]:
     """The child in the interpreter that has trl; its trl.json (plus `merged`: the merged model directory)."""
-    python = sys.executable
+    python, work = sys.executable, work.resolve()  # the child runs in `work`: relative paths would miss
     probe = subprocess.run([python, "-c", "import trl"], capture_output=True, cwd=work)
     if probe.returncode != 0 and (ROOT / ".venv-bench" / "bin" / "python").exists():
         python = str(ROOT / ".venv-bench" / "bin" / "python")
