@@ -56,7 +56,8 @@ real-model: $(VENV)/.installed ## import SmolLM2-135M-Instruct for configs/smoll
 	PY=$(PY) bash scripts/real-model.sh
 
 # Benchmarks run in their own environment (.venv-bench: the project + the `bench` extra, i.e. TRL and
-# Ray as peer baselines), so that installing them can never break the test environment (.venv).
+# Ray as peer baselines, and `envs`: bench/lora.py's TRL peer scores with the reasoning-gym environment),
+# so that installing them can never break the test environment (.venv).
 BENCH_VENV ?= .venv-bench
 BPY := $(BENCH_VENV)/bin/python
 
@@ -64,7 +65,7 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	test -x $(BPY) || python3 -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q --upgrade pip
 	$(BENCH_VENV)/bin/pip install -q $(TORCH)
-	$(BENCH_VENV)/bin/pip install -q "$(TRANSFORMERS)" -e ".[bench,real-model]"
+	$(BENCH_VENV)/bin/pip install -q "$(TRANSFORMERS)" -e ".[bench,real-model,envs]"
 	touch $@
 
 # Every benchmark, then docs/BENCHMARKS.md from bench/results/*.json (BENCH_ARGS=--quick for a short pass).

@@ -19,6 +19,7 @@ from bench.report_tables import (
     render_e2e,
     render_generic,
     render_learning,
+    render_lora,
     render_memory_model,
     render_openai_endpoint,
     render_policy_audit,
@@ -28,7 +29,8 @@ from bench.report_tables import (
 
 # Code no benchmark but `engine --vllm` runs: every other one generates with the built-in engine (vLLM and
 # SGLang have their own test tiers, and a GPU run of SGLang is not benchmarked here).
-_OTHER_ENGINES = ["earl_stream/workers/engines/vllm_engine.py", "earl_stream/workers/engines/sglang_engine.py"]
+_OTHER_ENGINES = ["earl_stream/workers/engines/vllm_engine.py", "earl_stream/workers/engines/vllm_lora.py",
+                  "earl_stream/workers/engines/sglang_engine.py", "earl_stream/workers/engines/model_files.py"]
 
 BENCHMARKS: list[dict[str, Any]] = [
     {"name": "dispatch", "depends_on": ["earl_stream/store", "bench/dispatch.py", "bench/dispatch_common.py"],
@@ -55,7 +57,12 @@ BENCHMARKS: list[dict[str, Any]] = [
     {"name": "engine", "depends_on": ["earl_stream/workers/engines", "bench/engine.py"],
      "title": "Engine: built-in engine vs `model.generate` on multi-turn episodes",
      "script": "bench/engine.py", "command": "python bench/engine.py --json bench/results/engine.json",
-     "files": ["engine.json"], "render": render_generic},
+     "files": ["engine.json", "engine_smollm2.json"], "render": render_generic},
+    {"name": "precision", "depends_on": ["earl_stream/workers/engines", "earl_stream/model", "bench/precision.py"],
+     "title": "Precision: bf16 vs fp32 in the built-in engine on SmolLM2-135M",
+     "script": "bench/precision.py",
+     "command": "python bench/precision.py MODEL_DIR --json bench/results/smollm2_precision.json",
+     "files": ["smollm2_precision.json"], "render": render_generic},
     {"name": "learning", "depends_on": ["earl_stream", "envs/tictactoe.py", "bench/learning.py"],
      "title": "Learning: win rate against the random opponent over time",
      "script": "bench/learning.py", "command": "python bench/learning.py --minutes 15 --json bench/results/learning.json",
@@ -107,10 +114,11 @@ BENCHMARKS: list[dict[str, Any]] = [
      "title": "Real scale: SmolLM2-135M under a per-rank memory cap as contexts grow 8x",
      "script": "bench/real_scale.py", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
      "files": ["real_scale.json", "real_scale_gpu.json"], "render": render_generic},
-    {"name": "lora", "depends_on": ["earl_stream/model/lora.py", "earl_stream/store/weights.py", "bench/lora.py"],
-     "title": "LoRA: adapter-only weight sync and the trainer's peak vs the full fine-tune",
-     "script": "bench/lora.py", "command": "python bench/lora.py --json bench/results/lora.json",
-     "files": ["lora.json"], "render": render_generic},
+    {"name": "lora", "depends_on": ["earl_stream/model/lora.py", "earl_stream/store/weights.py", "bench/lora.py",
+                                    "bench/lora_trl.py"],
+     "title": "LoRA vs the full fine-tune vs TRL's GRPOTrainer + peft: held-out gain, sync, peak",
+     "script": "bench/lora.py", "command": "python bench/lora.py --minutes 60 --json bench/results/lora.json",
+     "files": ["lora.json"], "render": render_lora},
     {"name": "rollout_memory", "depends_on": ["earl_stream/workers/engines", "bench/rollout_memory.py"],
      "title": "Rollout memory: the engine's KV budget and admission under a memory cap",
      "script": "bench/rollout_memory.py", "command": "python bench/rollout_memory.py --json bench/results/rollout_memory.json",

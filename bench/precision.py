@@ -11,15 +11,20 @@ log-prob, i.e. how far the behaviour policy is from the one the trainer differen
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from earl_stream.model import load_model, torch_dtype
-from earl_stream.model.chat import ChatFormat
-from earl_stream.workers.engines import GenerateRequest, TorchEngine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.provenance import write_result  # noqa: E402
+from earl_stream.model import load_model, torch_dtype  # noqa: E402
+from earl_stream.model.chat import ChatFormat  # noqa: E402
+from earl_stream.workers.engines import GenerateRequest, TorchEngine  # noqa: E402
 
+# the code it measures: the built-in engine and the model (bf16 autocast), as bench/catalog.py names them
+DEPENDS_ON = ["earl_stream/workers/engines", "earl_stream/model", "bench/precision.py"]
 SYSTEM = "Solve the arithmetic problem. End your reply with the final answer as a number."
 SUMS = [(1, 2, 3), (4, 5, 6), (7, 8, 9), (2, 9, 4), (3, 3, 8), (6, 1, 5), (9, 9, 2), (5, 0, 7)]
 
@@ -56,8 +61,7 @@ def main() -> int:
                      "mean_abs_logprob_diff": round(float(d.mean()), 5), "max_abs_logprob_diff": round(float(d.max()), 4)}
         print(name, out[name], flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+        write_result(args.json, out, depends_on=DEPENDS_ON)
     return 0
 
 

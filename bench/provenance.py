@@ -5,7 +5,7 @@ Every benchmark writes its JSON through `write_result`, which adds a `provenance
 
 - `when`: UTC time of the write (ISO 8601);
 - `commit`: the checkout's HEAD when the benchmark started (this module's import), with `dirty: true`
-  when tracked files differed from it then, or when HEAD or a tracked file changed while it ran (a long
+  when tracked files (prose and results aside) differed from it then, or when HEAD or a tracked file changed while it ran (a long
   benchmark that starts processes along the way may have measured a mix: it names no single commit);
 - `machine`: CPU model, cores, memory, OS, Python and torch versions, and the GPU name, count and
   driver where CUDA is available;
@@ -83,9 +83,10 @@ def machine() -> dict[str, Any]:
 
 
 def _checkout() -> tuple[str, str]:
-    """HEAD and the tracked files' differences from it (a diff's text: '' for a clean checkout), results
-    files aside (a benchmark writes them as it goes)."""
-    return _git("rev-parse", "HEAD"), _git("diff", "HEAD", "--", ".", ":(exclude)bench/results")
+    """HEAD and the tracked code's differences from it (a diff's text: '' for a clean checkout); results,
+    docs and the README aside (a benchmark writes results as it goes; prose measures nothing)."""
+    return _git("rev-parse", "HEAD"), _git("diff", "HEAD", "--", ".", ":(exclude)bench/results", ":(exclude)docs",
+                                           ":(exclude)*.md")
 
 
 _STARTED = _checkout()  # the code a benchmark measures is the code it started from
@@ -179,6 +180,20 @@ def backfill(path: Path) -> bool:
     return True
 
 
+def scrub_file(path: Path) -> bool:
+    """Scrub the machine paths out of a results file in place (its numbers and layout untouched); False when it
+    held none."""
+    text = path.read_text()
+    data = json.loads(text)
+    clean = scrub(data)
+    if clean == data:
+        return False
+    second = text.split("\n", 2)[1] if text.count("\n") > 1 else ""
+    indent = (len(second) - len(second.lstrip(" "))) or None  # the file's own indentation
+    path.write_text(json.dumps(clean, indent=indent, default=str) + "\n")
+    return True
+
+
 def write_result(out: str | Path, result: dict[str, Any], depends_on: list[str] | None = None, indent: int = 2) -> Path:
     """Write `result` as JSON to `out` with its `provenance` added (the code it measures: `depends_on`, else
     what bench/catalog.py names for that file); returns the path written."""
@@ -203,7 +218,8 @@ def stale_since(result: dict[str, Any]) -> list[str]:
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="Backfill the provenance of results written before it existed.")
+    ap = argparse.ArgumentParser(description="Backfill the provenance of results written before it existed, and "
+                                             "scrub machine paths out of results that have one.")
     ap.add_argument("files", nargs="+", type=Path, help="results JSON files")
     for f in ap.parse_args().files:
-        print(f"{f}: {'backfilled' if backfill(f) else 'unchanged'}")
+        print(f"{f}: {'backfilled' if backfill(f) else 'scrubbed' if scrub_file(f) else 'unchanged'}")

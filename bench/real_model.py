@@ -88,10 +88,11 @@ def held_out(path: Path, problems: int, checkpoint: Path | None = None) -> Any:
     return evaluate(model.eval(), tokenizer, env_params(), problems=problems)
 
 
-def train(path: Path, run_dir: Path, args: argparse.Namespace) -> tuple[list[dict], dict, float]:
-    """Run `up` for the budget (or --steps); returns (reward curve, the supervisor's last status, wall seconds)."""
+def train(path: Path, run_dir: Path, args: argparse.Namespace, config: Path = CONFIG) -> tuple[list[dict], dict, float]:
+    """Run `up` on `config` for the budget (or --steps); returns (reward curve, the supervisor's last status, wall
+    seconds). bench/lora.py runs it on configs/smollm2_arithmetic_lora.yaml too."""
     steps = ["--steps", str(args.steps)] if args.steps else []
-    up_args = ["--config", str(CONFIG), *steps, "--summary", str(run_dir / "summary.json"), f"model.path={path}",
+    up_args = ["--config", str(config), *steps, "--summary", str(run_dir / "summary.json"), f"model.path={path}",
                f"run_dir={run_dir}", *args.overrides]
     curve: list[dict] = []
 

@@ -61,11 +61,18 @@ def _git(*args: str) -> tuple[int, str]:
 
 def measured_at(data: dict[str, Any], path: Path) -> tuple[str, str]:
     """(commit, date) a result was measured at: its own provenance when it names a clean checkout, else
-    the commit that last wrote the file ("", "") while the file is not committed."""
+    the commit that first committed the file after its measurement (a later commit that only scrubs a path in
+    it does not make it current), else the one that last wrote it; ("", "") while the file is not committed."""
     prov = data.get("provenance") or {}
     if prov.get("commit") and not prov.get("dirty"):
         return prov["commit"], str(prov.get("when", ""))[:10]
-    rc, out = _git("log", "-1", "--format=%H %cs", "--", str(path.resolve().relative_to(ROOT)))
+    rel = str(path.resolve().relative_to(ROOT))
+    if prov.get("when"):
+        rc, out = _git("log", "--reverse", f"--since={prov['when']}", "--format=%H %cs", "--", rel)
+        if rc == 0 and out:
+            commit, date = out.splitlines()[0].split()
+            return commit, date
+    rc, out = _git("log", "-1", "--format=%H %cs", "--", rel)
     if rc != 0 or not out:
         return "", ""
     commit, date = out.split()

@@ -42,13 +42,34 @@ def _scalars(d: dict[str, Any], prefix: str = "", depth: int = 2) -> list[list[A
 # ------------------------------------------------------------------------------------ renderers
 
 def _said(d: dict[str, Any]) -> list[str]:
-    """A result file's own words (its `finding` and `note`), one paragraph each."""
-    return [line for k in ("finding", "note") if isinstance(d.get(k), str) for line in (f"**{k.capitalize()}:** {d[k]}", "")]
+    """A result file's own words (its `finding`, `note` and `notes`: a sentence or a list of them), one paragraph each."""
+    said = {k: " ".join(v) if isinstance(v, list) and all(isinstance(x, str) for x in v) else v
+            for k in ("finding", "note", "notes") if (v := d.get(k))}
+    return [line for k, v in said.items() if isinstance(v, str) for line in (f"**{k.capitalize()}:** {v}", "")]
 
 
 def render_generic(d: dict[str, Any]) -> list[str]:
     rows = _scalars(d)
     return (_table(["result", "value"], rows[:60]) if rows else ["(no scalar results)", ""]) + _said(d)
+
+
+def _mib(v: Any) -> float | None:
+    return v / 2**20 if isinstance(v, (int, float)) else None
+
+
+def render_lora(d: dict[str, Any]) -> list[str]:
+    """bench/lora.py: full fine-tune, LoRA and TRL + peft side by side, then the ratios against their goals."""
+    rows = [[k, r.get("heldout_before"), r.get("heldout_after"), r.get("trained_tokens_per_s"), r.get("steps"),
+             r.get("minutes"), _mib(r.get("peak_bytes_measured")), _mib(r.get("peak_bytes_predicted")),
+             _mib(r.get("sync_bytes_per_version")), r.get("sync_seconds_per_version")]
+            for k in ("full", "lora", "trl_lora") if isinstance(r := d.get(k), dict)]
+    out = _table(["system", "held-out before", "after", "trained tok/s", "steps", "minutes", "peak MiB measured",
+                  "peak MiB predicted", "sync MiB/version", "sync s/version"], rows)
+    out += [f"Full over LoRA: sync bytes **{fmt(d.get('sync_bytes_ratio'))}x** (goal >= 50), sync seconds "
+            f"**{fmt(d.get('sync_seconds_ratio'))}x** (goal >= 10); LoRA's held-out gain over the full fine-tune's: "
+            f"**{fmt(d.get('gain_ratio'))}** (goal >= 0.8). Budget {fmt(d.get('minutes_per_system'))} minutes per "
+            f"system, {fmt(d.get('problems'))} held-out problems.", ""]
+    return out + _said(d)
 
 
 def render_dispatch(d: dict[str, Any]) -> list[str]:

@@ -72,7 +72,7 @@ PROMPT = 16
 WORLD = 2
 BUDGET = int(os.environ.get("EARL_BENCH_BUDGET_MIB", "900")) << 20  # per rank above start-up: RLIMIT_DATA cap, memory model budget
 # What the memory model does not count (runtime, communication buffers, allocator): the static plans' steps
-# of the full run of 2026-11-26 with 96 MiB here (bench/results/selector_reserve96.json, where the adaptive
+# of the full run of 2026-11-26 with 96 MiB here (bench/results/selector_reserve96.json at commit cbeffc5, where the adaptive
 # run's fsdp2 plan ran out of memory at 1,024 tokens) peaked 57-139 MiB above the model's total, the excess
 # growing with the context under FSDP2; 160 MiB covers that.
 RESERVE = 160 << 20

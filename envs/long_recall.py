@@ -26,6 +26,7 @@ filler_words=440, filler_factor=2.1` gives ~500 tokens per episode at level 0 an
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import string
@@ -85,7 +86,12 @@ class LongRecall:
         return min(self.max_turns, self.turns + level)
 
     def page_filler_words(self, level: int) -> int:
-        """Filler words on each fact page of an episode at curriculum `level`."""
+        """Filler words on each fact page of an episode at curriculum `level` (at most `max_filler_words`,
+        however high the level: past a few hundred levels the growth would overflow a float)."""
+        if self.filler_words == 0 or self.filler_factor == 1.0:
+            return min(self.max_filler_words, self.filler_words)
+        if level >= math.log(self.max_filler_words / self.filler_words, self.filler_factor):
+            return self.max_filler_words
         return min(self.max_filler_words, round(self.filler_words * self.filler_factor ** level))
 
     async def reset(self, seed: int) -> str:

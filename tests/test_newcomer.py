@@ -145,14 +145,13 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
     selector, e2e = _result("selector"), _result("e2e")
     sharded = [c["max_abs_relative_error"] for c in memory["sharded"]["configs"] if c["plan"] != "dp1"]
     sync = _result("weight_sync")["full_over_sharded_total_seconds"]
-    cluster = [_result(n) for n in ("dispatch_cluster", "dispatch_cluster_500mbit_run2", "dispatch_cluster_200mbit",
-                                    "dispatch_cluster_16hosts_queue50", "dispatch_cluster_16hosts_queue400")]
+    cluster = [_result(n) for n in ("dispatch_cluster", "dispatch_cluster_500mbit_run2")]
     up_to_8 = min(f for c in cluster for n in ("2", "4", "8") if n in c["fraction_of_ideal"]
                   for f in c["fraction_of_ideal"][n].values())
     at_16 = min(f for c in cluster for f in c["fraction_of_ideal"]["16"].values())
     endpoint = _result("openai_endpoint")["models"]["default"]["tictactoe"]["endpoint_over_builtin_tokens_per_s"]
     calculator = _result("openai_endpoint_smollm2_calculator")["models"]["smollm2"]["calculator"]
-    real = _result("real_model")
+    real, lora = _result("real_model"), _result("lora")
     expected = {
         "learning start": f"{learning['start_win_rate']:.3f}",
         "learning first at target": f"{learning['target_win_rate']} first at {learning['time_to_target_s']:.0f} s",
@@ -184,6 +183,12 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
         "endpoint best": f"| {calculator['endpoint_over_builtin_tokens_per_s']:.2f} (SmolLM2-135M, calculator",
         "real model held-out": f"{real['eval_success_before']:.1%} +- {real['eval_success_before_stderr']:.1%} to "
                                f"{real['eval_success_after']:.1%} +- {real['eval_success_after_stderr']:.1%}",
+        "lora sync seconds": f"sync {lora['sync_seconds_ratio']:.1f}x faster",
+        "lora sync bytes": f"version {lora['sync_bytes_ratio']:.0f}x smaller",
+        "lora held-out": f"LoRA {lora['lora']['heldout_before']:.1%} -> {lora['lora']['heldout_after']:.1%} "
+                         f"({lora['gain_ratio']:.2f}x the full fine-tune's gain)",
+        "lora full held-out": f"full {lora['full']['heldout_before']:.1%} -> {lora['full']['heldout_after']:.1%}",
+        "lora trl held-out": f"peft {lora['trl_lora']['heldout_before']:.1%} -> {lora['trl_lora']['heldout_after']:.1%}",
         "async vs sync": f"{e2e['async_vs_sync']:.2f}x",
         "async vs trl": f"{e2e['async_vs_trl']:.2f}x",
     }

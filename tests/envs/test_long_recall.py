@@ -127,6 +127,9 @@ def test_filler_grows_geometrically_with_the_level_and_keeps_the_facts() -> None
             assert final.done and final.reward == 1.0
         assert sizes == [100, 200, 400]
         assert LongRecall(filler_words=50, filler_factor=3, max_filler_words=120).page_filler_words(2) == 120
+        # a long run's level (one per prompt group) goes far past where the growth overflows a float: capped
+        grown = LongRecall(filler_words=430, filler_factor=2.12)
+        assert [grown.page_filler_words(level) for level in (5, 6, 7, 940, 10**6)] == [18414, 20000, 20000, 20000, 20000]
 
     asyncio.run(go())
     for bad in ({"filler_words": -1}, {"filler_factor": 0.5}, {"filler_words": 10, "max_filler_words": 5}):

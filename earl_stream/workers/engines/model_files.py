@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -110,11 +111,41 @@ def write_checkpoint(state: Mapping[str, torch.Tensor], out_dir: Path, config: d
     return out_dir
 
 
+_SHM_PREFIX = "earl-vllm-"
+
+
 def shm_root() -> Path:
-    """A fresh private directory in RAM (/dev/shm) if there is one, else in the temp directory."""
+    """A fresh private directory in RAM (/dev/shm) if there is one, else in the temp directory, named by
+    this process's pid; the ones left by processes that died without cleaning up (a kill -9 skips every
+    finaliser) are removed first, so that RAM does not fill with old weight versions."""
     shm = Path("/dev/shm")
-    base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix="earl-vllm-", dir=base))
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    sweep_dead_roots(base)
+    return Path(tempfile.mkdtemp(prefix=f"{_SHM_PREFIX}{os.getpid()}-", dir=base))
+
+
+def sweep_dead_roots(base: Path) -> list[Path]:
+    """Remove the `shm_root` directories under `base` whose owner process is gone (returns them)."""
+    gone = []
+    for d in base.glob(f"{_SHM_PREFIX}*-*"):
+        owner = d.name[len(_SHM_PREFIX):].split("-", 1)[0]
+        if not owner.isdigit() or _alive(int(owner)) or not d.is_dir():
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    if gone:
+        _LOG.info("removed %d weight directories left by dead processes under %s", len(gone), base)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 

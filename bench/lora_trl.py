@@ -1,0 +1,179 @@
+"""TRL's GRPOTrainer with `peft_config` on configs/smollm2_arithmetic_lora.yaml's task: bench/lora.py's peer run.
+
+    python bench/lora_trl.py --model DIR --minutes 60 --out WORK_DIR     # in .venv-bench (TRL 1.16)
+
+`run_trl` (called by bench/lora.py in its own interpreter) launches this file as a child with the interpreter
+that has `trl` (this one, else `.venv-bench`), in WORK_DIR (a folder named `vllm` in the working directory
+breaks `import trl`). The child:
+- trains rank-16 LoRA adapters (the same `LoraSpec` as earl_stream's LoRA run, through its `peft_config()`) on
+  the imported checkpoint, with the LoRA config's hyper-parameters: learning rate, group size, groups per step,
+  sampling temperature, reply length; no KL term (`beta=0`), PPO clip 0.2, per-group advantages;
+- poses the questions of the training environment (`ReasoningGymEnv` with the config's params: the same
+  1,000-item dataset) and scores each reply with that environment's own `step` (last number, exact);
+- stops at the first step end past `--minutes` since launch (the budget counts start-up, as bench/real_model.py's
+  does), merges the adapter into the base (`merge_and_unload`) and saves the model to WORK_DIR/merged, which
+  the parent then evaluates with bench/heldout.py's held-out set and scorer;
+- writes WORK_DIR/trl.json: steps, trained tokens/s (prompt + completion tokens of the trained samples, TRL's
+  `num_tokens`, over the steps after the first, timed from the first step's end to the last's; over the only step
+  when the budget allowed one), the reward curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA_CONFIG = ROOT / "configs" / "smollm2_arithmetic_lora.yaml"
+
+
+def run_trl(model_dir: str, minutes: float, work: Path, threads: int) -> dict[str, Any]:
+    """The child in the interpreter that has trl; its trl.json (plus `merged`: the merged model directory)."""
+    python, work = sys.executable, work.resolve()  # the child runs in `work`: relative paths would miss
+    probe = subprocess.run([python, "-c", "import trl"], capture_output=True, cwd=work)
+    if probe.returncode != 0 and (ROOT / ".venv-bench" / "bin" / "python").exists():
+        python = str(ROOT / ".venv-bench" / "bin" / "python")
+    cmd = [python, str(Path(__file__).resolve()), "--model", model_dir, "--minutes", str(minutes), "--out", str(work),
+           "--threads", str(threads)]
+    with open(work / "trl.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+                              stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL child failed (exit {proc.returncode}); see {work / 'trl.log'}: "
+                           + (work / "trl.log").read_text()[-2000:])
+    return {**json.loads((work / "trl.json").read_text()), "merged": str(work / "merged"), "python": python}
+
+
+class Scorer:
+    """The training environment's reward: `ReasoningGymEnv.step` on a fresh episode of the item's seed."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        from earl_stream_envs.reasoning_gym_env import ReasoningGymEnv
+
+        self.make = lambda: ReasoningGymEnv(**params)
+        self.loop = asyncio.new_event_loop()
+        self.rewards: list[float] = []
+
+    def question(self, seed: int) -> str:
+        return str(self.loop.run_until_complete(self.make().reset(seed)))
+
+    def __call__(self, prompts: list, completions: list, seed: list[int], **_: Any) -> list[float]:
+        out = []
+        for completion, s in zip(completions, seed):
+            env = self.make()
+            self.loop.run_until_complete(env.reset(s))
+            out.append(float(self.loop.run_until_complete(env.step(completion[0]["content"])).reward))
+        self.rewards.extend(out)
+        return out
+
+
+def _budget_callback(seconds: float, launched: float) -> Any:
+    from transformers import TrainerCallback
+
+    class Budget(TrainerCallback):  # type: ignore[misc]
+        """Stops at the first step end past the budget; keeps each step's end and logged metrics."""
+
+        def __init__(self) -> None:
+            self.begun = 0.0
+            self.ends: list[float] = []
+            self.logs: list[dict[str, float]] = []
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.begun = time.monotonic() - launched
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            self.ends.append(time.monotonic() - launched)
+            control.should_training_stop = self.ends[-1] >= seconds
+            return control
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+            if logs and "num_tokens" in logs:
+                self.logs.append(dict(logs))
+                print(json.dumps({"t": round(time.monotonic() - launched, 1), "step": len(self.ends),
+                                  "reward": logs.get("reward"), "num_tokens": logs["num_tokens"]}), flush=True)
+
+    return Budget()
+
+
+def child(args: argparse.Namespace) -> int:
+    launched = time.monotonic()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+
+    from earl_stream.model.lora import LoraSpec
+
+    cfg = yaml.safe_load(LORA_CONFIG.read_text())
+    env, trainer_cfg, lora = cfg["envs"][0]["params"], cfg["trainer"], cfg["model"]["lora"]
+    spec = LoraSpec(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora["dropout"]),
+                    target_modules=tuple(lora["target_modules"]))
+    scorer = Scorer(env)
+    data = Dataset.from_list([{"prompt": [{"role": "system", "content": env["system_prompt"]},
+                                          {"role": "user", "content": scorer.question(i)}], "seed": i}
+                              for i in range(int(env["size"]))])
+    group, groups = int(trainer_cfg["group_size"]), int(trainer_cfg["groups_per_step"])
+    out = Path(args.out)
+    grpo = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-lora-", dir=out), use_cpu=True, report_to="none", seed=int(cfg["seed"]),
+        num_generations=group, per_device_train_batch_size=group * groups, learning_rate=float(trainer_cfg["lr"]),
+        lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, beta=0.0, epsilon=0.2,
+        loss_type="dapo", scale_rewards="group", temperature=float(cfg["rollout"]["temperature"]), top_k=0, top_p=1.0,
+        max_completion_length=int(env["max_turn_tokens"]), logging_steps=1, save_strategy="no", max_steps=1_000_000,
+        disable_tqdm=True, gradient_checkpointing=False)
+    budget = _budget_callback(args.minutes * 60, launched)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # as earl_stream's load_model
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=scorer, args=grpo,
+                              train_dataset=data, processing_class=AutoTokenizer.from_pretrained(args.model),
+                              peft_config=spec.peft_config(), callbacks=[budget])
+    trainer.remove_callback(PrinterCallback)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    trainer.train()
+    merged = trainer.model.merge_and_unload()
+    merged.save_pretrained(out / "merged")
+    trainer.processing_class.save_pretrained(out / "merged")
+    shutil.copy(Path(args.model) / "generation_config.json", out / "merged")  # the base's stop tokens, not TRL's sampling
+    (out / "trl.json").write_text(json.dumps(_result(budget, trainable, trl.__version__, args, group * groups)))
+    return 0
+
+
+def _result(budget: Any, trainable: int, version: str, args: argparse.Namespace, per_step: int) -> dict[str, Any]:
+    tokens = [x["num_tokens"] for x in budget.logs]  # cumulative: prompt + completion tokens of trained samples
+    steps = len(budget.ends)
+    window = budget.ends[-1] - budget.ends[0] if steps > 1 else 0.0
+    rate, measured = ((tokens[-1] - tokens[0]) / window, "the steps after the first") if window else (
+        (tokens[0] / (budget.ends[0] - budget.begun), "the only step, from train()'s start") if tokens else (None, ""))
+    return {
+        "system": f"trl {version} GRPOTrainer + peft_config", "steps": steps, "samples": steps * per_step,
+        "wall_seconds": round(budget.ends[-1], 1), "startup_s": round(budget.ends[0], 1), "window_s": round(window, 1),
+        "trained_tokens_per_s": rate if len(tokens) == steps else None, "trained_tokens_over": measured,
+        "trainable_params": trainable, "torch_threads": args.threads,
+        "curve": [{"t": round(t, 1), "step": i + 1, "reward": x.get("reward")}
+                  for i, (t, x) in enumerate(zip(budget.ends, budget.logs))],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--out", required=True, help="work directory: trl.json and merged/ are written here")
+    ap.add_argument("--threads", type=int, default=2)
+    return child(ap.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
