@@ -28,13 +28,13 @@ def _cpu_suite_processes_compute_on_cpu(request: pytest.FixtureRequest, monkeypa
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """End-to-end tests (marked `slow` or `faults`) start real processes that share the machine's cores: one
+    """End-to-end tests (marked `slow`, `live` or `faults`) start real processes that share the machine's cores: one
     that fails is run once more (pytest-rerunfailures), so a timing race must strike twice to fail the
     suite. Unit tests get no second chance. The reruns are listed in the report (`R`)."""
     if not config.pluginmanager.hasplugin("rerunfailures"):
         return
     for item in items:
-        if (item.get_closest_marker("slow") or item.get_closest_marker("faults")) and not item.get_closest_marker("flaky"):
+        if any(item.get_closest_marker(m) for m in ("slow", "live", "faults")) and not item.get_closest_marker("flaky"):
             item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=2))
 
 

@@ -120,6 +120,7 @@ def test_resume_trains_the_persisted_samples_instead_of_replaying_them(tmp_path:
           f"{second['samples_lost'] - first['samples_lost']} re-played (lost), prompts re-issued +{regrown}")
 
 
+@pytest.mark.live
 def test_a_rollout_worker_restarted_on_its_host_serves_what_it_persisted(tmp_path: Path, tiny_model_dir: Path) -> None:
     """kill -9 of the only rollout worker right after it persisted at a checkpoint; `up --restart` starts
     it again, it takes over its slot (flock) and serves its samples again: the ledger takes back those it

@@ -125,6 +125,7 @@ def test_the_control_plane_speaks_curve(tmp_path: Path) -> None:
         proc.wait(20)
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_up_trains_with_both_planes_encrypted(tmp_path: Path, tiny_model_dir: Path) -> None:
     run = tmp_path / "run"

@@ -23,6 +23,7 @@ def _cli(cluster: Cluster, *args: str, command: str = "env") -> subprocess.Compl
                           env=cluster.env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.live
 def test_attach_and_detach_on_a_live_run(tmp_path: Path, tiny_model_dir: Path) -> None:
     cluster = Cluster(tmp_path, tiny_model_dir, "steps=0")
     try:

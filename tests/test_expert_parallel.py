@@ -198,6 +198,7 @@ def test_bad_ep_degrees_are_refused_with_the_reason(moe_dir: Path, tiny_model_di
     assert any("expert parallel runs with dp / fsdp only" in p for p in RankPlan(ep=2, sp=2).problems(4, moe))
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_up_trains_a_tiny_moe_under_ep2(moe_dir: Path, tmp_path: Path) -> None:
     """`up` with `selector.plans=ep2` on two trainer ranks: the pool re-lays the model to ep2, trains with

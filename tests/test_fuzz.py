@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.live
 def test_a_live_run_survives_the_quick_fuzz(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "fuzz.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--quick", "--json", str(out),

@@ -107,6 +107,7 @@ def test_each_role_is_allowed_only_its_messages(tmp_path: Path, tiny_model_dir: 
         cluster.stop()
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_commands_sign_with_the_key_of_their_role(tmp_path: Path, tiny_model_dir: Path) -> None:
     cluster = Cluster(tmp_path, tiny_model_dir)

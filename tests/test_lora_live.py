@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj,down_proj]"]
 
 
+@pytest.mark.live
 def test_lora_run_moves_only_adapters_and_exports_a_merged_model(tmp_path: Path, tiny_model_dir: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -28,6 +28,7 @@ def _adopted(cluster: Cluster, name: str) -> dict[str, Any] | None:
     return s if any(h["plan"]["name"] == name for h in history) else None
 
 
+@pytest.mark.live
 def test_trainer_pool_reshards_from_fsdp_to_tensor_parallel_live(tmp_path: Path, tiny_model_dir: Path) -> None:
     # ~120-token episodes at first, one more fact turn (~35 tokens) every 2 new prompt groups; capped at
     # 9 turns (~370 tokens) so that contexts stay inside the 512-token design length's thresholds

@@ -14,6 +14,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.live
 def test_up_trains_a_tiny_moe_with_routing_replay(tmp_path: Path) -> None:
     from earl_stream.model.tiny_moe import init_moe_model
 

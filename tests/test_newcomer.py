@@ -274,6 +274,7 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
             proc.wait()
 
 
+@pytest.mark.live
 @pytest.mark.slow
 def test_the_printed_worker_commands_work_when_pasted(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`up` with no rollout worker of its own: each pasted command adds one to an empty pool."""

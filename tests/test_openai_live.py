@@ -43,6 +43,7 @@ async def _talk(url: str, key: str) -> None:
     await wrong.close()
 
 
+@pytest.mark.live
 def test_agent_env_trains_through_the_endpoint_of_a_live_up(tmp_path: Path, tiny_model_dir: Path) -> None:
     run, secret = tmp_path / "run", create_secret_file(tmp_path / "secret")
     env = {**os.environ, SECRET_ENV: str(secret)}

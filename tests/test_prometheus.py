@@ -115,6 +115,7 @@ class Prometheus:
             return resp.status == 200
 
 
+@pytest.mark.live
 def test_prometheus_scrapes_every_role(prometheus_binary: str, tmp_path: Path, tiny_model_dir: Path) -> None:
     with RunningUp(tmp_path, tiny_model_dir, "rollout.workers=2") as up:
         targets = up.wait_for_roles(ROLES, timeout_s=60)
@@ -157,6 +158,7 @@ def _tls_block() -> dict[str, Any]:
     return yaml.safe_load("\n".join(block))  # type: ignore[no-any-return]
 
 
+@pytest.mark.live
 def test_prometheus_scrapes_a_tls_run_with_its_ca_and_read_only_key(prometheus_binary: str, tmp_path: Path,
                                                                     tiny_model_dir: Path) -> None:
     """With security.tls=true, the shipped TLS settings (pointed at the run's CA and read-only key files) scrape

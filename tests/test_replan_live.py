@@ -36,6 +36,7 @@ def _history_covers(cluster: Cluster, adopted: list[tuple[str, str]]) -> list[di
     return history if len(history) >= len(adopted) else None
 
 
+@pytest.mark.live
 def test_growing_contexts_replan_the_trainer_live(tmp_path: Path, tiny_model_dir: Path) -> None:
     # one more fact turn (~35 tokens) every 2 new prompt groups: ~120 tokens at first, past the
     # 256-token initial design length's upper threshold (0.9 x 256) after ~10 groups (~5 steps), past

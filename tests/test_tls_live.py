@@ -46,6 +46,7 @@ def _scrape(address: str, ca: str, token: str | None) -> int:
         return exc.code
 
 
+@pytest.mark.live
 def test_up_with_tls_serves_https_and_trains_agents_through_it(tmp_path: Path, tiny_model_dir: Path) -> None:
     run, secret = tmp_path / "run", create_secret_file(tmp_path / "secret")
     env = {**os.environ, SECRET_ENV: str(secret)}

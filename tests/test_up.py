@@ -52,6 +52,7 @@ def test_up_trains_through_the_store(tmp_path: Path, tiny_model_dir: Path) -> No
     assert png == tmp_path / "learning_curve.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("dispatch", ["pull", "central"])
 def test_up_with_two_trainer_ranks(tmp_path: Path, tiny_model_dir: Path, dispatch: str) -> None:
     _, summary = _up(tmp_path, tiny_model_dir, 2, "trainer.nproc=2", "rollout.workers=1", f"store.dispatch={dispatch}")

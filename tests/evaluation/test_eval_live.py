@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 PARITY = f"{Path(__file__).resolve().parent / 'parity_env.py'}:ParityEnv"
 
 
+@pytest.mark.live
 def test_eval_rounds_overlap_training_and_are_never_trained(tmp_path: Path, tiny_model_dir: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     secret = create_secret_file(tmp_path / "secret")

@@ -42,6 +42,7 @@ def _trained(log: str) -> list[int]:
     return [int(s) for s in re.findall(r"step (\d+): loss", log)]
 
 
+@pytest.mark.live
 def test_a_stopped_fsdp_pool_checkpoints_its_last_step_and_resumes_from_it(tmp_path: Path,
                                                                           tiny_model_dir: Path) -> None:
     run = tmp_path / "run"
