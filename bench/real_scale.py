@@ -8,19 +8,26 @@ Every strategy is one `earl-stream up` (configs/smollm2_real_scale.yaml: `make r
 seeds, environment, steps and cap:
 - adaptive: the selector on (it re-plans dp/FSDP2/tp/sp, recomputation and the micro-batch budget as the
   context percentiles cross its thresholds);
-- static:<plan>: one layout forced for the whole run (dp2, fsdp2, tp2, sp2 and each with full recomputation
-  `+rc`), sized by the selector for the first phase and never re-selected; a plan that the pool or the model
-  cannot run "does not start" and its reason is recorded (SmolLM2 has 9 attention heads: no tp2 or sp2);
+- static:<plan>: what a system without a memory model runs: one layout for the whole run (dp2, fsdp2, tp2,
+  sp2 and each with full recomputation `+rc`) and no length limit below the run's longest episode (as verl
+  asks `ppo_max_token_len_per_gpu` to hold prompt + response). The selector is told no memory cap
+  (`selector.trainer_memory_bytes` of 1 TiB: its micro-batch budget is its 65,536-token maximum, and a step
+  gives each rank one sequence), so nothing is refused for its length; the rank's real cap still holds, and
+  a plan that outgrows it meets a real allocation failure (a crash). A plan that the pool or the model cannot run "does not start" and its
+  reason is recorded (SmolLM2 has 9 attention heads: no tp2 or sp2 on 2 ranks);
 - dynamic_sp: verl-style dynamic context parallelism: the model's sharding never changes (FSDP, as verl's
   workers shard) and the sequence-parallel degree follows the longest sequence (fsdp<N> while one sequence fits
   a rank, sp<N> when it does not; SmolLM2's 9 heads rule sp2 out on 2 ranks, so here it stays fsdp2). The
   trainer has no per-micro-batch sp degree, so this is emulated per step: the selector restricted to
-  {fsdp<N>, sp<N>} without recomputation, driven by the window's longest episode, re-planned at every step
-  boundary (`--dynamic-sp-hook` names what the trainer would need).
+  {fsdp<N>, sp<N>} without recomputation and, as verl, with no memory model (1 TiB), re-planned at every step
+  boundary from the window's longest episode (`--dynamic-sp-hook` names what the trainer would need).
 The environment (envs/long_recall.py with filler) starts at <= 512 tokens per episode and ends at >= 4,096
 (full run; --quick: ~220 -> ~1,270). Each trainer rank is capped before it imports torch (bench/real_scale_site:
 a memory cgroup of its own, or setrlimit with --cap-mode rlimit) at --cap-gib; the selector's budget is the
-same cap less --reserve-gib. Past the cap the kernel kills the rank (or torch raises): a crash.
+same cap less --reserve-gib (the adaptive run only). Past the cap the kernel kills the rank (or torch raises): a
+crash. A run that ends early without one (e.g. `up` gave up) is `stopped`, with its reason, never a crash.
+The curriculum stops growing at its last level (`max_filler_words`), so episodes drawn ahead of training are no
+longer than the last phase's.
 Recorded per strategy from the trainer's log and the supervisor's status: crashes (and the allocation error),
 refused or truncated samples, trained tokens per training second per context phase (and per rank-CPU-second,
 from /proc: the strategies run one after another on a machine others share), the plans adopted, each
@@ -55,6 +62,7 @@ CONFIG = ROOT / "configs" / "smollm2_real_scale.yaml"
 SITE = ROOT / "bench" / "real_scale_site"
 GIB = 1 << 30
 BASE_TOKENS = 66  # an episode's tokens besides the filler (system prompt, chat template, facts, question, replies)
+NO_MEMORY_MODEL = 1 << 40  # the selector budget of the static and dynamic-SP runs: no plan is refused for memory
 _STEP = re.compile(r"^(\S+ \S+) .*step (\d+): loss \S+ grad-norm \S+ reward \S+ \((\d+) samples, (\d+) tokens\) "
                    r"in ([\d.]+)s")
 _RELAY = re.compile(r"^(\S+ \S+) .*step (\d+): re-la(ying|id) the model from (\S+) to (\S+)")
@@ -70,7 +78,8 @@ def strategies(nproc: int) -> list[str]:
 
 def env_params(args: argparse.Namespace) -> dict[str, Any]:
     return {"turns": 1, "max_turns": 1, "facts_per_turn": 2, "filler_words": args.filler_words,
-            "filler_factor": args.filler_factor, "grow_every": args.grow_every}
+            "filler_factor": args.filler_factor, "grow_every": args.grow_every,
+            "max_filler_words": round(args.filler_words * args.filler_factor ** (args.levels - 1))}
 
 
 def phase_lengths(args: argparse.Namespace) -> list[int]:
@@ -89,11 +98,12 @@ def setup(kind: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str
         over.append(f"selector.cost_model_path={Path(args.cost_model).resolve()}")
     env = {"EARL_BENCH_RANK_CAP_BYTES": str(cap), "EARL_BENCH_CAP_MODE": args.cap_mode,
            "EARL_BENCH_CAP_TAG": kind.replace(":", "_").replace("+", "_"), "MALLOC_MMAP_THRESHOLD_": "65536"}
-    if kind.startswith("static:"):
-        over += [f"selector.plans={kind.split(':', 1)[1]}", "selector.upper_factor=1000", "selector.lower_factor=0.001"]
+    unbounded = [f"selector.trainer_memory_bytes={NO_MEMORY_MODEL}", "selector.reserve_bytes=0"]
+    if kind.startswith("static:"):  # later overrides win: no memory model, one plan
+        over += [*unbounded, f"selector.plans={kind.split(':', 1)[1]}", "selector.upper_factor=1000", "selector.lower_factor=0.001"]
     elif kind == "dynamic_sp":
         n = args.nproc
-        over += [f"selector.plans=fsdp{n}|sp{n}", "selector.percentile=max", "selector.headroom=1.0",
+        over += [*unbounded, f"selector.plans=fsdp{n}|sp{n}", "selector.percentile=max", "selector.headroom=1.0",
                  "selector.upper_factor=1.0", "selector.min_episodes_between=0"]
     return over, env
 
@@ -191,12 +201,12 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     sampler = RssSampler()
     sampler.start()
-    start, crashed, timed_out, last, groups = time.monotonic(), "", False, None, {}
+    start, ended, timed_out, last, groups = time.monotonic(), "", False, None, {}
     try:
         while True:
             if up.proc.poll() is not None:
                 if up.proc.returncode != 0:
-                    crashed = f"up exited with {up.proc.returncode}"
+                    ended = f"up exited with {up.proc.returncode}"
                 break
             if time.monotonic() - start > args.run_minutes * 60:
                 timed_out = True
@@ -214,7 +224,7 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                 dead = [w["id"] for w in trainers if not w["alive"]]
                 kills = sum(_cgroup_info(g).get("oom_kills", 0) for g in groups.values())
                 if dead or kills:
-                    crashed = f"trainer rank(s) {', '.join(dead) or '?'} died ({kills} OOM kill(s) in their cgroups)"
+                    ended = f"trainer rank(s) {', '.join(dead) or '?'} died ({kills} OOM kill(s) in their cgroups)"
                     break
             time.sleep(2)
     finally:
@@ -222,7 +232,7 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         up.stop()
         sampler.done.set()
         _remove_cgroups(kind)
-    result = summarize(kind, args, run_dir, last, crashed, timed_out, time.monotonic() - start, sampler, cg)
+    result = summarize(kind, args, run_dir, last, ended, timed_out, time.monotonic() - start, sampler, cg)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1.6 GB of weights and AdamW state per run
     return result
 
@@ -263,13 +273,27 @@ def start_reason(run_dir: Path) -> str:
     return text[-400:].strip()
 
 
-def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[str, Any] | None, crashed: str,
+def end_of_run(started: bool, steps: int, wanted: int, ended: str, timed_out: bool, oom_kills: int,
+               alloc_errors: list[str]) -> tuple[bool, str]:
+    """(crashed, why the run ended early). A crash is a real allocation failure: an OOM kill in a rank's cgroup
+    or an allocation error in the trainer's log. A run that trained every step did not end early (its ranks
+    leave before `up` does); one that never started did not crash; any other early end is a stop, not a crash."""
+    if not started or steps >= wanted:
+        return False, ""
+    crashed = bool(oom_kills or alloc_errors)
+    why = ended or ("the run's time limit (--run-minutes)" if timed_out else "")
+    if crashed and "OOM kill" not in why:
+        why = f"{why}: {oom_kills} OOM kill(s) in the ranks' cgroups" if oom_kills else f"{why}: {alloc_errors[0]}"
+    return crashed, why
+
+
+def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[str, Any] | None, ended: str,
               timed_out: bool, wall: float, sampler: RssSampler, cgroups: dict[int, dict[str, int]]) -> dict[str, Any]:
     log = parse_trainer_log(run_dir / "logs" / "trainer.log")
     started = bool(log["adopted"]) or bool(log["steps"])
     start_error = "" if started else start_reason(run_dir)
-    if not started:
-        crashed = ""  # a plan that never started did not crash
+    kills = sum(c.get("oom_kills", 0) for c in cgroups.values())
+    crashed, why = end_of_run(started, len(log["steps"]), args.steps, ended, timed_out, kills, log["alloc_errors"])
     lengths = phase_lengths(args)
     phases: list[dict[str, Any]] = [{"phase": k, "expected_tokens": n, "steps": 0, "tokens": 0, "seconds": 0.0,
                                      "cpu_seconds": 0.0, "episode_tokens": []} for k, n in enumerate(lengths)]
@@ -298,13 +322,13 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
     counters = status or {}
     outcomes = counters.get("outcomes_last") or {}
     plan = (counters.get("plans") or {}).get("trainer") or {}
-    crash_phase = None
-    if crashed and log["steps"]:
-        done = log["steps"][-1]["phase"]
-        crash_phase = min(done + 1, len(lengths) - 1)
+    crash_phase = None  # the phase a crashed (or stopped) run did not finish
+    if why:
+        crash_phase = min(log["steps"][-1]["phase"] + 1, len(lengths) - 1) if log["steps"] else 0
     return {
-        "kind": kind, "started": started, "start_error": start_error, "crashed": bool(crashed),
-        "crash_reason": crashed, "alloc_errors": log["alloc_errors"], "crash_phase": crash_phase,
+        "kind": kind, "started": started, "start_error": start_error, "crashed": crashed,
+        "stopped": bool(why) and not crashed, "crash_reason": why, "alloc_errors": log["alloc_errors"],
+        "crash_phase": crash_phase,
         "timed_out": timed_out, "wall_seconds": round(wall, 1), "steps": len(log["steps"]),
         "trained_tokens": sum(s["tokens"] for s in log["steps"]),
         "train_seconds": round(sum(s["seconds"] for s in log["steps"]), 2),
@@ -322,24 +346,14 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
     }
 
 
-def settle(r: dict[str, Any], steps: int) -> dict[str, Any]:
-    """A run that trained every step, with no allocation error or OOM kill, did not crash (its ranks exit
-    before `up` does, which an early version of this harness counted as a death)."""
-    kills = sum(c.get("oom_kills", 0) for c in r["cgroups"].values())
-    if r["crashed"] and r["steps"] >= steps and not kills and not r["alloc_errors"]:
-        r.update(crashed=False, crash_reason="", crash_phase=None)
-    return r
-
-
 def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """The issue's keys from the runs (missing strategies give None)."""
-    runs = {k: settle(r, args.steps) for k, r in runs.items()}
     adaptive, dynamic = runs.get("adaptive"), runs.get("dynamic_sp")
     static = {k.split(":", 1)[1]: r for k, r in runs.items() if k.startswith("static:")}
     levels = args.levels
 
-    def survived(r: dict[str, Any], k: int) -> bool:  # trained phase k and did not crash in it
-        return r["started"] and r["phases"][k]["steps"] > 0 and not (r["crashed"] and r["crash_phase"] == k)
+    def survived(r: dict[str, Any], k: int) -> bool:  # trained phase k and did not crash (or stop) in it
+        return r["started"] and r["phases"][k]["steps"] > 0 and r["crash_phase"] != k
 
     def versus(key: str) -> list[dict[str, Any]]:  # adaptive over the best surviving static plan, per phase
         out = []
@@ -366,7 +380,8 @@ def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         "adaptive_crashed": adaptive["crashed"] if adaptive else None,
         "adaptive_truncated": adaptive["truncated"] if adaptive else None,
         "static": {n: {"started": r["started"], "start_error": r["start_error"], "crashed": r["crashed"],
-                       "crash_phase": r["crash_phase"], "truncated": r["truncated"],
+                       "stopped": r.get("stopped", False), "crash_phase": r["crash_phase"], "end_reason": r["crash_reason"],
+                       "truncated": r["truncated"],
                        "tokens_per_s": [p["tokens_per_s"] for p in r["phases"]],
                        "tokens_per_cpu_s": [p.get("tokens_per_cpu_s") for p in r["phases"]], "plans_used": r["plans_used"],
                        "trained_tokens": r["trained_tokens"]} for n, r in static.items()},
@@ -381,7 +396,8 @@ def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         # and per second of training while both ran (the phases the dynamic policy survived weigh in)
         "vs_dynamic_sp_tokens_per_s": round(rate(adaptive) / rate(dynamic), 3) if rate(adaptive) and rate(dynamic)
         else None,
-        "dynamic_sp": {k: dynamic[k] for k in ("crashed", "crash_phase", "truncated", "plans_used", "trained_tokens")}
+        "dynamic_sp": {k: dynamic[k] for k in ("crashed", "stopped", "crash_phase", "crash_reason", "truncated",
+                                               "plans_used", "trained_tokens")}
         | {"tokens_per_s": [p["tokens_per_s"] for p in dynamic["phases"]]} if dynamic else None,
         "plans_used": adaptive["plans_used"] if adaptive else None,
         "switch_peak_bytes": [max(s["peak_rss_bytes"].values(), default=0) for s in adaptive["switches"]]
@@ -485,8 +501,8 @@ A per-micro-batch sequence-parallel degree (verl's dynamic context parallelism) 
 3. workers/mesh.Placement: one sp_group per degree; gradients all-reduced over the whole pool as today
    (the model's sharding never changes, so nothing is re-laid);
 4. the memory model and selector: a plan whose sp is "dynamic" (its micro_batch_tokens bound per rank).
-bench/real_scale.py's dynamic_sp run emulates it per step instead: the selector restricted to {dpN, spN}, no
-recomputation, re-planned at every step boundary from the window's longest episode."""
+bench/real_scale.py's dynamic_sp run emulates it per step instead: the selector restricted to {fsdpN, spN}, no
+recomputation and no memory model, re-planned at every step boundary from the window's longest episode."""
 
 
 if __name__ == "__main__":

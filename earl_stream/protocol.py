@@ -306,6 +306,7 @@ class Claimed(Msg, tag="claimed", frozen=True):
     ready: bool = False
     table_ipc: bytes = b""
     plan: TrainerPlan | None = None  # the trainer pool's plan for this step; None = keep yours
+    waiting: str = ""  # not ready: what the supervisor sees that may explain it (e.g. episodes refused as too long)
 
 
 class PlanAdopted(Msg, tag="plan_adopted", frozen=True):

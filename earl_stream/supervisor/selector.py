@@ -443,6 +443,11 @@ class TrainerSelector(_Selector[PlanDecision]):
         return min(1.0, snap.p50 / snap.p99)
 
     def _infeasible_message(self, design: int) -> str:
+        if self.only and not self.layouts(design):  # every pinned layout is one the model or the pool cannot take
+            why = [f"{r.plan}: {r.reason}" for r in self.refused if r.reason != "not among selector.plans"]
+            pinned = "|".join(sorted(self.only))
+            return (f"{self.pool}: no layout of selector.plans={pinned} can run this model on "
+                    f"{self.budget.devices} rank(s): {'; '.join(why) or 'none is a layout of this pool'}")
         plan = dataclasses.replace(self.base, micro_batch=1, seq_len=design, dp=self.budget.devices, tp=1, sp=1,
                                    fsdp=False, recompute=self.recomputes[-1], sequence_parallel=False)
         advice = advise(self.shape, plan, self.budget.memory_bytes_per_device, reserve_bytes=self.budget.reserve_bytes,

@@ -236,7 +236,18 @@ class Supervisor:
         if ipc is not None and first:
             self.planner.on_step(msg.step, ipc)  # a step boundary: the pools may adopt a new plan here
         return P.Claimed(step=msg.step, ready=ipc is not None, table_ipc=ipc or b"",
-                         plan=self.planner.trainer_wire if ipc is not None else None)
+                         plan=self.planner.trainer_wire if ipc is not None else None,
+                         waiting="" if ipc is not None else self._waiting())
+
+    def _waiting(self) -> str:
+        """Why a claim may be waiting, from what the supervisor counts (empty: nothing unusual)."""
+        too_long = self.ledger.counters.samples_too_long
+        if not too_long:
+            return ""
+        bound = self.planner.max_trainable_tokens
+        return (f"{too_long} episode(s) so far were refused or stopped as longer than the pools can run"
+                f"{f' ({bound} tokens)' if bound else ''}: status samples_too_long; "
+                f"the supervisor's log says which plans were refused and why")
 
     def _on_planadopted(self, msg: P.PlanAdopted, now: float) -> P.Msg:
         self.planner.on_adopted(msg.version, msg.step)

@@ -186,7 +186,7 @@ class TrainerRank:
             if late:
                 raise ControlPlaneTimeout(f"step {step}: fewer than {t.groups_per_step} complete prompt groups "
                                           f"arrived within trainer.claim_timeout_s={t.claim_timeout_s:.0f}s; "
-                                          "are rollout workers running?")
+                                          f"{(reply.waiting if reply else '') or 'are rollout workers running?'}")
             self.stop.wait(0.02)
 
     def _apply_plan(self, wire: P.TrainerPlan | None, step: int) -> None:

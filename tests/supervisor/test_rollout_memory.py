@@ -145,6 +145,8 @@ def test_a_group_refused_whole_is_dropped_not_played_again(tmp_path: Path) -> No
     refused, played = sup.handle(P.RequestPrompts(worker_id=worker, max_groups=2), time.time()).prompts
     too_long = {"outcome": "truncated", "too_long": "refused after 0 turns: its context reached the bound"}
     sup.handle(P.PutMeta(worker_id=worker, rows=_rows(refused, [too_long], version=-1)), time.time())
+    waiting = sup.handle(P.Claim(worker_id=worker, step=0, num_groups=1, min_policy_version=0), time.time())
+    assert not waiting.ready and "samples_too_long" in waiting.waiting  # what a trainer's claim timeout names
     sup.handle(P.PutMeta(worker_id=worker, rows=_rows(played, [{"outcome": "win"}])), time.time())
     claimed = sup.handle(P.Claim(worker_id=worker, step=0, num_groups=1, min_policy_version=0), time.time())
     assert claimed.ready

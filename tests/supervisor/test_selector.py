@@ -314,6 +314,11 @@ def test_selector_plans_allow_list_pins_layouts_and_recomputation(tiny: ModelSha
     assert {layout_name(p) for p in pinned.layouts(512)} == {"fsdp2+rc"}
     assert any(r.reason == "not among selector.plans" and r.plan == "dp2" for r in pinned.refused)
     assert isinstance(free.initial(512), PlanDecision) and len(free.layouts(512)) > 1
+    # a pinned layout the model cannot take (SmolLM2's 9 heads on tp2) says why, not what some other plan needs
+    nine = dataclasses.replace(tiny, num_heads=9, num_kv_heads=3)
+    bad = TrainerSelector(nine, budget, base=EAGER, thresholds=FAST, only=["tp2", "tp2+rc"]).initial(512)
+    assert isinstance(bad, Infeasible)
+    assert "selector.plans=tp2|tp2+rc" in bad.message and "tp2:" in bad.message and "head" in bad.message, bad.message
 
 
 def test_a_faster_layout_that_holds_the_headroom_but_not_the_power_of_two_is_taken(tiny: ModelShape) -> None:
