@@ -299,15 +299,21 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
                                      "cpu_seconds": 0.0, "episode_tokens": []} for k, n in enumerate(lengths)]
     for st in log["steps"]:
         per = st["tokens"] / max(1, st["samples"])
-        k = min(range(len(lengths)), key=lambda i: abs(math.log(per / lengths[i])))
-        ph = phases[k]
+        st["phase"] = min(range(len(lengths)), key=lambda i: abs(math.log(per / lengths[i])))
+        st["cpu_seconds"] = sampler.rank_cpu_seconds(st["t"] - st["seconds"], st["t"])
+        phases[st["phase"]]["episode_tokens"].append(round(per))
+    # A run's first step also allocates the optimizer state and first touches every page: it is left out of
+    # its phase's rates when that phase has another step (`warmup_step`), for every strategy alike.
+    first = log["steps"][0] if log["steps"] else None
+    for st in log["steps"]:
+        st["warmup"] = st is first and sum(o["phase"] == st["phase"] for o in log["steps"]) > 1
+        if st["warmup"]:
+            continue
+        ph = phases[st["phase"]]
         ph["steps"] += 1
         ph["tokens"] += st["tokens"]
         ph["seconds"] += st["seconds"]
-        st["cpu_seconds"] = sampler.rank_cpu_seconds(st["t"] - st["seconds"], st["t"])
         ph["cpu_seconds"] += st["cpu_seconds"] or 0.0
-        ph["episode_tokens"].append(round(per))
-        st["phase"] = k
     for ph in phases:
         ph["tokens_per_s"] = round(ph["tokens"] / ph["seconds"], 2) if ph["seconds"] else None
         # per rank-CPU-second: what the other users of a shared machine take from a run's wall time is left out
@@ -332,6 +338,8 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
         "timed_out": timed_out, "wall_seconds": round(wall, 1), "steps": len(log["steps"]),
         "trained_tokens": sum(s["tokens"] for s in log["steps"]),
         "train_seconds": round(sum(s["seconds"] for s in log["steps"]), 2),
+        "warmup_step": next(({k: s[k] for k in ("step", "phase", "tokens", "seconds")} for s in log["steps"]
+                             if s["warmup"]), None),
         # refused as too long for any plan (status `samples_too_long`, where the supervisor counts it) + cut by the
         # environment (none here: the recall episodes have no context limit)
         "truncated": int(counters.get("samples_too_long", 0) or 0),
@@ -433,10 +441,10 @@ def main() -> int:
     ap.add_argument("--runs-dir", default="", help="where each strategy's run directory goes (default: beside --json)")
     ap.add_argument("--nproc", type=int, default=2, help="trainer ranks")
     ap.add_argument("--cap-gib", type=float, default=7.8, help="memory cap of each trainer rank, all of its memory")
-    ap.add_argument("--reserve-gib", type=float, default=1.2,
+    ap.add_argument("--reserve-gib", type=float, default=0.7,
                     help="of the cap, what the selector keeps for what the memory model does not count: the runtime "
-                         "(~0.5 GiB: Python, torch, gloo) and the published weights in the rank's shared memory (two "
-                         "versions of its pieces: a replica's 0.54 GiB each under dp)")
+                         "(~0.5 GiB: Python, torch, gloo) and the allocator's slack (the policy versions a rank keeps "
+                         "published, ~0.25 GiB each, are in the memory model)")
     ap.add_argument("--cap-mode", choices=("cgroup", "rlimit"), default="cgroup",
                     help="cgroup: a memory cgroup per rank (root, resident memory, OOM kill); rlimit: RLIMIT_DATA")
     ap.add_argument("--filler-words", type=int, default=430, help="filler words per episode at level 0")

@@ -26,6 +26,8 @@ from earl_stream.store.schema import SampleMeta
 #    still 3): RecoverSamples/Recovered, HeartbeatReply.checkpoint_version, Registered.run_id (durable experience)
 PROTOCOL_VERSION = 3
 TRAINER_DTYPES = ("fp32", "bf16")
+# policy versions a trainer rank keeps published in its shard node (a third is published before the oldest goes)
+WEIGHT_VERSIONS_KEPT = 2
 log = logging.getLogger(__name__)
 
 

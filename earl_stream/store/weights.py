@@ -88,12 +88,17 @@ class WeightPiece:
 
 
 def publish_weights(node: ShardNode, version: int, state: Mapping[str, torch.Tensor] | Sequence[WeightPiece], *,
-                    peers: Sequence[str] = ()) -> WeightsManifest:
+                    peers: Sequence[str] = (), bucket_bytes: int = 64 << 20) -> WeightsManifest:
     """Snapshot `state` (whole tensors by name, or this process's `WeightPiece`s) into `node` as version
-    `version` (CPU copies taken now). `peers`: the nodes holding the version's other pieces."""
+    `version` (CPU copies taken now). `peers`: the nodes holding the version's other pieces.
+
+    The copies go into the node `bucket_bytes` at a time (a larger tensor alone), so that the private
+    copies alive at once stay within one bucket beside what the node holds; the manifest goes last, and
+    a puller waits for it (`pull_weights`), so nobody reads a version before all of its pieces are in."""
     pieces = ([WeightPiece(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in state.items()]
               if isinstance(state, Mapping) else list(state))
     items: dict[str, np.ndarray] = {}
+    held = 0
     entries = []
     for piece in pieces:
         name, tensor = piece.name, piece.tensor
@@ -102,7 +107,11 @@ def publish_weights(node: ShardNode, version: int, state: Mapping[str, torch.Ten
         # A copy: the trainer keeps updating its parameters in place after publishing.
         flat = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+        if items and held + raw.nbytes > bucket_bytes:
+            node.put_many(items)
+            items, held = {}, 0
         items[weight_key(version, name)] = raw
+        held += raw.nbytes
         block = ([], []) if piece.whole else (list(piece.full_shape), list(piece.offset))
         entries.append(WeightEntry(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw.nbytes,
                                    *block))

@@ -46,6 +46,7 @@ from typing import Any
 
 from earl_stream.errors import ConfigError
 from earl_stream.supervisor.model_shape import ModelShape
+from earl_stream.supervisor.param_tensors import published_share_bytes
 
 GIB = 1 << 30
 # [b, s, V] fp32 buffers alive at the loss's peak: HF's labels loss keeps the log-probs, their grad
@@ -122,6 +123,10 @@ class TrainPlan:
     foreach_optimizer: bool = False  # torch's foreach AdamW (CUDA default) holds one fp32 copy of the states
     lora_params: int = 0  # LoRA (model.lora): adapter parameters of the whole model, the base frozen; 0 = full
     ep: int = 1
+    # policy versions of its weights a rank holds in its shard node for the rollout pool during a step (the
+    # trainer keeps two; a third exists only while it publishes, after the step's activations are gone); 0 =
+    # none counted (a bare training step)
+    published_versions: int = 0
 
     @property
     def devices(self) -> int:
@@ -146,6 +151,7 @@ class MemoryBreakdown:
     logits_bytes: int
     transient_bytes: int
     peak_phase: Phase
+    published_bytes: int = 0  # the policy versions this rank holds for the rollout pool (its shard node)
 
     @property
     def static_bytes(self) -> int:
@@ -158,7 +164,7 @@ class MemoryBreakdown:
 
     @property
     def total_bytes(self) -> int:
-        return self.static_bytes + self.dynamic_bytes
+        return self.static_bytes + self.dynamic_bytes + self.published_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +306,14 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     c = math.ceil
     return MemoryBreakdown(weights_bytes=c(weights), gradients_bytes=c(grads), optimizer_bytes=c(opt),
                            activations_bytes=c(acts), logits_bytes=c(logits), transient_bytes=c(transient),
-                           peak_phase=phase)
+                           peak_phase=phase, published_bytes=plan.published_versions * published_bytes(shape, plan))
+
+
+def published_bytes(shape: ModelShape, plan: TrainPlan) -> int:
+    """One policy version's weights (fp32 masters under autocast) as the fullest rank of `plan` publishes them."""
+    w = 4 if plan.precision is Precision.AUTOCAST_BF16 else plan.precision.element_bytes[0]
+    return published_share_bytes(shape, devices=plan.devices, tp=plan.tp, ep=plan.ep, element_bytes=w,
+                                 fsdp_shards=plan.dp * plan.sp if plan.fsdp else 0, lora_params=plan.lora_params)
 
 
 def predict_kv_cache_bytes(shape: ModelShape, tokens: int, *, dtype_bytes: int = 2, tp: int = 1) -> int:

@@ -32,7 +32,7 @@ import msgspec
 from earl_stream import metrics as M
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
-from earl_stream.protocol import RolloutPlan, TrainerPlan
+from earl_stream.protocol import WEIGHT_VERSIONS_KEPT, RolloutPlan, TrainerPlan
 from earl_stream.store.layout import Layout, materialised_tokens, partition
 from earl_stream.store.schema import SampleMeta, table_from_ipc
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
@@ -140,7 +140,8 @@ class Planner:
             shape, PoolBudget(cfg.trainer.nproc, memory, s.reserve_bytes),
             base=TrainPlan(micro_batch=1, seq_len=s.initial_seq_len, attention=Attention(s.attention),
                            precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL,
-                           lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0),
+                           lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0,
+                           published_versions=WEIGHT_VERSIONS_KEPT),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
             allow_fsdp=pool and s.allow_fsdp, allow_ep=pool and s.allow_ep,
             step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,

@@ -7,30 +7,26 @@ with the same one switch without moving anything). What a step costs is `memory_
 plans to weigh and which to adopt is the selector's.
 
 At a step boundary a rank holds its weights and, once the optimizer stepped, its AdamW state (the
-gradients were dropped with `zero_grad(set_to_none=True)`; nothing else is alive). A switch then
+gradients were dropped with `zero_grad(set_to_none=True)`), and the policy versions it keeps published
+for the rollout pool (`TrainPlan.published_versions` of them, laid out as the old plan published). A switch then
 materialises the new model's local shards (all at once), and walks the tensors in the model's order,
 `bucket_bytes` of whole tensors at a time: a tensor sharded under the old plan is all-gathered whole
 (its old shard freed at once), a replicated one is its own whole; this rank's new piece is copied
 out (into the new parameter, or a new optimizer state), and the old tensor and the whole copies go.
 `predict_switch` replays that walk over the model's tensors with the per-rank share of each under
-either plan and returns its highest point. Under tensor parallelism q/k/v/gate/up (weights and
-biases) are split on their rows, o/down weights on their columns, the embedding and LM head on the
-vocabulary; norms and the row-wise biases stay whole. FSDP splits every tensor over dp x sp ranks
-(on top of tp). The largest share (the first rank's, FSDP's chunks are ceil-sized) is counted.
-A mixture-of-experts layer holds its router and its fused experts (gate_up [E, 2I, h], down [E, h, I])
-instead of a dense MLP; expert parallel (ep) splits the experts' dim 0 ep-way and FSDP leaves them.
+either plan (`param_tensors.rank_share`: tp, FSDP over dp x sp, ep) and returns its highest point.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator
 
 from earl_stream.protocol import plan_name
 from earl_stream.supervisor.decisions import Refusal
-from earl_stream.supervisor.memory_model import Precision, TrainPlan
+from earl_stream.supervisor.memory_model import Precision, TrainPlan, published_bytes
 from earl_stream.supervisor.model_shape import ModelShape
+from earl_stream.supervisor.param_tensors import ParamTensor, parameter_tensors, rank_share
 
 MIB = 1 << 20
 # Making a sharded tensor whole holds two whole copies at its peak: gloo gathers into a list and
@@ -38,21 +34,6 @@ MIB = 1 << 20
 # tensor parallel) is gathered on dim 0 and re-laid; NCCL's in-place gather of a dim-0 shard needs one,
 # so this is the safe side there
 GATHER_COPIES = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """One parameter: its shape and how tensor parallelism splits it (dim, or None = replicated)."""
-
-    rows: int
-    cols: int
-    tp_dim: int | None
-    trained: bool = True  # has AdamW state (False: LoRA's frozen base)
-    expert: bool = False  # a fused expert tensor (rows = experts x ...): split by ep, not by FSDP
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,59 +59,19 @@ def model_layout(plan: TrainPlan) -> tuple[int, int, int]:
     return (plan.dp * plan.sp if plan.fsdp else 0, plan.tp, plan.ep)
 
 
-def _tensors(shape: ModelShape) -> Iterator[_Tensor]:
-    """The parameters in the order `named_parameters()` yields them (Llama / Qwen2 / Mistral)."""
-    h, inter, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    yield _Tensor(v, h, 0)  # embed_tokens
-    for layer in range(shape.num_layers):
-        for out in (q, kv, kv):
-            yield _Tensor(out, h, 0)
-            if shape.qkv_bias:
-                yield _Tensor(out, 1, 0)
-        yield _Tensor(h, q, 1)
-        if shape.o_bias:
-            yield _Tensor(h, 1, None)
-        if layer < shape.moe_layers:  # router, then the fused experts (order within a layer barely matters)
-            e, es = shape.num_experts, shape.expert_size
-            yield from (_Tensor(e, h, None), _Tensor(e * 2 * es, h, None, expert=True),
-                        _Tensor(e * h, es, None, expert=True))
-            yield _Tensor(h, 1, None)
-            yield _Tensor(h, 1, None)
-            continue
-        for dims in ((inter, h, 0), (inter, h, 0), (h, inter, 1)):
-            yield _Tensor(*dims)
-            if shape.mlp_bias:
-                yield _Tensor(dims[0], 1, 0 if dims[2] == 0 else None)
-        yield _Tensor(h, 1, None)
-        yield _Tensor(h, 1, None)
-    yield _Tensor(h, 1, None)  # the final norm
-    if not shape.tie_word_embeddings:
-        yield _Tensor(v, h, 0)  # lm_head
-
-
-def _plan_tensors(shape: ModelShape, plan: TrainPlan) -> list[_Tensor]:
+def _plan_tensors(shape: ModelShape, plan: TrainPlan) -> list[ParamTensor]:
     """The parameters of the model `plan` trains: all of them trained, or (LoRA) a frozen base plus each
     layer's adapters (as one replicated tensor per layer: their AdamW state is what moves with them)."""
     if not plan.lora_params:
-        return list(_tensors(shape))
-    base = [dataclasses.replace(t, trained=False) for t in _tensors(shape)]
+        return list(parameter_tensors(shape))
+    base = [dataclasses.replace(t, trained=False) for t in parameter_tensors(shape)]
     per_layer = plan.lora_params // shape.num_layers
-    return base + [_Tensor(per_layer, 1, None) for _ in range(shape.num_layers)]
+    return base + [ParamTensor(per_layer, 1, None) for _ in range(shape.num_layers)]
 
 
-def _share(t: _Tensor, plan: TrainPlan) -> tuple[int, bool]:
+def _share(t: ParamTensor, plan: TrainPlan) -> tuple[int, bool]:
     """(elements on the fullest rank, whether the tensor is a DTensor) of `t` under `plan`."""
-    rows, cols = t.rows, t.cols
-    split = False
-    if t.expert and plan.ep > 1:
-        return rows // plan.ep * cols, True
-    if plan.tp > 1 and t.tp_dim is not None:
-        rows, cols = (rows // plan.tp, cols) if t.tp_dim == 0 else (rows, cols // plan.tp)
-        split = True
-    if plan.fsdp and plan.dp * plan.sp > 1:
-        rows, split = math.ceil(rows / (plan.dp * plan.sp)), True
-    return rows * cols, split
+    return rank_share(t, tp=plan.tp, fsdp_shards=plan.dp * plan.sp if plan.fsdp else 0, ep=plan.ep)
 
 
 def _bytes(precision: Precision) -> tuple[int, int]:
@@ -160,7 +101,8 @@ def predict_switch(shape: ModelShape, old: TrainPlan, new: TrainPlan, bucket_byt
         items.append((t.numel * w, old_n * w, old_split, new_n * w, False))
         if o and t.trained:
             items.extend([(t.numel * o // 2, old_n * o // 2, old_split, new_n * o // 2, True)] * 2)
-    held = before + sum(n for n, _ in news) * w  # the new model's shards are materialised first
+    # the new model's shards are materialised first, beside the versions the rank keeps published (old plan's)
+    held = before + sum(n for n, _ in news) * w + old.published_versions * published_bytes(shape, old)
     peak = held
     for bucket in _buckets(items, bucket_bytes):
         gathered = 0

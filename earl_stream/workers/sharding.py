@@ -140,14 +140,20 @@ def relayout(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, pl
 
 def shard_pieces(state: dict[str, torch.Tensor], placement: Placement) -> list[WeightPiece]:
     """The pieces of a state dict this rank publishes: each distinct block of each tensor exactly once
-    in the pool (by the lowest rank that holds it), so that the pool's pieces cover every tensor."""
+    in the pool, so that the pool's pieces cover every tensor. A tensor every rank holds whole (a data
+    parallel replica) goes to the rank that has published the fewest bytes so far (the same greedy pass
+    on every rank), so that no rank keeps a whole replica per version in its node and a pull reads from
+    every rank at once; a sharded block goes to the lowest rank that holds it."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     layout = placement.layout
     out = []
+    load = [0] * max(1, placement.world)  # bytes of whole tensors given to each rank so far
     for name, value in state.items():
-        if not isinstance(value, DTensor):
-            if placement.layout.rank == 0:  # replicated everywhere
+        if not isinstance(value, DTensor):  # replicated everywhere
+            owner = load.index(min(load))
+            load[owner] += value.numel() * value.element_size()
+            if owner == layout.rank:
                 out.append(WeightPiece(name, value.detach(), tuple(value.shape), (0,) * value.dim()))
             continue
         value = _blockwise(value)

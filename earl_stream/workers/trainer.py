@@ -268,8 +268,8 @@ class TrainerRank:
         peers = [a for r, a in enumerate(self.peers) if holders[r] and r != self.rank]
         publish_weights(self.node, version, pieces, peers=peers if self.rank == 0 else [])
         self.published_version = version
-        if version >= 2:
-            drop_weights(self.node, version - 2)
+        if version >= P.WEIGHT_VERSIONS_KEPT:
+            drop_weights(self.node, version - P.WEIGHT_VERSIONS_KEPT)
         if self.world_size > 1:
             dist.barrier()  # every rank's pieces are in its node before the version is announced
         if self.rank == 0:

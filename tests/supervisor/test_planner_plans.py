@@ -21,7 +21,7 @@ from earl_stream.supervisor.planning import Planner
 from earl_stream.supervisor.server import Supervisor
 
 MIB = 1 << 20
-BUDGET = 1250 * MIB  # per rank
+BUDGET = 1500 * MIB  # per rank (~230 MiB of it: the two policy versions a rank keeps published)
 # a 57M-parameter Qwen2: its fp32 states (16 bytes per parameter) dominate a small per-rank budget
 SMALL = {"model_type": "qwen2", "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
          "num_key_value_heads": 2, "intermediate_size": 1536, "vocab_size": 32000}
@@ -62,7 +62,7 @@ def test_the_config_decides_what_the_selector_may_use(tmp_path: Path) -> None:
     pool = Planner(_cfg(tmp_path)).trainer
     assert pool is not None and pool.allow_fsdp and pool.allow_tp and pool.allow_sp
     assert pool.base.precision is Precision.FP32
-    one = Planner(_cfg(tmp_path, "trainer.nproc=1")).trainer
+    one = Planner(_cfg(tmp_path, "trainer.nproc=1", f"selector.trainer_memory_bytes={2000 * MIB}")).trainer
     assert one is not None and not (one.allow_fsdp or one.allow_tp or one.allow_sp)
     off = Planner(_cfg(tmp_path, "selector.allow_fsdp=false", "selector.allow_tp=false"))
     assert off.trainer is not None and not (off.trainer.allow_fsdp or off.trainer.allow_tp) and off.trainer.allow_sp
@@ -141,7 +141,7 @@ def test_a_restored_plan_the_pool_cannot_run_is_replaced_by_a_later_version(tmp_
     same = Planner(_cfg(tmp_path))
     same.restore(two.snapshot())
     assert same.trainer_wire == two.trainer_wire and same.rollout_wire == two.rollout_wire
-    one = Planner(_cfg(tmp_path, "trainer.nproc=1"))  # resumed on one rank
+    one = Planner(_cfg(tmp_path, "trainer.nproc=1", f"selector.trainer_memory_bytes={2000 * MIB}"))  # resumed on one rank
     one.restore(two.snapshot())
     assert one.trainer_wire is not None and one.trainer_wire.version == 3 and one.trainer_wire.world == 1
     assert one.trainer_wire.reason.startswith("resumed after plan v2 (not admissible here)")

@@ -36,7 +36,7 @@ def _cfg(tmp_path: Path, *overrides: str) -> Any:
     return load_config(None, [f"model.path={tmp_path}", f"run_dir={tmp_path / 'run'}", "trainer.nproc=2",
                               "selector.context_window=16", "selector.initial_seq_len=256",
                               "selector.min_episodes_between=0", "selector.reserve_bytes=0",
-                              f"selector.trainer_memory_bytes={1250 * MIB}", "rollout.max_batch_size=4096",
+                              f"selector.trainer_memory_bytes={1600 * MIB}", "rollout.max_batch_size=4096",
                               *overrides])
 
 
@@ -119,7 +119,7 @@ def _rows(prompt: P.Prompt, info: list[dict[str, Any]], version: int = 0) -> lis
 def test_episodes_longer_than_any_plan_are_bounded_and_counted(tmp_path: Path) -> None:
     sup = Supervisor(_cfg(tmp_path, f"rollout.memory_bytes={ROLLOUT_MEMORY}"))
     plan, largest = sup.planner.rollout_wire, sup.planner.max_trainable_tokens
-    assert plan is not None and 2048 <= largest < 1 << 20  # the trainer's 1250 MiB per rank bound it
+    assert plan is not None and 2048 <= largest < 1 << 20  # the trainer's 1600 MiB per rank bound it
     assert plan.max_episode_tokens == min(largest, plan.kv_budget_tokens)
     trainer = sup.planner.trainer
     assert trainer is not None  # the longest to 64 tokens: a plan fits it, none fits 64 more

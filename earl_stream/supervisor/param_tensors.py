@@ -1,0 +1,107 @@
+"""The parameter tensors of a model shape, and what one trainer rank holds of each under a placement.
+
+Owns `ParamTensor`, `parameter_tensors` (the parameters in the order `named_parameters()` yields them,
+Llama / Qwen2 / Mistral, dense or mixture-of-experts), `rank_share` (the fullest rank's elements of a
+tensor under tp, FSDP and ep) and `published_share_bytes` (the weights one rank publishes per policy
+version: `workers.sharding.shard_pieces`). `memory_model` (a step's peak) and `switch_memory` (a plan
+switch's peak) both count from here.
+
+Under tensor parallelism q/k/v/gate/up (weights and biases) are split on their rows, o/down weights on
+their columns, the embedding and LM head on the vocabulary; norms and the row-wise biases stay whole.
+FSDP splits every tensor over its shard degree (on top of tp); the largest share (the first rank's,
+FSDP's chunks are ceil-sized) is counted. Expert parallel (ep) splits the fused experts' dim 0 ep-way
+and FSDP leaves them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+from earl_stream.supervisor.model_shape import ModelShape
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamTensor:
+    """One parameter: its shape and how tensor parallelism splits it (dim, or None = replicated)."""
+
+    rows: int
+    cols: int
+    tp_dim: int | None
+    trained: bool = True  # has AdamW state (False: LoRA's frozen base)
+    expert: bool = False  # a fused expert tensor (rows = experts x ...): split by ep, not by FSDP
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+def parameter_tensors(shape: ModelShape) -> Iterator[ParamTensor]:
+    """The parameters in the order `named_parameters()` yields them (Llama / Qwen2 / Mistral)."""
+    h, inter, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    yield ParamTensor(v, h, 0)  # embed_tokens
+    for layer in range(shape.num_layers):
+        for out in (q, kv, kv):
+            yield ParamTensor(out, h, 0)
+            if shape.qkv_bias:
+                yield ParamTensor(out, 1, 0)
+        yield ParamTensor(h, q, 1)
+        if shape.o_bias:
+            yield ParamTensor(h, 1, None)
+        if layer < shape.moe_layers:  # router, then the fused experts (order within a layer barely matters)
+            e, es = shape.num_experts, shape.expert_size
+            yield from (ParamTensor(e, h, None), ParamTensor(e * 2 * es, h, None, expert=True),
+                        ParamTensor(e * h, es, None, expert=True))
+            yield ParamTensor(h, 1, None)
+            yield ParamTensor(h, 1, None)
+            continue
+        for dims in ((inter, h, 0), (inter, h, 0), (h, inter, 1)):
+            yield ParamTensor(*dims)
+            if shape.mlp_bias:
+                yield ParamTensor(dims[0], 1, 0 if dims[2] == 0 else None)
+        yield ParamTensor(h, 1, None)
+        yield ParamTensor(h, 1, None)
+    yield ParamTensor(h, 1, None)  # the final norm
+    if not shape.tie_word_embeddings:
+        yield ParamTensor(v, h, 0)  # lm_head
+
+
+def rank_share(t: ParamTensor, *, tp: int, fsdp_shards: int, ep: int) -> tuple[int, bool]:
+    """(elements on the fullest rank, whether the tensor is a DTensor) of `t` under a placement of tp
+    degree `tp`, FSDP over `fsdp_shards` ranks (0 or 1: no FSDP) and expert parallel degree `ep`."""
+    rows, cols = t.rows, t.cols
+    split = False
+    if t.expert and ep > 1:
+        return rows // ep * cols, True
+    if tp > 1 and t.tp_dim is not None:
+        rows, cols = (rows // tp, cols) if t.tp_dim == 0 else (rows, cols // tp)
+        split = True
+    if fsdp_shards > 1:
+        rows, split = math.ceil(rows / fsdp_shards), True
+    return rows * cols, split
+
+
+def published_share_bytes(shape: ModelShape, *, devices: int, tp: int, fsdp_shards: int, ep: int,
+                          element_bytes: int, lora_params: int = 0) -> int:
+    """Bytes of one policy version the fullest rank of a pool of `devices` publishes into its shard node
+    (`workers.sharding.shard_pieces`): its block of every sharded tensor, and its part of the whole
+    tensors, which the ranks share out greedily by bytes in the model's order. LoRA publishes its
+    adapters alone (whole tensors, shared out the same way)."""
+    sharded, whole = 0, []
+    if lora_params:
+        per_layer = lora_params // max(1, shape.num_layers)
+        whole = [per_layer] * shape.num_layers
+    else:
+        tied = [ParamTensor(shape.vocab_size, shape.hidden_size, 0)] if shape.tie_word_embeddings else []
+        for t in [*parameter_tensors(shape), *tied]:  # a state dict names a tied head too: it is published
+            n, split = rank_share(t, tp=tp, fsdp_shards=fsdp_shards, ep=ep)
+            if split:
+                sharded += n
+            else:
+                whole.append(n)
+    load = [0] * max(1, devices)
+    for n in whole:
+        load[load.index(min(load))] += n
+    return (sharded + max(load)) * element_bytes
