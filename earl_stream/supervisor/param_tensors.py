@@ -1,10 +1,10 @@
 """The parameter tensors of a model shape, and what one trainer rank holds of each under a placement.
 
 Owns `ParamTensor`, `parameter_tensors` (the parameters in the order `named_parameters()` yields them,
-Llama / Qwen2 / Mistral, dense or mixture-of-experts), `rank_share` (the fullest rank's elements of a
-tensor under tp, FSDP and ep) and `published_share_bytes` (the weights one rank publishes per policy
-version: `workers.sharding.shard_pieces`). `memory_model` (a step's peak) and `switch_memory` (a plan
-switch's peak) both count from here.
+Llama / Qwen2 / Mistral, dense or mixture-of-experts), `plan_tensors` (those of a full or a LoRA run),
+`rank_share` (the fullest rank's elements of a tensor under tp, FSDP and ep) and `published_share_bytes`
+(the weights one rank publishes per policy version: `workers.sharding.shard_pieces`). `memory_model` (a
+step's peak) and `switch_memory` (a plan switch's peak) both count from here.
 
 Under tensor parallelism q/k/v/gate/up (weights and biases) are split on their rows, o/down weights on
 their columns, the embedding and LM head on the vocabulary; norms and the row-wise biases stay whole.
@@ -16,6 +16,7 @@ and FSDP leaves them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 
@@ -68,6 +69,17 @@ def parameter_tensors(shape: ModelShape) -> Iterator[ParamTensor]:
         yield ParamTensor(v, h, 0)  # lm_head
 
 
+@functools.cache
+def plan_tensors(shape: ModelShape, lora_params: int = 0) -> tuple[ParamTensor, ...]:
+    """The parameters a run trains: all of them, or (LoRA, `lora_params` adapter parameters) a frozen base
+    plus each layer's adapters (as one replicated tensor per layer: their AdamW state moves with them)."""
+    if not lora_params:
+        return tuple(parameter_tensors(shape))
+    base = [dataclasses.replace(t, trained=False) for t in parameter_tensors(shape)]
+    per_layer = lora_params // max(1, shape.num_layers)
+    return (*base, *[ParamTensor(per_layer, 1, None) for _ in range(shape.num_layers)])
+
+
 def rank_share(t: ParamTensor, *, tp: int, fsdp_shards: int, ep: int) -> tuple[int, bool]:
     """(elements on the fullest rank, whether the tensor is a DTensor) of `t` under a placement of tp
     degree `tp`, FSDP over `fsdp_shards` ranks (0 or 1: no FSDP) and expert parallel degree `ep`."""
@@ -83,6 +95,7 @@ def rank_share(t: ParamTensor, *, tp: int, fsdp_shards: int, ep: int) -> tuple[i
     return rows * cols, split
 
 
+@functools.cache  # a function of the shape and the layout alone; the selector asks it for every budget it weighs
 def published_share_bytes(shape: ModelShape, *, devices: int, tp: int, fsdp_shards: int, ep: int,
                           element_bytes: int, lora_params: int = 0) -> int:
     """Bytes of one policy version the fullest rank of a pool of `devices` publishes into its shard node
@@ -91,8 +104,7 @@ def published_share_bytes(shape: ModelShape, *, devices: int, tp: int, fsdp_shar
     adapters alone (whole tensors, shared out the same way)."""
     sharded, whole = 0, []
     if lora_params:
-        per_layer = lora_params // max(1, shape.num_layers)
-        whole = [per_layer] * shape.num_layers
+        whole = [t.numel for t in plan_tensors(shape, lora_params) if t.trained]
     else:
         tied = [ParamTensor(shape.vocab_size, shape.hidden_size, 0)] if shape.tie_word_embeddings else []
         for t in [*parameter_tensors(shape), *tied]:  # a state dict names a tied head too: it is published

@@ -26,7 +26,7 @@ from earl_stream.protocol import plan_name
 from earl_stream.supervisor.decisions import Refusal
 from earl_stream.supervisor.memory_model import Precision, TrainPlan, published_bytes
 from earl_stream.supervisor.model_shape import ModelShape
-from earl_stream.supervisor.param_tensors import ParamTensor, parameter_tensors, rank_share
+from earl_stream.supervisor.param_tensors import ParamTensor, plan_tensors, rank_share
 
 MIB = 1 << 20
 # Making a sharded tensor whole holds two whole copies at its peak: gloo gathers into a list and
@@ -59,16 +59,6 @@ def model_layout(plan: TrainPlan) -> tuple[int, int, int]:
     return (plan.dp * plan.sp if plan.fsdp else 0, plan.tp, plan.ep)
 
 
-def _plan_tensors(shape: ModelShape, plan: TrainPlan) -> list[ParamTensor]:
-    """The parameters of the model `plan` trains: all of them trained, or (LoRA) a frozen base plus each
-    layer's adapters (as one replicated tensor per layer: their AdamW state is what moves with them)."""
-    if not plan.lora_params:
-        return list(parameter_tensors(shape))
-    base = [dataclasses.replace(t, trained=False) for t in parameter_tensors(shape)]
-    per_layer = plan.lora_params // shape.num_layers
-    return base + [ParamTensor(per_layer, 1, None) for _ in range(shape.num_layers)]
-
-
 def _share(t: ParamTensor, plan: TrainPlan) -> tuple[int, bool]:
     """(elements on the fullest rank, whether the tensor is a DTensor) of `t` under `plan`."""
     return rank_share(t, tp=plan.tp, fsdp_shards=plan.dp * plan.sp if plan.fsdp else 0, ep=plan.ep)
@@ -88,7 +78,7 @@ def predict_switch(shape: ModelShape, old: TrainPlan, new: TrainPlan, bucket_byt
     state (False before the first step: only weights move, the new optimizer starts empty)."""
     w, o = _bytes(old.precision)
     o = o if stepped else 0
-    tensors = _plan_tensors(shape, old)
+    tensors = plan_tensors(shape, old.lora_params)
     olds = [_share(t, old) for t in tensors]
     news = [_share(t, new) for t in tensors]
     before = sum(n * (w + (o if t.trained else 0)) for t, (n, _) in zip(tensors, olds))
