@@ -1,7 +1,7 @@
 """Issue 32's experiment: SmolLM2-135M on episodes that grow 8x, a trainer pool of ranks under a real memory
 cap, the adaptive selector side by side with every static plan and a dynamic sequence-parallel policy.
 
-    python bench/real_scale.py --grow-every 1 --json bench/results/real_scale.json   # full lengths, 1 step/phase (~40 min)
+    python bench/real_scale.py --grow-every 2 --json bench/results/real_scale.json   # full lengths, 2 steps/phase (~60 min)
     python bench/real_scale.py --quick --json /tmp/real_scale_quick.json [--only adaptive,static:fsdp2+rc]   # a check
 
 Every strategy is one `earl-stream up` (configs/smollm2_real_scale.yaml: `make real-model` first) on the same
@@ -13,8 +13,9 @@ seeds, environment, steps and cap:
   asks `ppo_max_token_len_per_gpu` to hold prompt + response). The selector is told no memory cap
   (`selector.trainer_memory_bytes` of 1 TiB: its micro-batch budget is its 65,536-token maximum, and a step
   gives each rank one sequence), so nothing is refused for its length; the rank's real cap still holds, and
-  a plan that outgrows it meets a real allocation failure (a crash). A plan that the pool or the model cannot run "does not start" and its
-  reason is recorded (SmolLM2 has 9 attention heads: no tp2 or sp2 on 2 ranks);
+  a plan that outgrows it meets a real allocation failure (a crash). A plan that the pool or the model
+  cannot run "does not start" and its reason is recorded (SmolLM2 has 9 attention heads: no tp2 or sp2 on 2
+  ranks);
 - dynamic_sp: verl-style dynamic context parallelism: the model's sharding never changes (FSDP, as verl's
   workers shard) and the sequence-parallel degree follows the longest sequence (fsdp<N> while one sequence fits
   a rank, sp<N> when it does not; SmolLM2's 9 heads rule sp2 out on 2 ranks, so here it stays fsdp2). The
@@ -304,9 +305,8 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
         phases[st["phase"]]["episode_tokens"].append(round(per))
     # A run's first step also allocates the optimizer state and first touches every page: it is left out of
     # its phase's rates when that phase has another step (`warmup_step`), for every strategy alike.
-    first = log["steps"][0] if log["steps"] else None
-    for st in log["steps"]:
-        st["warmup"] = st is first and sum(o["phase"] == st["phase"] for o in log["steps"]) > 1
+    for i, st in enumerate(log["steps"]):
+        st["warmup"] = i == 0 and [o["phase"] for o in log["steps"]].count(st["phase"]) > 1
         if st["warmup"]:
             continue
         ph = phases[st["phase"]]
