@@ -80,6 +80,7 @@ bench: $(BENCH_VENV)/.installed ## every benchmark, then docs/BENCHMARKS.md (BEN
 	HF_HUB_OFFLINE=1 $(BPY) bench/weight_sync.py $(BENCH_ARGS) --json bench/results/weight_sync.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/selector.py $(BENCH_ARGS) --json bench/results/selector.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/engine.py $(BENCH_ARGS) --json bench/results/engine.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/batch_invariant.py $(BENCH_ARGS) --json bench/results/batch_invariant.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/learning.py $(BENCH_ARGS) --json bench/results/learning.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/e2e.py $(BENCH_ARGS) --json bench/results/e2e.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/real_model.py $(BENCH_ARGS) --json bench/results/real_model.json

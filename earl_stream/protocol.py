@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from earl_stream.errors import ControlPlaneTimeout, ProtocolError
+from earl_stream.jitter import jitter
 from earl_stream.security import encryption
 from earl_stream.security.secret import ReplayGuard, sign, verify
 from earl_stream.store.schema import SampleMeta
@@ -434,6 +435,7 @@ class ControlClient:
 
     def call(self, msg: Msg, *, timeout_s: float | None = None, what: str | None = None) -> Any:
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        jitter()  # tests of timing independence only (EARL_STREAM_JITTER_MS)
         with self._lock:
             sock = self._socket()
             sock.send_multipart([b"", sign(self.secret, encode(msg))])

@@ -4,14 +4,24 @@ the in-process synchronous loop (`earl_stream.workers.sync_loop`) plays, and pro
 every advantage estimator (each with one more loss option, so the options reach the trainer too).
 
 Rollouts are deterministic because every episode samples with its own seed
-(`episode_sample_seed(prompt seed, index)`), whatever batch it shares in the engine. The environment
-is a small multi-turn one whose reward depends on the sampled text, so that a randomly initialised
-model gets non-zero advantages (Tic-Tac-Toe would give it -1 for every illegal first move).
+(`episode_sample_seed(prompt seed, index)`) and the engine is batch-invariant at staleness 0
+(`rollout.batch_invariant=auto`): a row's logits do not depend on which rows share its batch or when
+they joined. The test makes timing vary on purpose: one busy process per core competes with the run,
+and every control-plane call and engine request of the run's processes waits a random 0-20 ms first
+(`EARL_STREAM_JITTER_MS`), so any remaining timing dependence fails here every time rather than on a
+busy CI machine only. Each estimator runs under one weight-swap mode, the five runs covering all three.
+The environment is a small multi-turn one whose reward depends on the sampled text, so that a randomly
+initialised model gets non-zero advantages (Tic-Tac-Toe would give it -1 for every illegal first move).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,37 +61,51 @@ LINE = re.compile(r"step (\d+): loss (-?[\d.]+) grad-norm ([\d.]+) reward (-?[\d
 # micro-batching (the selector's plan: 256 tokens; the sync loop: 8,192) flips clip decisions and then
 # sampled tokens: those runs keep the configured micro-batching (no selector) on both sides.
 SAME_MICRO_BATCHES = "selector.enabled=false"
-# estimator -> (its steps, extra options): grpo is the reference run; the others run 2 steps to keep the cost down
+# estimator -> (its steps, extra options, weight-swap mode): grpo is the reference run; the others run 2 steps to
+# keep the cost down; the modes rotate so that every one of them runs
 CASES = {
-    "grpo": (3, []),
-    "dr_grpo": (2, ["algo.loss_agg=seq-mean-token-sum"]),
-    "rloo": (2, ["algo.ppo_epochs=2", "algo.clip_eps_high=0.28", SAME_MICRO_BATCHES]),
-    "reinforce_pp": (2, ["algo.is_correction=mask", "algo.kl_coef=0.05", "algo.kl_estimator=k2"]),
-    "reinforce_pp_baseline": (2, ["algo.mini_batches=2", "algo.dual_clip_c=3", SAME_MICRO_BATCHES]),
+    "grpo": (3, [], "inplace"),
+    "dr_grpo": (2, ["algo.loss_agg=seq-mean-token-sum"], "interrupt"),
+    "rloo": (2, ["algo.ppo_epochs=2", "algo.clip_eps_high=0.28", SAME_MICRO_BATCHES], "drain"),
+    "reinforce_pp": (2, ["algo.is_correction=mask", "algo.kl_coef=0.05", "algo.kl_estimator=k2"], "interrupt"),
+    "reinforce_pp_baseline": (2, ["algo.mini_batches=2", "algo.dual_clip_c=3", SAME_MICRO_BATCHES], "inplace"),
 }
+JITTER_MS = "20"  # earl_stream/jitter.py
+
+
+@contextlib.contextmanager
+def busy_cores() -> Iterator[None]:
+    """One process spinning on each core while the pipeline runs: its processes compete for every core."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
 
 
 def _overrides(tmp: Path, steps: int = STEPS) -> list[str]:
     env_file = tmp / "byte_parity.py"
     env_file.write_text(ENV_SOURCE)
     return [f"envs.0.spec={env_file}:ByteParity", f"seed={SEED}", "trainer.max_staleness=0", f"steps={steps}",
-            "trainer.groups_per_step=2", "trainer.group_size=4", "trainer.lr=1e-2", "rollout.groups_in_flight=2",
-            # token-for-token equality needs sampling independent of arrival timing (see the field's help)
-            "rollout.join_running_batch=false"]
+            "trainer.groups_per_step=2", "trainer.group_size=4", "trainer.lr=1e-2", "rollout.groups_in_flight=2"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", sorted(CASES))
 def test_async_at_staleness_zero_matches_the_sync_loop(tmp_path: Path, tiny_model_dir: Path, advantage: str) -> None:
     torch.set_num_threads(1)
-    steps, options = CASES[advantage]
-    overrides = [*_overrides(tmp_path, steps), f"algo.advantage={advantage}", *options]
+    steps, options, swap = CASES[advantage]
+    overrides = [*_overrides(tmp_path, steps), f"algo.advantage={advantage}", f"rollout.weight_swap={swap}", *options]
     cluster = Cluster(tmp_path, tiny_model_dir, *overrides)
+    cluster.env["EARL_STREAM_JITTER_MS"] = JITTER_MS
     try:
-        cluster.start_supervisor()
-        cluster.worker("rollout", "rollout")
-        trainer = cluster.worker("trainer", "trainer")
-        wait_for(lambda: trainer.poll() is not None, 180, "the trainer to finish its steps")
+        with busy_cores():  # the synchronous reference below runs in this process, on a quiet machine
+            cluster.start_supervisor()
+            cluster.worker("rollout", "rollout")
+            trainer = cluster.worker("trainer", "trainer")
+            wait_for(lambda: trainer.poll() is not None, 300, "the trainer to finish its steps")
         assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-2000:]
     finally:
         cluster.stop()

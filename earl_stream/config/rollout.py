@@ -38,9 +38,14 @@ class RolloutConfig:
     groups_in_flight: int = _f(8, "prompt groups each worker plays concurrently", minimum=1)
     max_batch_size: int = _f(64, "sequences per engine forward pass", minimum=1)
     join_running_batch: bool = _f(True, "the built-in engine admits a request into a batch already decoding "
-                                  "(continuous batching); false: each batch runs to completion, so a seeded "
-                                  "sample does not depend on when its request arrived (padding changes logits "
-                                  "by ~1e-6, enough to flip a rare sampled token)")
+                                  "(continuous batching); false: each batch runs to completion")
+    batch_invariant: str = _f("auto", "a seeded episode samples exactly the same tokens whichever episodes share its "
+                              "engine batch and whenever they joined it: the built-in engine runs fixed-shape matmuls "
+                              "and attention row by row (other batching changes logits by ~1e-6, enough to flip a "
+                              "rare sampled token, so a run would depend on the machine's load). auto = always where "
+                              "trainer.max_staleness=0 (the on-policy run, which then plays what the synchronous loop "
+                              "plays) with the built-in engine, else never; always costs rollout throughput (see "
+                              "docs/troubleshooting.md)", choices=("auto", "always", "never"))
     weight_swap: str = _f("auto", "how a rollout engine loads a new policy version: drain = admissions stop until the "
                           "running rows end; interrupt = running rows stop at the next decode step and their contexts "
                           "are prefilled again under the new weights; inplace = the weights load between two decode "
@@ -75,6 +80,12 @@ class RolloutConfig:
                          "summarised, truncated or edited history): split = the episode goes on as a new segment, "
                          "each segment a sample of its own sharing the episode's reward and group; refuse = answered "
                          "400 (code non_append_history), nothing generated", choices=("refuse", "split"))
+
+    def invariant_batches(self, max_staleness: int) -> bool:
+        """`batch_invariant` resolved: auto = always at trainer.max_staleness=0 with the built-in engine."""
+        if self.batch_invariant != "auto":
+            return self.batch_invariant == "always"
+        return max_staleness == 0 and self.engine == "torch"
 
     @property
     def swap_mode(self) -> str:

@@ -39,6 +39,10 @@ def cross_field_problems(cfg: RunConfig) -> list[str]:
                    f"{cfg.rollout.engine}: that backend returns whole turns, so it can neither stop rows at a decode "
                    "step nor say which tokens the old weights sampled (make_engine says more); use "
                    "rollout.weight_swap=drain, or rollout.engine=torch")
+    if cfg.rollout.batch_invariant == "always" and cfg.rollout.engine != "torch":
+        out.append(f"rollout.batch_invariant=always is not available with rollout.engine={cfg.rollout.engine}: only the "
+                   "built-in engine makes a row's tokens independent of its batch; use rollout.engine=torch, or "
+                   "rollout.batch_invariant=never (then a run at trainer.max_staleness=0 depends on how requests batch)")
     out.extend(_eval_problems(cfg))
     names = [n for n in cfg.selector.plans.split("|") if n]
     bad = [n for n in names if not _LAYOUT_NAME.fullmatch(n)]

@@ -19,6 +19,7 @@ import numpy as np
 
 from earl_stream.env import Environment, EnvOptions, StepResult, env_options, env_reset, env_step
 from earl_stream.errors import EnvError
+from earl_stream.jitter import ajitter
 from earl_stream.model.chat import ChatFormat
 from earl_stream.records import SampleRecord
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, RequestRefused
@@ -145,6 +146,7 @@ async def play_episode(
                                   stop_token_ids=chat.stop_token_ids, temperature=sampling.temperature,
                                   top_p=sampling.top_p, top_k=sampling.top_k, cache_key=episode_id,
                                   seed=None if sample_seed is None else sample_seed + turns)
+        await ajitter()  # tests of timing independence only (EARL_STREAM_JITTER_MS)
         try:
             result = await batcher.generate(request)
         except RequestRefused as exc:

@@ -144,7 +144,8 @@ class RolloutWorker:
         lora = self.cfg.model.lora
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
                            kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.swap_mode,
-                           lora_rank=lora.rank if lora.enabled else 0)
+                           lora_rank=lora.rank if lora.enabled else 0,
+                           batch_invariant=r.invariant_batches(self.cfg.trainer.max_staleness))
 
     def _lora_stats(self) -> dict[str, float]:
         """How the engine applied LoRA versions (vLLM: `lora_versions_as_adapter` / `lora_versions_merged`)."""

@@ -68,8 +68,10 @@ class SyncLoop:
         self.model.train()
         engine_model, _ = load_model(path, dtype=torch_dtype(cfg.rollout.dtype))
         engine_model.eval()
+        # batched as the pipeline's engine would be under the same config (rollout.batch_invariant)
+        invariant = dataclasses.replace(cfg.rollout, engine="torch").invariant_batches(cfg.trainer.max_staleness)
         self.engine = make_engine("torch", path, engine_model, max_batch_size=cfg.rollout.max_batch_size,
-                                  seed=cfg.seed)
+                                  seed=cfg.seed, batch_invariant=invariant)
         self.ref_model = None
         if cfg.algo.kl_coef > 0:  # the reference policy: the initial weights, as a trainer rank loads it
             self.ref_model, _ = load_model(path)

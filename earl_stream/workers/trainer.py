@@ -358,6 +358,10 @@ class TrainerRank:
             return
         self._closed.set()
         self.stop.set()
+        # the heartbeat thread may be inside a call (or about to re-register): let it leave before its client is
+        # closed, else it opens a fresh socket that the interpreter's exit tears down under it (an abort at exit)
+        if self._hb is not threading.current_thread():
+            self._hb.join(self.hb_client.timeout_s + 1)
         self.node.close()
         self.store_client.close()
         if self.dispatcher is not None:

@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
-# 400 tensors of 100 KB (under glibc's initial 128 KiB threshold: heap blocks by default), each followed by a small
-# tensor that stays alive, so that the freed blocks are holes the heap cannot trim; resident MiB before the
-# big ones, with them, and after they are freed
+# 400 tensors of 100 KB (under glibc's initial 128 KiB threshold: heap blocks by default); every other one is freed,
+# so each freed block lies between two live ones: a hole the heap can neither merge into its top nor trim. (This
+# test once used a small live tensor as the separator; glibc may serve those from its free lists elsewhere, the big
+# blocks are then adjacent, merge into the top chunk when freed and are trimmed: the default case then "returned"
+# its memory, more often on a busy machine.) Resident MiB before the big ones, with them, and after half is freed.
 _CHILD = """
 import json, sys, torch
 from earl_stream.workers.host_memory import set_malloc_mmap_threshold
@@ -20,12 +22,9 @@ applied = set_malloc_mmap_threshold(int(sys.argv[1])) if int(sys.argv[1]) else N
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
 before = rss()
-big, small = [], []
-for _ in range(400):
-    big.append(torch.ones(25_000))
-    small.append(torch.ones(64))
+big = [torch.ones(25_000) for _ in range(400)]
 held = rss()
-big.clear()
+del big[::2]
 print(json.dumps({"applied": applied, "held": held - before, "after": rss() - before}))
 """
 
@@ -39,5 +38,5 @@ def _run(threshold: int) -> dict:
 def test_freed_tensors_return_to_the_os_only_with_the_threshold() -> None:
     default, mapped = _run(0), _run(65536)
     assert default["held"] > 30 and mapped["held"] > 30  # 40 MB of tensors were resident in both
-    assert default["after"] > 0.8 * default["held"], default  # glibc's heap kept the freed blocks
-    assert mapped["applied"] is True and mapped["after"] < 0.2 * mapped["held"], mapped  # unmapped when freed
+    assert default["after"] > 0.9 * default["held"], default  # glibc's heap kept the freed half
+    assert mapped["applied"] is True and mapped["after"] < 0.65 * mapped["held"], mapped  # the freed half unmapped

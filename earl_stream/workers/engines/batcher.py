@@ -61,7 +61,7 @@ class AsyncBatcher:
     def __init__(self, engine: Engine, *, max_batch_size: int = 64, max_wait_s: float = 0.002,
                  join_running: bool = True) -> None:
         """`join_running=False`: every batch runs to completion even on an engine that admits requests
-        while running (sampling then depends on no arrival timing: rollout.join_running_batch)."""
+        while running (rollout.join_running_batch)."""
         if max_batch_size < 1 or max_wait_s < 0:
             raise EngineError(
                 f"AsyncBatcher needs max_batch_size >= 1 and max_wait_s >= 0, got {max_batch_size}, {max_wait_s}"

@@ -97,6 +97,7 @@ def make_engine(
     seed: int = 0,
     weight_swap: str = "drain",
     lora_rank: int = 0,
+    batch_invariant: bool = False,
 ) -> Engine:
     """Start backend `name` on the Hugging Face directory `model_dir`.
 
@@ -106,7 +107,9 @@ def make_engine(
     saying what to install, when `name` cannot run here, and before starting anything when it cannot
     swap weights by `weight_swap` (`weight_swap.SwapMode`; only the built-in engine has all three).
     `lora_rank` > 0 (a `model.lora` run): vLLM starts able to serve adapters of that rank (the built-in
-    engine merges adapters and needs nothing at start).
+    engine merges adapters and needs nothing at start). `batch_invariant` (`rollout.batch_invariant`): a row's
+    tokens do not depend on which rows share its batch; only backends with `set_batch_invariant` (the built-in
+    one) can, any other is refused.
     """
     reason = unavailable_reason(name)
     if reason is not None:
@@ -128,4 +131,10 @@ def make_engine(
             raise EngineError(f"rollout.weight_swap={mode.value}: engine {name!r} swaps weights only by draining "
                               "(it has no set_weight_swap); use rollout.weight_swap=drain")
         setter(mode)
+    if batch_invariant:
+        make_invariant = getattr(engine, "set_batch_invariant", None)
+        if make_invariant is None:
+            raise EngineError(f"rollout.batch_invariant: engine {name!r} cannot make a row's tokens independent of "
+                              "its batch; use rollout.engine=torch or rollout.batch_invariant=never")
+        make_invariant(True)
     return engine

@@ -107,12 +107,14 @@ class TorchEngine(SwapSteps):
         prefix_sharing: bool = True,
         max_prefill_tokens: int = 8192,
         weight_swap: SwapMode | str = SwapMode.DRAIN,
+        batch_invariant: bool = False,
     ) -> None:
         """`fast_forward=False` always uses the HF model's forward (for comparisons and debugging);
         `continuous=False` admits requests only into an empty batch (batch-to-completion);
         `prefix_sharing=False` prefills every row's prompt separately; `max_prefill_tokens` bounds the
         prompt positions (without kept KV) one prefill runs, past its first row (0: no bound); `weight_swap`: what a
-        weight load does to running rows (`weight_swap.SwapMode`)."""
+        weight load does to running rows (`weight_swap.SwapMode`); `batch_invariant`: a row's logits are bitwise the same
+        whatever rows share its batch (see `set_batch_invariant`)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
@@ -143,6 +145,8 @@ class TorchEngine(SwapSteps):
         if fast_forward and self._fast is None:
             _LOG.info("the fast decoder does not support %s: generating through the HF forward (batch to completion)",
                       getattr(config, "model_type", type(model).__name__))
+        self._invariant = False
+        self.set_batch_invariant(batch_invariant)
         self._continuous = continuous and self._fast is not None
         self._sharing = prefix_sharing
         self._max_prefill = max_prefill_tokens
@@ -171,6 +175,23 @@ class TorchEngine(SwapSteps):
         self._capacity = capacity
         self._kv.set_budget(capacity.kv_budget_tokens)
         M.ROLLOUT_KV_BUDGET_TOKENS.set(capacity.kv_budget_tokens)
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self._invariant
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Make every row's logits (hence its seeded tokens) independent of which rows share its batch and when
+        they joined (`rollout.batch_invariant`): the fast decoder runs fixed-shape linears and per-row attention
+        (`fast_decoder.FastDecoder.batch_invariant`); through the HF forward, rows run one at a time. What it does
+        not cover: a turn whose kept KV was evicted is prefilled again (other float rounding than reusing it),
+        and sparse expert blocks (MoE) run on the whole batch."""
+        self._invariant = on
+        if self._fast is not None:
+            self._fast.batch_invariant = on
+        if on and self._routing is not None:
+            _LOG.warning("rollout.batch_invariant: the model's sparse expert blocks still run on the whole batch, "
+                         "so its rows' logits may depend on their batch in the last float bits")
 
     @property
     def stats(self) -> EngineStats:
@@ -261,6 +282,8 @@ class TorchEngine(SwapSteps):
         if not self._admitting or (batch is not None and not self._continuous):
             return []
         cap, plan = self._capacity, KVPlan(self._layers)
+        if self._invariant and self._fast is None:  # the HF forward pads a batch: one row at a time is exact
+            cap = EngineCapacity(1, cap.kv_budget_tokens)
         storage = batch.cache if batch is not None and isinstance(batch.cache, StaticKV) else None
         if batch is not None:
             plan = KVPlan(self._layers, storage.row_capacity if storage else len(batch.rows),

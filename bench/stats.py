@@ -1,0 +1,42 @@
+"""Intervals for benchmark arms: the mean of repeats with its 95% confidence interval (Student's t), and the
+ratio of two arms' means with a 95% interval (delta method on the log ratio, Welch's degrees of freedom).
+
+It owns only arithmetic; a benchmark records every repeat beside what these functions compute.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+# two-sided 97.5% quantiles of Student's t by degrees of freedom (1..30); larger: the normal's 1.96
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t975(df: float) -> float:
+    """Student's t quantile for a two-sided 95% interval at `df` degrees of freedom (rounded down)."""
+    return _T975[max(1, int(df)) - 1] if df < 31 else 1.96
+
+
+def mean_ci95(values: Sequence[float]) -> dict[str, float]:
+    """{"mean", "low", "high", "n"}: the mean of `values` (at least 2) and its 95% interval."""
+    if len(values) < 2:
+        raise ValueError(f"an interval needs at least 2 repeats, got {len(values)}")
+    mean = statistics.fmean(values)
+    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values)}
+
+
+def ratio_ci95(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """{"ratio", "low", "high"}: mean(a) / mean(b) with a 95% interval (positive values, at least 2 of each)."""
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError("a ratio's interval needs at least 2 repeats per arm")
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    va, vb = statistics.variance(a) / (len(a) * ma * ma), statistics.variance(b) / (len(b) * mb * mb)
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / ((va * va / (len(a) - 1) if va else 0) + (vb * vb / (len(b) - 1) if vb else 0) or 1e-300)
+    half = t975(df) * se
+    ratio = ma / mb
+    return {"ratio": ratio, "low": ratio * math.exp(-half), "high": ratio * math.exp(half)}
