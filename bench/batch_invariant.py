@@ -29,6 +29,7 @@ from earl_stream.model import init_model, load_model  # noqa: E402
 from earl_stream.workers.engines import GenerateRequest, TorchEngine  # noqa: E402
 
 DEPENDS_ON = ["earl_stream/workers/engines/torch_engine.py", "earl_stream/workers/engines/fast_decoder.py",
+              "earl_stream/workers/engines/invariant_ops.py",
               "earl_stream/workers/engines/running.py", "earl_stream/workers/engines/sampling.py",
               "bench/batch_invariant.py", "bench/stats.py"]
 

@@ -55,6 +55,7 @@ BENCHMARKS: list[dict[str, Any]] = [
      "script": "bench/selector.py", "command": "python bench/selector.py --json bench/results/selector.json",
      "files": ["selector.json"], "render": render_selector},
     {"name": "batch_invariant", "depends_on": ["earl_stream/workers/engines/torch_engine.py",
+                                               "earl_stream/workers/engines/invariant_ops.py",
                                                "earl_stream/workers/engines/fast_decoder.py",
                                                "earl_stream/workers/engines/running.py",
                                                "earl_stream/workers/engines/sampling.py", "bench/batch_invariant.py",

@@ -13,8 +13,7 @@ copies cost ~2/3 of the layers' weight memory again, acceptable for the small CP
 `StaticKV` (per layer [B, kv_heads, capacity, head_dim] buffers shared by every row of a batch, with
 the same `.layers[i].keys/.values/.batch_select_indices` surface the engine uses on a DynamicCache).
 With `batch_invariant` every row's logits are bitwise the same whatever rows share its batch (the engine's
-`batch_invariant`): linears run on fixed blocks of `INVARIANT_BLOCK_ROWS` rows, and attention runs row by
-row over exactly that row's real keys (no padding in any reduction); sparse expert blocks are not covered.
+`batch_invariant`), through the fixed-shape ops of `invariant_ops`; sparse expert blocks are not covered.
 It leaves everything else to the HF forward: `FastDecoder.supports(model)` says which models qualify
 (full attention only, SiLU MLP or a sparse expert block, standard pre-norm layers). A sparse expert block
 (router `gate` + `experts`) runs through its own module forward on the [B, n] tokens of the step, so the
@@ -31,11 +30,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from earl_stream.workers.engines import invariant_ops
+
 _FAMILIES = ("qwen2", "llama", "mistral", "qwen3_moe", "mixtral")
-# Batch-invariant linears run on blocks of exactly this many rows: a BLAS picks its kernel (and its order of
-# summation) by the shape, and small row counts take other kernels (on this CPU's MKL, 1-3, 5 and 7 rows give
-# other float32 results than 8 or more), so a fixed block shape makes a row's result independent of its batch.
-INVARIANT_BLOCK_ROWS = 8
 _QK_NORM = ("qwen3_moe",)  # families whose attention normalises q and k per head (q_norm, k_norm)
 
 
@@ -344,9 +341,12 @@ class FastDecoder:
             qk = qk * cos + _rotate_half(qk) * sin  # q and k rotated in one go
             kv.k_buf[:, :, start:end] = qk[:, heads:]
             kv.v_buf[:, :, start:end] = qkv[:, heads + kv_heads :]
-            if self.batch_invariant:
-                o = self._attend_rows(qk[:, :heads], kv.k_buf[:, :, :end], kv.v_buf[:, :, :end], key_mask, start,
-                                      lay.scaling)
+            if self.batch_invariant and n == 1:
+                o = invariant_ops.attend_decode(qk[:, :heads], kv.k_buf[:, :, :end], kv.v_buf[:, :, :end], key_mask,
+                                                kv_heads, lay.scaling)
+            elif self.batch_invariant:
+                o = invariant_ops.attend_prefill(qk[:, :heads], kv.k_buf[:, :, :end], kv.v_buf[:, :, :end], key_mask,
+                                                 start, kv_heads, lay.scaling)
             else:
                 o = self._attend(qk[:, :heads], kv.k_buf[:, :, :end], kv.v_buf[:, :, :end], mask, lay.scaling)
             x = x + self._linear(o.transpose(1, 2).reshape(b, n, heads * d), lay.o_w, lay.o_b)
@@ -379,41 +379,7 @@ class FastDecoder:
         return (torch.softmax(scores, dim=-1) @ values).reshape(b, heads, 1, d)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """F.linear over x [..., in]; batch-invariant: on blocks of exactly INVARIANT_BLOCK_ROWS rows (zero-padded)."""
-        if not self.batch_invariant:
-            return F.linear(x, weight, bias)
-        flat = x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
-        if pad := -rows % INVARIANT_BLOCK_ROWS:
-            flat = torch.cat([flat, flat.new_zeros((pad, flat.shape[1]))])
-        out = torch.cat([F.linear(block, weight, bias) for block in flat.split(INVARIANT_BLOCK_ROWS)])
-        return out[:rows].view(*x.shape[:-1], out.shape[-1])
-
-    def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor,
-                     start: int, scaling: float) -> torch.Tensor:
-        """`_attend`, one row at a time over only that row's real keys and queries, so that no reduction
-        depends on the batch's padding: q [B, H, n, D] (new tokens left-padded), keys/values [B, Hkv, L, D],
-        key_mask [B, L] (nonzero = real). Outputs of padding queries are zeros (never used)."""
-        b, heads, n, d = q.shape
-        out = torch.zeros_like(q)
-        for i in range(b):
-            real = key_mask[i, : keys.shape[2]].nonzero().squeeze(1)
-            k, v = keys[i].index_select(1, real), values[i].index_select(1, real)  # [Hkv, Li, D], contiguous
-            new = int(key_mask[i, start : start + n].sum())  # the row's real new tokens: the last `new` of the n
-            if new == 0:
-                continue
-            qi = q[i, :, n - new :].contiguous()  # [H, new, D]
-            if new == 1:
-                grouped = qi.reshape(self.kv_heads, heads // self.kv_heads, d)
-                probs = torch.softmax((grouped @ k.transpose(-1, -2)) * scaling, dim=-1)
-                out[i, :, n - 1] = (probs @ v).reshape(heads, d)
-                continue
-            past = k.shape[1] - new  # real keys before the first new token (kept KV)
-            cols = torch.arange(k.shape[1], device=q.device)
-            rows = torch.arange(past, past + new, device=q.device)[:, None]
-            out[i, :, n - new :] = F.scaled_dot_product_attention(qi, k, v, attn_mask=cols <= rows, scale=scaling,
-                                                                  enable_gqa=self.kv_heads != heads)
-        return out
+        return invariant_ops.linear_blocks(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
 
     @staticmethod
     def _attention_mask(key_mask: torch.Tensor, start: int, n: int) -> torch.Tensor:
