@@ -23,11 +23,11 @@ TRUTH = StepCostModel(seconds_per_flop=1 / 4e9, seconds_per_byte=1e-11, seconds_
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _planner(tmp_path: Path, **selector: object) -> Planner:
+def _planner(tmp_path: Path, max_staleness: int = 1, **selector: object) -> Planner:
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
     cfg = RunConfig(model=ModelConfig(path=str(tmp_path / "model")), run_dir=str(tmp_path / "run"),
-                    trainer=TrainerConfig(nproc=1, groups_per_step=2, group_size=4),
+                    trainer=TrainerConfig(nproc=1, groups_per_step=2, group_size=4, max_staleness=max_staleness),
                     selector=SelectorConfig(context_window=16, initial_seq_len=256, trainer_memory_bytes=1 << 30,
                                             reserve_bytes=0, **selector))
     return Planner(cfg)
@@ -109,6 +109,24 @@ def test_cost_model_path_reads_the_benchmark_json_and_refuses_bad_files(tmp_path
         _planner(tmp_path, cost_model_path=str(bad))
     with pytest.raises(ConfigError, match="cannot read"):
         _planner(tmp_path, cost_model_path=str(tmp_path / "missing.json"))
+
+
+def test_a_run_at_staleness_zero_reports_refits_but_never_adopts_them(tmp_path: Path) -> None:
+    """At trainer.max_staleness=0 the run is deterministic whatever the load (rollout.batch_invariant): measured
+    step times must not pick its plans, so the refit is reported ("held") and the starting model kept."""
+    planner = _planner(tmp_path, max_staleness=0, cost_model_min_steps=4)
+    start = planner.cost_model
+    rng = random.Random(1)
+    for step in range(6):
+        lengths = [rng.randint(60, 240) for _ in range(8)]
+        planner.stats.add_many(lengths)
+        planner.on_step(step, _claim(step, lengths))
+        seconds = TRUTH.predict_step(planner.shape, planner.micro_batches(lengths))
+        assert planner.on_trained(step, {"step_seconds": seconds}) is None
+    calibration = planner.status()["cost_model"]
+    assert calibration["adopted"] is False and "max_staleness=0" in calibration["held"]
+    assert calibration["refit_relative_error"] < calibration["previous_relative_error"]  # it would have helped
+    assert planner.cost_model is start and not (tmp_path / "run" / "cost_model.json").exists()
 
 
 def test_refit_off_with_zero_min_steps(tmp_path: Path) -> None:

@@ -45,7 +45,9 @@ class RolloutConfig:
                               "rare sampled token, so a run would depend on the machine's load). auto = always where "
                               "trainer.max_staleness=0 (the on-policy run, which then plays what the synchronous loop "
                               "plays) with the built-in engine, else never; always costs rollout throughput (see "
-                              "docs/troubleshooting.md)", choices=("auto", "always", "never"))
+                              "docs/troubleshooting.md). While on, the selector reports its live cost-model refits "
+                              "but does not adopt them: plans picked from measured step times would depend on load",
+                              choices=("auto", "always", "never"))
     weight_swap: str = _f("auto", "how a rollout engine loads a new policy version: drain = admissions stop until the "
                           "running rows end; interrupt = running rows stop at the next decode step and their contexts "
                           "are prefilled again under the new weights; inplace = the weights load between two decode "

@@ -103,6 +103,9 @@ class Planner:
         self.calibration: dict[str, Any] = {"source": source, "cost_model": self.cost_model.to_dict()}
         self._calibration_file = Path(cfg.run_dir) / "cost_model.json"
         self._min_steps = s.cost_model_min_steps
+        # A run that promises timing independence (staleness 0, batch-invariant rollout) must not let measured
+        # step times pick its plans: the refit is computed and reported, never adopted.
+        self._hold_refits = cfg.rollout.invariant_batches(cfg.trainer.max_staleness)
         self._step_plans: dict[int, list[TrainPlan]] = {}  # step -> its micro-batches, until measured
         self._samples: deque[tuple[ModelShape, list[TrainPlan], float]] = deque(maxlen=s.cost_model_window)
         self._measured = 0
@@ -254,11 +257,14 @@ class Planner:
         samples = list(self._samples)
         fitted = StepCostModel.fit_steps(samples, prior=self.cost_model, relative=True)
         before, after = self.cost_model.relative_error(samples), fitted.relative_error(samples)
-        adopted = after <= before
+        adopted = after <= before and not self._hold_refits
         self.calibration = {"source": "live" if adopted else self.calibration["source"], "step": step,
-                            "steps": len(samples), "relative_error": min(after, before),
+                            "steps": len(samples), "relative_error": min(after, before) if adopted else before,
                             "previous_relative_error": before, "refit_relative_error": after, "adopted": adopted,
                             "cost_model": (fitted if adopted else self.cost_model).to_dict()}
+        if self._hold_refits:
+            self.calibration["held"] = ("trainer.max_staleness=0 with a batch-invariant rollout: plans must not "
+                                        "depend on measured step times (rollout.batch_invariant)")
         log.info("cost model refit on %d measured steps at step %d: mean relative error %.3f -> %.3f (%s): %s",
                  len(samples), step, before, after, "adopted" if adopted else "kept the previous",
                  fitted.to_dict())
