@@ -14,13 +14,13 @@ import os
 import random
 import time
 
-_ENV = "EARL_STREAM_JITTER_MS"
+ENV = "EARL_STREAM_JITTER_MS"  # the variable a test sets
 _RNG = random.Random()  # seeded from the OS: the jitter must differ run to run and touch no seeded stream
 
 
 def _max_ms() -> float:
     try:
-        return max(0.0, float(os.environ.get(_ENV, "0") or 0))
+        return max(0.0, float(os.environ.get(ENV, "0") or 0))
     except ValueError:
         return 0.0
 

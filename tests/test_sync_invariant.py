@@ -28,6 +28,7 @@ import pytest
 import torch
 from cluster import Cluster, wait_for
 
+from earl_stream import jitter
 from earl_stream.config import load_config
 from earl_stream.workers.sync_loop import run_sync_loop
 
@@ -70,7 +71,7 @@ CASES = {
     "reinforce_pp": (2, ["algo.is_correction=mask", "algo.kl_coef=0.05", "algo.kl_estimator=k2"], "interrupt"),
     "reinforce_pp_baseline": (2, ["algo.mini_batches=2", "algo.dual_clip_c=3", SAME_MICRO_BATCHES], "inplace"),
 }
-JITTER_MS = "20"  # earl_stream/jitter.py
+JITTER_MS = "20"
 
 
 @contextlib.contextmanager
@@ -99,7 +100,7 @@ def test_async_at_staleness_zero_matches_the_sync_loop(tmp_path: Path, tiny_mode
     steps, options, swap = CASES[advantage]
     overrides = [*_overrides(tmp_path, steps), f"algo.advantage={advantage}", f"rollout.weight_swap={swap}", *options]
     cluster = Cluster(tmp_path, tiny_model_dir, *overrides)
-    cluster.env["EARL_STREAM_JITTER_MS"] = JITTER_MS
+    cluster.env[jitter.ENV] = JITTER_MS
     try:
         with busy_cores():  # the synchronous reference below runs in this process, on a quiet machine
             cluster.start_supervisor()

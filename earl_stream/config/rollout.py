@@ -41,7 +41,7 @@ class RolloutConfig:
                                   "(continuous batching); false: each batch runs to completion")
     batch_invariant: str = _f("auto", "a seeded episode samples exactly the same tokens whichever episodes share its "
                               "engine batch and whenever they joined it: the built-in engine runs fixed-shape matmuls "
-                              "and attention row by row (other batching changes logits by ~1e-6, enough to flip a "
+                              "and attention reductions (other batching changes logits by ~1e-6, enough to flip a "
                               "rare sampled token, so a run would depend on the machine's load). auto = always where "
                               "trainer.max_staleness=0 (the on-policy run, which then plays what the synchronous loop "
                               "plays) with the built-in engine, else never; always costs rollout throughput (see "

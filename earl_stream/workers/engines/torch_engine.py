@@ -176,16 +176,11 @@ class TorchEngine(SwapSteps):
         self._kv.set_budget(capacity.kv_budget_tokens)
         M.ROLLOUT_KV_BUDGET_TOKENS.set(capacity.kv_budget_tokens)
 
-    @property
-    def batch_invariant(self) -> bool:
-        return self._invariant
-
     def set_batch_invariant(self, on: bool) -> None:
         """Make every row's logits (hence its seeded tokens) independent of which rows share its batch and when
-        they joined (`rollout.batch_invariant`): the fast decoder runs fixed-shape linears and per-row attention
-        (`fast_decoder.FastDecoder.batch_invariant`); through the HF forward, rows run one at a time. What it does
-        not cover: a turn whose kept KV was evicted is prefilled again (other float rounding than reusing it),
-        and sparse expert blocks (MoE) run on the whole batch."""
+        they joined (`rollout.batch_invariant`): the fast decoder runs the fixed-shape ops of `invariant_ops`;
+        through the HF forward, rows run one at a time. Not covered: a turn whose kept KV was evicted is prefilled
+        again (other float rounding than reusing it), and sparse expert blocks (MoE) run on the whole batch."""
         self._invariant = on
         if self._fast is not None:
             self._fast.batch_invariant = on
