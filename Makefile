@@ -114,22 +114,23 @@ clean: ## remove every virtualenv this Makefile made, the docs site and build ou
 test-wheel: ## build the wheel, install it in a fresh venv outside the repo, run `earl-stream up --steps 3`
 	bash scripts/test-wheel.sh
 
-# Optional tier: the vLLM backend for real on CPU, in its own environment (.venv-vllm, ~3.7 GB).
-test-vllm: ## the vLLM tier on CPU (.venv-vllm)
+# Optional tier: the vLLM backend for real on CPU, in its own environment (.venv-vllm, ~2.4 GB). Each tier's
+# environment is layered on .venv (scripts/lib/venv.sh): torch and the test tools are installed once.
+test-vllm: $(VENV)/.installed ## the vLLM tier on CPU (.venv-vllm)
 	bash scripts/test-vllm.sh $(PYTEST_ARGS)
 
 # The environment-ecosystem tier: the verifiers and OpenEnv adapters against the real packages, offline, in
 # their own environment (.venv-ecosystems: verifiers pins older datasets/huggingface_hub than .venv).
-test-ecosystems: ## the verifiers and OpenEnv adapters (.venv-ecosystems)
+test-ecosystems: $(VENV)/.installed ## the verifiers and OpenEnv adapters (.venv-ecosystems)
 	bash scripts/test-ecosystems.sh $(PYTEST_ARGS)
 
 # The UCX tier: the transport contract over UCX and `up store.transport=ucx`, in its own environment (.venv-ucx,
 # ucxx-cu12: runs without a GPU, over TCP and shared memory).
-test-ucx: ## the UCX data plane (.venv-ucx)
+test-ucx: $(VENV)/.installed ## the UCX data plane (.venv-ucx)
 	bash scripts/test-ucx.sh $(PYTEST_ARGS)
 
 # Optional tier: `up --launcher ray` on a real three-node Ray cluster, in its own environment (.venv-ray, ~360 MB of ray).
-test-ray: ## `up --launcher ray` on a real three-node Ray cluster (.venv-ray)
+test-ray: $(VENV)/.installed ## `up --launcher ray` on a real three-node Ray cluster (.venv-ray)
 	bash scripts/test-ray.sh $(PYTEST_ARGS)
 
 # The Slurm tier (root): Debian's slurm-wlm + munge, slurmctld and three slurmd (nodes n0-n2) on this host,
