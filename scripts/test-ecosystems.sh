@@ -22,4 +22,4 @@ if [[ "${ECO_INSTALL_ONLY:-0}" == "1" ]]; then
 fi
 
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-"$VENV/bin/pytest" -q -p no:cacheprovider -m ecosystems tests/envs "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m ecosystems tests/envs "$@"

@@ -19,4 +19,4 @@ if [[ "${RAY_INSTALL_ONLY:-0}" == "1" ]]; then
 fi
 
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
-"$VENV/bin/pytest" -q -p no:cacheprovider -m ray tests "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m ray tests "$@"

@@ -23,4 +23,4 @@ fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false UCX_TLS="${UCX_TLS:-tcp,sm,self}" UCX_WARN_UNUSED_ENV_VARS=n
 "$VENV/bin/python" -c "from earl_stream.store.ucx import ucx_available, ucx_import_error as e; \
 assert ucx_available(), f'ucxx does not import in $VENV: {e()}'"
-"$VENV/bin/pytest" -q -p no:cacheprovider -m ucx tests "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m ucx tests "$@"

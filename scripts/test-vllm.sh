@@ -44,5 +44,5 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 DO_NO
 unset VLLM_CPU_KVCACHE_SPACE
 # 1) everything marked `vllm` (the vLLM engine tests, the contract test on vLLM, end-to-end runs);
 # 2) the engine contract on the other backends in this environment (torch runs, SGLang skips).
-"$VENV/bin/pytest" -q -p no:cacheprovider -m vllm tests "$@"
-"$VENV/bin/pytest" -q -p no:cacheprovider -m "not vllm" tests/workers/engines/test_engine_contract.py "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not vllm" tests/workers/engines/test_engine_contract.py "$@"
