@@ -63,7 +63,13 @@ def distill_problems(cfg: Any) -> list[str]:
     d = cfg.algo.distill
     if not (Path(d.teacher) / "config.json").is_file():
         return [f"algo.distill.teacher: {d.teacher} is not a Hugging Face model directory (no config.json)"]
-    student_dir = cfg.model.path
+    from earl_stream.model.hub import local_model_dir
+
+    try:
+        folder = local_model_dir(cfg.model)
+    except ModelError as exc:
+        return [f"model.path: {exc}"]
+    student_dir = str(folder) if folder else ""
     if not student_dir:
         from earl_stream.model.default import default_model_dir
         student_dir = str(default_model_dir(warm_start_steps=cfg.model.warm_start_steps))

@@ -6,6 +6,7 @@ restarts a dead one with --restart, shows a live view, and writes a summary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from earl_stream import protocol as P
 from earl_stream.cli.keys import write_key
 from earl_stream.cli.launchers import Launcher, Placed, RunSpec, make_launcher
 from earl_stream.cli.live import LiveView
-from earl_stream.config import RunConfig, config_to_yaml, replace
+from earl_stream.config import RunConfig, config_to_yaml, load_config, replace
 from earl_stream.errors import ChildProcessFailed, EarlError
 from earl_stream.security.encryption import export_encrypt
 from earl_stream.security.keys import KeyRole, role_token
@@ -34,10 +35,18 @@ SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced"
                 "win_rate_last", "draw_rate_last", "tokens_per_second", "wall_seconds")
 
 
-def prepare(cfg: RunConfig) -> tuple[RunConfig, Path]:
-    """Resolve the model (building the embedded one once) and write the run's config file."""
+def prepare(cfg: RunConfig, *, resume: bool = False) -> tuple[RunConfig, Path]:
+    """Resolve the model (building the embedded one once; pinning a Hub id to its commit and the sha256 of
+    its files, which every worker checks its own copy against; a resumed run keeps the commit it was
+    started with, even if the branch has moved since) and write the run's config file."""
+    from earl_stream.model.hub import pin_model
+
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    if resume and path.is_file():
+        cfg = _keep_pinned_model(cfg, load_config(path))
+    cfg = pin_model(cfg)
     if not cfg.model.path:
         from earl_stream.model import ensure_default_model
 
@@ -45,9 +54,18 @@ def prepare(cfg: RunConfig) -> tuple[RunConfig, Path]:
         model_dir = ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
                                          warm_start_seconds=cfg.model.warm_start_seconds)
         cfg = replace(cfg, f"model.path={model_dir}")
-    path = run_dir / "config.yaml"
     path.write_text(config_to_yaml(cfg))
     return cfg, path
+
+
+def _keep_pinned_model(cfg: RunConfig, before: RunConfig) -> RunConfig:
+    """`cfg` with the Hub model pin (commit and manifest) of the run being resumed, when it names the same
+    model and either no revision or that commit."""
+    old, new = before.model, cfg.model
+    if old.manifest and not new.manifest and old.path == new.path and new.revision in ("", old.revision):
+        log.info("resume: model %s stays at commit %s, the one the run was started with", old.path, old.revision)
+        return dataclasses.replace(cfg, model=dataclasses.replace(new, revision=old.revision, manifest=old.manifest))
+    return cfg
 
 
 def _run_secret(run_dir: Path) -> bytes:
@@ -118,7 +136,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     `restart`: times the trainer pool is restarted from its latest checkpoint when one of its ranks
     dies, and times a rollout worker or the supervisor that dies is started again (0 = the run stops
     with an error naming the process)."""
-    cfg, config_file = prepare(cfg)
+    cfg, config_file = prepare(cfg, resume=resume)
     run_dir = Path(cfg.run_dir)
     if not resume:  # a fresh run: forget the ledger of an earlier run in the same directory
         (run_dir / "supervisor.state").unlink(missing_ok=True)
@@ -156,6 +174,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     finally:
         launcher.stop()
     summary = make_summary(status, wall=time.time() - started)
+    summary["model"] = {"path": cfg.model.path, "revision": cfg.model.revision}  # a Hub model's pinned commit
     out = Path(summary_path) if summary_path else run_dir / "summary.json"
     curve = view.write_learning_curve(out.parent / "learning_curve.png")
     summary["learning_curve_png"] = str(curve) if curve else None

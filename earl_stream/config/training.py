@@ -29,7 +29,12 @@ class LoraConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     path: str = _f("", "directory of a Hugging Face causal LM + tokenizer (~ and $VARS expanded when the config is "
-                   "loaded); empty = the embedded tiny model")
+                   "loaded), or a Hugging Face Hub id org/name (a local folder of that name wins); empty = the "
+                   "embedded tiny model")
+    revision: str = _f("", "branch, tag or commit of a Hub id model.path (empty = main); `up` pins it to the commit it "
+                       "resolves to, which every worker loads")
+    manifest: dict[str, str] = _f({}, "set by `up` for a Hub model (leave empty): sha256 of each file of the pinned "
+                                  "snapshot; a worker whose cached copy differs refuses to start")
     warm_start_steps: int = _f(1350, "supervised warm-start steps of the embedded model (built once per value, "
                                "then cached)", minimum=0)
     warm_start_seconds: float = _f(900.0, "upper bound on the warm start's wall time", minimum=0)

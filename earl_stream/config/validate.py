@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 def cross_field_problems(cfg: RunConfig) -> list[str]:
     """What in `cfg` cannot work with the rest of it, the model or the engine (one line each; [] when all is well)."""
     from earl_stream.algo.checks import algo_problems  # it imports the estimator registry (numpy only)
+    from earl_stream.model.hub import hub_problems  # Hub id or local folder (no network, no transformers)
 
-    out = algo_problems(cfg)
+    out = algo_problems(cfg) + hub_problems(cfg.model)
     if cfg.algo.routing_replay != "none":
         from earl_stream.model.moe_checks import routing_replay_problems  # reads the model's config.json
 

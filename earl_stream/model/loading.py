@@ -1,9 +1,10 @@
-"""Loading a local Hugging Face causal-LM directory, with one clear error per thing that is wrong.
+"""Loading a Hugging Face causal-LM directory, with one clear error per thing that is wrong.
 
 This module owns what makes a directory usable as `model.path`: a config of a causal LM, a tokenizer
-with a chat template (the agent loop renders every turn through it), and readable weights. It never
-reaches a hub. Writing such a directory from a GGUF file or another directory is
-`earl_stream.model.importing`'s job.
+with a chat template (the agent loop renders every turn through it), and readable weights. It reads
+local directories only (`local_files_only`): a Hub id (`org/name`) is first turned into this host's
+snapshot directory by `earl_stream.model.hub`, the one module that may reach the Hub. Writing such a
+directory from a GGUF file or another directory is `earl_stream.model.importing`'s job.
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def check_model_dir(path: str | os.PathLike[str]) -> Path:
-    """`path` as a Path (`~` expanded) if it is an existing directory; else ModelError."""
+def check_model_dir(path: str | os.PathLike[str], revision: str = "") -> Path:
+    """`path` as a Path (`~` expanded) if it is an existing directory, or the snapshot directory of the Hub
+    id `path` at `revision` (`model.hub.resolve`); else ModelError."""
+    from earl_stream.model.hub import is_hub_id, resolve
+
+    if is_hub_id(str(path)):
+        return resolve(str(path), revision).path
+    if revision:
+        raise ModelError(f"model revision {revision!r} given for {path}, which is not a Hugging Face Hub id (org/name)")
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelError(f"model directory {p} does not exist (create one with `earl-stream init-model DIR` or "
@@ -51,14 +59,15 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def load_tokenizer(path: str | os.PathLike[str], *, require_chat_template: bool = True) -> PreTrainedTokenizerBase:
-    """Load the tokenizer saved in the local directory `path` (never from a hub).
+def load_tokenizer(path: str | os.PathLike[str], *, require_chat_template: bool = True,
+                   revision: str = "") -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved in the local directory `path`, or of the Hub id `path` at `revision`.
 
     With `require_chat_template` (the default: every role renders chats), a tokenizer without a chat
     template (in tokenizer_config.json or chat_template.jinja) is a ModelError naming the directory.
     A missing pad token becomes the eos token.
     """
-    p = check_model_dir(path)
+    p = check_model_dir(path, revision)
     if not any((p / name).is_file() for name in TOKENIZER_FILES):
         raise ModelError(f"model directory {p} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     try:
@@ -74,14 +83,15 @@ def load_tokenizer(path: str | os.PathLike[str], *, require_chat_template: bool 
 
 
 def load_model(
-    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, revision: str = ""
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the causal LM and tokenizer in the local directory `path`, model in eval mode.
+    """Load the causal LM and tokenizer in the local directory `path` (or of the Hub id `path` at
+    `revision`: this host's snapshot, downloaded if online), model in eval mode.
 
     Raises ModelError (one line) for a missing directory, a directory without config.json, a
     config that is not a causal LM, a missing tokenizer or chat template, or unreadable weights.
     """
-    p = check_model_dir(path)
+    p = check_model_dir(path, revision)
     if not (p / "config.json").is_file():
         raise ModelError(f"model directory {p} has no config.json; it is not a Hugging Face model directory")
     try:

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from earl_stream.errors import ModelError
+
 if TYPE_CHECKING:
     from earl_stream.config.run import RunConfig
 
@@ -42,8 +44,11 @@ def lora_problems(cfg: RunConfig) -> list[str]:
         out.append(f"model.lora: rollout.engine={cfg.rollout.engine} cannot apply LoRA adapters in this version: {why} "
                    f"(engines that can: {', '.join(ADAPTER_ENGINES)})")
     try:
-        linears = linear_module_names(cfg.model.path)
-    except (OSError, ValueError, KeyError) as exc:
+        from earl_stream.model.hub import local_model_dir
+
+        folder = local_model_dir(cfg.model)
+        linears = linear_module_names(str(folder) if folder else "")
+    except (OSError, ValueError, KeyError, ModelError) as exc:
         out.append(f"model.lora: cannot read the architecture of model.path={cfg.model.path!r}: {exc}")
         return out
     missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in linears)]

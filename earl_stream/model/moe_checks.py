@@ -15,9 +15,9 @@ the experts it routed each token to. Recording and replaying are `workers.engine
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from earl_stream.errors import ModelError
 from earl_stream.model.moe_config import MOE_TYPES, moe_layers, num_experts
 
 if TYPE_CHECKING:
@@ -38,11 +38,10 @@ def routing_replay_problems(cfg: RunConfig) -> list[str]:
         out.append(f"algo.routing_replay={mode}: the embedded default model is dense (no experts to replay); "
                    "set model.path to a mixture-of-experts model or algo.routing_replay=none")
         return out
-    config_file = Path(cfg.model.path) / "config.json"
     try:
-        d = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        out.append(f"algo.routing_replay={mode}: cannot read {config_file}: {exc}")
+        d = _model_config(cfg)
+    except (OSError, ValueError, ModelError) as exc:
+        out.append(f"algo.routing_replay={mode}: cannot read the config of model.path={cfg.model.path}: {exc}")
         return out
     if not moe_layers(d):
         kind = d.get("model_type")
@@ -57,14 +56,22 @@ def expert_parallel_problems(cfg: RunConfig, degrees: list[int]) -> list[str]:
     if not cfg.model.path:
         return [f"selector.plans names {names}: the embedded default model is dense (no experts to shard); set "
                 "model.path to a mixture-of-experts model or drop the ep layouts"]
-    config_file = Path(cfg.model.path) / "config.json"
     try:
-        d = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        return [f"selector.plans names {names}: cannot read {config_file}: {exc}"]
+        d = _model_config(cfg)
+    except (OSError, ValueError, ModelError) as exc:
+        return [f"selector.plans names {names}: cannot read the config of model.path={cfg.model.path}: {exc}"]
     if not moe_layers(d):
         return [f"selector.plans names {names}: model {cfg.model.path} (model_type={d.get('model_type')!r}) is dense "
                 "(no routed experts to shard); drop the ep layouts"]
     experts = num_experts(d)
     return [f"selector.plans: ep{n} does not divide the {experts} experts per layer of {cfg.model.path}"
             for n in degrees if experts % n]
+
+
+def _model_config(cfg: RunConfig) -> dict[str, Any]:
+    """config.json of the run's model: a local folder's, or a Hub model's from this host's checked copy."""
+    from earl_stream.model.hub import local_model_dir
+
+    folder = local_model_dir(cfg.model)
+    assert folder is not None, "the embedded model is handled by the callers"
+    return dict(json.loads((folder / "config.json").read_text()))

@@ -86,6 +86,20 @@ def load_cost_model(path: str | os.PathLike[str]) -> StepCostModel:
     return StepCostModel.from_dict(data)
 
 
+def _model_config_file(cfg: RunConfig) -> Path | None:
+    """The config.json of the run's model on this host (a Hub model's checked snapshot); None when the
+    model is the embedded one or cannot be had here (the selector then stays off, as the caller logs)."""
+    from earl_stream.errors import ModelError
+    from earl_stream.model.hub import local_model_dir
+
+    try:
+        found = local_model_dir(cfg.model)
+    except ModelError as exc:
+        log.warning("%s", exc)
+        return None
+    return found / "config.json" if found is not None else None
+
+
 class Planner:
     """Context statistics and the current plans of the trainer and rollout pools of one run.
 
@@ -125,7 +139,7 @@ class Planner:
         self._initial_seq_len = cfg.selector.initial_seq_len  # a rollout plan's design length before any decision
         self.max_trainable_tokens = 0  # the longest sequence a trainer plan fits (0: unknown)
         self.rollout_memory: EngineMemory | None = None  # what the rollout plan is sized by, and where it came from
-        config_file = Path(cfg.model.path) / "config.json" if cfg.model.path else None
+        config_file = _model_config_file(cfg) if s.enabled else None
         if not s.enabled or config_file is None or not config_file.is_file():
             if s.enabled:
                 log.warning("selector off: the supervisor cannot read the model config (model.path=%r)", cfg.model.path)

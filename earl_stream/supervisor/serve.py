@@ -23,6 +23,7 @@ from earl_stream import protocol as P
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError, ProtocolError
 from earl_stream.files import write_durably
+from earl_stream.model.hub import pin_model
 from earl_stream.security import encryption
 from earl_stream.security.keys import KeyRole, keyring, role_of
 from earl_stream.security.secret import Refusal, ReplayGuard, check_keys, refusal_text, sign
@@ -39,6 +40,7 @@ MAX_MESSAGE_BYTES = 16 << 20  # the largest control message taken (metadata of ~
 def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: bytes | None = None,
           state_dir: str | None = None, forget_workers: bool = False) -> None:
     """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
+    cfg = pin_model(cfg)  # a Hub model of a supervisor started by hand: pinned before any worker registers
     keys = _keyring(secret)
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)

@@ -39,9 +39,14 @@ def register(client: P.ControlClient, role: P.Role, *, host: str, rank: int = -1
 
 
 def model_path(cfg: RunConfig) -> Path:
-    """The model directory of the run: the user's, or the embedded tiny model (built once)."""
+    """The model directory of the run: the user's, this host's checked copy of the Hub model the run pinned
+    (`model.hub.local_model_dir`: a copy that differs is a ModelError), or the embedded tiny model (built once)."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        from earl_stream.model.hub import local_model_dir
+
+        found = local_model_dir(cfg.model)
+        assert found is not None
+        return found
     from earl_stream.model import ensure_default_model
 
     return ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
