@@ -28,10 +28,7 @@ from stats import mean_ci95, ratio_ci95  # noqa: E402
 from earl_stream.model import init_model, load_model  # noqa: E402
 from earl_stream.workers.engines import GenerateRequest, TorchEngine  # noqa: E402
 
-DEPENDS_ON = ["earl_stream/workers/engines/torch_engine.py", "earl_stream/workers/engines/fast_decoder.py",
-              "earl_stream/workers/engines/invariant_ops.py",
-              "earl_stream/workers/engines/running.py", "earl_stream/workers/engines/sampling.py",
-              "bench/batch_invariant.py", "bench/stats.py"]
+DEPENDS_ON = ["earl_stream/workers/engines", "bench/batch_invariant.py", "bench/stats.py"]
 
 
 def workload(groups: int, group_size: int, new_tokens: int, vocab: int) -> list[GenerateRequest]:

@@ -6,8 +6,9 @@ from, the tokens so far, and the result or error the submitting thread waits for
 row), with the three layout changes continuous batching needs: admit rows (`join`), drop finished
 rows (`keep_rows`) and drop leading padding every remaining row shares (`trim`); and the row-wise KV
 and sampling helpers (kept KV in and out, per-row uniforms), and the layout of a prefill (`prefill_layout`:
-which rows run, their ids, mask and positions). Which rows to admit, the forward passes and the
-sampling itself are `admission`'s, `torch_engine`'s and `sampling`'s job.
+which rows run, their ids, mask and positions). The cache is the fast decoder's `StaticKV` or, on the HF
+forward, a DynamicCache of full-attention layers. Which rows to admit, the forward passes and the
+sampling itself are `admission`'s, `forward_passes`'s and `sampling`'s job.
 
 Layout (one row per request, all rows share the cache length T):
   mask [B, T]: | pad | row's tokens (kept KV, prompt, generated) |; positions are cumsum(mask) - 1.
@@ -23,10 +24,11 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
-from earl_stream.workers.engines.fast_decoder import StaticKV
 from earl_stream.workers.engines.kv_store import KeptKV
+from earl_stream.workers.engines.static_kv import StaticKV
 
 
 @dataclass
@@ -111,23 +113,36 @@ class RunningBatch:
 
     def trim(self) -> int:
         """Drop leading positions that are padding in every row, once they are at least half the batch
-        (so that the copy is amortised over many steps). StaticKV only. Returns the positions dropped."""
-        if not isinstance(self.cache, StaticKV) or not self.rows:
+        (so that the copy is amortised over many steps). Returns the positions dropped."""
+        if not self.rows:
             return 0
         used = self.mask.any(dim=0).nonzero()
         lead = int(used[0]) if used.numel() else self.length
         if lead * 2 < self.length:
             return 0
-        self.cache.trim_left(lead)
+        if isinstance(self.cache, StaticKV):
+            self.cache.trim_left(lead)
+        else:
+            for layer in _full_layers(self.cache):
+                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
         self.mask = self.mask[:, lead:]
         return lead
 
     def join(self, other: RunningBatch, room: int) -> None:
-        """Append `other`'s rows (a freshly prefilled StaticKV batch), right-aligned at the longer length,
-        with KV room for `room` more positions."""
-        assert isinstance(self.cache, StaticKV) and isinstance(other.cache, StaticKV)
-        shift = self.cache.append_rows(other.cache, room)
-        width = self.cache.length
+        """Append `other`'s rows (a freshly prefilled batch with the same kind of cache), right-aligned at the
+        longer length, with KV room for `room` more positions (a StaticKV's storage; a DynamicCache grows as
+        it goes). A DynamicCache must hold full-attention layers only (`_full_layers`)."""
+        if isinstance(self.cache, StaticKV):
+            assert isinstance(other.cache, StaticKV)
+            shift = self.cache.append_rows(other.cache, room)
+        else:
+            assert not isinstance(other.cache, StaticKV)
+            shift = max(self.length, other.length) - self.length
+            for mine, theirs in zip(_full_layers(self.cache), _full_layers(other.cache), strict=True):
+                lag = shift + self.length - other.length
+                mine.keys = torch.cat([_pad_kv(mine.keys, shift), _pad_kv(theirs.keys, lag)])
+                mine.values = torch.cat([_pad_kv(mine.values, shift), _pad_kv(theirs.values, lag)])
+        width = self.length + shift
         self.mask = torch.cat([_pad_left(self.mask, shift), _pad_left(other.mask, width - other.length)])
         self.positions = torch.cat([self.positions, other.positions])
         self.logits = torch.cat([self.logits, other.logits])
@@ -192,6 +207,18 @@ def draw_uniforms(rows: list[Row], rng: torch.Generator) -> torch.Tensor:
 
 def _pad_left(mask: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([mask.new_zeros((mask.shape[0], n)), mask], dim=1) if n else mask
+
+
+def _pad_kv(kv: torch.Tensor, n: int) -> torch.Tensor:
+    """kv [B, kv_heads, L, D] with `n` zero positions added on the left (padding the mask hides)."""
+    return torch.cat([kv.new_zeros((*kv.shape[:2], n, kv.shape[3])), kv], dim=2) if n else kv
+
+
+def _full_layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers, checked to be plain full-attention layers (positions can be added or dropped)."""
+    layers: list[Any] = list(cache.layers)
+    assert all(type(layer) is DynamicLayer for layer in layers), "only full-attention DynamicCache layers re-align"
+    return layers
 
 
 @dataclass

@@ -13,15 +13,17 @@ grow; kept caches are evicted first; a request too large even alone is refused w
 `RequestRefused`; one prefill runs at most `max_prefill_tokens` positions past its first row, which
 bounds its activations). The KV positions in use, the running rows and the budget are Prometheus gauges. Each sampled token is handed
 to its request's `on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
-It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, and
-tokenisation to the agent loop. CPU/fp32 is the tested configuration. Weight loads follow
+It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, the
+forward passes to `forward_passes`, and tokenisation to the agent loop. CPU/fp32 is the tested configuration. Weight loads follow
 `weight_swap` (`weight_swap.SwapMode`: drain, or interrupt/inplace at the next step boundary, the
 swap's own logic living in `weight_swap`); every token carries the version of the forward whose logits
 it was sampled from.
 
-Forward passes go through `fast_decoder.FastDecoder` (the engine's own Llama-family forward with a
+Forward passes go through `fast_decoder.FastDecoder` (the engine's own forward for Llama-style decoders with a
 preallocated KV cache reused across steps) where the model qualifies, else through the HF model with
-a `DynamicCache`; the latter runs batch-to-completion (no admission into a running batch). Both give
+a `DynamicCache`; the latter admits rows into a running batch too when every layer is full attention, and
+runs batch-to-completion otherwise (sliding-window cache layers cannot be re-aligned). `decode_path`
+makes that choice from the model's config and modules and says why (`TorchEngine.decode_path`). Both give
 the same logits to ~1e-5 (log-probs to ~1e-6).
 
 Threads: any thread calling `generate` queues its requests and then drives `step` under one lock
@@ -39,27 +41,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
 from earl_stream.model.lora import AdapterMerger
 from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
-from earl_stream.workers.engines.fast_decoder import FastDecoder, StaticKV
+from earl_stream.workers.engines.decode_path import PathChoice, choose_path
+from earl_stream.workers.engines.forward_passes import ForwardPasses
 from earl_stream.workers.engines.kv_store import KVStore
 from earl_stream.workers.engines.routing import RoutingRecorder
-from earl_stream.workers.engines.running import (
-    Row,
-    RunningBatch,
-    draw_uniforms,
-    fill_kept,
-    kept_kv,
-    merged_kept,
-    prefill_layout,
-    select_rows,
-)
+from earl_stream.workers.engines.running import Row, RunningBatch, draw_uniforms, kept_kv
 from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
+from earl_stream.workers.engines.static_kv import StaticKV
 from earl_stream.workers.engines.weight_swap import SwapMode, SwapSteps, WeightSwapper
 
 _LOG = logging.getLogger(__name__)
@@ -140,15 +135,13 @@ class TorchEngine(SwapSteps):
         self._can_keep = all(t == "full_attention" for t in layer_types)
         if not self._can_keep:
             _LOG.warning("model has non-full-attention layers %s: KV caches are not kept between turns", layer_types)
-        self._fast = FastDecoder(model) if fast_forward and self._can_keep and FastDecoder.supports(model) else None
+        self._path = choose_path(model, fast_forward=fast_forward)  # before the routing hooks: it probes the model
+        self._fast = self._path.decoder
         self._routing = RoutingRecorder.attach(model)  # MoE: records routed experts per fed token
-        if fast_forward and self._fast is None:
-            _LOG.info("the fast decoder does not support %s: generating through the HF forward (batch to completion)",
-                      getattr(config, "model_type", type(model).__name__))
         self._invariant = False
         self.set_batch_invariant(batch_invariant)
-        self._continuous = continuous and self._fast is not None
-        self._sharing = prefix_sharing
+        self._continuous = continuous and (self._fast is not None or self._can_keep)  # sliding layers: cannot join
+        self._passes = ForwardPasses(model, self._fast, self._device, self._routing, self._pad_id, prefix_sharing)
         self._max_prefill = max_prefill_tokens
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._layers = int(config.num_hidden_layers)
@@ -163,6 +156,11 @@ class TorchEngine(SwapSteps):
     @property
     def capacity(self) -> EngineCapacity:
         return self._capacity
+
+    @property
+    def decode_path(self) -> PathChoice:
+        """The forward this engine decodes with and why (`decode_path.choose_path`)."""
+        return self._path
 
     @property
     def admits_while_running(self) -> bool:
@@ -255,7 +253,7 @@ class TorchEngine(SwapSteps):
                 if batch is not None:
                     tokens = self._sample_and_retire(batch)
                     if batch.rows:
-                        self._decode(batch, tokens)
+                        self._passes.decode(batch, tokens, self._version, self._counts)
                     else:
                         self._batch = None
                 self._admit()
@@ -337,7 +335,7 @@ class TorchEngine(SwapSteps):
                 if key is not None:
                     self._live_keys.add(key)
                     row.kept = self._kv.take(key, row.prompt)
-            joining = self._prefill(rows)
+            joining = self._passes.prefill(rows, self._version, self._counts)
         except RuntimeError as exc:
             self._fail(rows, exc)
             return
@@ -369,40 +367,6 @@ class TorchEngine(SwapSteps):
             row.finish(error=error)
 
     # ---------------------------------------------------------------- forward passes
-
-    def _prefill(self, rows: list[Row]) -> RunningBatch:
-        """One forward over the new prompt tokens of the admitted rows, laid out by `prefill_layout`: each
-        distinct prompt once, its KV and logits then copied to every row that shares it."""
-        lay = prefill_layout(rows, self._sharing, self._pad_id)
-        sources, index, cached, width_c, width_n = lay.sources, lay.index, lay.cached, lay.width_c, lay.width_n
-        ids, mask, positions = lay.ids.to(self._device), lay.mask.to(self._device), lay.positions.to(self._device)
-        cache: DynamicCache | StaticKV | None
-        if self._fast is not None:
-            capacity = width_c + width_n + max(r.remaining for r in rows)
-            cache = self._fast.new_cache(len(sources), capacity)
-            fill_kept(sources, cached, width_c, [(layer.k_buf, layer.v_buf) for layer in cache.layers])
-            cache.length = width_c
-            logits = self._fast.forward(ids, positions, mask, cache)
-        else:
-            cache = merged_kept(sources, cached, width_c)
-            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                              use_cache=True, logits_to_keep=1)
-            logits, cache = out.logits[:, -1, :], out.past_key_values
-        assert cache is not None
-        if self._routing is not None:
-            self._routing.prefill(rows, lay)
-        self._counts["forward_calls"] += 1
-        self._counts["prefill_tokens"] += sum(len(r.prompt) - c for r, c in zip(sources, cached))
-        self._counts["reused_tokens"] += sum(cached)
-        for row in rows:
-            row.kept = None  # its tensors now live in the batch cache
-            row.logits_version = self._version
-        if len(sources) < len(rows):
-            self._counts["shared_prefix_tokens"] += sum(len(r.prompt) for r in rows) - sum(len(r.prompt) for r in sources)
-            idx = torch.tensor(index, dtype=torch.long, device=mask.device)
-            select_rows(cache, idx)
-            logits, mask = logits[idx], mask[idx]
-        return RunningBatch(rows, cache, mask, mask.sum(-1), logits.float())
 
     def _sample_and_retire(self, batch: RunningBatch) -> torch.Tensor:
         """Sample one token per row; finished rows keep their KV (if keyed), get their result and leave.
@@ -441,26 +405,6 @@ class TorchEngine(SwapSteps):
             if stay:  # else the batch ends and its storage is freed: the kept caches may use the whole budget
                 self._kv.evict_to(max(0, self._capacity.kv_budget_tokens - batch.held_tokens))
         return tokens
-
-    def _decode(self, batch: RunningBatch, tokens: torch.Tensor) -> None:
-        """Feed every row its last sampled token: one forward, next-token logits into the batch."""
-        batch.trim()
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
-        ids, positions = tokens[:, None].to(self._device), batch.positions[:, None]
-        if isinstance(batch.cache, StaticKV):
-            assert self._fast is not None
-            logits = self._fast.forward(ids, positions, batch.mask, batch.cache)
-        else:
-            out = self._model(input_ids=ids, attention_mask=batch.mask, position_ids=positions,
-                              past_key_values=batch.cache, use_cache=True)
-            logits = out.logits[:, -1, :]
-        if self._routing is not None:
-            self._routing.decode(batch.rows)
-        batch.logits = logits.float()
-        batch.positions = batch.positions + 1
-        for row in batch.rows:
-            row.logits_version = self._version
-        self._counts["forward_calls"] += 1
 
 
 def _observe(on_token: Callable[[int], None], token: int) -> None:

@@ -19,7 +19,7 @@ from earl_stream.workers.agent_loop import Sampling, play_episode
 from earl_stream.workers.engines import AsyncBatcher, FinishReason, GenerateRequest, GenerateResult, TorchEngine
 from earl_stream.workers.engines.admission import KVPlan
 from earl_stream.workers.engines.base import RequestRefused
-from earl_stream.workers.engines.fast_decoder import StaticKV
+from earl_stream.workers.engines.static_kv import StaticKV
 
 torch.set_num_threads(1)
 BUDGET = 3000  # KV tokens

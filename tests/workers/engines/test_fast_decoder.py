@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from earl_stream.workers.engines import GenerateRequest, TorchEngine
+from earl_stream.workers.engines.decode_path import DecodePath
 from earl_stream.workers.engines.fast_decoder import FastDecoder
 
 torch.set_num_threads(1)
@@ -102,11 +103,16 @@ def test_weight_changes_reach_the_fused_projections() -> None:
     assert changed.logprobs == pytest.approx(hf.logprobs, abs=1e-5)
 
 
-def test_unsupported_models_fall_back_to_the_hf_forward() -> None:
-    model = qwen2(4, hidden_act="gelu")
+@pytest.mark.parametrize(("overrides", "reason"), [
+    ({"hidden_act": "laplace"}, "activation 'laplace' not in the fast decoder"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window layers"),
+], ids=["unknown-activation", "sliding-window"])
+def test_unsupported_models_fall_back_to_the_hf_forward(overrides: dict[str, object], reason: str) -> None:
+    model = qwen2(4, **overrides)
     assert not FastDecoder.supports(model)
     engine = TorchEngine(model)
-    assert engine._fast is None
+    assert engine._fast is None and engine.decode_path.path is DecodePath.HF_FORWARD
+    assert reason in engine.decode_path.reason
     res = engine.generate([GenerateRequest(list(range(1, 10)), 4, temperature=0.0)])[0]
     assert len(res.token_ids) == 4
 

@@ -1,0 +1,87 @@
+"""The built-in engine's two forward passes over a batch: the prefill that admits rows and the decode step.
+
+It owns running them through the fast decoder (`fast_decoder`, a `StaticKV` cache) or the Hugging Face forward
+(a `DynamicCache`), whichever `decode_path` chose, and recording the routed experts of MoE models. It leaves the
+scheduling, sampling and the KV budget to `torch_engine` and the batch layout to `running`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from earl_stream.workers.engines.fast_decoder import FastDecoder
+from earl_stream.workers.engines.routing import RoutingRecorder
+from earl_stream.workers.engines.running import Row, RunningBatch, fill_kept, merged_kept, prefill_layout, select_rows
+from earl_stream.workers.engines.static_kv import StaticKV
+
+
+@dataclass(frozen=True)
+class ForwardPasses:
+    """What the passes run on: the HF `model`, its `fast` decoder (None: the HF forward), the `device` of its
+    parameters, the MoE `routing` recorder (None for dense models), the `pad_id` of prompt padding, and whether
+    rows admitted together with the same prompt share one prefill (`sharing`)."""
+
+    model: PreTrainedModel
+    fast: FastDecoder | None
+    device: torch.device
+    routing: RoutingRecorder | None
+    pad_id: int
+    sharing: bool
+
+    def prefill(self, rows: list[Row], version: int, counts: dict[str, int]) -> RunningBatch:
+        """One forward over the new prompt tokens of the admitted rows, laid out by `prefill_layout`: each
+        distinct prompt once, its KV and logits then copied to every row that shares it. Logits are stamped with
+        `version`; `counts`: the engine's counters, incremented here."""
+        lay = prefill_layout(rows, self.sharing, self.pad_id)
+        sources, index, cached, width_c, width_n = lay.sources, lay.index, lay.cached, lay.width_c, lay.width_n
+        ids, mask, positions = lay.ids.to(self.device), lay.mask.to(self.device), lay.positions.to(self.device)
+        cache: DynamicCache | StaticKV | None
+        if self.fast is not None:
+            capacity = width_c + width_n + max(r.remaining for r in rows)
+            cache = self.fast.new_cache(len(sources), capacity)
+            fill_kept(sources, cached, width_c, [(layer.k_buf, layer.v_buf) for layer in cache.layers])
+            cache.length = width_c
+            logits = self.fast.forward(ids, positions, mask, cache)
+        else:
+            cache = merged_kept(sources, cached, width_c)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                              use_cache=True, logits_to_keep=1)
+            logits, cache = out.logits[:, -1, :], out.past_key_values
+        assert cache is not None
+        if self.routing is not None:
+            self.routing.prefill(rows, lay)
+        counts["forward_calls"] += 1
+        counts["prefill_tokens"] += sum(len(r.prompt) - c for r, c in zip(sources, cached))
+        counts["reused_tokens"] += sum(cached)
+        for row in rows:
+            row.kept = None  # its tensors now live in the batch cache
+            row.logits_version = version
+        if len(sources) < len(rows):
+            counts["shared_prefix_tokens"] += sum(len(r.prompt) for r in rows) - sum(len(r.prompt) for r in sources)
+            idx = torch.tensor(index, dtype=torch.long, device=mask.device)
+            select_rows(cache, idx)
+            logits, mask = logits[idx], mask[idx]
+        return RunningBatch(rows, cache, mask, mask.sum(-1), logits.float())
+
+    def decode(self, batch: RunningBatch, tokens: torch.Tensor, version: int, counts: dict[str, int]) -> None:
+        """Feed every row its last sampled token (tokens [B] int64): one forward, next-token logits into the batch."""
+        batch.trim()
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
+        ids, positions = tokens[:, None].to(self.device), batch.positions[:, None]
+        if isinstance(batch.cache, StaticKV):
+            assert self.fast is not None
+            logits = self.fast.forward(ids, positions, batch.mask, batch.cache)
+        else:
+            out = self.model(input_ids=ids, attention_mask=batch.mask, position_ids=positions,
+                              past_key_values=batch.cache, use_cache=True)
+            logits = out.logits[:, -1, :]
+        if self.routing is not None:
+            self.routing.decode(batch.rows)
+        batch.logits = logits.float()
+        batch.positions = batch.positions + 1
+        for row in batch.rows:
+            row.logits_version = version
+        counts["forward_calls"] += 1
