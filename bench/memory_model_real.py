@@ -185,11 +185,11 @@ def predict_switch(old: str, new: str) -> tuple[int | None, int, str]:
     no_grads = bd_a.static_bytes - bd_a.gradients_bytes + bd_b.static_bytes - bd_b.gradients_bytes
     estimate = no_grads + shape.num_params() * 12  # fp32 weights + AdamW's two moments
     try:
-        from earl_stream.supervisor.switch_memory import predict_switch as library  # type: ignore[import-not-found]
+        from earl_stream.supervisor.switch_memory import predict_switch as library
     except ImportError:
         return None, estimate, ""
     got = library(shape, a, b, BUCKET_BYTES, stepped=True)
-    return int(got.peak), estimate, f"switch_memory.predict_switch (bucket {BUCKET_BYTES >> 20} MiB)"
+    return int(got.peak_bytes), estimate, f"switch_memory.predict_switch (bucket {BUCKET_BYTES >> 20} MiB)"
 
 
 def part_f(grid: list[str], script: str) -> dict[str, Any]:
