@@ -372,7 +372,9 @@ class Supervisor:
         lease = self.cfg.supervisor.lease_s
         for w in self.workers.values():
             if w.alive and w.role != P.Role.CLIENT and now - w.last_seen > lease:
-                why = f"missed its lease of {lease:.1f}s"
+                # once the run has finished every worker is told to stop: one that stops beating is leaving (its
+                # exit can take longer than a lease on a loaded host), not dying
+                why = "stopped after the run finished" if self.finished else f"missed its lease of {lease:.1f}s"
                 self.declare_dead(w, why)
                 self.expired.append((w.worker_id, why))
 
@@ -393,10 +395,11 @@ class Supervisor:
         result = self.ledger.worker_lost(w.worker_id, w.shard_address)
         self.evals.worker_lost(w.worker_id)
         self.pending_free.pop(w.shard_address, None)
-        log.warning("worker %s (pid %d) %s: declared dead; %d samples lost, %d prompts re-issued%s", w.worker_id, w.pid,
-                    why, result["samples_lost"], result["prompts_reissued"],
-                    " (a worker restarted on its host may still recover the samples it persisted)"
-                    if result["samples_lost"] and self.cfg.store.durable_experience else "")
+        log.log(logging.INFO if self.finished else logging.WARNING,
+                "worker %s (pid %d) %s: %s; %d samples lost, %d prompts re-issued%s", w.worker_id, w.pid,
+                why, "gone" if self.finished else "declared dead", result["samples_lost"], result["prompts_reissued"],
+                " (a worker restarted on its host may still recover the samples it persisted)"
+                if result["samples_lost"] and self.cfg.store.durable_experience else "")
 
     # -- status -------------------------------------------------------------------------------
 
