@@ -114,3 +114,15 @@ def test_a_drained_worker_that_registers_again_stays_gone() -> None:
     status = json.loads(sup.handle(P.StatusRequest(), 1.0).status_json)
     assert status["pools"]["rollout"]["active"] == 1
     assert [w["drained"] and not w["alive"] for w in status["workers"] if w["id"] == leaving] == [True]
+
+
+def test_a_worker_that_stops_beating_after_the_run_finished_is_gone_not_dead(caplog: pytest.LogCaptureFixture) -> None:
+    sup = Supervisor(load_config(overrides=["model.path=/nonexistent", "steps=1"]))
+    now = time.monotonic()
+    wid = sup.handle(P.Register(role=P.Role.TRAINER, host="h", pid=7, rank=0), now).worker_id
+    sup.handle(P.Finished(worker_id=wid, reason="1 steps done"), now)
+    assert sup.handle(P.Heartbeat(worker_id=wid), now).stop
+    with caplog.at_level("INFO", logger="earl_stream.supervisor.server"):
+        sup.check_leases(now + 1e6)  # its exit outlasted a lease on a loaded host
+    assert "stopped after the run finished: gone" in caplog.text and "missed its lease" not in caplog.text
+    assert not [r for r in caplog.records if r.name.endswith("server") and r.levelname == "WARNING"]
