@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DTensorPlacement
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -39,6 +39,7 @@ from earl_stream.errors import ConfigError
 from earl_stream.protocol import plan_name
 from earl_stream.store.layout import Layout
 from earl_stream.workers.expert_parallel import EP_MESH_DIMS, ep_problems, is_expert_param
+from earl_stream.workers.tensor_parallel import family_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,7 @@ class RankPlan:
                     out.append(f"tp={self.tp} does not divide the {what} ({size})")
         if self.dtype not in ("fp32", "bf16"):
             out.append(f"dtype={self.dtype!r}; choose fp32 or bf16")
-        return out
+        return out + family_problems(config, tp=self.tp, sp=self.sp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +244,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def reduce_gradients(model: torch.nn.Module, placement: Placement) -> None:
     """Sum the partial gradients of the data (and sp) ranks where FSDP did not already; the experts'
-    (ep) over the edp ranks that hold the same experts."""
+    (ep) over the edp ranks that hold the same experts; and, without FSDP (which does it in its
+    reduce-scatter), the tp ranks' partial gradients of weights they hold whole but apply to their own
+    heads (`workers.tensor_parallel.HeadwiseReplicate`, DTensor `Partial` gradients)."""
+    if placement.plan.fsdp == 1:
+        for p in model.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
     edp = placement.ep_mesh.size(0) if placement.ep_mesh is not None else 1
     if not placement.manual_reduce and edp == 1:
         return

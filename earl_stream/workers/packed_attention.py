@@ -15,6 +15,12 @@ right-padded to a bucket's longest, a bucket's rows x length^2 never above the l
 length^2. Peak attention memory is then that of the micro-batch's longest row alone (n x n scores
 per head in eager or in SDPA's math kernel), never S x S.
 
+A sliding-window layer (Gemma 3's local layers, Mistral's or Qwen2's window when set) passes its
+`sliding_window` to the attention call: within each row a query then sees only the `sliding_window`
+positions up to itself (transformers' rule), in every core (a banded mask; the varlen kernel's
+`window_size`). Soft-capped attention logits (Gemma 2) are refused
+(`workers.tensor_parallel.family_problems`).
+
 No mask is built: "earl_packed" is not registered with transformers' mask interface, so the model
 passes `attention_mask=None` (its mask helpers return early for an implementation they do not know)
 instead of materialising the S x S packed-sequence mask that its position-id detection would build.
@@ -134,15 +140,36 @@ def _rows(t: torch.Tensor, bucket: Sequence[tuple[int, int]], n: int) -> torch.T
     return torch.cat([F.pad(t[:, :, a:b], (0, 0, 0, n - (b - a))) for a, b in bucket])
 
 
+def causal_mask(n: int, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, 1, n, n] additive mask: query i sees keys j <= i, and with a sliding `window` only j > i - window
+    (transformers' `sliding_window_overlay`)."""
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    allowed = (d >= 0) if window is None else (d >= 0) & (d < window)
+    return torch.zeros(n, n, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def attention_options(kwargs: dict[str, Any]) -> int | None:
+    """The sliding window a layer's attention call asks for (None: full causal attention); RuntimeError
+    for what the trainer's attention does not compute (soft-capped logits)."""
+    if kwargs.get("softcap") is not None:
+        raise RuntimeError("attention logit soft-capping is not supported by packed or Ulysses attention "
+                           "(workers.tensor_parallel.family_problems refuses such a model)")
+    window = kwargs.get("sliding_window")
+    return int(window) if window else None
+
+
 def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       bounds: Sequence[int], *, base: str, dropout: float = 0.0,
-                      scaling: float | None = None) -> torch.Tensor:
-    """Causal attention within each segment [bounds[i], bounds[i+1]) of one packed sequence.
+                      scaling: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention within each segment [bounds[i], bounds[i+1]) of one packed sequence (and within
+    `sliding_window` positions back, for a sliding-window layer).
 
     q [1, H, S, d], k/v [1, KV, S, d] (KV divides H; `module.num_key_value_groups` = H / KV) ->
     [1, S, H, d]. Off the varlen kernel the segments run in `buckets`, each a batch [rows, H, L, d]
     of rows right-padded to its longest L (exact: under a causal mask right padding reaches no real
-    token) through `base` ("eager" builds an L x L causal mask; anything else runs SDPA with is_causal).
+    token) through `base` ("eager" builds an L x L causal mask; anything else runs SDPA with is_causal,
+    or with that mask under a sliding window).
     """
     s = query.shape[2]
     if bounds[0] != 0 or bounds[-1] != s:
@@ -152,7 +179,9 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, heads, d]
         cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        out = varlen(q, k, v, cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scaling, causal=True)
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        out = varlen(q, k, v, cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scaling, causal=True,
+                     window_size=window)
         return out.unsqueeze(0)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
@@ -163,9 +192,10 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         n = bucket[0][1] - bucket[0][0]
 
         q, k, v = (_rows(t, bucket, n) for t in (query, key, value))
-        if base == "eager":
-            mask = torch.full((n, n), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)[None, None]
-            out, _ = eager_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)
+        if base == "eager" or sliding_window is not None:
+            mask = causal_mask(n, sliding_window, q.dtype, q.device)
+            core = eager_attention_forward if base == "eager" else sdpa_attention_forward
+            out, _ = core(module, q, k, v, mask, dropout=dropout, scaling=scaling)
         else:
             out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)
         for i, (a, b) in enumerate(bucket):  # out [rows, n, H, d]
@@ -178,14 +208,16 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Hugging Face attention interface: q [1, H, S, d], k/v [1, KV, S, d] of a packed micro-batch
     (rotary embedding applied with per-row positions) -> ([1, S, H, d], None). `attention_mask` is
-    None (see the module docstring); the rows come from `packed_segments`."""
+    None (see the module docstring); the rows come from `packed_segments`; a sliding-window layer's
+    `sliding_window` keyword is honoured within each row."""
     bounds = _STATE.bounds
     if bounds is None or query.shape[0] != 1:
         raise RuntimeError("packed attention runs one packed sequence inside packed_segments()")
     shim = types.SimpleNamespace(num_key_value_groups=getattr(module, "num_key_value_groups", 1),
                                  training=module.training, is_causal=True, layer_idx=getattr(module, "layer_idx", 0))
     base = getattr(getattr(module, "config", None), BASE_ATTR, "sdpa")
-    return segment_attention(shim, query, key, value, bounds, base=base, dropout=dropout, scaling=scaling), None
+    return segment_attention(shim, query, key, value, bounds, base=base, dropout=dropout, scaling=scaling,
+                             sliding_window=attention_options(kwargs)), None
 
 
 def _register() -> None:

@@ -4,16 +4,18 @@ Owns `shard_model` (tensor parallel with DTensor `parallelize_module`, then FSDP
 `relayout` (a plan change at a step boundary: model and optimizer state move onto the new mesh shard
 to shard, bucket by bucket, with `workers.reshard`; never a full replica; no restart, same math) and `shard_pieces` (which
 parameter pieces this rank holds and publishes). Under ep the experts of a mixture-of-experts model
-are `workers.expert_parallel`'s (FSDP2 ignores them). Works for the Llama / Qwen2 / Mistral family:
-decoder layers under `model.layers` with q/k/v/o attention projections and gate/up/down MLPs.
+are `workers.expert_parallel`'s (FSDP2 ignores them). Works for any dense decoder-only family:
+which modules are decoder layers and how tensor parallel splits them is `workers.tensor_parallel`'s
+answer, from the model's own `_no_split_modules` and `config.base_model_tp_plan`.
 
-Tensor parallel (Megatron-style, as torchtitan lays out Llama): q/k/v/gate/up column-wise,
-o/down row-wise, the embedding row-wise over the vocabulary, the LM head column-wise over the
-vocabulary with its output left sharded (`workers.vocab_parallel` computes log-probs from the
-shards). A tied LM head shares the embedding's vocabulary shard. FSDP2 then shards every decoder
-layer and the root over the data mesh (`mesh.Placement.mesh`), with gradients summed (divide
-factor 1), since the loss is already normalised by the claim's token count; under bf16 its
-mixed-precision policy gathers bf16 weights per layer and reduces gradients in fp32.
+Tensor parallel (Megatron-style, the model's own plan: q/k/v/gate/up column-wise, o/down row-wise,
+or gathered where a norm or a fused projection needs every head), the embedding row-wise over the
+vocabulary, the LM head column-wise over the vocabulary with its output left sharded
+(`workers.vocab_parallel` computes log-probs from the shards). A tied LM head shares the
+embedding's vocabulary shard. FSDP2 then shards every decoder layer and the root over the data
+mesh (`mesh.Placement.mesh`), with gradients summed (divide factor 1), since the loss is already
+normalised by the claim's token count; under bf16 its mixed-precision policy gathers bf16 weights
+per layer and reduces gradients in fp32.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from transformers import PreTrainedModel
 
 from earl_stream.errors import ConfigError
@@ -34,42 +36,18 @@ from earl_stream.store.weights import WeightPiece
 from earl_stream.workers.expert_parallel import is_expert_param, shard_experts
 from earl_stream.workers.mesh import Placement, is_shard
 from earl_stream.workers.reshard import DEFAULT_BUCKET_BYTES, copy_buffers, meta_like, move_state
+from earl_stream.workers.tensor_parallel import decoder_layers, tp_plan
 from earl_stream.workers.ulysses import set_sequence_parallel
 
 log = logging.getLogger(__name__)
 
-_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a Llama-family causal LM; ConfigError names what is missing otherwise."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None or not hasattr(model, "lm_head") or not hasattr(base, "embed_tokens"):
-        raise ConfigError(f"{type(model).__name__} is not a Llama/Qwen2/Mistral-style causal LM (model.layers, "
-                          "model.embed_tokens, lm_head): tensor parallel and FSDP cannot lay it out")
-    return list(layers)
-
-
 def _tensor_parallel(model: torch.nn.Module, placement: Placement) -> None:
     assert placement.mesh is not None
-    tp_mesh = placement.mesh["tp"]
     hf: Any = model
     tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
-    plan: dict[str, Any] = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True),
-    }
-    for i, layer in enumerate(decoder_layers(model)):
-        for name in (*_COLWISE, *_ROWWISE):
-            if layer.get_submodule(name) is None:
-                raise ConfigError(f"decoder layer {i} has no {name}")
-        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in _COLWISE})
-        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in _ROWWISE})
-    parallelize_module(model, tp_mesh, plan)
+    parallelize_module(model, placement.mesh["tp"], tp_plan(model))
     if tied:  # both shard the [vocab, hidden] weight on dim 0: one parameter again
-        hf.lm_head.weight = hf.get_input_embeddings().weight
+        hf.get_output_embeddings().weight = hf.get_input_embeddings().weight
 
 
 def _fully_shard(model: torch.nn.Module, placement: Placement) -> None:

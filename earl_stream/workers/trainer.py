@@ -28,7 +28,7 @@ import torch.distributed as dist
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.devices import resolve_device
-from earl_stream.errors import ControlPlaneTimeout, EarlError
+from earl_stream.errors import ConfigError, ControlPlaneTimeout, EarlError
 from earl_stream.model import load_model
 from earl_stream.model.lora import LoraSpec, adapter_state, apply_lora, state_bytes
 from earl_stream.security.secret import load_secret
@@ -43,6 +43,7 @@ from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin
 from earl_stream.workers.host_memory import free_unused_memory, set_malloc_mmap_threshold
 from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
 from earl_stream.workers.sharding import apply_plan, relayout, shard_pieces
+from earl_stream.workers.tensor_parallel import family_problems
 from earl_stream.workers.train_step import StepResult, train_step
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class TrainerRank:
                      "are mapped on their own and unmapped when freed" if applied else
                      "stay in the C library's heap (trainer.malloc_mmap_threshold needs glibc's mallopt)")
         self.model, self.tokenizer = load_model(model_path(self.cfg))
+        if t.packing and (problems := family_problems(self.model.config, packing=True)):
+            raise ConfigError(f"trainer.packing=true: {'; '.join(problems)}; set trainer.packing=false")
         self.lora = LoraSpec.from_config(self.cfg.model.lora)
         if self.lora is not None:  # adapters on a frozen base: only they train, move and are checkpointed
             apply_lora(self.model, self.lora, seed=self.cfg.seed)

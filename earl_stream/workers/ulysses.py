@@ -26,7 +26,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from earl_stream.errors import ConfigError
-from earl_stream.workers.packed_attention import base_implementation, packed_bounds, segment_attention
+from earl_stream.workers.packed_attention import attention_options, base_implementation, causal_mask, packed_bounds, segment_attention
 
 ULYSSES = "ulysses"
 
@@ -98,7 +98,8 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """Hugging Face attention interface: q [b, H, n, d], k/v [b, KV, n, d] of this rank's n tokens
     (rotary embedding already applied with global positions) -> ([b, n, H, d], None).
 
-    Causal over the whole sequence, or within each row of a packed one; `attention_mask` is ignored
+    Causal over the whole sequence, or within each row of a packed one (and within a sliding-window
+    layer's `sliding_window` positions back, global positions); `attention_mask` is ignored
     (right padding only, see the module docstring). kv heads are all-to-all'ed at their own width when
     sp divides them, else repeated to H first. The core runs the model's own implementation (eager
     materialises the scores; per row when packed).
@@ -120,11 +121,14 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     base = base_implementation(module.config)
     s = q.shape[2]
     bounds = packed_bounds()
+    window = attention_options(kwargs)
     if bounds is not None:
-        out = segment_attention(shim, q, k, v, bounds, base=base, dropout=dropout, scaling=scaling)
-    elif base == "eager":
-        mask = torch.full((s, s), torch.finfo(q.dtype).min, dtype=q.dtype).triu(1)[None, None]
-        out, _ = eager_attention_forward(shim, q, k, v, mask, dropout=dropout, scaling=scaling)  # type: ignore[arg-type]
+        out = segment_attention(shim, q, k, v, bounds, base=base, dropout=dropout, scaling=scaling,
+                                sliding_window=window)
+    elif base == "eager" or window is not None:
+        mask = causal_mask(s, window, q.dtype, q.device)
+        core: Any = eager_attention_forward if base == "eager" else sdpa_attention_forward
+        out, _ = core(shim, q, k, v, mask, dropout=dropout, scaling=scaling)
     else:
         out, _ = sdpa_attention_forward(shim, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)  # type: ignore[arg-type]
     return _sequence_to_heads(out, p, group), None
