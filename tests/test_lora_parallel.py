@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 def two_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
     out = str(tmp_path_factory.mktemp("lora2") / "results")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the spawned ranks import this module as tests.test_lora_parallel
     mp.start_processes(_worker, args=(2, _free_port(), str(tiny_model_dir), out), nprocs=2, join=True,
                        start_method="spawn")
     return [{**torch.load(f"{out}.{r}"), "out": out} for r in range(2)]
