@@ -2,9 +2,9 @@
 
 Owns: the training plan (`TrainPlan`), the per-device prediction (`predict_train_memory` ->
 `MemoryBreakdown`), the rollout KV cache, and the fit check that says what would be needed (`advise`).
-The model's shape comes from `model_shape.ModelShape.from_hf` (which refuses architectures this
-model does not cover); ranking plans by speed is `cost_model`'s job; deciding when to reselect is
-the selector's.
+The model's shape comes from `model_shape.ModelShape.from_hf` (read from the model built on the meta
+device: parameters, gradients and optimizer states are counted from its exact tensors); ranking plans
+by speed is `cost_model`'s job; deciding when to reselect is the selector's.
 
 Activations follow Korthikanti et al. 2022 (Table 2): per layer a *replicated* part (split by t only
 under sequence parallelism), a *sharded* part (inside the tensor-parallel region, split by t) and
@@ -19,7 +19,11 @@ to the next linears: (4 + 2e) sbh, twice per layer (replicated). Eager attention
 the o_proj input: 4 e s b a d; the SwiGLU MLP saves gate, silu(gate), up and their product:
 4 e s b I (sharded). Scores: the fp32 softmax output, plus its cast copy when e < 4: (4 + e) a s^2 b.
 Flash/SDPA attention saves q, k and v at kv width, its output (which is also the o_proj input) and
-the fp32 log-sum-exp: e sb(2ad + 2kd) + 4 sba, no scores.
+the fp32 log-sum-exp: e sb(2ad + 2kd) + 4 sba, no scores. Families differ by data on the shape: a norm on a
+sub-layer's output (Gemma 3, OLMo 2: `post_norms`) saves (4 + e) sbh, its output feeding an add; q/k
+norms (Qwen3, Gemma 3, OLMo 2) save their fp32 input and normalised value, (4 + e) per q and k element;
+a sub-layer with no norm before it (OLMo 2) has its linears save the residual stream, e sbh. A routed-expert
+layer also saves each token's top_k gathered rows and its experts' outputs: 2 e s b k h.
 The peak is not the saved total alone but the largest of: (a) everything saved plus the loss's
 [b, s, V] fp32 buffers (`TrainPlan.logit_copies`); (b) the lm_head backward (the logits' grad and
 the weight-gradient temporary); (c) the last layer's backward: the other layers' saved tensors plus
@@ -40,13 +44,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from earl_stream.errors import ConfigError
 from earl_stream.supervisor.model_shape import ModelShape
-from earl_stream.supervisor.param_tensors import published_share_bytes
+from earl_stream.supervisor.param_tensors import parameter_tensors, published_share_bytes, rank_share
 
 GIB = 1 << 30
 # [b, s, V] fp32 buffers alive at the loss's peak: HF's labels loss keeps the log-probs, their grad
@@ -227,36 +232,44 @@ def layer_activation_bytes(shape: ModelShape, plan: TrainPlan) -> LayerActivatio
     _, gbytes, _, e = plan.precision.element_bytes
     q_el, kv_el, m_el = n * a * d / t, n * max(shape.num_kv_heads / t, 1.0) * d, n * inter / t
     norm = n * h / rep_div * (4 + 2 * e)  # one RMSNorm: fp32 input, normalised, output
+    # a sub-layer without a norm before it (OLMo 2) has its linears save the residual stream itself
+    norms = (shape.pre_norms * norm + shape.post_norms * n * h / rep_div * (4 + e)
+             + max(0, 2 - shape.pre_norms) * n * h / rep_div * e)
+    qk_norm = (q_el + n * shape.num_kv_heads * d / t) * (4 + e) if shape.qk_norm else 0.0
     if plan.attention is Attention.EAGER:
-        attn = 4 * q_el * e  # q, repeated k and v, o_proj input
+        attn = 4 * q_el * e + qk_norm  # q, repeated k and v, o_proj input
         # softmax backward: fp32 probs, their grad and the scores' grad; q, k and grad v alive
         attn_peak = norm + 3 * q_el * e + 12 * score_el
     else:
-        attn = (2 * q_el + 2 * kv_el) * e + 4 * n * a / t
+        attn = (2 * q_el + 2 * kv_el) * e + 4 * n * a / t + qk_norm
         attn_peak = norm + attn + 4 * q_el * e  # grads of O, q, k, v (k, v at full width, to be safe)
     mlp = 4 * m_el * e
+    if shape.is_moe:  # each routed row gathered for its expert, and the expert's output the routing weight scales
+        mlp += 2 * n * shape.top_k * h * e * shape.moe_layers / shape.num_layers
     scores = score_el * (4 + (e if e < 4 else 0))
     saved_scores = scores if keep_scores else 0.0
     # The layer being back-propagated holds its scores again under full recomputation; selective
     # recomputation rebuilds them only for the attention backward (counted in attn_peak).
     own_scores = 0.0 if plan.attention is Attention.FLASH or plan.recompute is Recompute.SELECTIVE else scores
-    full = 2 * norm + attn + mlp + own_scores
+    full = norms + attn + mlp + own_scores
     dx = n * h / rep_div * e
     mlp_peak = full + 2 * m_el * e  # at silu*up backward: grad of the product, of silu and of up
     down_peak = full + m_el * e + h * inter / t * gbytes  # down_proj backward: grad input + weight-grad temp
     peak = max(mlp_peak, down_peak, attn_peak) + dx
-    return LayerActivations(2 * norm, attn + mlp, saved_scores, n * h / rep_div * e, peak, dx)
+    return LayerActivations(norms, attn + mlp, saved_scores, n * h / rep_div * e, peak, dx)
 
 
+@functools.cache  # a function of the shape and tp alone; the selector asks it for every plan it weighs
 def _device_params(shape: ModelShape, tp: int) -> float:
-    """Parameters on one device of a tensor-parallel group (norms and biases replicated)."""
-    return (shape.num_layers * (shape.layer_matrix_params() / tp + shape.layer_small_params())
-            + shape.embedding_params() / tp + shape.hidden_size)
+    """Parameters on one device of a tensor-parallel group (norms and biases replicated): the model's
+    exact tensors (`param_tensors.parameter_tensors`), each as tp splits it."""
+    return float(sum(rank_share(t, tp=tp, fsdp_shards=0, ep=1)[0] for t in parameter_tensors(shape)))
 
 
+@functools.cache
 def expert_params(shape: ModelShape) -> int:
     """Parameters of every routed expert of the model (gate, up and down of each; routers excluded)."""
-    return shape.moe_layers * shape.num_experts * 3 * shape.hidden_size * shape.expert_size
+    return sum(t.numel for t in parameter_tensors(shape) if t.expert)
 
 
 def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
@@ -277,7 +290,7 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     kept = L * lay.input_bytes if full else L * lay.saved_bytes
     vocab = shape.vocab_size / (t if plan.shard_logits else 1)
     logit = n * vocab * 4
-    head_norm = lay.replicated_bytes / 2
+    head_norm = lay.input_bytes * (4 + 2 * e) / e  # the final norm, as one pre-norm
     fsdp_buf = 0.0
     if plan.fsdp:  # the unsharded weights of the current and the prefetched layer, one layer's full grads
         layer_p = shape.layer_matrix_params() / t + shape.layer_small_params() - experts / shape.num_layers

@@ -1,7 +1,8 @@
 """The parameter tensors of a model shape, and what one trainer rank holds of each under a placement.
 
-Owns `ParamTensor`, `parameter_tensors` (the parameters in the order `named_parameters()` yields them,
-Llama / Qwen2 / Mistral, dense or mixture-of-experts), `plan_tensors` (those of a full or a LoRA run),
+Owns `ParamTensor`, `parameter_tensors` (the parameters in the order `named_parameters()` yields them: the
+exact tensors of a shape read from its model, else the Llama / Qwen2 / Mistral formulas, dense or
+mixture-of-experts), `plan_tensors` (those of a full or a LoRA run),
 `rank_share` (the fullest rank's elements of a tensor under tp, FSDP and ep) and `published_share_bytes`
 (the weights one rank publishes per policy version: `workers.sharding.shard_pieces`). `memory_model` (a
 step's peak) and `switch_memory` (a plan switch's peak) both count from here.
@@ -38,8 +39,39 @@ class ParamTensor:
         return self.rows * self.cols
 
 
+_COLWISE = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj"})
+_ROWWISE = frozenset({"o_proj", "down_proj"})
+
+
+def _exact_tensors(shape: ModelShape) -> Iterator[ParamTensor]:
+    """`shape.tensors` as ParamTensors: column-parallel projections (and their biases) split on rows,
+    row-parallel ones on columns (their biases whole), the embedding and LM head on the vocabulary,
+    fused expert tensors [E, out, in] by ep; everything else (norms, routers) replicated."""
+    for name, dims in shape.tensors:
+        parts = name.split(".")
+        leaf = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+        rows, cols = dims[0], 1
+        for d in dims[1:-1]:
+            rows *= d
+        cols = dims[-1] if len(dims) > 1 else 1
+        if len(dims) == 3 and "experts" in name:
+            yield ParamTensor(rows, cols, None, expert=True)
+        elif not name.startswith(shape.layer_prefix):
+            yield ParamTensor(rows, cols, 0 if len(dims) == 2 else None)
+        elif leaf in _COLWISE:
+            yield ParamTensor(rows, cols, 0)
+        elif leaf in _ROWWISE:
+            yield ParamTensor(rows, cols, 1 if len(dims) == 2 else None)
+        else:
+            yield ParamTensor(rows, cols, None)
+
+
 def parameter_tensors(shape: ModelShape) -> Iterator[ParamTensor]:
-    """The parameters in the order `named_parameters()` yields them (Llama / Qwen2 / Mistral)."""
+    """The parameters in the order `named_parameters()` yields them: exact when the shape was read from
+    its model (`ModelShape.tensors`), else from the Llama / Qwen2 / Mistral formulas."""
+    if shape.tensors:
+        yield from _exact_tensors(shape)
+        return
     h, inter, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     yield ParamTensor(v, h, 0)  # embed_tokens

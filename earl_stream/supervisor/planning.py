@@ -15,6 +15,11 @@ a live refit (`StepCostModel.fit_steps`) on the trainer's reported step times (m
 spent pulling shards), each step described by the micro-batches the trainer cut it into under the
 plan of that step. A refit replaces the model only if it predicts those steps better; it is logged,
 shown in the status ("plans" -> "cost_model") and written to `<run_dir>/cost_model.json`.
+
+A model whose config sets fields the memory model does not interpret (`ModelShape.quirks`) is planned
+all the same, with a warning; the first trainer step whose metrics carry `peak_memory_bytes` scales the
+trainer selector's predictions by measured / predicted (`TrainerSelector.calibrate_memory`), shown in
+the status ("plans" -> "memory_calibration").
 """
 
 from __future__ import annotations
@@ -139,12 +144,16 @@ class Planner:
         self._initial_seq_len = cfg.selector.initial_seq_len  # a rollout plan's design length before any decision
         self.max_trainable_tokens = 0  # the longest sequence a trainer plan fits (0: unknown)
         self.rollout_memory: EngineMemory | None = None  # what the rollout plan is sized by, and where it came from
+        self.memory_calibration: dict[str, Any] = {}  # a shape with quirks: its memory predictions' measured scale
         config_file = _model_config_file(cfg) if s.enabled else None
         if not s.enabled or config_file is None or not config_file.is_file():
             if s.enabled:
                 log.warning("selector off: the supervisor cannot read the model config (model.path=%r)", cfg.model.path)
             return
         shape = self.shape = ModelShape.from_hf(json.loads(config_file.read_text()))
+        if shape.calibrate:
+            self.memory_calibration = {"quirks": list(shape.quirks), "scale": None,
+                                       "pending": "the first measured step's peak_memory_bytes"}
         thresholds = Thresholds(percentile=Percentile(s.percentile), upper_factor=s.upper_factor,
                                 lower_factor=s.lower_factor, headroom=s.headroom,
                                 min_episodes=s.min_episodes, min_episodes_between=s.min_episodes_between)
@@ -254,6 +263,7 @@ class Planner:
         """The trainer measured `step` (its PublishVersion metrics: step_seconds, pull_seconds): keep
         the sample and refit the cost model every `selector.cost_model_min_steps` samples. Returns the
         refit model when one was adopted."""
+        self._calibrate_memory(step, metrics)
         plans = self._step_plans.pop(step, None)
         if not plans or self.trainer is None:
             return None
@@ -266,6 +276,19 @@ class Planner:
             return None
         self._fit_at = self._measured
         return self._refit(step)
+
+    def _calibrate_memory(self, step: int, metrics: dict[str, float]) -> None:
+        """A shape with quirks the memory model does not interpret: the first step whose trainer metrics carry
+        `peak_memory_bytes` (the fullest rank's) scales the trainer selector's predictions (`calibrate_memory`)."""
+        if self.trainer is None or not self.shape.calibrate or self.trainer_plan is None:
+            return
+        measured = int(metrics.get("peak_memory_bytes", 0))
+        if measured <= 0 or self.memory_calibration.get("scale"):
+            return
+        predicted = self.trainer_plan.predicted_peak_bytes
+        scale = self.trainer.calibrate_memory(predicted, measured)
+        self.memory_calibration = {**self.memory_calibration, "step": step, "measured_peak_bytes": measured,
+                                   "predicted_peak_bytes": predicted, "scale": scale}
 
     def _refit(self, step: int) -> StepCostModel | None:
         samples = list(self._samples)
@@ -349,4 +372,5 @@ class Planner:
                 "refused": [r.to_dict() for r in self.trainer.refused] if self.trainer else [],
                 "infeasible": self.last_infeasible or None, "cost_model": self.calibration,
                 "max_trainable_tokens": self.max_trainable_tokens or None,
+                "memory_calibration": self.memory_calibration or None,
                 "rollout_memory": dataclasses.asdict(self.rollout_memory) if self.rollout_memory else None}

@@ -20,6 +20,9 @@ faster plan is not given up for a few tokens of it. When not even h x fits any p
 plan is sized for the longest design length in [x, h x) that fits (the headroom is given up before
 the pool is left on a plan its contexts outgrew).
 
+A model shape with quirks the memory model does not interpret (`ModelShape.calibrate`) is logged at
+start and its predictions scaled once by the first measured step (`TrainerSelector.calibrate_memory`).
+
 Everything is pure and deterministic: the same snapshots and steps give the same decisions.
 """
 
@@ -349,6 +352,25 @@ class TrainerSelector(_Selector[PlanDecision]):
         self.reshard_bucket_bytes = reshard_bucket_bytes
         self.only = frozenset(only)  # layout names (`layout_name`) the pool may run; empty = all
         self.running: TrainPlan | None = None  # the layout the pool holds now, when the planner knows it
+        self.memory_scale = 1.0  # measured / predicted peak of the first measured step (shapes with quirks)
+        if shape.calibrate:
+            logger.warning("%s: memory prediction for %s will be calibrated from the first measured step (the memory "
+                           "model does not interpret: %s)", self.pool, shape.model_type or "this model",
+                           "; ".join(shape.quirks))
+
+    def calibrate_memory(self, predicted_bytes: int, measured_bytes: int) -> float:
+        """Scale every later memory prediction by the first measured step's `measured_bytes` / `predicted_bytes`
+        (never below 1: a model that measured less keeps its prediction's margin) by shrinking the budget
+        the fit checks see by that factor. Once; returns the scale in force."""
+        if self.memory_scale != 1.0 or predicted_bytes < 1 or measured_bytes < 1:
+            return self.memory_scale
+        self.memory_scale = max(1.0, measured_bytes / predicted_bytes)
+        b = self.budget
+        usable = max(1, int((b.memory_bytes_per_device - b.reserve_bytes) / self.memory_scale))
+        self.budget = dataclasses.replace(b, memory_bytes_per_device=b.reserve_bytes + usable)
+        logger.info("%s: memory prediction calibrated: measured %d bytes, predicted %d: later predictions x%.3f",
+                    self.pool, measured_bytes, predicted_bytes, self.memory_scale)
+        return self.memory_scale
 
     def layouts(self, design_seq_len: int) -> list[TrainPlan]:
         """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence

@@ -36,10 +36,11 @@ def test_layout_problems_name_every_dimension_that_does_not_divide() -> None:
     assert shape.layout_problems(1, 1) == [] and shape.layout_problems(1, 3) == []
     assert shape.layout_problems(2) == ["num_attention_heads=9 is not divisible by tp*sp=2",
                                         "num_key_value_heads=3 is not divisible by tp=2"]
-    odd = ModelShape.from_hf({**EVEN, "vocab_size": 1023, "intermediate_size": 514, "hidden_size": 258})
+    # (transformers itself refuses a hidden size that the heads do not divide)
+    odd = ModelShape.from_hf({**EVEN, "vocab_size": 1023, "intermediate_size": 514})
     assert odd.layout_problems(2) == ["vocab_size=1023 is not divisible by tp=2"]
     assert odd.layout_problems(4) == ["vocab_size=1023 is not divisible by tp=4", "intermediate_size=514 is not "
-                                      "divisible by tp=4", "hidden_size=258 is not divisible by tp=4"]
+                                      "divisible by tp=4"]
     assert ModelShape.from_hf(EVEN).layout_problems(2, 4) == []  # Ulysses repeats kv heads it cannot split
 
 

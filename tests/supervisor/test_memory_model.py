@@ -115,13 +115,28 @@ def test_llama_param_count_matches_the_published_size(llama70b: ModelShape) -> N
 @pytest.mark.parametrize("extra, named", [
     ({"num_experts": 8, "num_experts_per_tok": 2}, "num_experts"),
     ({"kv_lora_rank": 512}, "kv_lora_rank"),
-    ({"some_new_knob": 3}, "some_new_knob"),
-    ({"sliding_window": 4096}, "sliding_window"),
     ({"model_type": "qwen2_moe"}, "qwen2_moe"),
+    ({"model_type": "t5"}, "t5"),
+    ({"model_type": "no_such_family"}, "no_such_family"),
 ])
-def test_unknown_or_unsupported_fields_are_named(extra: dict, named: str) -> None:
+def test_unsupported_architectures_are_named(extra: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         ModelShape.from_hf({**LLAMA_70B, **extra})
+
+
+@pytest.mark.parametrize("extra, quirk", [({"some_new_knob": 3}, "some_new_knob"),
+                                          ({"attention_dropout": 0.1}, "attention_dropout")])
+def test_unknown_fields_are_quirks_to_calibrate_not_refusals(extra: dict, quirk: str) -> None:
+    shape = ModelShape.from_hf({**LLAMA_70B, **extra})
+    assert shape.calibrate and any(quirk in q for q in shape.quirks)
+    assert not ModelShape.from_hf(LLAMA_70B).calibrate
+
+
+def test_a_window_is_read_only_where_the_family_defines_one() -> None:
+    llama = ModelShape.from_hf({**LLAMA_70B, "sliding_window": 4096})  # LlamaConfig has no such field
+    assert (llama.sliding_layers, llama.calibrate) == (0, False)
+    mistral = ModelShape.from_hf({**LLAMA_70B, "model_type": "mistral", "sliding_window": 4096})
+    assert (mistral.sliding_window, mistral.sliding_layers) == (4096, 80)
 
 
 def test_missing_fields_are_named_together() -> None:
