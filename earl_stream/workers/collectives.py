@@ -52,6 +52,15 @@ def any_rank(flags: list[bool], world_size: int) -> list[bool]:
     return [bool(v) for v in votes.tolist()]
 
 
+def max_over_ranks(value: int, world_size: int) -> int:
+    """The largest of every rank's `value` (one MAX all-reduce)."""
+    if world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def broadcast_bytes(data: bytes) -> bytes:
     """Rank 0's bytes to every rank (length first, then the bytes)."""
     size = torch.tensor([len(data)], dtype=torch.int64)

@@ -38,10 +38,11 @@ from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.store.weights import drop_weights, publish_weights
 from earl_stream.workers import checkpoint as ckpt
-from earl_stream.workers.collectives import all_gather_flags, all_gather_str, any_rank, broadcast_bytes, broadcast_str
+from earl_stream.workers.collectives import all_gather_flags, all_gather_str, any_rank, broadcast_bytes, broadcast_str, max_over_ranks
 from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.host_memory import free_unused_memory, set_malloc_mmap_threshold
 from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
+from earl_stream.workers.peak_memory import PeakMemory
 from earl_stream.workers.sharding import apply_plan, relayout, shard_pieces
 from earl_stream.workers.tensor_parallel import family_problems
 from earl_stream.workers.train_step import StepResult, train_step
@@ -72,6 +73,7 @@ class TrainerRank:
             log.info("allocations of %d bytes and more %s", t.malloc_mmap_threshold,
                      "are mapped on their own and unmapped when freed" if applied else
                      "stay in the C library's heap (trainer.malloc_mmap_threshold needs glibc's mallopt)")
+        self.peak_memory = PeakMemory(device)  # before the model: its CPU baseline is the bare process
         self.model, self.tokenizer = load_model(model_path(self.cfg))
         if t.packing and (problems := family_problems(self.model.config, packing=True)):
             raise ConfigError(f"trainer.packing=true: {'; '.join(problems)}; set trainer.packing=false")
@@ -123,10 +125,12 @@ class TrainerRank:
                 break
             if isinstance(self.store_client, CentralClient):
                 self.store_client.set_step(step, metas)
+            self.peak_memory.start()
             result = train_step(self.model, self.optimizer, metas, self.placement.layout, self.store_client,
                                 self.step_cfg, algo=cfg.algo, step=step, run_steps=cfg.steps,
                                 min_version=max(0, step - t.max_staleness), ref_model=self.ref_model, rank=self.rank,
                                 placement=self.placement, temperature=cfg.rollout.temperature)
+            peak = max_over_ranks(self.peak_memory.step_peak(), self.world_size)  # the fullest rank's, collective
             step += 1
             self.version = step
             lost = result.lost_sample_ids  # every rank's: train_step agrees on them before training
@@ -139,7 +143,8 @@ class TrainerRank:
                 break
             if step % t.checkpoint_every == 0:
                 self.save_checkpoint(step)  # every rank: DCP writes collectively
-            self._publish(step, result.metrics())  # collective: every rank has pulled, so producers may free
+            # collective: every rank has pulled, so producers may free
+            self._publish(step, {**result.metrics(), "peak_memory_bytes": float(peak)})
             if self.rank == 0:
                 self._call(P.Release(worker_id=self.worker_id, step=step - 1, lost_sample_ids=lost, checkpointed=False))
                 if step % t.checkpoint_every == 0:

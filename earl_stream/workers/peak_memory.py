@@ -1,0 +1,54 @@
+"""A trainer rank's peak memory over one step, in the units the memory model predicts.
+
+On CUDA: the caching allocator's high-water mark of tensor bytes (`torch.cuda.max_memory_allocated`),
+reset before each step. On CPU (Linux): the process's resident high-water mark (`VmHWM`, reset by writing
+5 to /proc/self/clear_refs) minus its resident size before the model was loaded, so that the interpreter,
+torch and the libraries (what the selector's reserve covers) are not counted as the model's. 0 where
+neither can be read. The supervisor takes the fullest rank's figure (`planning.Planner`) to calibrate
+its memory model.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_bytes(key: str) -> int:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Create it before the model is loaded (its CPU baseline); `start()` before a step, `step_peak()` after."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = 0 if device.type == "cuda" else _status_bytes("VmRSS")
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident size
+        except OSError:
+            pass  # not Linux, or not allowed: the peak then covers the whole process life so far (an over-estimate)
+
+    def step_peak(self) -> int:
+        """Bytes at the step's peak beyond the baseline (0: unknown)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        peak = _status_bytes("VmHWM")
+        return max(0, peak - self.baseline) if peak and self.baseline else 0
