@@ -161,6 +161,8 @@ ROLLOUT_KV_BUDGET_TOKENS = Gauge("earl_rollout_kv_budget_tokens", "The engine's 
 ROLLOUT_ADMITTED_SEQUENCES = Gauge("earl_rollout_admitted_sequences", "Sequences the engine decodes together now")
 ROLLOUT_REQUESTS_REFUSED = Counter("earl_rollout_requests_refused_total", "Requests refused as larger than the "
                                    "engine's KV budget on their own")
+ROLLOUT_OOM_SHED = Counter("earl_rollout_oom_shed_total", "Allocation failures the engine survived by lowering its "
+                           "admission and re-queueing the affected requests (engines/shedding.py)")
 
 # episodes kept as several samples (rollout.non_append=split: an agent rewrote its history)
 ROLLOUT_SEGMENTS_SPLIT = Counter("earl_rollout_segments_split_total", "Samples beyond an episode's first: segments "

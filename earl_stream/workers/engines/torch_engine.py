@@ -11,8 +11,11 @@ one KV bound: the running batch's KV storage, the rows joining it and the kept c
 `kv_budget_tokens` (`admission`: rows wait while they do not fit, so fewer run at once as contexts
 grow; kept caches are evicted first; a request too large even alone is refused with
 `RequestRefused`; one prefill runs at most `max_prefill_tokens` positions past its first row, which
-bounds its activations). The KV positions in use, the running rows and the budget are Prometheus gauges. Each sampled token is handed
-to its request's `on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
+bounds its activations). An allocation failure in a step is shed, not raised (`shedding`): the failed
+step's rows are re-queued with their context so far, admission is lowered for good, and only a request
+that fails alone is failed (`RequestOutOfMemory`); `oom_sheds` records each. The KV positions in use,
+the running rows and the budget are Prometheus gauges. Each sampled token is handed to its request's
+`on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
 It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, the
 forward passes to `forward_passes`, and tokenisation to the agent loop. CPU/fp32 is the tested configuration. Weight loads follow
 `weight_swap` (`weight_swap.SwapMode`: drain, or interrupt/inplace at the next step boundary, the
@@ -54,8 +57,10 @@ from earl_stream.workers.engines.kv_store import KVStore
 from earl_stream.workers.engines.routing import RoutingRecorder
 from earl_stream.workers.engines.running import Row, RunningBatch, draw_uniforms, kept_kv
 from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
+from earl_stream.workers.engines.shedding import OomShed, Shedder, ShedSteps, StepPhase
 from earl_stream.workers.engines.static_kv import StaticKV
 from earl_stream.workers.engines.weight_swap import SwapMode, SwapSteps, WeightSwapper
+from earl_stream.workers.oom import is_allocation_failure, release_cached
 
 _LOG = logging.getLogger(__name__)
 _HANDOFF_S = 0.002  # how often a thread whose rows another thread is driving checks whether to take over
@@ -83,7 +88,7 @@ class EngineStats:
     reprefill_tokens: int = 0  # context tokens of running rows prefilled again by interrupting swaps
 
 
-class TorchEngine(SwapSteps):
+class TorchEngine(SwapSteps, ShedSteps):
     """Generates with a Hugging Face causal LM, batching requests continuously (see the module docstring).
 
     Thread-safe: `generate`, `step` and `load_state_dict` serialise on one lock; `submit`, `release`
@@ -112,7 +117,8 @@ class TorchEngine(SwapSteps):
         whatever rows share its batch (see `set_batch_invariant`)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._model = model.eval()
-        self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)
+        self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)  # the plan's; `capacity`: within sheds
+        self._shedder = Shedder()
         self._rng = torch.Generator().manual_seed(seed)
         self._kv = KVStore(kv_budget_tokens)
         self._lock = threading.Lock()  # held by the thread driving a step, or loading weights
@@ -155,7 +161,13 @@ class TorchEngine(SwapSteps):
 
     @property
     def capacity(self) -> EngineCapacity:
-        return self._capacity
+        """What admission uses: the plan's capacity, lowered by allocation failures shed so far."""
+        return self._shedder.capped(self._capacity)
+
+    @property
+    def oom_sheds(self) -> tuple[OomShed, ...]:
+        """Allocation failures this engine survived, oldest first (the last 256)."""
+        return tuple(self._shedder.records)
 
     @property
     def decode_path(self) -> PathChoice:
@@ -171,8 +183,8 @@ class TorchEngine(SwapSteps):
         """Takes effect at the next admission; shrinks the kept caches at once."""
         _check_capacity(capacity)
         self._capacity = capacity
-        self._kv.set_budget(capacity.kv_budget_tokens)
-        M.ROLLOUT_KV_BUDGET_TOKENS.set(capacity.kv_budget_tokens)
+        self._kv.set_budget(self.capacity.kv_budget_tokens)
+        M.ROLLOUT_KV_BUDGET_TOKENS.set(self.capacity.kv_budget_tokens)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Make every row's logits (hence its seeded tokens) independent of which rows share its batch and when
@@ -257,8 +269,14 @@ class TorchEngine(SwapSteps):
                     else:
                         self._batch = None
                 self._admit()
-            except RuntimeError as exc:
-                self._fail_running(exc)
+            except (RuntimeError, MemoryError) as exc:
+                if isinstance(exc, RuntimeError) and not is_allocation_failure(exc):
+                    self._fail_running(exc)
+                elif self._batch is not None:  # a decode step (or a compaction before admitting) failed
+                    rows, self._batch = self._batch.rows, None
+                    self._shed(rows, len(rows), 0, StepPhase.DECODE, exc)
+                else:
+                    raise
         held = (self._batch.held_tokens if self._batch else 0) + self._kv.tokens
         self._counts["peak_kv_tokens"] = max(self._counts["peak_kv_tokens"], held)
         M.ROLLOUT_KV_TOKENS_IN_USE.set(held)
@@ -274,7 +292,7 @@ class TorchEngine(SwapSteps):
         batch = self._batch
         if not self._admitting or (batch is not None and not self._continuous):
             return []
-        cap, plan = self._capacity, KVPlan(self._layers)
+        cap, plan = self.capacity, KVPlan(self._layers)
         if self._invariant and self._fast is None:  # the HF forward pads a batch: one row at a time is exact
             cap = EngineCapacity(1, cap.kv_budget_tokens)
         storage = batch.cache if batch is not None and isinstance(batch.cache, StaticKV) else None
@@ -336,8 +354,13 @@ class TorchEngine(SwapSteps):
                     self._live_keys.add(key)
                     row.kept = self._kv.take(key, row.prompt)
             joining = self._passes.prefill(rows, self._version, self._counts)
-        except RuntimeError as exc:
-            self._fail(rows, exc)
+        except (RuntimeError, MemoryError) as exc:
+            if isinstance(exc, RuntimeError) and not is_allocation_failure(exc):
+                self._fail(rows, exc)
+                return
+            running = len(self._batch.rows) if self._batch is not None else 0
+            held = self._batch.held_tokens if self._batch is not None else 0
+            self._shed(rows, running + len(rows), held, StepPhase.PREFILL, exc)
             return
         self._counts["batches"] += 1
         if self._batch is None:
@@ -346,9 +369,12 @@ class TorchEngine(SwapSteps):
         self._counts["admitted_while_running"] += len(rows)
         try:
             self._batch.join(joining, max(r.remaining for r in self._batch.rows + rows))
-        except RuntimeError as exc:  # the batch may be half-joined: neither side can go on
-            self._fail(rows, exc)
-            raise
+        except (RuntimeError, MemoryError) as exc:  # the batch may be half-joined: neither side can go on
+            if isinstance(exc, RuntimeError) and not is_allocation_failure(exc):
+                self._fail(rows, exc)
+                raise
+            both, self._batch = self._batch.rows + rows, None
+            self._shed(both, len(both), 0, StepPhase.PREFILL, exc)
 
     def _fail_running(self, exc: RuntimeError) -> None:
         rows = self._batch.rows if self._batch is not None else []
@@ -389,10 +415,9 @@ class TorchEngine(SwapSteps):
                 stay.append(j)
                 continue
             # its copy is made while the batch still holds the row: kept only if both fit the budget
-            room = self._capacity.kv_budget_tokens - batch.held_tokens - (row.fed - 1)
+            room = self.capacity.kv_budget_tokens - batch.held_tokens - (row.fed - 1)
             if row.keep_key is not None and room >= 0 and not row.stale_kv:
-                self._kv.evict_to(room)
-                self._kv.put(row.keep_key, kept_kv(row, batch.cache, batch.mask, j))
+                self._keep(row, batch, j, room)
             self._live_keys.discard(row.keep_key or "")
             routed = self._routing.result(row) if self._routing is not None else None
             mixed = len(set(row.versions)) > 1
@@ -403,8 +428,20 @@ class TorchEngine(SwapSteps):
             batch.keep_rows(stay)
             tokens = tokens[stay]
             if stay:  # else the batch ends and its storage is freed: the kept caches may use the whole budget
-                self._kv.evict_to(max(0, self._capacity.kv_budget_tokens - batch.held_tokens))
+                self._kv.evict_to(max(0, self.capacity.kv_budget_tokens - batch.held_tokens))
         return tokens
+
+    def _keep(self, row: Row, batch: RunningBatch, j: int, room: int) -> None:
+        """Keep finished row `j`'s KV for its episode's next turn; an allocation failure only loses the reuse."""
+        assert row.keep_key is not None
+        self._kv.evict_to(room)
+        try:
+            self._kv.put(row.keep_key, kept_kv(row, batch.cache, batch.mask, j))
+        except (RuntimeError, MemoryError) as exc:
+            if isinstance(exc, RuntimeError) and not is_allocation_failure(exc):
+                raise
+            release_cached(exc, self._device)
+            _LOG.warning("KV of a finished turn not kept (%s): the next turn prefills it again", exc)
 
 
 def _observe(on_token: Callable[[int], None], token: int) -> None:
