@@ -251,7 +251,9 @@ class RolloutWorker:
                     raise task.exception()  # type: ignore[misc]
             stats: dict[str, float] = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
                      "policy_version": self.engine.policy_version, "store_bytes": self.node.bytes_held,
-                     "memory_bytes": self.memory.bytes, **self.swaps.stats(), **self._lora_stats()}
+                     "memory_bytes": self.memory.bytes, **self.swaps.stats(), **self._lora_stats(),
+                     # the built-in engine's load sheds on allocation failures (workers/engines/shedding.py)
+                     "oom_sheds": float(getattr(self.engine, "oom_shed_total", 0))}
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
                     worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors,

@@ -70,6 +70,7 @@ class Shedder:
     def __init__(self) -> None:
         self.ceiling: EngineCapacity | None = None
         self.records: collections.deque[OomShed] = collections.deque(maxlen=_RECORDS)
+        self.total = 0  # sheds since the engine started (records keeps the last _RECORDS)
 
     def capped(self, plan: EngineCapacity) -> EngineCapacity:
         """The capacity admission uses: the plan's, within the ceiling."""
@@ -89,6 +90,7 @@ class Shedder:
 
     def record(self, shed: OomShed) -> None:
         self.records.append(shed)
+        self.total += 1
 
 
 def shed_record(phase: StepPhase, sequences: int, after: EngineCapacity, attempted: int | None, requeued: int,

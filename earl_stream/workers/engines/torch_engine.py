@@ -170,6 +170,11 @@ class TorchEngine(SwapSteps, ShedSteps):
         return tuple(self._shedder.records)
 
     @property
+    def oom_shed_total(self) -> int:
+        """Allocation failures this engine survived since it started."""
+        return self._shedder.total
+
+    @property
     def decode_path(self) -> PathChoice:
         """The forward this engine decodes with and why (`decode_path.choose_path`)."""
         return self._path

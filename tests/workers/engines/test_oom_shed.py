@@ -134,6 +134,7 @@ def test_a_decode_step_that_fails_keeps_the_sampled_tokens(monkeypatch: pytest.M
     engine = TorchEngine(model)
     got = engine.generate(reqs)
     (shed,) = engine.oom_sheds
+    assert engine.oom_shed_total == 1  # what the rollout worker reports in its heartbeat (oom_sheds)
     assert (shed.phase, shed.sequences_before, shed.max_sequences_after, shed.requeued) == (StepPhase.DECODE, 4, 2, 4)
     assert shed.bytes_attempted == 4096 and engine.capacity.max_concurrent_sequences == 2
     assert engine.stats.prefill_tokens == 4 * 32 + 4 * (32 + 5)  # re-prefilled with the 5 tokens sampled before
