@@ -3,8 +3,11 @@
 This module owns `import_model` (what `earl-stream model import SRC OUT_DIR` runs): it reads SRC,
 de-quantises a GGUF into float32, and writes OUT_DIR with safetensors weights, config, generation
 config, tokenizer and chat template, which `model.path=OUT_DIR` then loads like any other model.
-Any GGUF that transformers can read is accepted (it needs the optional `gguf` and `accelerate`
-packages: `pip install 'earl_stream[real-model]'`). One clear `ModelError` per bad input: a GGUF of
+Any GGUF of a causal LM that transformers can read is accepted (it needs the optional `gguf` and
+`accelerate` packages: `pip install 'earl_stream[real-model]'`), and what transformers' GGUF reader drops is
+put back so that the import computes what llama.cpp computes from the file: Qwen3's head_dim, Qwen3-MoE's
+expert width, Gemma 3's query scale, Llama 3's rope scaling (the `rope_freqs` tensor), and a Mistral
+(stored as "llama") read by tensor names gguf-py knows. One clear `ModelError` per bad input: a GGUF of
 an architecture transformers cannot load or that is not a causal LM, a source without a tokenizer or
 chat template, a model too large for the memory at hand. The output is written next to OUT_DIR and
 renamed into place, so a failed import leaves nothing half-written. Loading is `loading`'s job.
@@ -23,13 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from earl_stream.errors import ModelError
 from earl_stream.model.loading import check_model_dir, count_parameters, load_model, one_line
 
-__all__ = ["ImportReport", "available_memory_bytes", "import_model"]
+__all__ = ["ImportReport", "available_memory_bytes", "import_model", "supported_gguf_architectures"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,56 +131,148 @@ def _read_hf_dir(source: Path, budget: int) -> tuple[PreTrainedModel, PreTrained
     return load_model(p, dtype=torch.float32)
 
 
-def _gguf_parameters(source: Path) -> tuple[str, int]:
-    """(general.architecture, parameter count) from the GGUF header, without reading the weights."""
+# What transformers' legacy GGUF reader (modeling_gguf_pytorch_utils) reads, in the spelling of a file's
+# general.architecture, plus the architectures of its newer reader (integrations.gguf).
+_GGUF_ARCH_SPELLING = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss",
+                       "minimax_m2": "minimax-m2"}
+# Keys llama.cpp writes that transformers' GGUF reader drops (as of 5.19), per architecture: without them the
+# model gets its config class's defaults (Qwen3's head_dim 128, Qwen3-MoE's expert width 768), and either does
+# not fit the weights or computes other logits. Applied only where transformers did not set the field itself.
+_DROPPED_KEYS = {"qwen3": {"attention.key_length": "head_dim"},
+                 "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
+
+
+def supported_gguf_architectures() -> list[str]:
+    """The general.architecture values of the causal LMs transformers can load from GGUF."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    # "mistral" is not one: llama.cpp writes Mistrals as "llama", and gguf-py names no "mistral" tensors
+    causal = {a for a in GGUF_SUPPORTED_ARCHITECTURES if a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and a != "mistral"}
+    return sorted({_GGUF_ARCH_SPELLING.get(a, a) for a in causal} | set(GGUF_CONFIG_ARCHS))
+
+
+@dataclass(frozen=True)
+class _GgufHeader:
+    arch: str
+    parameters: int
+    metadata: dict[str, Any]  # scalar key-value pairs (arrays, such as the vocabulary, left out)
+    rope_freqs: list[float] | None  # llama.cpp's per-frequency rope divisors (Llama 3's scaling), [head_dim / 2]
+
+
+def _gguf_header(source: Path) -> _GgufHeader:
+    """general.architecture, the parameter count and the scalar metadata, without reading the weights."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader, GGUFValueType, dequantize
     except ImportError:
         raise ModelError(f"reading {source} needs the gguf package: {_EXTRA_HINT}") from None
     try:
         reader = GGUFReader(source)
-        field = reader.fields["general.architecture"]
-        arch = bytes(field.parts[field.data[0]]).decode()
-        return arch, sum(int(t.n_elements) for t in reader.tensors)
+        metadata = {k: f.contents() for k, f in reader.fields.items() if f.types and f.types[0] != GGUFValueType.ARRAY}
+        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        rope_freqs = None if freqs is None else [float(x) for x in dequantize(freqs.data, freqs.tensor_type).ravel()]
+        return _GgufHeader(str(metadata["general.architecture"]), sum(int(t.n_elements) for t in reader.tensors),
+                           metadata, rope_freqs)
     except KeyError:
         raise ModelError(f"{source} is a GGUF file without general.architecture") from None
     except Exception as exc:
         raise ModelError(f"{source} is not a readable GGUF file: {one_line(exc)}") from None
 
 
+def _config_fixes(header: _GgufHeader, read: dict[str, Any], config: PretrainedConfig) -> dict[str, Any]:
+    """Config fields the GGUF states (or llama.cpp derives) that transformers' reader left out of `read`."""
+    fixes: dict[str, Any] = {}
+    rope = getattr(config, "rope_parameters", None) or {}
+    if header.rope_freqs and header.arch == "llama" and rope.get("rope_type", "default") == "default":
+        # llama.cpp divides each rope frequency by rope_freqs[i] (how it stores Llama 3's scaling); transformers'
+        # "longrope" with equal short and long factors and no attention scaling computes exactly that
+        fixes["rope_parameters"] = {"rope_type": "longrope", "rope_theta": rope.get("rope_theta", 10000.0),
+                                    "short_factor": header.rope_freqs, "long_factor": header.rope_freqs,
+                                    "factor": 1.0, "attention_factor": 1.0,
+                                    "original_max_position_embeddings": config.max_position_embeddings}
+    return fixes | _config_ints(header, read)
+
+
+def _config_ints(header: _GgufHeader, read: dict[str, Any]) -> dict[str, int]:
+    """The integer fields of `_config_fixes`: dropped keys, and Gemma 3's query scale as llama.cpp derives it."""
+    arch, meta = header.arch, header.metadata
+    fixes = {field: meta[f"{arch}.{key}"] for key, field in _DROPPED_KEYS.get(arch, {}).items()
+             if f"{arch}.{key}" in meta and field not in read}
+    if arch == "gemma3" and "query_pre_attn_scalar" not in read:
+        # llama.cpp scales queries by 1/sqrt(head_dim), except for the 62-layer 27B: 1/sqrt(hidden / heads)
+        hidden, heads, layers = (meta.get(f"gemma3.{k}") for k in ("embedding_length", "attention.head_count",
+                                                                    "block_count"))
+        head_dim = meta.get("gemma3.attention.key_length")
+        fixes["query_pre_attn_scalar"] = hidden // heads if layers == 62 and hidden and heads else head_dim
+    return {k: int(v) for k, v in fixes.items() if v is not None}
+
+
 def _read_gguf(source: Path, budget: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.utils import is_accelerate_available
 
     if not is_accelerate_available():
         raise ModelError(f"loading {source} needs the accelerate package: {_EXTRA_HINT}")
-    arch, parameters = _gguf_parameters(source)
+    header = _gguf_header(source)
+    supported = supported_gguf_architectures()
+    if header.arch not in supported:
+        raise ModelError(f"{source} holds a {header.arch!r} model, which transformers cannot load from GGUF; it "
+                         f"loads these architectures: {', '.join(supported)}")
     try:
-        config = load_gguf_checkpoint(str(source), return_tensors=False)["config"]
-    except Exception as exc:  # transformers: "GGUF model with architecture X is not supported yet."
-        raise ModelError(f"{source} holds a {arch!r} model, which transformers cannot load from GGUF "
+        read = load_gguf_checkpoint(str(source), return_tensors=False)["config"]
+    except Exception as exc:
+        raise ModelError(f"{source} holds a {header.arch!r} model, which transformers cannot load from GGUF "
                          f"({one_line(exc)})") from None
-    model_type = str(config.get("model_type", arch))
+    model_type = str(read.get("model_type", header.arch))
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelError(f"{source} holds a {arch!r} model (model_type {model_type!r}), which is not a causal "
+        raise ModelError(f"{source} holds a {header.arch!r} model (model_type {model_type!r}), which is not a causal "
                          "language model")
-    _check_memory(source, parameters, budget)
+    _check_memory(source, header.parameters, budget)
     folder, name = str(source.parent), source.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except Exception as exc:
         raise ModelError(f"cannot build a tokenizer from {source}: {one_line(exc)}") from None
     try:
-        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                         local_files_only=True)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        for field, value in _config_fixes(header, read, config).items():
+            logger.info("%s: %s = %s (from the GGUF data transformers does not read)", source, field, value)
+            setattr(config, field, value)
+        if header.metadata.get(f"{header.arch}.rope.scaling.type", "none") != "none":
+            logger.warning("%s states rope scaling %r, which transformers' GGUF reader ignores: the imported model "
+                           "computes other logits than llama.cpp's", source,
+                           header.metadata[f"{header.arch}.rope.scaling.type"])
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=_load_config(header, config),
+                                                         dtype=torch.float32, local_files_only=True)
     except Exception as exc:
         raise ModelError(f"cannot load the weights of {source}: {one_line(exc)}") from None
-    return _plain_copy(source, quantized), tokenizer
+    return _plain_copy(source, quantized, config), _plain_tokenizer(header, tokenizer)
 
 
-def _plain_copy(source: Path, loaded: PreTrainedModel) -> PreTrainedModel:
-    """The same weights in a model without the GGUF quantization config, which save_pretrained refuses."""
-    config = loaded.config
+def _load_config(header: _GgufHeader, config: PretrainedConfig) -> PretrainedConfig:
+    """The config to read the weights with. transformers reads a "llama" GGUF named "mistral" as a Mistral, then
+    looks the tensor names up under gguf-py's architecture "mistral", which gguf-py does not have: llama.cpp
+    wrote them as a Llama's, so they are read as one (same parameters) and then given the Mistral config."""
+    if header.arch == "llama" and config.model_type == "mistral":
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        return LlamaConfig(**fields)
+    return config
+
+
+def _plain_tokenizer(header: _GgufHeader, tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """A byte-level BPE vocabulary (tokenizer.ggml.model "gpt2") in a Gemma GGUF comes back in a GemmaTokenizer,
+    whose saved form reloads as a sentencepiece tokenizer without its <unk>: keep it a plain fast tokenizer."""
+    if header.metadata.get("tokenizer.ggml.model") != "gpt2" or not type(tokenizer).__name__.startswith("Gemma"):
+        return tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, bos_token=tokenizer.bos_token,
+                                   eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
+                                   unk_token=tokenizer.unk_token, chat_template=tokenizer.chat_template)
+
+
+def _plain_copy(source: Path, loaded: PreTrainedModel, config: PretrainedConfig) -> PreTrainedModel:
+    """The same weights in a model of `config` without the GGUF quantization config, which save_pretrained
+    refuses."""
     # Drop the GGUF quantization config (save_pretrained refuses it) and what the GGUF reader added that the
     # config class does not define (general.name as `_model_name_or_path`, `unk_token_id`): labels, not
     # model properties, which consumers of config.json (the supervisor's memory model) would not know.
