@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from earl_stream.cli.local_run import RUN_DIR_HELP
 from earl_stream.errors import ConfigError
 from earl_stream.security.keys import ROLE_KEYS, KeyRole, agent_key, role_of, role_token
 from earl_stream.security.secret import load_secret
@@ -45,6 +46,8 @@ def add_parser(sub: Any, add_secret_arg: Any) -> None:
     for q in (show, derive):
         q.add_argument("--supervisor", metavar="tcp://HOST:PORT",
                        help="find the secret of the run in this directory whose ready file names this address")
+        q.add_argument("--run-dir", metavar="RUN_DIR", help="the run whose secret to derive from (default, when no "
+                       "secret and no --supervisor is given: " + RUN_DIR_HELP.partition("(default: ")[2])
         add_secret_arg(q)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from earl_stream import __version__
+from earl_stream.cli.local_run import RUN_DIR_HELP, LocalRun, add_run_args
 from earl_stream.config import GROUP_SEEDS, TrainerConfig
 from earl_stream.errors import EarlError
 
@@ -28,8 +29,8 @@ def _add_secret_arg(p: argparse.ArgumentParser) -> None:
                    "or a role key from `earl-stream keys derive ROLE` (a command then signs with that key, and the "
                    "supervisor refuses what its role may not do); with the cluster secret a command signs with the "
                    "key of the role it needs (default: $EARL_STREAM_SECRET_FILE, else the secret of the run in this "
-                   "directory, or in runs/*/, whose ready file names the --supervisor address; `up` creates one in "
-                   "its run directory)")
+                   "directory, or in runs/*/, whose ready file names the --supervisor address; without --supervisor, "
+                   "the secret of the run found by --run-dir; `up` creates one in its run directory)")
     p.add_argument("--encrypt", action="store_true", help="the run encrypts both planes (security.encrypt=true): "
                    "connect with CURVE and encrypted data frames (default: $EARL_STREAM_ENCRYPT=1, else the run "
                    "found in this directory says so in its config.yaml, else off)")
@@ -103,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "your own certificate set EARL_STREAM_TLS_CERT, EARL_STREAM_TLS_KEY and EARL_STREAM_TLS_CA to its files")
     _add_secret_arg(p)
 
-    p = sub.add_parser("status", help="show the state of a running system")
-    p.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
+    p = sub.add_parser("status", help="show the state of a running system (default: the run in runs/latest)",
+                       description="Show the state of a live run: the one --supervisor names, else the local run "
+                                   "(--run-dir, else runs/latest here), so that no flag is needed where `up` runs.")
+    add_run_args(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON status")
     _add_secret_arg(p)
 
@@ -128,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     ed.add_argument("name")
     esub.add_parser("list", help="list the environments of the run")
     for e in (ea, ed, esub.choices["list"]):
-        e.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
+        add_run_args(e)
         _add_secret_arg(e)
     from earl_stream.cli.env import add_serve_parser
 
@@ -144,8 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--format", default="parquet", choices=("parquet",))
     pe.add_argument("path", metavar="PATH")
     for e in (pt, pe):
-        e.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
+        add_run_args(e)
         _add_secret_arg(e)
+
+    p = sub.add_parser("stop", help="stop a run as Ctrl-C on its `up` does (default: the run in runs/latest)",
+                       description="End the run in RUN_DIR (default: this directory if it is a run directory, else "
+                                   "runs/latest, else the newest runs/*/) exactly as Ctrl-C on its `earl-stream up` "
+                                   "does: the workers drain, the trainer checkpoints, `up` writes the summary and "
+                                   "exits 0. Waits until `up` has exited and prints where the summary is. A run "
+                                   "started by hand (no `up`) is told by its supervisor to finish.")
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help=RUN_DIR_HELP)
+    p.add_argument("--supervisor", metavar="tcp://HOST:PORT", help="a run started by hand, without `up`: tell "
+                   "this supervisor to finish (default: the run in RUN_DIR)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="how long to wait for `up` to drain, checkpoint and exit (default 600)")
+    _add_secret_arg(p)
 
     from earl_stream.cli import eval as eval_cli
     from earl_stream.cli import keys, scale, slurm
@@ -172,9 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     from earl_stream.model.commands import add_model_commands
 
     add_model_commands(sub)
-    from earl_stream.cli import sft
+    from earl_stream.cli import runs_cmd, sft
 
     sft.add_parser(sub)
+    runs_cmd.add_parser(sub)
     return parser
 
 
@@ -186,11 +203,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars in our logs
     from earl_stream.security.secret import is_secret_refusal, secret_refusal_hint, use_secret
 
+    try:
+        args.local_run = _local_run(args)
+    except EarlError as exc:
+        print(f"earl-stream {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     address = getattr(args, "supervisor", None)
     run = use_secret(getattr(args, "secret_file", None), address)
     if run is not None:
         log.info("using the cluster secret of the run in %s (its ready file names %s)", run.run_dir, address)
-    if getattr(args, "encrypt", False) or (run is not None and _run_encrypts(run.run_dir)):
+    run_dir = run.run_dir if run is not None else args.local_run.run_dir if args.local_run is not None else None
+    if getattr(args, "encrypt", False) or (run_dir is not None and _run_encrypts(run_dir)):
         from earl_stream.security.encryption import export_encrypt
 
         export_encrypt(True)
@@ -208,6 +231,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+LIVE_COMMANDS = ("status", "scale", "env", "episodes", "keys", "stop")
+
+
+def _local_run(args: argparse.Namespace) -> LocalRun | None:
+    """The local run a live-run command talks to when --supervisor is not given (or --run-dir is): sets
+    args.supervisor to its address and, when no secret is given, args.secret_file to its secret."""
+    from earl_stream.cli.local_run import find_run
+    from earl_stream.security.secret import SECRET_ENV
+
+    if args.command not in LIVE_COMMANDS or getattr(args, "env_command", "") == "serve":
+        return None
+    secret_given = bool(args.secret_file or os.environ.get(SECRET_ENV))
+    if args.run_dir is None and (args.supervisor or (args.command == "keys" and secret_given)):
+        return None
+    run = find_run(args.run_dir)
+    args.supervisor = args.supervisor or run.address
+    if not secret_given and run.secret_file is not None:
+        args.secret_file = str(run.secret_file)
+    return run
 
 
 def _agent_key_hint() -> str:
@@ -287,6 +331,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.cli.keys import run_keys_command
 
         return run_keys_command(args)
+    if args.command == "stop":
+        from earl_stream.cli.local_run import finish_by_supervisor, stop_run
+
+        print(stop_run(args.local_run, args.timeout) if args.local_run is not None
+              else finish_by_supervisor(args.supervisor))
+        return 0
     if args.command == "slurm":
         from earl_stream.cli.slurm import run
 
@@ -317,6 +367,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.cli.sft import run_sft_command
 
         return run_sft_command(args)
+    if args.command == "runs":
+        from earl_stream.cli.runs_cmd import run_runs
+
+        return run_runs(args)
     raise AssertionError(args.command)
 
 

@@ -1,4 +1,4 @@
-"""`earl-stream scale --role rollout --replicas N --supervisor ADDR`: resize the rollout pool of a live run.
+"""`earl-stream scale --role rollout --replicas N [--supervisor ADDR]`: resize the rollout pool of a live run.
 
 The supervisor holds the desired size and decides (`earl_stream.supervisor.pools`); this command only
 asks and reports. Scaling down drains: the leaving workers take no new prompts and exit once every
@@ -15,20 +15,21 @@ import time
 from typing import Any
 
 from earl_stream import protocol as P
+from earl_stream.cli.local_run import add_run_args
 from earl_stream.errors import ControlPlaneTimeout
 from earl_stream.security.keys import KeyRole, key_for
 from earl_stream.security.secret import load_secret
 
 
 def add_parser(sub: Any, add_secret_arg: Any) -> None:
-    p = sub.add_parser("scale", help="resize the rollout pool of a live run (scale-down drains)",
+    p = sub.add_parser("scale", help="resize the rollout pool of a live run (scale-down drains; default: the run in runs/latest)",
                        description="Set the rollout pool's size. Workers above it drain: no new prompts, they exit "
                                    "once their samples are trained and released. Below it, drains are cancelled "
                                    "first, then `up` starts the missing workers (elsewhere: start them with the "
                                    "printed command).")
     p.add_argument("--role", default="rollout", choices=("rollout",), help="the pool (only rollout scales live)")
     p.add_argument("--replicas", type=int, required=True, metavar="N", help="the pool's new size (>= 0)")
-    p.add_argument("--supervisor", required=True, metavar="tcp://HOST:PORT")
+    add_run_args(p)
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="wait until the draining workers have left (0 = return at once)")
     add_secret_arg(p)

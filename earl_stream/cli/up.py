@@ -22,6 +22,7 @@ from earl_stream import protocol as P
 from earl_stream.cli.keys import write_key
 from earl_stream.cli.launchers import Launcher, Placed, RunSpec, make_launcher
 from earl_stream.cli.live import LiveView
+from earl_stream.cli.local_run import record_up
 from earl_stream.config import RunConfig, config_to_yaml, load_config, replace
 from earl_stream.errors import ChildProcessFailed, EarlError
 from earl_stream.security.encryption import export_encrypt
@@ -150,6 +151,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     stopping: list[str] = []
     signal.signal(signal.SIGINT, lambda s, f: stopping.append("interrupted"))
     signal.signal(signal.SIGTERM, lambda s, f: stopping.append("terminated"))
+    record_up(run_dir, Path(summary_path) if summary_path else run_dir / "summary.json")  # for `earl-stream stop`
     started = time.time()
     status: dict[str, Any] = {}
     view = LiveView(cfg)
@@ -183,7 +185,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
         view.finish(summary, stopping[0] if stopping else "")
     except BrokenPipeError:
         _output_gone()
-    return 130 if stopping else 0
+    return 0  # also when stopped (Ctrl-C, SIGTERM, `earl-stream stop`): a requested, clean end; failures raise
 
 
 def _output_gone() -> None:

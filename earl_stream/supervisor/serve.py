@@ -28,6 +28,7 @@ from earl_stream.security import encryption
 from earl_stream.security.keys import KeyRole, keyring, role_of
 from earl_stream.security.secret import Refusal, ReplayGuard, check_keys, refusal_text, sign
 from earl_stream.supervisor import access
+from earl_stream.supervisor.metrics_log import MetricsLog
 from earl_stream.supervisor.server import Supervisor
 from earl_stream.supervisor.wal import StateLog, WalStats
 
@@ -68,6 +69,8 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
                  sup.policy_version, sup.ledger.next_ordinal, sup.ledger.samples_waiting())
     if forget_workers:
         sup.forget_workers()
+    # after the recovery: steps replayed from the log are already in the file (or were lost with their times)
+    sup.metrics_log = MetricsLog(cfg.run_dir, sup.run_id)
     state.snapshot(sup)  # a fresh log from here on
     M.register_supervisor_metrics()
     metrics_address = M.start_metrics_server(host or "127.0.0.1")

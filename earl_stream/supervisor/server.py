@@ -26,6 +26,7 @@ from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.supervisor.episode_window import Finished, outcome_rate, outcome_rate_stderr, window_stats
 from earl_stream.supervisor.eval_rounds import EvalRounds
 from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
+from earl_stream.supervisor.metrics_log import MetricsLog, replanned_at
 from earl_stream.supervisor.planning import Planner, PlannerState
 from earl_stream.supervisor.pools import Member, decide, order_of
 from earl_stream.supervisor.recovery import recover
@@ -104,6 +105,7 @@ class Supervisor:
         self._membership = 0  # bumped when a worker joins, rejoins or leaves (the cache key of _weight_route)
         self._route_pool: tuple[int, list[tuple[str, str]], int] | None = None
         self._ids = 0
+        self.metrics_log: MetricsLog | None = None  # RUN_DIR/metrics.jsonl, one line per step (set by serve())
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -267,6 +269,11 @@ class Supervisor:
         self.trainer_metrics = dict(msg.metrics)
         self.planner.on_trained(msg.version - 1, self.trainer_metrics)  # refits the cost model now and then
         M.SUP_POLICY_VERSION.set(self.policy_version)
+        steps = self.metrics_log
+        # a publish without a loss (the trainer's first, or after its resume) ends no step
+        if steps is not None and "loss" in msg.metrics and msg.version > steps.last_step:
+            steps.append(msg.version, steps.record(self.status(now), self.trainer_metrics,
+                                                   replanned_at(self.planner.trainer_history, msg.version - 1)))
         return P.Ack()
 
     def _on_finished(self, msg: P.Finished, now: float) -> P.Msg:

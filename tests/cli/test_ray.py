@@ -31,7 +31,7 @@ STEPS = 20
 
 
 def _up(tmp_path: Path, model_dir: Path, address: str, *extra: str, steps: int = STEPS) -> subprocess.Popen:
-    """`up --launcher ray`; steps=0 runs until the test stops it (SIGINT: summary written, exit 130)."""
+    """`up --launcher ray`; steps=0 runs until the test stops it (SIGINT: summary written, exit 0)."""
     cmd = [sys.executable, "-m", "earl_stream", "up", "--launcher", "ray", "--ray-address", address, "--steps",
            str(steps), "--summary", str(tmp_path / "s.json"), f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}",
            "trainer.groups_per_step=2", "trainer.group_size=4", "rollout.groups_in_flight=2", "rollout.workers=2",
@@ -110,7 +110,7 @@ def test_up_places_the_pools_on_different_ray_nodes_and_trains(tmp_path: Path, t
         assert len({w["ray_node_id"] for w in trainers}) == 2, "the trainer ranks span both trainer nodes"
     finally:
         out = _stop(proc)
-    assert proc.returncode == 130, out[-4000:]
+    assert proc.returncode == 0, out[-4000:]  # a requested stop is a clean end
     s = json.loads((tmp_path / "s.json").read_text())
     print(f"ray run: {time.monotonic() - started:.0f}s, summary {json.dumps({k: v for k, v in s.items() if k != 'workers'})}")
     assert s["policy_version"] >= STEPS
@@ -158,7 +158,7 @@ def test_the_rollout_pool_scales_2_3_1_live_under_ray(tmp_path: Path, tiny_model
         wait_for(lambda: version() >= at + 3, 240, "three more steps with the one worker left")
     finally:
         out = _stop(proc)
-    assert proc.returncode == 130, out[-4000:]
+    assert proc.returncode == 0, out[-4000:]  # a requested stop is a clean end
     s = json.loads((tmp_path / "s.json").read_text())
     print(f"ray scale run: summary {json.dumps({k: v for k, v in s.items() if k != 'workers'})}")
     # nothing lost on scale-down, and no prompt played again but for staleness: a group finished after the

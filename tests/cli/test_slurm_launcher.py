@@ -71,7 +71,7 @@ def test_a_stopped_run_keeps_the_trainers_last_step(trainer_nodes: int, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]  # a requested stop is a clean end
     text = log.read_text()
     stops = sorted(re.findall(r"trainer rank (\d): stopping after step (\d+), (?:checkpoint written at version|the "
                               r"checkpoint of version) (\d+)", text))
