@@ -1,13 +1,10 @@
-"""The live view renders a real status dictionary and writes a learning-curve PNG."""
+"""The live view renders a real status dictionary (the learning curve: tests/cli/test_run_files.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rich.console import Console
 
-from earl_stream.cli.live import CurvePoint, LiveView, dashboard, plot_learning_curve, status_line
-from earl_stream.config import load_config
+from earl_stream.cli.live import dashboard, status_line
 
 STATUS = {
     "policy_version": 7, "mean_reward_last": 0.25, "win_rate_last": 0.5, "draw_rate_last": 0.125,
@@ -46,32 +43,13 @@ def test_dashboard_and_line_survive_an_empty_run() -> None:
     assert "selector off" in status_line(empty, 0)
 
 
-def test_learning_curve_png(tmp_path: Path) -> None:
-    view = LiveView(load_config(None, ["steps=3"]))
-    assert view.write_learning_curve(tmp_path / "none.png") is None  # nothing trained: no empty plot
-    for step in (1, 1, 2, 3):  # repeated polls of one step record it once
-        view.update({**STATUS, "policy_version": step, "mean_reward_last": 0.1 * step})
-    assert [p.step for p in view.curve] == [1, 2, 3]
-    out = view.write_learning_curve(tmp_path / "curve.png")
-    assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    points = [CurvePoint(1, 1.0, None, None, None, None), CurvePoint(2, 2.0, 0.5, 0.5, 0.0, 0.1)]
-    assert plot_learning_curve(points, tmp_path / "sparse.png").exists()  # missing values are skipped
-
-
 EVAL = {"add3": {"version": 4, "value": 0.25, "stderr": 0.05, "pass_at_k": {"1": 0.25}, "mean_reward": 0.25,
                  "history": [{"version": 0, "value": 0.125, "pass_at_k": {"1": 0.125}, "mean_reward": 0.125},
                              {"version": 4, "value": 0.25, "pass_at_k": {"1": 0.25}, "mean_reward": 0.25}]},
         "broken": {"error": "cannot give held-out items"}}
 
 
-def test_eval_in_the_line_the_dashboard_and_the_curve(tmp_path: Path) -> None:
+def test_eval_in_the_line_and_the_dashboard() -> None:
     status = {**STATUS, "eval": EVAL}
     assert status_line(status, 20).endswith("| held-out add3 0.250@v4")
     assert "add3 success 0.250 at version 4" in _render(status, 20)
-    view = LiveView(load_config(None, ["steps=3"]))
-    for step in (1, 2, 3, 4):
-        view.update({**status, "policy_version": step})
-    assert view.eval == EVAL
-    with_eval = view.write_learning_curve(tmp_path / "eval.png")
-    without = plot_learning_curve(view.curve, tmp_path / "plain.png")  # the same points, no held-out curve
-    assert with_eval is not None and with_eval.read_bytes() != without.read_bytes()

@@ -1,5 +1,6 @@
 """The live view of `earl-stream up`: a compact terminal dashboard (rich) on a terminal, plain log
-lines every few seconds otherwise, a closing summary, and the learning curve of the run.
+lines every few seconds otherwise, and a closing summary. The learning curve is drawn from the per-step
+record the supervisor writes (`cli/run_files.py`), not from what the view happened to see.
 
 The view only reads the supervisor's status dictionary (the same JSON `earl-stream status --json`
 prints), so what it shows is what any other client of the run can see.
@@ -7,11 +8,9 @@ prints), so what it shows is what any other client of the run can see.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
@@ -106,30 +105,15 @@ def dashboard(s: dict[str, Any], steps: int) -> Group:
     return Group(top, facts, workers)
 
 
-@dataclasses.dataclass
-class CurvePoint:
-    """One training step as the live view saw it."""
-
-    step: int
-    wall_seconds: float
-    mean_reward: float | None
-    win_rate: float | None
-    draw_rate: float | None
-    loss: float | None
-
-
 class LiveView:
-    """Shows a run while `up` waits on it and remembers its learning curve."""
+    """Shows a run while `up` waits on it."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.steps = cfg.steps
         self.tty = sys.stdout.isatty()
         self.console = Console()
-        self.curve: list[CurvePoint] = []
-        self.eval: dict[str, Any] = {}  # status "eval": env -> latest round and its history (eval.every)
         self._live: Live | None = None
         self._last_plain = 0.0
-        self._started = time.monotonic()
 
     def __enter__(self) -> LiveView:
         if self.tty:
@@ -149,21 +133,11 @@ class LiveView:
     def update(self, status: dict[str, Any]) -> None:
         if not status:
             return
-        self._record(status)
-        self.eval = status.get("eval") or self.eval
         if self._live is not None:
             self._live.update(dashboard(status, self.steps))
         elif time.monotonic() - self._last_plain > 5:
             print(status_line(status, self.steps), flush=True)
             self._last_plain = time.monotonic()
-
-    def _record(self, s: dict[str, Any]) -> None:
-        step = int(s.get("policy_version", 0))
-        if step == 0 or (self.curve and self.curve[-1].step >= step):
-            return
-        trainer = s.get("trainer") or {}
-        self.curve.append(CurvePoint(step, time.monotonic() - self._started, s.get("mean_reward_last"),
-                                     s.get("win_rate_last"), s.get("draw_rate_last"), trainer.get("loss")))
 
     def finish(self, summary: dict[str, Any], reason: str) -> None:
         head = f"stopped ({reason})" if reason else "done"
@@ -177,45 +151,3 @@ class LiveView:
                 self.message(f"held-out {env} at version {e['version']}: success {e['value']:.3f} "
                              f"+- {e['stderr']:.3f}, {passk}, mean reward {e['mean_reward']:.3f} "
                              f"({len(e['history'])} evaluations)")
-
-    def write_learning_curve(self, path: Path) -> Path | None:
-        """Plot reward, win/draw rate and loss per step to `path` (PNG); None when nothing was trained."""
-        if not self.curve:
-            return None
-        return plot_learning_curve(self.curve, path, self.eval)
-
-
-def plot_learning_curve(points: list[CurvePoint], path: Path, evals: dict[str, Any] | None = None) -> Path:
-    """Two panels over training steps: mean reward and win/draw rate (supervisor window) with the held-out
-    success of each evaluated environment (status "eval", eval.every), and loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a training host
-    import matplotlib.pyplot as plt
-
-    steps = [p.step for p in points]
-    fig, (ax, ax_loss) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(2, 1))
-    for name, values in (("mean reward", [p.mean_reward for p in points]), ("win rate", [p.win_rate for p in points]),
-                         ("draw rate", [p.draw_rate for p in points])):
-        xs = [s for s, v in zip(steps, values) if v is not None]
-        ax.plot(xs, [v for v in values if v is not None], label=name)
-    for env, e in (evals or {}).items():
-        history = [p for p in e.get("history", []) if p.get("value") is not None]
-        if history:
-            ax.plot([p["version"] for p in history], [p["value"] for p in history], marker="o", linestyle="--",
-                    label=f"held-out success ({env})")
-    ax.set_ylabel("last episodes window")
-    ax.set_ylim(-1.05, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    losses = [(s, p.loss) for s, p in zip(steps, points) if p.loss is not None]
-    ax_loss.plot([s for s, _ in losses], [v for _, v in losses], color="tab:gray")
-    ax_loss.set_ylabel("policy loss")
-    ax_loss.set_xlabel("training step (policy version)")
-    ax_loss.grid(alpha=0.3)
-    fig.suptitle(f"earl_stream learning curve: {steps[-1]} steps in {points[-1].wall_seconds:.0f}s")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

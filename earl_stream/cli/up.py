@@ -23,6 +23,7 @@ from earl_stream.cli.keys import write_key
 from earl_stream.cli.launchers import Launcher, Placed, RunSpec, make_launcher
 from earl_stream.cli.live import LiveView
 from earl_stream.cli.local_run import record_up
+from earl_stream.cli.run_files import plot_learning_curve, step_summary
 from earl_stream.config import RunConfig, config_to_yaml, load_config, replace
 from earl_stream.errors import ChildProcessFailed, EarlError
 from earl_stream.security.encryption import export_encrypt
@@ -30,6 +31,8 @@ from earl_stream.security.keys import KeyRole, role_token
 from earl_stream.security.secret import RUN_SECRET, SECRET_ENV, create_secret_file, find_run_secret, load_secret
 from earl_stream.security.tls import CA_FILE, READONLY_KEY_FILE, tls_env, write_run_ca
 from earl_stream.store.durable import EXPERIENCE_DIR
+from earl_stream.supervisor.metrics_log import FILE_NAME as METRICS_FILE
+from earl_stream.supervisor.metrics_log import read_records
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",
@@ -175,10 +178,15 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
         status.update(_final_status(client) or {})
     finally:
         launcher.stop()
-    summary = make_summary(status, wall=time.time() - started)
+    records = read_records(run_dir)  # the supervisor's per-step record: the summary's steps and the curve
+    summary = make_summary(status, wall=time.time() - started, records=records)
+    summary["metrics"] = step_summary(records, run_dir / METRICS_FILE)
     summary["model"] = {"path": cfg.model.path, "revision": cfg.model.revision}  # a Hub model's pinned commit
     out = Path(summary_path) if summary_path else run_dir / "summary.json"
-    curve = view.write_learning_curve(out.parent / "learning_curve.png")
+    if not records and summary["steps"]:
+        log.warning("no %s in %s (a supervisor on another host keeps it in its own run_dir): no learning curve",
+                    METRICS_FILE, run_dir)
+    curve = plot_learning_curve(records, out.parent / "learning_curve.png", status.get("eval"))
     summary["learning_curve_png"] = str(curve) if curve else None
     out.write_text(json.dumps(summary, indent=2))  # before anything is printed: the reader may be gone
     try:
@@ -281,11 +289,16 @@ def write_targets(path: Path, status: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
+def make_summary(status: dict[str, Any], *, wall: float, records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The run's summary from its final `status` (the counters) and its per-step `records` (metrics.jsonl):
+    the steps and the last loss come from the last record where there is one (a final status that could not
+    be read, or was read before the last publish, does not shorten the run)."""
     trainer = status.get("trainer", {})
+    last = records[-1] if records else {}
+    version = max(status.get("policy_version", 0), last.get("step", 0))
     return {
-        "steps": status.get("policy_version", 0),
-        "policy_version": status.get("policy_version", 0),
+        "steps": version,
+        "policy_version": version,
         "samples_trained": status.get("samples_consumed", 0),
         "samples_produced": status.get("samples_produced", 0),
         "mean_reward_last": status.get("mean_reward_last"),
@@ -311,7 +324,7 @@ def make_summary(status: dict[str, Any], *, wall: float) -> dict[str, Any]:
         # evaluation during training (eval.every): env -> latest round (version, value = success, pass@k, mean
         # reward) and its history
         "eval": {env: {k: v for k, v in e.items() if k != "in_progress"} for env, e in status.get("eval", {}).items()},
-        "last_loss": trainer.get("loss"),
+        "last_loss": last["loss"] if last.get("loss") is not None else trainer.get("loss"),
         "weight_bytes_per_version": trainer.get("weight_bytes_per_version"),  # the model, or its LoRA adapters
         # where each process ran (host, and ray_node_id under the ray launcher), a trainer's rank, and
         # whether a rollout worker left by draining (`earl-stream scale`)

@@ -6,7 +6,14 @@ It owns the file and the record's fields; what goes in a record comes from the s
 people (`earl-stream runs show/compare`) is left to `cli/runs_cmd.py`.
 
 Steps count trained steps from 1: the record of step s is the one the trainer published as policy version s
-(the learning curve's x axis). A value the supervisor does not know is null, never guessed.
+(the learning curve's x axis). A value the supervisor does not know is null, never guessed. Besides the
+trainer's step metrics a record holds what the supervisor sees at that step: the episode window (reward,
+win/draw rate, each environment's outcomes, context-length percentiles), the staleness of the step's
+samples (`staleness`: versions between each sample's oldest token and the policy it trained -> samples,
+read from the ledger's claim of the step), rollout throughput and the largest store a rollout worker holds,
+the trainer plan and any re-plan, and the evaluation rounds (eval.every) that finished since the last record
+(`eval`: env -> the new points, oldest first). `summary.json` and `learning_curve.png` are made from these
+records when the run ends (`cli/run_files.py`).
 
 Durable across a restart: a reopened log reads the last step already written and skips every step at or
 below it, so a step replayed from the write-ahead log, or re-trained after a resume rolled the trainer back,
@@ -31,6 +38,7 @@ FILE_NAME = "metrics.jsonl"
 # the trainer's step metrics copied into the record under their own names (workers/train_step.StepResult)
 TRAINER_FIELDS = ("loss", "kl", "entropy", "clip_frac", "grad_norm", "lr", "tokens", "samples", "step_seconds",
                   "stale_frac", "masked_frac", "peak_memory_bytes")
+CONTEXT_FIELDS = ("p50", "p90", "p99", "max")  # the episode window's context-length percentiles, tokens
 
 
 class MetricsLog:
@@ -42,6 +50,7 @@ class MetricsLog:
         self.last_step = -1  # the last step written (-1: none)
         self.started = time.time()  # the run's start, for wall_seconds (kept from the file's first record)
         self._rollout: tuple[float, float] | None = None  # (time, tokens_produced) at the last record
+        self._eval_seen: dict[str, int] = {}  # env -> the newest evaluated version already in a record
         self._open_existing()
 
     def _open_existing(self) -> None:
@@ -57,6 +66,9 @@ class MetricsLog:
             log.info("%s belonged to an earlier run: moved to %s", self.path, aside)
             return
         self.last_step = max(int(r["step"]) for r in records)
+        for r in records:
+            for env, points in (r.get("eval") or {}).items():
+                self._eval_seen[env] = max([self._eval_seen.get(env, -1)] + [int(p["version"]) for p in points])
         first = records[0]
         if isinstance(first.get("time"), (int, float)) and isinstance(first.get("wall_seconds"), (int, float)):
             self.started = first["time"] - first["wall_seconds"]
@@ -78,14 +90,17 @@ class MetricsLog:
         self.last_step = step
         return True
 
-    def record(self, status: dict[str, Any], trainer: dict[str, float], replanned: bool) -> dict[str, Any]:
-        """The record of the step just published, from the supervisor's `status` and the trainer's metrics."""
+    def record(self, status: dict[str, Any], trainer: dict[str, float], replanned: bool,
+               staleness: dict[str, int] | None = None) -> dict[str, Any]:
+        """The record of the step just published, from the supervisor's `status`, the trainer's metrics and
+        the staleness histogram of the step's claim (`staleness_histogram`; None: unknown)."""
         now = time.time()
         rec: dict[str, Any] = {"policy_version": status.get("policy_version"), "time": round(now, 3),
                                "wall_seconds": round(now - self.started, 3)}
         rec["reward"] = trainer.get("mean_reward")  # the step's trained batch
         rec["reward_window"] = status.get("mean_reward_last")  # the supervisor's last-episodes window
         rec["win_rate"] = status.get("win_rate_last")
+        rec["draw_rate"] = status.get("draw_rate_last")
         rec["env_outcomes"] = {name: e["outcomes"] for name, e in (status.get("envs") or {}).items()
                                if e.get("outcomes")} or None
         rec.update({k: trainer.get(k) for k in TRAINER_FIELDS})
@@ -93,11 +108,32 @@ class MetricsLog:
         rec["trained_tokens_per_s"] = tokens / seconds if tokens is not None and seconds else None
         rec["rollout_tokens_per_s"] = self._rollout_rate(now, status.get("tokens_produced"))
         context = status.get("context_length") or {}
-        rec["context_p50"], rec["context_p99"] = context.get("p50"), context.get("p99")
+        for q in CONTEXT_FIELDS:
+            rec[f"context_{q}"] = context.get(q)
+        rec["staleness"] = staleness
+        stores = [w["stats"]["store_bytes"] for w in status.get("workers") or []
+                  if w.get("role") == "rollout" and w.get("alive") and "store_bytes" in (w.get("stats") or {})]
+        rec["rollout_store_bytes_max"] = max(stores) if stores else None  # peak_memory_bytes: the trainer's
         plan = (status.get("plans") or {}).get("trainer") or {}
         rec["plan"] = plan.get("name")
         rec["replanned"] = replanned
+        rec["eval"] = self._new_eval_points(status.get("eval") or {})
         return rec
+
+    def _new_eval_points(self, evals: dict[str, Any]) -> dict[str, list[dict[str, Any]]] | None:
+        """env -> the evaluation points (status "eval" history) newer than any already recorded; the newest
+        one in full (stderr, pass@k, the versions that played it). None when no round finished."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for env, e in evals.items():
+            seen = self._eval_seen.get(env, -1)
+            points = [dict(p) for p in e.get("history") or [] if p.get("value") is not None and p["version"] > seen]
+            if not points:
+                continue
+            if e.get("version") == points[-1]["version"]:  # the latest round: every figure it has
+                points[-1] = {k: v for k, v in e.items() if k not in ("history", "in_progress", "skipped_versions")}
+            out[env] = points
+            self._eval_seen[env] = points[-1]["version"]
+        return out or None
 
     def _rollout_rate(self, now: float, produced: Any) -> float | None:
         """Tokens the rollout pool produced per second since the last record (None for the first one)."""
@@ -123,6 +159,25 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             log.warning("%s: skipped a line that is not JSON (cut short by a crash?)", p)
     return [r for r in records if isinstance(r, dict) and "step" in r]
+
+
+def staleness_histogram(ledger: Any, step: int) -> dict[str, int] | None:
+    """{versions stale: samples} of the samples claimed for (0-based) `step`: how many versions lie between a
+    sample's oldest token and the policy the step trained (version `step`), as the trainer observes it
+    (`earl_trainer_staleness_versions`). Read from `ledger` (`supervisor.ledger.Ledger`) while the step's
+    claim is held (the trainer publishes before it releases); None when it is not. Samples with no model
+    token (policy_version_min < 0) are not counted."""
+    claim = ledger.claims.get(step)
+    if claim is None:
+        return None
+    counts: dict[int, int] = {}
+    for ordinal in claim[1]:
+        group = ledger.groups.get(ordinal)
+        for row in group.rows if group is not None else ():
+            if row.policy_version_min >= 0:
+                lag = max(0, step - row.policy_version_min)
+                counts[lag] = counts.get(lag, 0) + 1
+    return {str(k): counts[k] for k in sorted(counts)}
 
 
 def replanned_at(history: Sequence[Any], step: int) -> bool:

@@ -26,7 +26,7 @@ from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.supervisor.episode_window import Finished, outcome_rate, outcome_rate_stderr, window_stats
 from earl_stream.supervisor.eval_rounds import EvalRounds
 from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
-from earl_stream.supervisor.metrics_log import MetricsLog, replanned_at
+from earl_stream.supervisor.metrics_log import MetricsLog, replanned_at, staleness_histogram
 from earl_stream.supervisor.planning import Planner, PlannerState
 from earl_stream.supervisor.pools import Member, decide, order_of
 from earl_stream.supervisor.recovery import recover
@@ -273,7 +273,8 @@ class Supervisor:
         # a publish without a loss (the trainer's first, or after its resume) ends no step
         if steps is not None and "loss" in msg.metrics and msg.version > steps.last_step:
             steps.append(msg.version, steps.record(self.status(now), self.trainer_metrics,
-                                                   replanned_at(self.planner.trainer_history, msg.version - 1)))
+                                                   replanned_at(self.planner.trainer_history, msg.version - 1),
+                                                   staleness_histogram(self.ledger, msg.version - 1)))
         return P.Ack()
 
     def _on_finished(self, msg: P.Finished, now: float) -> P.Msg:
