@@ -188,10 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     from earl_stream.model.commands import add_model_commands
 
     add_model_commands(sub)
-    from earl_stream.cli import runs_cmd, sft
+    from earl_stream.cli import doctor, runs_cmd, sft
 
     sft.add_parser(sub)
     runs_cmd.add_parser(sub)
+    doctor.add_parser(sub)
     return parser
 
 
@@ -371,6 +372,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from earl_stream.cli.runs_cmd import run_runs
 
         return run_runs(args)
+    if args.command == "doctor":
+        from earl_stream.cli.doctor import run_doctor
+
+        return run_doctor(args)
     raise AssertionError(args.command)
 
 
