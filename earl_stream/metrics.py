@@ -76,6 +76,8 @@ TRAINER_MASKED = Gauge("earl_trainer_masked_token_fraction", "Fraction of the la
 TRAINER_CLIP_FRAC = Gauge("earl_trainer_clipped_token_fraction", "Fraction of the last step's loss tokens (over its "
                           "updates) whose PPO or dual clip was active", ["rank"])
 TRAINER_STEPS = Counter("earl_trainer_steps_total", "Training steps done", ["rank"])
+TRAINER_OOM_RECOVERED = Counter("earl_trainer_oom_recovered_total", "Steps abandoned after an allocation failure and "
+                                "trained under a re-planned layout, by the plan that failed", ["plan"])
 TRAINER_REWARD = Gauge("earl_trainer_reward_mean", "Mean reward of the last step's batch", ["rank"])
 TRAINER_STALENESS = Histogram("earl_trainer_staleness_versions",
                               "Policy versions between a trained sample's behaviour policy and the trained policy",
@@ -110,6 +112,8 @@ SUP_STATE_BYTES = Counter("earl_supervisor_state_bytes_total", "Bytes of write-a
                           "records, snapshots)", ["kind"])
 SUP_STATE_FSYNCS = Counter("earl_supervisor_state_fsyncs_total", "fsyncs of the supervisor's write-ahead log and snapshots")
 SUP_MESSAGES = Counter("earl_supervisor_messages_total", "Control messages the supervisor answered")
+SELECTOR_MEMORY_CORRECTION = Gauge("earl_selector_memory_correction", "Factor on the trainer memory model's "
+                                   "predictions for one layout, learnt from its allocation failures (1 = none)", ["plan"])
 SUP_MEMORY_PREDICTED = Gauge("earl_memory_predicted_bytes", "Peak bytes per device the memory model predicts for the pool's plan",
                              ["pool"])
 

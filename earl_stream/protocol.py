@@ -320,6 +320,33 @@ class PlanAdopted(Msg, tag="plan_adopted", frozen=True):
     step: int = 0
 
 
+class TrainerOom(Msg, tag="trainer_oom", frozen=True):
+    """Trainer rank 0: the pool abandoned `step` under plan `plan_version` because a rank failed to allocate
+    (no update applied). The evidence the supervisor corrects its memory model with: the claim's shape
+    (`rows`, `tokens` in all, the `longest` row's tokens), the bytes the failed allocation asked for
+    (`attempted_bytes`, 0 = the allocator did not say) and the fullest rank's peak before it (`peak_bytes`,
+    0 = unknown). Answered by `OomReplanned`; the same report twice (a retry) gets the same answer."""
+
+    worker_id: str = ""
+    step: int = 0
+    plan_version: int = 0
+    rows: int = 0
+    tokens: int = 0
+    longest: int = 0
+    attempted_bytes: int = 0
+    peak_bytes: int = 0
+    error: str = ""  # the allocator's message, first line
+
+
+class OomReplanned(Msg, tag="oom_replanned", frozen=True):
+    """The supervisor's answer to `TrainerOom`: `plan` is the plan to retry the step under (its next
+    `Claimed` carries it, with the same rows), None when no plan the corrected memory model trusts is left
+    (`message` says why; the rank then fails as it would without recovery)."""
+
+    plan: TrainerPlan | None = None
+    message: str = ""
+
+
 class Release(Msg, tag="release", frozen=True):
     worker_id: str = ""
     step: int = 0
@@ -378,7 +405,7 @@ AnyMsg = (
     Register | Registered | Heartbeat | HeartbeatReply | RequestPrompts | Prompts | PutMeta | Claim | Claimed
     | Release | PlanAdopted | PublishVersion | Finished | StatusRequest | StatusReply | Ack | ErrorReply | EnvAttach | EnvDetach
     | EnvList | EnvListReply | RecentEpisodes | RecentEpisodesReply | Scale | ScaleReply | RecoverSamples | Recovered
-    | PutEval
+    | PutEval | TrainerOom | OomReplanned
 )
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)

@@ -313,6 +313,8 @@ def make_summary(status: dict[str, Any], *, wall: float, records: list[dict[str,
         "samples_filtered": status.get("samples_filtered", 0),  # equal-reward groups dropped (algo.dynamic_sampling)
         # episodes stopped or refused as longer than the largest plan the pools can run (rollout plan max_episode_tokens)
         "samples_too_long": status.get("samples_too_long", 0),
+        # trainer steps that failed to allocate, each re-planned and retried: when, plans before and after, bytes
+        "oom_recoveries": (status.get("plans") or {}).get("oom_recoveries", []),
         # episodes kept as several samples (rollout.non_append=split): samples beyond an episode's first
         "episodes_produced": status.get("episodes_produced", 0),
         "segments_split": status.get("segments_split", 0),

@@ -76,6 +76,12 @@ class TrainerConfig:
                                     "slower); 0 = glibc's default, whose freed blocks stay in its heap", minimum=0)
     reshard_bucket_bytes: int = _f(64 << 20, "a plan switch moves parameters and optimizer state shard to shard, at most "
                                    "this many bytes of whole tensors at a time (a larger tensor alone)", minimum=1 << 20)
+    oom_recovery: bool = _f(True, "a step that fails to allocate (CUDA out of memory; on CPU the allocator's failure) is "
+                            "abandoned with its gradients, the supervisor corrects its memory model for that plan and "
+                            "re-plans, and the same batch trains under the new plan; off = the rank dies as before "
+                            "(for debugging)")
+    oom_abort_seconds: float = _f(5.0, "after an allocation failure, how long the pool's ranks take at most to leave the "
+                                  "step (ranks blocked in a collective included) before it is retried", minimum=0.1)
 
 
 @dataclasses.dataclass(frozen=True)

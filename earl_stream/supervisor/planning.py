@@ -37,13 +37,14 @@ import msgspec
 from earl_stream import metrics as M
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
-from earl_stream.protocol import WEIGHT_VERSIONS_KEPT, RolloutPlan, TrainerPlan
+from earl_stream.protocol import WEIGHT_VERSIONS_KEPT, RolloutPlan, TrainerOom, TrainerPlan
 from earl_stream.store.layout import Layout, materialised_tokens, partition
 from earl_stream.store.schema import SampleMeta, table_from_ipc
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
 from earl_stream.supervisor.cost_model import StepCostModel
 from earl_stream.supervisor.decisions import DTYPE_PRECISION
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, ModelShape, TrainPlan
+from earl_stream.supervisor.oom_replan import OomRecovery, replan_after_oom
 from earl_stream.supervisor.rollout_selector import RolloutSelector, largest_trainable_seq_len, rollout_selector_for
 from earl_stream.supervisor.selector import Infeasible, PlanDecision, PoolBudget, RolloutDecision, Thresholds, TrainerSelector
 from earl_stream.workers.engines.memory import EngineMemory, host_ram_bytes, host_share
@@ -74,6 +75,8 @@ class PlannerState(msgspec.Struct):
     rollout: RolloutDecision | None = None
     issued: list[TrainerPlan] = []
     trainer_history: list[PlanAdoption] = []
+    memory_corrections: dict[str, float] = {}  # layout name -> factor learnt from allocation failures
+    oom_recoveries: list[OomRecovery] = []
 
 
 def load_cost_model(path: str | os.PathLike[str]) -> StepCostModel:
@@ -139,6 +142,7 @@ class Planner:
         self.rollout_wire: RolloutPlan | None = None
         self._issued: dict[int, TrainerPlan] = {}
         self.trainer_history: list[PlanAdoption] = []
+        self.oom_recoveries: list[OomRecovery] = []  # the trainer's allocation failures and the plans that answered them
         self.last_infeasible = ""
         self._memory_configured = cfg.rollout.memory_bytes > 0
         self._initial_seq_len = cfg.selector.initial_seq_len  # a rollout plan's design length before any decision
@@ -317,6 +321,18 @@ class Planner:
             log.warning("cannot write the cost model calibration to %s: %s", self._calibration_file, exc)
         return fitted
 
+    def on_oom(self, msg: TrainerOom, lengths: list[int]) -> tuple[TrainerPlan | None, str]:
+        """The trainer abandoned `msg.step` (claimed rows of `lengths` tokens) on an allocation failure: the
+        plan to retry it under (`oom_replan.replan_after_oom`), or None and why none is left."""
+        plan, why = replan_after_oom(self, msg, lengths)
+        if plan is not None and msg.step in self._step_plans:  # the step is measured under the plan it retries with
+            self._step_plans[msg.step] = self.micro_batches(lengths)
+        return plan, why
+
+    def adopt(self, decision: PlanDecision | RolloutDecision) -> None:
+        """Make `decision` the pool's current plan (what claims and heartbeats carry from now on)."""
+        self._adopt(decision)
+
     def _adopt(self, decision: PlanDecision | RolloutDecision) -> None:
         if isinstance(decision, PlanDecision):
             self.trainer_plan, wire = decision, decision.to_wire()
@@ -352,13 +368,20 @@ class Planner:
 
     def snapshot(self) -> PlannerState:
         return PlannerState(trainer=self.trainer_plan, rollout=self.rollout_plan, issued=list(self._issued.values()),
-                            trainer_history=list(self.trainer_history))
+                            trainer_history=list(self.trainer_history),
+                            memory_corrections=dict(self.trainer.memory_corrections) if self.trainer else {},
+                            oom_recoveries=list(self.oom_recoveries))
 
     def restore(self, state: PlannerState) -> None:
         """Continue a restarted supervisor's plans: versions go on from the persisted ones."""
         self.trainer_history = list(state.trainer_history)
         self._note_running(self.trainer_history[-1].plan if self.trainer_history else None)
         self._issued.update({p.version: p for p in state.issued})
+        self.oom_recoveries = list(state.oom_recoveries)
+        if self.trainer is not None:  # before the resume: whether the saved plan still fits depends on them
+            self.trainer.memory_corrections.update(state.memory_corrections)
+            for name, factor in state.memory_corrections.items():
+                M.SELECTOR_MEMORY_CORRECTION.labels(name).set(factor)
         if self.trainer is not None and state.trainer is not None:
             self._adopt(self.trainer.resume(state.trainer))
         if self.rollout is not None and state.rollout is not None:
@@ -373,4 +396,6 @@ class Planner:
                 "infeasible": self.last_infeasible or None, "cost_model": self.calibration,
                 "max_trainable_tokens": self.max_trainable_tokens or None,
                 "memory_calibration": self.memory_calibration or None,
+                "memory_corrections": dict(self.trainer.memory_corrections) if self.trainer else {},
+                "oom_recoveries": [msgspec.structs.asdict(r) for r in self.oom_recoveries],
                 "rollout_memory": dataclasses.asdict(self.rollout_memory) if self.rollout_memory else None}

@@ -22,6 +22,10 @@ the pool is left on a plan its contexts outgrew).
 
 A model shape with quirks the memory model does not interpret (`ModelShape.calibrate`) is logged at
 start and its predictions scaled once by the first measured step (`TrainerSelector.calibrate_memory`).
+An allocation failure of the trainer (`TrainerSelector.correct_memory`) scales the predictions of the
+failing layout alone (by name: `dp1`, `fsdp2+rc`, ...) so that no more than half the micro-batch that failed fits;
+`replan_after_oom` then picks, outside the thresholds' hysteresis, the plan the corrected model says holds
+the step's longest row.
 
 Everything is pure and deterministic: the same snapshots and steps give the same decisions.
 """
@@ -45,6 +49,7 @@ from earl_stream.supervisor.switch_memory import switch_refusal
 
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
+_OOM_STEP = 1.25  # a layout's correction grows at least this much with each of its allocation failures
 _DESIGN_QUANTUM = 64  # design lengths below the headroom's power of two (when it fits no plan): multiples of this
 
 
@@ -353,6 +358,7 @@ class TrainerSelector(_Selector[PlanDecision]):
         self.only = frozenset(only)  # layout names (`layout_name`) the pool may run; empty = all
         self.running: TrainPlan | None = None  # the layout the pool holds now, when the planner knows it
         self.memory_scale = 1.0  # measured / predicted peak of the first measured step (shapes with quirks)
+        self.memory_corrections: dict[str, float] = {}  # layout name -> factor on its predictions, from allocation failures
         if shape.calibrate:
             logger.warning("%s: memory prediction for %s will be calibrated from the first measured step (the memory "
                            "model does not interpret: %s)", self.pool, shape.model_type or "this model",
@@ -371,6 +377,35 @@ class TrainerSelector(_Selector[PlanDecision]):
         logger.info("%s: memory prediction calibrated: measured %d bytes, predicted %d: later predictions x%.3f",
                     self.pool, measured_bytes, predicted_bytes, self.memory_scale)
         return self.memory_scale
+
+    def correct_memory(self, plan: TrainPlan, fits_bytes: int) -> float:
+        """A step under `plan`'s layout failed to allocate: from now on that layout's predictions (no other's)
+        are scaled so that at most `fits_bytes` of prediction fit the budget (the caller's choice: the model's
+        prediction for half the micro-batch that failed), and at least 1.25 x by the layout's previous
+        factor (a second failure always tightens). Returns the factor."""
+        name = layout_name(plan)
+        usable = self.budget.memory_bytes_per_device - self.budget.reserve_bytes
+        old = self.memory_corrections.get(name, 1.0)
+        factor = max(old * _OOM_STEP, usable / max(1, fits_bytes))
+        self.memory_corrections[name] = factor
+        logger.warning("%s: layout %s failed to allocate: its predictions are scaled x%.3f from now on (%d of %d "
+                       "bytes predicted fit)", self.pool, name, factor, fits_bytes, usable)
+        return factor
+
+    def budget_of(self, layout: TrainPlan) -> PoolBudget:
+        """The budget `layout`'s fit checks see: the pool's, shrunk by the layout's correction (if any)."""
+        factor, b = self.memory_corrections.get(layout_name(layout), 1.0), self.budget
+        if factor <= 1.0:
+            return b
+        usable = max(1, int((b.memory_bytes_per_device - b.reserve_bytes) / factor))
+        return dataclasses.replace(b, memory_bytes_per_device=b.reserve_bytes + usable)
+
+    def replan_after_oom(self, longest: int, step: int, reason: str) -> PlanDecision | Infeasible:
+        """A plan, as the next version and outside the thresholds' hysteresis, for a step whose longest row has
+        `longest` tokens, under the corrected predictions (call `correct_memory` first)."""
+        design = max(self._current.design_seq_len if self._current else 0, longest, 1)
+        result = self._plan(design, reason, step, floor=max(1, longest))
+        return self._adopt(result, self._snapshot.total if self._snapshot else 0, step)
 
     def layouts(self, design_seq_len: int) -> list[TrainPlan]:
         """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence
@@ -392,24 +427,24 @@ class TrainerSelector(_Selector[PlanDecision]):
     def _admissible(self, decision: PlanDecision) -> bool:
         plan, design = decision.plan, decision.design_seq_len
         bound = dataclasses.replace(plan, micro_batch=1, seq_len=decision.micro_batch_tokens)
+        budget = self.budget_of(plan)
         return (dataclasses.replace(plan, micro_batch=1, seq_len=design) in self.layouts(design)
-                and check_fit(self.shape, bound, self.budget.memory_bytes_per_device,
-                              reserve_bytes=self.budget.reserve_bytes).fits)
+                and check_fit(self.shape, bound, budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes).fits)
 
     def _plan(self, design: int, reason: str, step: int, floor: int = 0) -> PlanDecision | Infeasible:
         cap = max(self.max_micro_batch_tokens, design)
         floor = min(floor or design, design)
         ranked: list[tuple[RankedPlan, int, int, float]] = []  # + micro-batch token budget, design length, score
         for layout in self.layouts(design):
-            largest = micro_batch_tokens(self.shape, layout, self.budget, max_tokens=cap)
+            budget = self.budget_of(layout)
+            largest = micro_batch_tokens(self.shape, layout, budget, max_tokens=cap)
             # the longest design this layout holds, down to the floor (one packed sequence of it fits)
             held = design if largest >= design else largest // _DESIGN_QUANTUM * _DESIGN_QUANTUM
             if held < floor or held < 1 or not self._switch_fits(layout):
                 continue
             for tokens in self._budgets(largest, held):
                 rep = dataclasses.replace(layout, seq_len=held, micro_batch=self._rows(tokens // held, layout.dp))
-                fit = check_fit(self.shape, rep, self.budget.memory_bytes_per_device,
-                                reserve_bytes=self.budget.reserve_bytes)
+                fit = check_fit(self.shape, rep, budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes)
                 # states sync (FSDP gathers, DDP all-reduce) is paid once per step, over its micro-batches
                 acc = max(1, math.ceil(self.step_sequences / (rep.dp * rep.micro_batch)))
                 r = rank_plans(self.shape, [fit], self.cost_model, accumulation_steps=acc)[0]

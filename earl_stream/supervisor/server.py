@@ -20,7 +20,7 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
 from earl_stream.errors import ConfigError
-from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
+from earl_stream.store.schema import SampleMeta, metas_to_table, table_from_ipc, table_to_ipc
 from earl_stream.store.weight_route import WeightRoute, weight_route
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
 from earl_stream.supervisor.episode_window import Finished, outcome_rate, outcome_rate_stderr, window_stats
@@ -254,6 +254,16 @@ class Supervisor:
     def _on_planadopted(self, msg: P.PlanAdopted, now: float) -> P.Msg:
         self.planner.on_adopted(msg.version, msg.step)
         return P.Ack()
+
+    def _on_traineroom(self, msg: P.TrainerOom, now: float) -> P.Msg:
+        """The trainer abandoned a step on an allocation failure: correct the memory model, re-plan, and let
+        it claim the same step (the same rows) again under the new plan."""
+        claim = self.ledger.claims.get(msg.step)
+        lengths = table_from_ipc(claim[0]).column("total_tokens").to_pylist() if claim else []
+        plan, why = self.planner.on_oom(msg, lengths)
+        log.warning("trainer step %d failed to allocate under plan v%d (%d rows, %d tokens, longest %d; %d bytes "
+                    "asked): %s", msg.step, msg.plan_version, msg.rows, msg.tokens, msg.longest, msg.attempted_bytes, why)
+        return P.OomReplanned(plan=plan, message=why)
 
     def _on_release(self, msg: P.Release, now: float) -> P.Msg:
         if msg.checkpointed:

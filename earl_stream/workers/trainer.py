@@ -9,6 +9,12 @@ Stopping: the first SIGTERM or SIGINT (or the supervisor's stop) lets the step i
 ranks agree on it at the step boundary (`collectives.any_rank`), so all of them leave at the same step,
 publish nothing more, write the checkpoint of that version together (unless one already holds it) and
 exit 0. A second signal stops the rank at once (`common.StopFlag`).
+
+Out of memory (`trainer.oom_recovery`): a step that fails to allocate before its optimizer update is
+abandoned with nothing applied (`oom_step.run_guarded`); rank 0 reports it (`protocol.TrainerOom`), the
+supervisor corrects its memory model for that plan and re-plans, and the pool claims the same step again:
+the same rows, the new plan. Single-rank pools only for now: a pool of several ranks fails as before (a
+rank blocked in a collective would wait for the collective timeout), and resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from earl_stream.workers.collectives import all_gather_flags, all_gather_str, an
 from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.host_memory import free_unused_memory, set_malloc_mmap_threshold
 from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
+from earl_stream.workers.oom_step import AllocationFailure, TrainerOutOfMemory, cap_address_space, run_guarded
 from earl_stream.workers.peak_memory import PeakMemory
 from earl_stream.workers.sharding import apply_plan, relayout, shard_pieces
 from earl_stream.workers.tensor_parallel import family_problems
@@ -106,6 +113,8 @@ class TrainerRank:
         self.version = self._resume(reg.policy_version)
         self.checkpointed_step = self.version  # the version the newest checkpoint holds (0: none)
         self.published_version = -1
+        self.recovering: tuple[str, float] | None = None  # a step being retried: (the plan it first failed under, since)
+        cap_address_space()  # tests and benchmarks only: a real allocation failure on a CPU rank
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
         self._hb.start()
 
@@ -123,13 +132,9 @@ class TrainerRank:
             if metas is None:  # every rank agreed to stop while waiting for the step's samples
                 stopped = True
                 break
-            if isinstance(self.store_client, CentralClient):
-                self.store_client.set_step(step, metas)
-            self.peak_memory.start()
-            result = train_step(self.model, self.optimizer, metas, self.placement.layout, self.store_client,
-                                self.step_cfg, algo=cfg.algo, step=step, run_steps=cfg.steps,
-                                min_version=max(0, step - t.max_staleness), ref_model=self.ref_model, rank=self.rank,
-                                placement=self.placement, temperature=cfg.rollout.temperature)
+            result = self._train(step, metas)
+            if result is None:  # abandoned on an allocation failure and re-planned: claim it again, the same rows
+                continue
             peak = max_over_ranks(self.peak_memory.step_peak(), self.world_size)  # the fullest rank's, collective
             step += 1
             self.version = step
@@ -151,6 +156,53 @@ class TrainerRank:
                     self._release_checkpointed()
         self._finish(step, stopped)
         return 0
+
+    def _train(self, step: int, metas: list) -> StepResult | None:
+        """This rank's part of step `step`; None when it failed to allocate and the step is to be claimed
+        again under the plan the supervisor answered with (`trainer.oom_recovery`, one-rank pools)."""
+        cfg, t = self.cfg, self.cfg.trainer
+        if isinstance(self.store_client, CentralClient):
+            self.store_client.set_step(step, metas)
+        self.peak_memory.start()
+
+        def run() -> StepResult:
+            return train_step(self.model, self.optimizer, metas, self.placement.layout, self.store_client,
+                              self.step_cfg, algo=cfg.algo, step=step, run_steps=cfg.steps,
+                              min_version=max(0, step - t.max_staleness), ref_model=self.ref_model, rank=self.rank,
+                              placement=self.placement, temperature=cfg.rollout.temperature)
+
+        if not t.oom_recovery or self.world_size > 1:
+            return run()
+        started = time.monotonic()
+        outcome = run_guarded(run, self.optimizer, self.placement.device)
+        if isinstance(outcome, AllocationFailure):
+            self._replan_after_oom(step, metas, outcome)
+            return None
+        if self.recovering is not None:
+            failed, since = self.recovering
+            M.TRAINER_OOM_RECOVERED.labels(failed).inc()
+            log.warning("step %d: recovered from the allocation failure under %s: trained under plan %s, %.2fs lost "
+                        "to it", step, failed, self.placement.plan.name, started - since)
+            self.recovering = None
+        return outcome
+
+    def _replan_after_oom(self, step: int, metas: list, failure: AllocationFailure) -> None:
+        """Report the abandoned step; the supervisor's next claim of it carries the plan to retry under."""
+        lengths = [m.total_tokens for m in metas]
+        failed = self.placement.plan.name
+        log.warning("step %d: failed to allocate under plan v%d (%s, micro-batch %d tokens; %d rows, %d tokens, longest "
+                    "%d): %s; abandoned with nothing applied, asking for a new plan", step, self.plan_version, failed,
+                    self.step_cfg.micro_batch_tokens, len(lengths), sum(lengths), max(lengths, default=0), failure.error)
+        reply = self._call(P.TrainerOom(worker_id=self.worker_id, step=step, plan_version=self.plan_version,
+                                        rows=len(lengths), tokens=sum(lengths), longest=max(lengths, default=0),
+                                        attempted_bytes=failure.attempted_bytes,
+                                        peak_bytes=self.peak_memory.step_peak(), error=failure.error))
+        if not isinstance(reply, P.OomReplanned) or reply.plan is None:
+            why = reply.message if isinstance(reply, P.OomReplanned) else str(reply)
+            raise TrainerOutOfMemory(f"step {step} failed to allocate under plan {failed} ({failure.error}) and no plan "
+                                     f"is left to retry it under: {why}")
+        log.warning("step %d: the supervisor re-planned: %s", step, reply.message)
+        self.recovering = self.recovering or (failed, failure.started)
 
     def _finish(self, step: int, stopped: bool) -> None:
         """After the last step (the run's end, or a stop every rank agreed on at this same step): the
