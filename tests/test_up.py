@@ -54,6 +54,11 @@ def test_up_trains_through_the_store(tmp_path: Path, tiny_model_dir: Path) -> No
     # the per-step record (supervisor/metrics_log.py): steps count from 1, as the policy version each one made
     records = read_records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["loss"] is not None for r in records)
+    # each step's samples by staleness, read from the claim the supervisor held when the step was published
+    assert all(sum(r["staleness"].values()) == 2 * 4 for r in records), [r["staleness"] for r in records]
+    assert all(r["context_p90"] is not None for r in records[1:])
+    # the summary's step figures are the record's
+    assert summary["metrics"]["steps_recorded"] == 4 and summary["last_loss"] == records[-1]["loss"]
 
 
 @pytest.mark.live

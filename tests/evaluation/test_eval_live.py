@@ -18,6 +18,7 @@ from test_dashboards import RunningUp, scrape
 from earl_stream import protocol as P
 from earl_stream.security.secret import SECRET_ENV, create_secret_file, load_secret
 from earl_stream.store.schema import table_from_ipc, table_to_metas
+from earl_stream.supervisor.metrics_log import read_records
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +71,11 @@ def test_eval_rounds_overlap_training_and_are_never_trained(tmp_path: Path, tiny
     summary = json.loads((tmp_path / "summary.json").read_text())  # `up` stopped by SIGTERM writes it too
     assert summary["eval"]["parity"]["history"][:len(versions)] == point["history"]
     assert Path(summary["learning_curve_png"]).read_bytes()[:4] == b"\x89PNG"
+    # metrics.jsonl: each finished round once, in the record of the first step published after it finished (a
+    # round of version >= 2 was decided at a publish after the round of version 0 had finished)
+    recorded = [p["version"] for r in read_records(up.run_dir) for p in (r.get("eval") or {}).get("parity", [])]
+    assert recorded and recorded[0] == 0 and recorded == sorted(set(recorded))
+    assert recorded == [p["version"] for p in summary["eval"]["parity"]["history"]][:len(recorded)]
     issued = summary["prompts_issued"]  # at the stop: `final` is older than the last steps trained.jsonl holds
     trained = [o for line in (up.run_dir / "trained.jsonl").read_text().splitlines() for o in json.loads(line)["trained"]]
     assert trained and all(0 <= o < issued for o in trained) and len(trained) == len(set(trained))
