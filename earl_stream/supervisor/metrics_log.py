@@ -114,9 +114,11 @@ class MetricsLog:
         stores = [w["stats"]["store_bytes"] for w in status.get("workers") or []
                   if w.get("role") == "rollout" and w.get("alive") and "store_bytes" in (w.get("stats") or {})]
         rec["rollout_store_bytes_max"] = max(stores) if stores else None  # peak_memory_bytes: the trainer's
-        plan = (status.get("plans") or {}).get("trainer") or {}
-        rec["plan"] = plan.get("name")
+        plans = status.get("plans") or {}
+        plan = plans.get("trainer") or {}
+        rec["plan"], rec["plan_version"] = plan.get("name"), plan.get("version")
         rec["replanned"] = replanned
+        rec["replan"] = _replan(plans.get("trainer_history") or [], status.get("policy_version")) if replanned else None
         rec["eval"] = self._new_eval_points(status.get("eval") or {})
         return rec
 
@@ -159,6 +161,18 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             log.warning("%s: skipped a line that is not JSON (cut short by a crash?)", p)
     return [r for r in records if isinstance(r, dict) and "step" in r]
+
+
+def _replan(history: Sequence[dict[str, Any]], version: Any) -> dict[str, Any] | None:
+    """The plan the trainer pool adopted at the boundary of the step that made `version` (status
+    plans.trainer_history, `PlanAdoption.to_dict`): its version, name and the selector's reason."""
+    if not isinstance(version, int):
+        return None
+    adopted = [h for h in history[1:] if h.get("step") == version - 1]
+    if not adopted:
+        return None
+    h = adopted[-1]
+    return {"version": h.get("version"), "plan": (h.get("plan") or {}).get("name"), "reason": h.get("reason")}
 
 
 def staleness_histogram(ledger: Any, step: int) -> dict[str, int] | None:

@@ -151,3 +151,14 @@ def test_percentiles_store_peak_and_each_eval_round_once(tmp_path: Path) -> None
     newer = {"add3": {**evals["add3"], "version": 8, "value": 0.5,
                       "history": evals["add3"]["history"] + [{"version": 8, "value": 0.5}]}}
     assert [p["version"] for p in again.record(_status(newer), STEP_METRICS, False)["eval"]["add3"]] == [8]
+
+
+def test_a_replan_names_the_plan_adopted_and_why(tmp_path: Path) -> None:
+    history = [{"version": 1, "step": 0, "plan": {"name": "dp2"}, "reason": "initial"},
+               {"version": 2, "step": 3, "plan": {"name": "fsdp2_sp2"}, "reason": "p99 1900 > 0.9 x 2048"}]
+    status = {**_status({}), "plans": {"trainer": {"version": 2, "name": "fsdp2_sp2"}, "trainer_history": history}}
+    m = MetricsLog(tmp_path, "run-a")
+    r = m.record(status, STEP_METRICS, True)  # policy version 4: the step at boundary 3
+    assert (r["plan"], r["plan_version"]) == ("fsdp2_sp2", 2)
+    assert r["replan"] == {"version": 2, "plan": "fsdp2_sp2", "reason": "p99 1900 > 0.9 x 2048"}
+    assert m.record(status, STEP_METRICS, False)["replan"] is None
