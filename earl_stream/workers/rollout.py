@@ -217,7 +217,11 @@ class RolloutWorker:
         self.version_changed = asyncio.Condition()
         self.planned = asyncio.Event()  # set by the first heartbeat reply: episodes wait for its plan
         slots = [asyncio.create_task(self._group_slot(i)) for i in range(self.cfg.rollout.groups_in_flight)]
-        self._slots = slots
+        # what heartbeats deliver that waits on the engine (a plan, a weight swap): applied by its own task
+        self._pending_plan: P.RolloutPlan | None = None
+        self._pending_weights: tuple[int, str, WeightRoute] | None = None
+        self._control_wake = asyncio.Event()
+        self._tasks = [*slots, asyncio.create_task(self._engine_control())]
         self.endpoint: openai_api.OpenAIEndpoint | None = None
         self.agent_runners = AgentRunners(self.cfg.rollout.agent_processes, self.worker_id) \
             if self.cfg.rollout.agent_processes else None
@@ -234,9 +238,9 @@ class RolloutWorker:
         finally:
             if self.endpoint is not None:
                 await self.endpoint.close()
-            for task in slots:
+            for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(*slots, return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             if self.agent_runners is not None:
                 await self.agent_runners.aclose()
             self.batcher.close()
@@ -246,7 +250,7 @@ class RolloutWorker:
         self._persisting: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._persisting.set_result(None)
         while not self.stop:
-            for task in self._slots:
+            for task in self._tasks:
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
             stats: dict[str, float] = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
@@ -270,8 +274,7 @@ class RolloutWorker:
                 self.worker_id = reg.worker_id
                 continue
             if reply.plan is not None:
-                await self._apply_plan(reply.plan)
-            self.planned.set()  # the first reply carries a plan sized for this worker's memory (if any)
+                self._pending_plan = reply.plan
             if reply.envs_json:
                 await asyncio.to_thread(self._update_envs, reply.envs_json, reply.envs_version)
             if reply.free_sample_ids:
@@ -292,11 +295,30 @@ class RolloutWorker:
                 self.stop.set()
                 break
             if reply.policy_version != self.engine.policy_version and reply.weights_address:
-                await self._load_weights(reply.policy_version, reply.weights_address,
+                self._pending_weights = (reply.policy_version, reply.weights_address,
                                          WeightRoute(reply.weights_relay, reply.weights_via))
+            self._control_wake.set()
             M.STORE_BYTES_HELD.labels(self.worker_id).set(self.node.bytes_held)
             M.STORE_SHARDS_HELD.labels(self.worker_id).set(self.writer.samples_held)
             await asyncio.sleep(period)
+
+    async def _engine_control(self) -> None:
+        """Apply what the heartbeats deliver that must wait on the engine: a rollout plan (between batches)
+        and a new policy version (a drain swap waits for the running rows). Its own task, so a long batch
+        never holds up a heartbeat: a worker whose beats waited out a batch once outlived its lease, was
+        declared dead and had its groups played again, and the trainer sat idle for a whole rollout after
+        each re-plan. The newest of each is applied, the plan first (as the reply gave them); the first
+        reply, with the plan sized for this worker's memory, releases the episodes (`planned`)."""
+        while True:
+            await self._control_wake.wait()
+            self._control_wake.clear()
+            plan, self._pending_plan = self._pending_plan, None
+            if plan is not None:
+                await self._apply_plan(plan)
+            self.planned.set()
+            target, self._pending_weights = self._pending_weights, None
+            if target is not None and target[0] != self.engine.policy_version:
+                await self._load_weights(*target)
 
     async def _apply_plan(self, plan: P.RolloutPlan) -> None:
         if plan.version == self.plan_version:
@@ -384,10 +406,13 @@ class RolloutWorker:
 
             async with self.version_changed:
                 await self.version_changed.wait_for(ready)
+            start = time.monotonic()
             records = await self._play_group(prompt)
             if records is None:
                 await self._call(P.PutMeta(worker_id=self.worker_id, failed_groups=[prompt.group_id]))
                 continue
+            log.info("group %s: %d episodes, %d tokens in %.2fs", prompt.group_id, len(records),
+                     sum(len(r.input_ids) for r in records), time.monotonic() - start)
             if self.teacher is not None:  # algo.distill: the teacher scores the episodes before they are stored
                 records = await asyncio.to_thread(self.teacher.score, records)
             rows = await asyncio.to_thread(self.writer.put, records)
