@@ -34,7 +34,16 @@ refused or truncated samples, trained tokens per training second per context pha
 from /proc: the strategies run one after another on a machine others share), the plans adopted, each
 re-layout's measured peak (the rank's resident memory sampled every 50 ms during the switch) and each rank's
 peak. JSON keys: adaptive_crashed, adaptive_truncated, static (per plan), vs_best_static_min, vs_dynamic_sp,
-plans_used, switch_peak_bytes, context_growth, runs (everything measured), settings.
+plans_used, switch_peak_bytes, context_growth, runs (everything measured, first repeat), settings.
+
+Repeats (--repeats, default 3): a first pass runs every strategy once; static plans that crashed in it are not
+repeated; then the others run again, interleaved (adaptive, dynamic_sp, static:a, ..., adaptive, ...), so load
+drifts hit every arm alike. From all repeats (bench/real_scale_summary.py): repeats, end_to_end_seconds (first
+step's start to last step's end: re-plans, switches and idle waits included), vs_best_static_end_to_end (the best
+crash-free static plan's mean over adaptive's, with ci95), per_phase (plan and tokens/s with ci95),
+phase_vs_fastest_static and same_plan_phases (a phase where both sides ran the same plan is never a speedup or a
+loss), vs_fastest_static_min_differing, reward_per_phase, dynamic_sp_real (false: emulated per step), and
+repeat_runs (the repeats after the first).
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
+from real_scale_summary import summarize_repeats  # noqa: E402
 
 from bench.provenance import write_result  # noqa: E402
 
@@ -64,7 +74,7 @@ SITE = ROOT / "bench" / "real_scale_site"
 GIB = 1 << 30
 BASE_TOKENS = 66  # an episode's tokens besides the filler (system prompt, chat template, facts, question, replies)
 NO_MEMORY_MODEL = 1 << 40  # the selector budget of the static and dynamic-SP runs: no plan is refused for memory
-_STEP = re.compile(r"^(\S+ \S+) .*step (\d+): loss \S+ grad-norm \S+ reward \S+ \((\d+) samples, (\d+) tokens\) "
+_STEP = re.compile(r"^(\S+ \S+) .*step (\d+): loss \S+ grad-norm \S+ reward (\S+) \((\d+) samples, (\d+) tokens\) "
                    r"in ([\d.]+)s")
 _RELAY = re.compile(r"^(\S+ \S+) .*step (\d+): re-la(ying|id) the model from (\S+) to (\S+)")
 _ADOPT = re.compile(r"^(\S+ \S+) .*step (\d+): adopted trainer plan v(\d+): (\S+) .*micro-batch (\d+) tokens, "
@@ -249,8 +259,8 @@ def parse_trainer_log(path: Path) -> dict[str, Any]:
     adopted: list[dict[str, Any]] = []
     for line in text.splitlines():
         if m := _STEP.match(line):
-            steps.setdefault(int(m[2]), {"step": int(m[2]), "t": _ts(m[1]), "samples": int(m[3]), "tokens": int(m[4]),
-                                         "seconds": float(m[5])})
+            steps.setdefault(int(m[2]), {"step": int(m[2]), "t": _ts(m[1]), "samples": int(m[4]), "tokens": int(m[5]),
+                                         "seconds": float(m[6]), "reward": float(m[3])})
         elif m := _RELAY.match(line):
             r = relays.setdefault(int(m[2]), {"step": int(m[2]), "from": m[4], "to": m[5]})
             r["start" if m[3] == "ying" else "end"] = _ts(m[1])
@@ -425,8 +435,8 @@ def table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
                     f"{'' if r['crash_phase'] is None else r['crash_phase']!s:5s} {r['steps']:5d} {tps}  "
                     f"{' -> '.join(r['plans_used']) or r['start_error'][-80:]}")
     keys = ("adaptive_crashed", "adaptive_truncated", "vs_best_static_min", "vs_best_static_min_cpu", "vs_dynamic_sp",
-            "plans_used",
-            "switch_peak_bytes", "context_growth", "static_crashed_any")
+            "plans_used", "switch_peak_bytes", "context_growth", "static_crashed_any", "repeats", "end_to_end_seconds",
+            "vs_best_static_end_to_end", "same_plan_phases", "vs_fastest_static_min_differing", "reward_per_phase")
     return "\n".join(rows + [f"{k}: {result[k]}" for k in keys])
 
 
@@ -463,6 +473,10 @@ def main() -> int:
     ap.add_argument("--dynamic-sp-hook", action="store_true",
                     help="print what a per-micro-batch sp degree needs from the trainer, and exit")
     ap.add_argument("--rebuild", action="store_true", help="recompute the summary keys of --json from its runs")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="runs per strategy (default 3; --quick: 1). A first pass runs every strategy once; static plans "
+                         "that crashed or stopped in it are not repeated; the other repeats interleave the rest "
+                         "(adaptive, dynamic_sp, static:a, adaptive, ...) so load drifts hit every arm alike")
     args = ap.parse_args()
     if args.dynamic_sp_hook:
         print(DYNAMIC_SP_HOOK)
@@ -471,30 +485,47 @@ def main() -> int:
         args.cap_gib, args.filler_words, args.filler_factor, args.grow_every, args.initial_len = 4.4, 150, 2.0, 1, 256
         args.run_minutes = min(args.run_minutes, 15.0)
     args.steps = args.levels * args.grow_every
+    args.repeats = args.repeats or (1 if args.quick else 3)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    previous = json.loads(out.read_text()) if out.exists() and args.only else {}
-    runs: dict[str, dict[str, Any]] = dict(previous.get("runs", {}))
+    previous = json.loads(out.read_text()) if out.exists() and (args.only or args.rebuild) else {}
+    runs: dict[str, dict[str, Any]] = dict(previous.get("runs", {}))  # each strategy's first repeat
+    later: dict[str, list[dict[str, Any]]] = dict(previous.get("repeat_runs", {}))  # its repeats after the first
+
+    def result_now() -> dict[str, Any]:
+        every = {kind: [r, *later.get(kind, [])] for kind, r in runs.items()}
+        return {**aggregate(runs, args), **summarize_repeats(every, args.levels),
+                "settings": {k: v for k, v in vars(args).items() if k != "json"}, "runs": runs, "repeat_runs": later}
+
     if args.rebuild:
-        runs = json.loads(out.read_text())["runs"]
         for kind, r in runs.items():  # reasons read again from the run directories where they are still there
             run_dir = Path(args.runs_dir or out.parent) / f"real_scale_{kind.replace(':', '_').replace('+', '_')}_run"
             if not r["started"] and run_dir.exists():
                 r["start_error"] = start_reason(run_dir)
-        result = {**aggregate(runs, args), "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                  "runs": runs}
+        result = result_now()
         write_result(out, result, indent=1)
         print(table(result, runs))
         return 0
-    for kind in args.only.split(",") if args.only else strategies(args.nproc):
-        print(f"== {kind}", flush=True)
-        runs[kind] = run(kind, args, Path(args.runs_dir) if args.runs_dir else out.parent)
-        r = runs[kind]
+
+    def measure(kind: str, repeat: int) -> dict[str, Any]:
+        print(f"== {kind} (repeat {repeat + 1} of {args.repeats})", flush=True)
+        r = run(kind, args, Path(args.runs_dir) if args.runs_dir else out.parent)
         print(f"   started {r['started']} crashed {r['crashed']} ({r['crash_reason']}) steps {r['steps']} "
               f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
-        result = {**aggregate(runs, args), "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                  "runs": runs}
-        write_result(out, result, indent=1)  # after every strategy: a killed run keeps what it measured
+        return r
+
+    kinds = args.only.split(",") if args.only else strategies(args.nproc)
+    for kind in kinds:
+        runs[kind], later[kind] = measure(kind, 0), []
+        write_result(out, result_now(), indent=1)  # after every run: a killed benchmark keeps what it measured
+    # a static plan that crashed (or did not start, or stopped) in the first pass is not repeated
+    again = [k for k in kinds if not k.startswith("static:") or
+             (runs[k]["started"] and not runs[k]["crashed"] and not runs[k]["stopped"])]
+    for repeat in range(1, args.repeats):
+        for kind in again:  # interleaved: A B C A B C
+            later[kind].append(measure(kind, repeat))
+            write_result(out, result_now(), indent=1)
+    result = result_now()
     print(table(result, runs))
     return 0
 

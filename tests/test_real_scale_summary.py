@@ -1,0 +1,68 @@
+"""bench/real_scale.py's comparison across repeats (bench/real_scale_summary.py): on the runs recorded on
+2026-11-28 every phase ran the same plan on both sides (so no phase counts as a speedup or a loss) and the
+adaptive run was slower end to end; on repeats whose plans differ, the ratio carries its 95% interval."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from real_scale_summary import end_to_end_seconds, phase_plans, summarize_repeats  # noqa: E402
+
+RECORDED = Path(__file__).resolve().parent / "bench_data" / "real_scale_runs_2026-11-28.json"
+
+
+def _recorded() -> tuple[dict, int]:
+    data = json.loads(RECORDED.read_text())
+    return data["runs"], data["levels"]
+
+
+def test_recorded_runs_ran_the_same_plan_in_every_phase_and_lost_end_to_end() -> None:
+    runs, levels = _recorded()
+    s = summarize_repeats({k: [r] for k, r in runs.items()}, levels)
+    assert phase_plans(runs["adaptive"], levels) == ["dp2", "dp2", "fsdp2", "fsdp2+rc"]
+    assert s["same_plan_phases"] == [0, 1, 2, 3]
+    assert all(p["same_plan"] for p in s["phase_vs_fastest_static"])
+    assert s["vs_fastest_static_min_differing"] is None  # nothing left to call a speedup
+    # end to end (first step's start to last step's end): 834 s against the static plans with recomputation
+    assert s["end_to_end_seconds"]["adaptive"] == [pytest.approx(834.2, abs=0.5)]
+    assert s["end_to_end_seconds"]["static:dp2"] == []  # crashed: no end-to-end time
+    e2e = s["vs_best_static_end_to_end"]
+    assert e2e["best_static"] in ("dp2+rc", "fsdp2+rc") and e2e["ratio"] == pytest.approx(0.79, abs=0.01)
+    assert "ci95" not in e2e  # one repeat: no interval, and none is invented
+    assert s["repeats"]["adaptive"] == 1 and s["dynamic_sp_real"] is False
+
+
+def _shifted(run: dict, factor: float, plan: str | None = None) -> dict:
+    """A copy of `run` whose steps took `factor` x as long (and, optionally, ran `plan` from the start)."""
+    out = copy.deepcopy(run)
+    t0 = out["step_log"][0]["t"] - out["step_log"][0]["seconds"]
+    for st in out["step_log"]:
+        st["seconds"] *= factor
+        st["t"] = t0 + (st["t"] - t0) * factor
+    for ph in out["phases"]:
+        if ph.get("tokens_per_s"):
+            ph["tokens_per_s"] /= factor
+    if plan is not None:
+        out["adopted"] = [{"step": 0, "version": 2, "plan": plan, "micro_batch_tokens": 65536}]
+    return out
+
+
+def test_differing_plans_are_compared_with_intervals_over_repeats() -> None:
+    runs, levels = _recorded()
+    adaptive, static = runs["adaptive"], runs["static:fsdp2+rc"]
+    # the adaptive arm 20% faster than a static plan that ran something else (dp2+rc) in every phase
+    repeats = {"adaptive": [_shifted(adaptive, f) for f in (0.60, 0.62, 0.61)],
+               "static:dp2+rc": [_shifted(static, f, plan="dp2+rc") for f in (0.92, 0.91, 0.93)]}
+    s = summarize_repeats(repeats, levels)
+    assert s["same_plan_phases"] == []
+    e2e = s["vs_best_static_end_to_end"]
+    assert e2e["best_static"] == "dp2+rc" and len(e2e["ci95"]) == 2 and 1.0 < e2e["ci95"][0] < e2e["ratio"] < e2e["ci95"][1]
+    assert s["per_phase"]["adaptive"][3]["tokens_per_s"]["n"] == 3 and "low" in s["per_phase"]["adaptive"][3]["tokens_per_s"]
+    assert s["vs_fastest_static_min_differing"] is not None
+    assert all(end_to_end_seconds(r) for r in repeats["adaptive"])
