@@ -106,6 +106,11 @@ class LauncherConfig:
     kind: str = _f("local", "how `up` places the processes: local (child processes), ray (actors on a Ray "
                    "cluster), slurm (srun steps inside a Slurm allocation), or a registered launcher "
                    "(earl_stream.cli.launchers)")
+    gpus: str = _f("split", "the local launcher on a host with CUDA devices: split = the trainer ranks see the first "
+                   "trainer.nproc visible GPUs and each rollout worker one of the others, round-robin (with none left "
+                   "over, the workers take the visible GPUs round-robin); shared = every process sees every visible "
+                   "GPU (CUDA_VISIBLE_DEVICES as `up` got it). Pools on the CPU are not placed",
+                   choices=("split", "shared"))
     ray: RayLauncherConfig = dataclasses.field(default_factory=RayLauncherConfig)
     slurm: SlurmLauncherConfig = dataclasses.field(default_factory=SlurmLauncherConfig)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream.cli.launchers import Placed, RunSpec
+from earl_stream.cli.launchers.gpus import placement_for
 from earl_stream.cli.procs import STOP_GRACE_S, Child, ProcessGroup, log_tail
 from earl_stream.errors import ChildProcessFailed
 
@@ -25,6 +26,7 @@ class LocalLauncher:
         self.ready = Path(run.cfg.run_dir) / "supervisor.json"
         self.group = ProcessGroup()
         self.supervisor: Child | None = None
+        self.gpus = placement_for(run.cfg)  # CUDA devices per process (launcher.gpus)
 
     def start_supervisor(self) -> tuple[Placed, str]:
         # On --resume every process of the earlier `up` is gone: the supervisor need not wait out their leases.
@@ -38,7 +40,8 @@ class LocalLauncher:
 
     def start_rollout_worker(self, index: int, address: str) -> Placed:
         return self.group.start(f"rollout worker {index}", ["worker", "--role", "rollout", "--supervisor", address],
-                                env=self._env(), log_path=str(self.logs / f"rollout-{index}.log"))
+                                env={**self._env(), **self.gpus.rollout_env(index)},
+                                log_path=str(self.logs / f"rollout-{index}.log"))
 
     def start_trainer_pool(self, address: str) -> Placed:
         # on stop its ranks get trainer.stop_grace_s to finish their step and checkpoint; the pool's own
@@ -47,7 +50,7 @@ class LocalLauncher:
         return self.group.start("trainer", ["worker", "--role", "trainer", "--supervisor", address, "--nproc",
                                             str(self.run.cfg.trainer.nproc), "--restart", str(self.run.restart),
                                             "--stop-grace", str(grace)],
-                                env=self._env(), log_path=str(self.logs / "trainer.log"),
+                                env={**self._env(), **self.gpus.trainer_env()}, log_path=str(self.logs / "trainer.log"),
                                 stop_grace_s=grace + STOP_GRACE_S)
 
     def revive(self, placed: Placed, address: str) -> None:
