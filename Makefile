@@ -47,8 +47,9 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 docs: $(VENV)/.docs-installed ## build the documentation site into site/ (mkdocs --strict)
 	$(PY) -m mkdocs build --strict
 
-docs-reference: $(VENV)/.installed ## regenerate docs/configuration.md from the config's field help
+docs-reference: $(VENV)/.installed ## regenerate docs/configuration.md and docs/cli.md from the code
 	$(PY) scripts/config_reference.py
+	$(PY) scripts/cli_reference.py
 
 # The fault-injection tier: end-to-end runs whose processes are killed, restarted and resumed (~4 min).
 test-faults: $(VENV)/.installed ## the fault-injection tier (kill -9, restarts, resumes; ~4 min)

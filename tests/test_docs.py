@@ -1,4 +1,4 @@
-"""The documentation: the configuration reference is what the code declares, the site builds strictly
+"""The documentation: the configuration and command-line references are what the code declares, the site builds strictly
 (every link and anchor resolves), and the README stays a README (short, its links resolve, each result it
 quotes dated with the commit of its result file).
 """
@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -20,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README_MAX_BYTES = 15_500
 
 
-def _reference_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
+def _reference_module(name: str = "config_reference") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -38,6 +39,28 @@ def test_the_configuration_reference_is_generated_from_the_code() -> None:
     assert text == committed, "docs/configuration.md is out of date: run `make docs-reference`"
     for name, _ in field_help():  # every leaf field of the run's config has its line
         assert f"**`{name.replace('.0.', '.N.')}`**" in text, name
+
+
+def test_the_cli_reference_is_generated_from_the_parser() -> None:
+    """docs/cli.md, regenerated from `earl-stream`'s parser, is byte for byte what is committed: a command or
+    flag added, renamed or re-documented without `make docs-reference` fails here. Every command and
+    subcommand has its section."""
+    from earl_stream.cli.main import build_parser
+
+    module = _reference_module("cli_reference")
+    text = module.render()
+    committed = (ROOT / "docs" / "cli.md").read_text()
+    assert text == committed, "docs/cli.md is out of date: run `make docs-reference`"
+
+    def paths(parser: Any, path: str) -> list[str]:
+        return [path] + [p for name, sub in module._subparsers(parser) for p in paths(sub, f"{path} {name}")]
+
+    commands = paths(build_parser(), "earl-stream")
+    assert {"earl-stream eval", "earl-stream env attach", "earl-stream runs compare"} <= set(commands)
+    for path in commands:
+        assert f"# `{path}`\n" in text, path
+    mkdocs_nav = (ROOT / "mkdocs.yml").read_text()
+    assert "cli.md" in mkdocs_nav and "(cli.md)" in (ROOT / "docs" / "index.md").read_text()
 
 
 def _mkdocs(config: Path, site: Path) -> subprocess.CompletedProcess[str]:

@@ -12,24 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from earl_stream import protocol as P
+from earl_stream.cli.flags import add_param_args, params_of
 from earl_stream.config import EnvSpec
-from earl_stream.errors import ConfigError, EnvError
+from earl_stream.errors import EnvError
 from earl_stream.files import write_durably
 from earl_stream.security.keys import KeyRole, key_for
 from earl_stream.security.secret import load_secret
-
-
-def _params(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--param {item!r} must look like key=value")
-        out[key] = yaml.safe_load(value) if value else ""
-    return out
 
 
 def _print(envs: list[dict[str, Any]]) -> None:
@@ -47,13 +36,13 @@ log = logging.getLogger(__name__)
 
 
 def add_serve_parser(esub: Any) -> argparse.ArgumentParser:
-    """`env serve SPEC --bind HOST:PORT [--param K=V] [--ready-file PATH]` (the caller adds --secret-file)."""
+    """`env serve SPEC --bind HOST:PORT [--param K=V] [--params JSON] [--ready-file PATH]` (the caller adds --secret-file)."""
     es = esub.add_parser("serve", help="run an environment as its own server, for `env attach NAME --address`",
                          description="Serves SPEC (a registry name, module:Class or path/to/file.py:Class) over the "
                                      "control plane's framing, guarded by the cluster secret.")
     es.add_argument("spec", metavar="SPEC")
     es.add_argument("--bind", default="127.0.0.1:0", metavar="HOST:PORT", help="where to listen (port 0 = any free port)")
-    es.add_argument("--param", action="append", default=[], metavar="K=V", help="constructor argument (repeatable)")
+    add_param_args(es, "constructor arguments as one JSON object")
     es.add_argument("--ready-file", metavar="PATH", help="write {address} here once listening")
     return es
 
@@ -64,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     secret = load_secret()
     if secret is None:
         log.warning("no cluster secret: the environment server is open to anyone who reaches %s", args.bind)
-    server = EnvServer(args.spec, _params(args.param), bind=args.bind, secret=secret)
+    server = EnvServer(args.spec, params_of(args), bind=args.bind, secret=secret)
     if args.ready_file:
         write_durably(Path(args.ready_file), json.dumps({"address": server.address}).encode())  # whole or absent
     print(f"serving {args.spec} at {server.address}", flush=True)
@@ -91,7 +80,7 @@ def run_env_command(args: argparse.Namespace) -> int:
     if args.env_command == "detach":
         _print(json.loads(client.call(P.EnvDetach(name=args.name)).envs_json))
         return 0
-    spec, name, params = args.spec, args.name, _params(args.param)
+    spec, name, params = args.spec, args.name, params_of(args)
     if args.address:  # a served environment: SPEC is its name here
         spec, name, params = "remote", args.name or args.spec, {**params, "address": args.address}
     client.call(P.EnvAttach(spec=spec, name=name, weight=args.weight, params=params, group_seed=args.group_seed))

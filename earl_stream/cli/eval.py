@@ -1,6 +1,7 @@
 """`earl-stream eval --model DIR_OR_CHECKPOINT --env SPEC`: success, pass@k and mean reward of a model on
 held-out items of an environment (`earl_stream.evaluation`), played through the built-in engine and the
-agent loop RL uses, with a progress bar on stderr and a summary on stdout (and `--json`).
+agent loop RL uses, with a progress bar on stderr and a summary on stdout (`--json`: the result as JSON
+on stdout instead, the summary on stderr; `--out FILE`: the result written there).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from earl_stream.cli.flags import add_output_args, add_param_args, output_of, params_of
 from earl_stream.errors import ConfigError
 
 
@@ -23,8 +25,8 @@ def add_parser(sub: Any) -> None:
                    "run directory (its latest checkpoint), or a trainer checkpoint (dense, sharded or LoRA)")
     p.add_argument("--env", required=True, metavar="SPEC", help="environment spec (e.g. reasoning_gym), or with "
                    "--config the name of one of the run's environments")
-    p.add_argument("--params", default="{}", metavar="JSON", help="the environment's training params as JSON (the "
-                   "held-out items are those these params never pose); merged over --config's")
+    add_param_args(p, "the environment's training params as one JSON object (the held-out items are those these "
+                   "params never pose); merged over --config's, and --param over it")
     p.add_argument("--config", metavar="PATH", help="a run config: the environment named --env (or the first one "
                    "with that spec) gives spec and params")
     p.add_argument("--problems", type=int, default=200, metavar="N", help="held-out items (default 200)")
@@ -34,17 +36,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--base", default="", metavar="DIR", help="base model of a LoRA checkpoint whose recorded base "
                    "path is not a directory here")
-    p.add_argument("--json", metavar="PATH", help="write the result here")
+    add_output_args(p, "the result (summary, pass@k, outcomes, seeds, a few replies)")
 
 
 def _env_of(args: argparse.Namespace) -> tuple[str, str, dict[str, Any]]:
     """(name, spec, training params) from --env, --config and --params."""
-    try:
-        params = json.loads(args.params)
-    except ValueError as exc:
-        raise ConfigError(f"--params is not JSON: {exc}") from None
-    if not isinstance(params, dict):
-        raise ConfigError(f"--params must be a JSON object, got {args.params!r}")
+    params = params_of(args)
     if not args.config:
         return args.env.rsplit(":", 1)[-1].lower(), args.env, params
     from earl_stream.config import load_config
@@ -89,6 +86,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from earl_stream.evaluation.runner import evaluate
 
     _check(args)
+    to_stdout, out = output_of(args, "eval")
     name, spec, params = _env_of(args)
     held = held_out_set(spec, params, args.problems, name)  # refused with its reason before the model loads
     torch.set_num_threads(args.threads)
@@ -102,8 +100,11 @@ def run_eval(args: argparse.Namespace) -> int:
     result = {"model": str(loaded.path), "model_kind": loaded.kind, "env": name, "spec": spec, "params": params,
               "heldout_params": held.params, "seeds": list(held.seeds), "temperature": args.temperature,
               **run.summary.to_dict(), "seconds": run.seconds, "examples": run.examples}
-    print("\n".join(summary_lines(name, f"{loaded.kind} {loaded.path}", result)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"  written to {args.json}", file=sys.stderr)
+    print("\n".join(summary_lines(name, f"{loaded.kind} {loaded.path}", result)),
+          file=sys.stderr if to_stdout else sys.stdout)
+    if to_stdout:
+        print(json.dumps(result, indent=2))
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2))
+        print(f"  written to {out}", file=sys.stderr)
     return 0

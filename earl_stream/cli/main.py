@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from earl_stream import __version__
+from earl_stream.cli.flags import add_param_args
 from earl_stream.cli.local_run import RUN_DIR_HELP, LocalRun, add_run_args
 from earl_stream.config import GROUP_SEEDS, TrainerConfig
 from earl_stream.errors import EarlError
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     ea.add_argument("spec", metavar="SPEC")
     ea.add_argument("--name", default="", help="name in metrics and status (default: from SPEC)")
     ea.add_argument("--weight", type=float, default=1.0, help="relative share of new prompts")
-    ea.add_argument("--param", action="append", default=[], metavar="K=V", help="constructor argument (repeatable)")
+    add_param_args(ea, "constructor arguments as one JSON object")
     ea.add_argument("--group-seed", default="auto", choices=GROUP_SEEDS,
                     help="what a GRPO group's episodes reset the environment with: shared = one seed (one task); "
                     "per_episode = a seed each (where the seed only draws chance, e.g. an opponent); auto = what the "

@@ -43,7 +43,7 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
 def test_eval_of_a_checkpoint_equals_bench_heldout(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval.json"
     proc = _eval("--model", str(run_dir), "--env", PARITY, "--params", '{"size": 500}', "--problems", "16",
-                 "--json", str(out))
+                 "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["model_kind"] == "checkpoint" and result["model"].endswith("step_000003")
@@ -63,12 +63,13 @@ def test_eval_of_a_checkpoint_equals_bench_heldout(run_dir: Path, tmp_path: Path
     assert result["pass_at_k"] == {"1": result["success"]}
 
 
-def test_eval_samples_give_pass_at_k(run_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "eval.json"
-    proc = _eval("--model", str(run_dir), "--env", PARITY, "--problems", "6", "--samples", "3",
-                 "--temperature", "1.0", "--json", str(out))
+def test_eval_samples_give_pass_at_k(run_dir: Path) -> None:
+    """--json: the result alone on stdout (the human summary on stderr); --param as --params would give it."""
+    proc = _eval("--model", str(run_dir), "--env", PARITY, "--param", "size=500", "--problems", "6", "--samples", "3",
+                 "--temperature", "1.0", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = json.loads(proc.stdout)
+    assert "pass@1" in proc.stderr and r["seeds"] == list(range(500, 506))
     assert r["episodes"] == 18 and set(r["pass_at_k"]) == {"1", "2", "3"}
     assert r["pass_at_k"]["1"] == pytest.approx(r["success"])
     assert r["pass_at_k"]["1"] <= r["pass_at_k"]["2"] <= r["pass_at_k"]["3"]
