@@ -7,8 +7,9 @@ bytes and seconds per version, the trainer's peak memory (issue 33's benchmark).
 Measured here:
 - sync per version, both ways: the trainer side's `publish_weights` of what a version holds (the whole
   state dict, or `model.lora.adapter_state`: the adapters alone) into a `ShardNode`, a `ShardClient`'s
-  `pull_weights` of it, and the built-in engine's `load_state_dict` (a LoRA version is merged into the
-  engine's copy of the base). Medians over the versions; one process, loopback.
+  `pull_weights` of it, and the built-in engine's `load_state_dict` (a LoRA version is applied unmerged: the
+  base untouched, B (A x) added in the forward). Medians over the versions; one process, loopback. The sync
+  alone, interleaved and with intervals, at rank 1 and 16: bench/lora_sync.py.
 - the trainer's peak per rank for a micro-batch (forward, backward, AdamW step; two steps) in a fresh process:
   measured as peak RSS (VmHWM) minus RSS before the model was loaded (CPU), against `memory_model`'s
   prediction for the same plan. The weights are copied out of their memory-mapped safetensors first (so

@@ -72,6 +72,21 @@ def render_lora(d: dict[str, Any]) -> list[str]:
     return out + _said(d)
 
 
+def render_lora_sync(d: dict[str, Any]) -> list[str]:
+    """bench/lora_sync.py: bytes and seconds (mean [95% interval]) of one version per arm, then full over LoRA."""
+    def ci(x: Any) -> str:
+        return f"{fmt(x.get('mean'))} [{fmt(x.get('low'))}, {fmt(x.get('high'))}]" if isinstance(x, dict) else "—"
+
+    rows = [[arm, _mib(r.get("bytes_per_version")), ci(r.get("total_s")), ci(r.get("publish_s")), ci(r.get("pull_s")),
+             ci(r.get("apply_s")), len(r.get("repeats", []))] for arm, r in d.get("arms", {}).items()]
+    out = _table(["arm", "MiB/version", "sync s", "publish s", "pull s", "apply s", "repeats"], rows)
+    for rank, b in d.get("sync_bytes_ratio", {}).items():
+        s = d.get("sync_seconds_ratio", {}).get(rank, {})
+        out += [f"Full over LoRA {rank}: bytes **{fmt(b)}x** (goal >= 50), seconds **{fmt(s.get('ratio'))}x** "
+                f"[95% {fmt(s.get('low'))}, {fmt(s.get('high'))}] (goal >= 10).", ""]
+    return out + _said(d)
+
+
 def render_dispatch(d: dict[str, Any]) -> list[str]:
     rows = []
     for name, r in d.get("layouts", {}).items():

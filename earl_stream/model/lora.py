@@ -1,11 +1,11 @@
-"""LoRA adapters on a frozen base: made with `peft`, trained by the trainer, moved alone, merged by engines.
+"""LoRA adapters on a frozen base: made with `peft`, trained by the trainer, moved alone, applied by engines.
 
 Owns `apply_lora` (peft's `inject_adapter_in_model` on a Hugging Face causal LM, in place: the model
 keeps its class and its `model.layers`, so the trainer's placements and re-shards lay it out like any
 other; the base is frozen, only `lora_A` / `lora_B` train), `adapter_state` (what a policy version
-publishes: the adapter tensors alone, under wire names), `adapter_problems` / `merged_weights` (whether a
-version fits a model; base + B @ A) and `AdapterMerger` (how an engine applies a version to its working
-copy of the base). Config checks are `model.lora_checks`'; checkpoints and
+publishes: the adapter tensors alone, under wire names), `adapter_problems` (whether a version fits a model)
+and `merged_weights` (base + B @ A: vLLM's merge mode, export). The built-in engine applies a version
+unmerged (`workers.engines.adapters`). Config checks are `model.lora_checks`'; checkpoints and
 export of adapters are `model.lora_export`'s.
 
 Wire format of a version's adapter (one per adapted linear layer `M`, e.g.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from earl_stream.errors import EngineError, ModelError
+from earl_stream.errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +130,11 @@ def is_adapter_state(state: Mapping[str, torch.Tensor]) -> bool:
 
 
 def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
-    """Bytes of the whole tensors of `state` (DTensors counted at their global size)."""
-    return sum(v.numel() * v.element_size() for v in state.values())
+    """Bytes of the whole tensors of `state` (DTensors counted at their global size), a tensor that several
+    names share (a tied LM head) once, as it is published (`store.weights.distinct_tensors`)."""
+    from earl_stream.store.weights import distinct_tensors
+
+    return sum(v.numel() * v.element_size() for v in distinct_tensors(state).values())
 
 
 def adapter_problems(state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
@@ -163,25 +166,3 @@ def merged_weights(state: Mapping[str, torch.Tensor], base: Mapping[str, torch.T
         dev, f32 = weight.device, torch.float32
         out[module + ".weight"] = torch.addmm(weight.to(dev, f32), b.to(dev, f32), a.to(dev, f32)).to(weight.dtype)
     return out
-
-
-class AdapterMerger:
-    """An engine's working copy of the base plus a version's adapter: `merged` returns, for each adapted
-    layer, base weight + B @ A (computed in fp32, cast to the engine's dtype). The base weights of the
-    adapted layers are kept aside the first time an adapter arrives (they are still the base then), so
-    versions never accumulate each other's updates."""
-
-    def __init__(self) -> None:
-        self._base: dict[str, torch.Tensor] = {}
-
-    def merged(self, state: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Merged weights by the engine's own names; EngineError (nothing changed) when `state` does not
-        fit the model."""
-        problems = adapter_problems(state, {k: tuple(v.shape) for k, v in own.items()})
-        if problems:
-            raise EngineError("adapter rejected, nothing was loaded: " + "; ".join(problems[:8]))
-        out = merged_weights(state, {**own, **self._base})
-        for target in out:
-            if target not in self._base:
-                self._base[target] = own[target].detach().clone()
-        return out

@@ -7,6 +7,10 @@ engine's side. All of a version's keys are put in one atomic `put_many`, so a pu
 completely or not at all. `pull_weights_tp` pulls only a tensor-parallel engine's slice of each
 tensor (`tp_split_dim`: column-parallel projections on dim 0, row-parallel on dim 1, embeddings and
 lm_head on the vocabulary, norms replicated), as byte ranges of the stored tensors.
+
+A tensor is published once however many names share it (`distinct_tensors`: a tied LM head is the
+embedding's storage, so only `model.embed_tokens.weight` travels); an engine loading a state dict accepts
+the missing alias (`engines.weight_swap.state_problems`; vLLM restores the head from the embedding).
 """
 
 from __future__ import annotations
@@ -87,15 +91,41 @@ class WeightPiece:
         return tuple(self.tensor.shape) == self.full_shape
 
 
+def _storage_key(value: torch.Tensor) -> tuple[object, ...] | None:
+    """What identifies `value`'s elements in memory (its local shard for a DTensor); None where that cannot
+    be told (empty or meta tensors), which never counts as shared."""
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if local.numel() == 0 or local.is_meta:
+        return None
+    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+            local.stride(), local.dtype, tuple(value.shape))
+
+
+def distinct_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every tensor once: a name whose tensor is a view of the same elements as an earlier
+    name's (tied embeddings: `lm_head.weight` is `model.embed_tokens.weight`) is left out. The order is kept,
+    so every rank of a pool drops the same names."""
+    seen: set[tuple[object, ...]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        key = _storage_key(value)
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen.add(key)
+        out[name] = value
+    return out
+
+
 def publish_weights(node: ShardNode, version: int, state: Mapping[str, torch.Tensor] | Sequence[WeightPiece], *,
                     peers: Sequence[str] = (), bucket_bytes: int = 64 << 20) -> WeightsManifest:
-    """Snapshot `state` (whole tensors by name, or this process's `WeightPiece`s) into `node` as version
-    `version` (CPU copies taken now). `peers`: the nodes holding the version's other pieces.
+    """Snapshot `state` (whole tensors by name, each once: `distinct_tensors`; or this process's `WeightPiece`s)
+    into `node` as version `version` (CPU copies taken now). `peers`: the nodes holding the version's other pieces.
 
     The copies go into the node `bucket_bytes` at a time (a larger tensor alone), so that the private
     copies alive at once stay within one bucket beside what the node holds; the manifest goes last, and
     a puller waits for it (`pull_weights`), so nobody reads a version before all of its pieces are in."""
-    pieces = ([WeightPiece(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in state.items()]
+    pieces = ([WeightPiece(k, v, tuple(v.shape), (0,) * v.dim()) for k, v in distinct_tensors(state).items()]
               if isinstance(state, Mapping) else list(state))
     items: dict[str, np.ndarray] = {}
     held = 0

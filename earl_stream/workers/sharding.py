@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from transformers import PreTrainedModel
 
 from earl_stream.errors import ConfigError
-from earl_stream.store.weights import WeightPiece
+from earl_stream.store.weights import WeightPiece, distinct_tensors
 from earl_stream.workers.expert_parallel import is_expert_param, shard_experts
 from earl_stream.workers.mesh import Placement, is_shard
 from earl_stream.workers.reshard import DEFAULT_BUCKET_BYTES, copy_buffers, meta_like, move_state
@@ -118,7 +118,8 @@ def relayout(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, pl
 
 def shard_pieces(state: dict[str, torch.Tensor], placement: Placement) -> list[WeightPiece]:
     """The pieces of a state dict this rank publishes: each distinct block of each tensor exactly once
-    in the pool, so that the pool's pieces cover every tensor. A tensor every rank holds whole (a data
+    in the pool, so that the pool's pieces cover every tensor, and a tensor several names share (a tied LM
+    head) under its first name only (`store.weights.distinct_tensors`). A tensor every rank holds whole (a data
     parallel replica) goes to the rank that has published the fewest bytes so far (the same greedy pass
     on every rank), so that no rank keeps a whole replica per version in its node and a pull reads from
     every rank at once; a sharded block goes to the lowest rank that holds it."""
@@ -127,7 +128,7 @@ def shard_pieces(state: dict[str, torch.Tensor], placement: Placement) -> list[W
     layout = placement.layout
     out = []
     load = [0] * max(1, placement.world)  # bytes of whole tensors given to each rank so far
-    for name, value in state.items():
+    for name, value in distinct_tensors(state).items():
         if not isinstance(value, DTensor):  # replicated everywhere
             owner = load.index(min(load))
             load[owner] += value.numel() * value.element_size()

@@ -16,6 +16,9 @@ config's activation, Granite's multipliers); `quirks.read_quirks` decides which 
 (`FastDecoder.supports`), and the engine falls back to the HF forward for the others (`decode_path`).
 With `batch_invariant` every row's logits are bitwise the same whatever rows share its batch (the engine's
 `batch_invariant`), through the fixed-shape ops of `invariant_ops`; sparse expert blocks are not covered.
+A LoRA version is applied unmerged (`set_adapters`, from `adapters.LiveAdapters`): each projection adds its
+adapter's B (A x), the adapters of q/k/v and of gate/up fused like their weights (`adapters.fuse_low_rank`), so
+a new version replaces a few small tensors and the fused base copies are not rebuilt.
 A sparse expert block (router `gate` + `experts`, Qwen3-MoE and Mixtral) runs through its own module forward
 on the [B, n] tokens of the step, so the router hooks that record routing (`engines.routing`) see every fed
 token as under the HF forward.
@@ -23,6 +26,7 @@ token as under the HF forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from earl_stream.workers.engines import invariant_ops
+from earl_stream.workers.engines.adapters import LowRank, fuse_low_rank
 from earl_stream.workers.engines.quirks import QKNorm, Quirks, is_dense_mlp, read_quirks
 from earl_stream.workers.engines.static_kv import StaticKV
 
@@ -62,6 +67,16 @@ class _Layer:
     experts: Any = None  # the layer's sparse expert block (its forward: [B, n, hidden] -> [B, n, hidden])
     q_norm: Norm | None = None  # quirks.QKNorm: per head over head_dim, or over the whole projection
     k_norm: Norm | None = None
+
+
+@dataclass(frozen=True)
+class _LayerAdapters:
+    """One layer's LoRA updates, fused as its projections are (None: that projection has no adapter)."""
+
+    qkv: LowRank | None = None
+    o: LowRank | None = None
+    gate_up: LowRank | None = None
+    down: LowRank | None = None
 
 
 def _apply(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
@@ -107,8 +122,28 @@ class FastDecoder:
         self.device = self._embed.weight.device
         self._fused: list[_Layer] = []
         self._fused_key: tuple[int, ...] = ()
+        self._adapters = [_LayerAdapters()] * self.num_layers
+        self._head_adapter: LowRank | None = None
         self.batch_invariant = False  # see the module docstring; the engine sets it
         self.refresh()
+
+    def set_adapters(self, of: Callable[[torch.nn.Module], LowRank | None]) -> None:
+        """Run with the LoRA updates `of` gives for each linear module (None: none); the base weights and their
+        fused copies are left as they are."""
+
+        def fused(lins: tuple[Any, ...]) -> LowRank | None:
+            return fuse_low_rank([(of(lin), int(lin.weight.shape[0])) for lin in lins])
+
+        out = []
+        for layer in self._layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = (attn.qkv_proj,) if hasattr(attn, "qkv_proj") else (attn.q_proj, attn.k_proj, attn.v_proj)
+            dense = is_dense_mlp(mlp)
+            gate_up = (mlp.gate_up_proj,) if hasattr(mlp, "gate_up_proj") else (mlp.gate_proj, mlp.up_proj)
+            out.append(_LayerAdapters(qkv=fused(qkv), o=of(attn.o_proj), gate_up=fused(gate_up) if dense else None,
+                                      down=of(mlp.down_proj) if dense else None))
+        self._adapters = out
+        self._head_adapter = of(self._head)
 
     def _sources(self) -> list[torch.Tensor]:
         out = []
@@ -192,35 +227,36 @@ class FastDecoder:
         cos, sin = self._rotary(x, positions)
         rotary = (cos.unsqueeze(1), sin.unsqueeze(1))
         mask = self._attention_mask(key_mask, start, n)
-        for i, lay in enumerate(self._fused):
-            o = self._attention(_apply(x, lay.pre_attn), lay, cache.layers[i], rotary, key_mask, mask, start)
+        for i, (lay, ad) in enumerate(zip(self._fused, self._adapters)):
+            o = self._attention(_apply(x, lay.pre_attn), lay, ad, cache.layers[i], rotary, key_mask, mask, start)
             x = self._residual(x, _apply(o, lay.post_attn))
             h = _apply(x, lay.pre_mlp)
             if lay.experts is not None:
                 h = lay.experts(h)
             else:
                 assert lay.gate_up_w is not None and lay.down_w is not None
-                gate, up = self._linear(h, lay.gate_up_w, lay.gate_up_b).chunk(2, dim=-1)
-                h = self._linear(lay.act(gate) * up, lay.down_w, lay.down_b)
+                gate, up = self._linear(h, lay.gate_up_w, lay.gate_up_b, ad.gate_up).chunk(2, dim=-1)
+                h = self._linear(lay.act(gate) * up, lay.down_w, lay.down_b, ad.down)
             x = self._residual(x, _apply(h, lay.post_mlp))
         cache.length = start + n
         if last_only:
             x = x[:, -1]
         x = _apply(x, self._norm)
-        logits = self._linear(x, self._head.weight, getattr(self._head, "bias", None))
+        logits = self._linear(x, self._head.weight, getattr(self._head, "bias", None), self._head_adapter)
         return logits / q.logits_scaling if q.logits_scaling != 1.0 else logits
 
     def _residual(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         m = self.quirks.residual_multiplier
         return x + out * m if m != 1.0 else x + out
 
-    def _attention(self, h: torch.Tensor, lay: _Layer, kv: Any, rotary: tuple[torch.Tensor, torch.Tensor],
-                   key_mask: torch.Tensor, mask: torch.Tensor, start: int) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, lay: _Layer, ad: _LayerAdapters, kv: Any,
+                   rotary: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor, mask: torch.Tensor,
+                   start: int) -> torch.Tensor:
         """Self-attention of h [B, n, hidden] over the cache layer `kv` (appending the new K/V) -> [B, n, hidden]."""
         b, n, _ = h.shape
         end = start + n
         heads, kv_heads, d = self.num_heads, self.kv_heads, self.head_dim
-        qkv = self._linear(h, lay.qkv_w, lay.qkv_b)
+        qkv = self._linear(h, lay.qkv_w, lay.qkv_b, ad.qkv)
         if self.quirks.qk_norm is QKNorm.FULL and lay.q_norm is not None and lay.k_norm is not None:
             qkv = torch.cat([_apply(qkv[..., : heads * d], lay.q_norm),
                              _apply(qkv[..., heads * d : (heads + kv_heads) * d], lay.k_norm),
@@ -242,7 +278,7 @@ class FastDecoder:
             o = invariant_ops.attend_prefill(qk[:, :heads], keys, values, key_mask, start, kv_heads, lay.scaling)
         else:
             o = self._attend(qk[:, :heads], keys, values, mask, lay.scaling)
-        return self._linear(o.transpose(1, 2).reshape(b, n, heads * d), lay.o_w, lay.o_b)
+        return self._linear(o.transpose(1, 2).reshape(b, n, heads * d), lay.o_w, lay.o_b, ad.o)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                 scaling: float) -> torch.Tensor:
@@ -259,8 +295,12 @@ class FastDecoder:
         scores = scores.masked_fill(~mask, float("-inf"))
         return (torch.softmax(scores, dim=-1) @ values).reshape(b, heads, 1, d)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return invariant_ops.linear_blocks(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                adapter: LowRank | None = None) -> torch.Tensor:
+        """x W^T + bias, plus the LoRA update B (A x) when the projection has an adapter (unmerged)."""
+        linear = invariant_ops.linear_blocks if self.batch_invariant else F.linear
+        out = linear(x, weight, bias)
+        return out if adapter is None else out + adapter.update(x, linear)
 
     @staticmethod
     def _attention_mask(key_mask: torch.Tensor, start: int, n: int) -> torch.Tensor:

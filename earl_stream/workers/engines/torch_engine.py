@@ -17,7 +17,8 @@ that fails alone is failed (`RequestOutOfMemory`); `oom_sheds` records each. The
 the running rows and the budget are Prometheus gauges. Each sampled token is handed to its request's
 `on_token` (if any) at the step that sampled it: the OpenAI endpoint streams from it.
 It leaves scheduling across asyncio episodes to `AsyncBatcher`, the batch layout to `running`, the
-forward passes to `forward_passes`, and tokenisation to the agent loop. CPU/fp32 is the tested configuration. Weight loads follow
+forward passes to `forward_passes`, LoRA versions to `adapters` (applied unmerged), and tokenisation to
+the agent loop. CPU/fp32 is the tested configuration. Weight loads follow
 `weight_swap` (`weight_swap.SwapMode`: drain, or interrupt/inplace at the next step boundary, the
 swap's own logic living in `weight_swap`); every token carries the version of the forward whose logits
 it was sampled from.
@@ -48,7 +49,7 @@ from transformers import PreTrainedModel
 
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
-from earl_stream.model.lora import AdapterMerger
+from earl_stream.workers.engines.adapters import LiveAdapters
 from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.decode_path import PathChoice, choose_path
@@ -122,7 +123,7 @@ class TorchEngine(SwapSteps, ShedSteps):
         self._rng = torch.Generator().manual_seed(seed)
         self._kv = KVStore(kv_budget_tokens)
         self._lock = threading.Lock()  # held by the thread driving a step, or loading weights
-        self._adapters = AdapterMerger()  # LoRA versions: the base weights they are merged into
+        self._lora = LiveAdapters(model)  # LoRA versions, applied unmerged (the base weights never change)
         self._intake_lock = threading.Lock()
         self._intake: collections.deque[Row] = collections.deque()
         self._batch: RunningBatch | None = None

@@ -17,7 +17,9 @@ staged swap (`WeightSwapper`: the loading thread stages the new state and the th
 engine applies it at the next step boundary, or the loader applies it itself when no thread drives),
 the checks of a state before anything is loaded (`state_problems`), and the worker side (`swap_weights`,
 `SwapTally`: the pause and re-prefill figures of each swap, for metrics and status). The built-in
-engine's scheduling is `torch_engine`'s.
+engine's scheduling is `torch_engine`'s. A LoRA version (adapter tensors only) is checked and cast before
+the swap and applied unmerged at it (`adapters.LiveAdapters`: a pointer swap, the base untouched); a full
+version is copied into the live parameters and drops the adapter.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from earl_stream.model.lora import is_adapter_state
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from earl_stream.model.lora import AdapterMerger
+    from earl_stream.workers.engines.adapters import LiveAdapters
     from earl_stream.workers.engines.fast_decoder import FastDecoder
     from earl_stream.workers.engines.kv_store import KVStore
     from earl_stream.workers.engines.running import Row, RunningBatch
@@ -171,7 +173,7 @@ class SwapSteps:
     _swapper: WeightSwapper
     _version: int
     _model: PreTrainedModel
-    _adapters: AdapterMerger
+    _lora: LiveAdapters
     _fast: FastDecoder | None
     _kv: KVStore
     _counts: dict[str, int]
@@ -211,9 +213,9 @@ class SwapSteps:
         return self._swapper.run(state, version, self._lock, self._apply_swap)
 
     def _checked(self, state: Mapping[str, torch.Tensor], version: int) -> Mapping[str, torch.Tensor]:
+        if is_adapter_state(state):  # a LoRA version (model.lora): B (A x) added in the forward, the base kept
+            return self._lora.checked(state)
         own = self._model.state_dict()
-        if is_adapter_state(state):  # a LoRA version (model.lora): base + B @ A of each adapted layer
-            return self._adapters.merged(state, own)
         problems = state_problems(state, own)
         if problems:
             raise EngineError(f"load_state_dict(version={version}) rejected, nothing was loaded (the engine stays "
@@ -221,9 +223,14 @@ class SwapSteps:
         return state
 
     def _load(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        copy_state(self._model.state_dict(), state)
+        if is_adapter_state(state):
+            self._lora.install(state)
+        else:
+            copy_state(self._model.state_dict(), state)
+            self._lora.clear()
         if self._fast is not None:
             self._fast.refresh()
+            self._fast.set_adapters(self._lora.of)
         self._kv.clear()
         self._version = version
         self._counts["swaps"] += 1
