@@ -111,12 +111,13 @@ def wire_name(name: str) -> str:
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a LoRA policy version publishes, under wire names, B scaled by alpha / r (plain or
-    DTensor, as the model holds them; nothing is gathered)."""
+    DTensor, as the model holds them; nothing is gathered). Read from the parameters, not `state_dict()`, which
+    builds an entry for every base tensor too (a third of a SmolLM2 LoRA version's sync time)."""
     spec = lora_spec(model)
     if spec is None:
         raise ModelError("adapter_state: the model has no LoRA adapters")
     out: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
+    for name, value in model.named_parameters():
         if not is_adapter_name(name):
             continue
         value = value.detach()
