@@ -107,7 +107,7 @@ def make_engine(
     saying what to install, when `name` cannot run here, and before starting anything when it cannot
     swap weights by `weight_swap` (`weight_swap.SwapMode`; only the built-in engine has all three).
     `lora_rank` > 0 (a `model.lora` run): vLLM starts able to serve adapters of that rank (the built-in
-    engine merges adapters and needs nothing at start). `batch_invariant` (`rollout.batch_invariant`): a row's
+    engine applies them unmerged and needs nothing at start). `batch_invariant` (`rollout.batch_invariant`): a row's
     tokens do not depend on which rows share its batch; only backends with `set_batch_invariant` (the built-in
     one) can, any other is refused.
     """
