@@ -117,10 +117,10 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if spec is None:
         raise ModelError("adapter_state: the model has no LoRA adapters")
     out: dict[str, torch.Tensor] = {}
-    for name, value in model.named_parameters():
+    for name, param in model.named_parameters():
         if not is_adapter_name(name):
             continue
-        value = value.detach()
+        value = param.detach()
         out[wire_name(name)] = value * spec.scaling if name.endswith(f"lora_B.{_PEFT_ADAPTER}.weight") else value
     return out
 
