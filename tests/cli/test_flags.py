@@ -52,3 +52,15 @@ def test_json_is_a_flag_wherever_a_command_prints_json() -> None:
     """No command takes `--json` as a path any more (only eval's deprecated spelling still parses one)."""
     for argv in (("status",), ("doctor",), ("runs", "show", "RUN"), ("eval", "--model", "m", "--env", "e")):
         assert _parse(*argv, "--json").json is True
+
+
+def test_config_overrides_are_taken_wherever_they_stand() -> None:
+    """`make run ARGS=...` puts `eval.every=20` before the user's arguments: overrides after an option still count."""
+    from earl_stream.cli.main import _parse
+
+    args = _parse(build_parser(), ["up", "eval.every=20", "--config", "x.yaml", "trainer.lr=1", "--steps", "3", "a=b"])
+    assert args.overrides == ["eval.every=20", "trainer.lr=1", "a=b"] and args.config == "x.yaml" and args.steps == 3
+    with pytest.raises(SystemExit):
+        _parse(build_parser(), ["up", "--no-such-flag"])
+    with pytest.raises(SystemExit):
+        _parse(build_parser(), ["status", "x=1"])  # no overrides there
