@@ -23,8 +23,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## create .venv: CPU torch pinned first, then the project with the test extra
 
-run: $(VENV)/.installed ## install, then `earl-stream up` on the embedded default (ARGS="--steps 20")
-	$(VENV)/bin/earl-stream up $(ARGS)
+# eval.every=20: the demo shows an evaluation curve (64 greedy games on seeds training never issues, every 20
+# steps); the config's own default stays 0 so that the tests' runs of `up` play no evaluation rounds.
+run: $(VENV)/.installed ## install, then `earl-stream up eval.every=20` on the embedded default (ARGS="--steps 20")
+	$(VENV)/bin/earl-stream up eval.every=20 $(ARGS)
 
 test: $(VENV)/.installed ## install, then the CPU test suite (PYTEST_ARGS=...)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=15 -m "not faults and not live" $(PYTEST_ARGS)

@@ -140,7 +140,7 @@ def trl_child(args: argparse.Namespace) -> int:
     system = TicTacToe.system_prompt
     board = TicTacToe().render()
     n = 20_000  # prompts (8 per step): more than a run uses; a larger dataset only slows TRL's start
-    seeds = [(SEED * 1_000_003 + i * 7919) & 0x7FFFFFFF for i in range(n)]  # the ledger's prompt seeds
+    seeds = [(SEED * 1_000_003 + i * 7919) & 0x3FFFFFFF for i in range(n)]  # the ledger's prompt seeds (env/seeds.py)
     data = Dataset.from_list([{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": board}],
                               "seed": s} for s in seeds])
     # the playout gets its own tokenizer and stop tokens: TRL adjusts the ones it is given

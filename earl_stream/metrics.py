@@ -48,6 +48,8 @@ EVAL_SUCCESS = Gauge("earl_eval_success", "Fraction of evaluation episodes on he
 EVAL_PASS_AT_K = Gauge("earl_eval_pass_at_k", "Unbiased pass@k on held-out items (k = 1..eval.samples), latest round",
                        ["env", "k"])
 EVAL_REWARD = Gauge("earl_eval_reward_mean", "Mean reward of evaluation episodes, latest round", ["env"])
+EVAL_OUTCOME_RATE = Gauge("earl_eval_outcome_rate", "A game's fraction of evaluation episodes won, drawn or lost "
+                          "(an illegal move loses), latest round", ["env", "outcome"])
 EVAL_VERSION = Gauge("earl_eval_policy_version", "Policy version of the latest finished evaluation round", ["env"])
 EVAL_EPISODES = Counter("earl_eval_episodes_total", "Evaluation episodes played (never trained on)",
                         ["worker", "env", "outcome"])

@@ -53,3 +53,9 @@ def test_eval_in_the_line_and_the_dashboard() -> None:
     status = {**STATUS, "eval": EVAL}
     assert status_line(status, 20).endswith("| held-out add3 0.250@v4")
     assert "add3 success 0.250 at version 4" in _render(status, 20)
+
+
+def test_a_games_evaluation_shows_its_win_draw_and_loss_rates() -> None:
+    game = {"tictactoe": {"version": 20, "value": 0.75, "win_rate": 0.75, "draw_rate": 0.125, "loss_rate": 0.125,
+                          "history": []}}
+    assert "tictactoe success 0.750 (win 0.75 draw 0.12 loss 0.12) at version 20" in _render({**STATUS, "eval": game}, 40)

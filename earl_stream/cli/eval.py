@@ -18,9 +18,11 @@ from earl_stream.errors import ConfigError
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("eval", help="evaluate a model or checkpoint on held-out items of an environment",
-                       description="Play held-out items of an environment (items its training set never poses) "
-                                   "with the model, through the engine and agent loop RL uses; print success, "
-                                   "pass@k (k = 1..samples, unbiased estimator) and mean reward.")
+                       description="Play held-out items of an environment (items its training set never poses; "
+                                   "for an environment without a held-out set, such as a game, seeds no run issues "
+                                   "for training) with the model, through the engine and agent loop RL uses; print "
+                                   "success, pass@k (k = 1..samples, unbiased estimator), a game's win, draw and "
+                                   "loss rates, and mean reward.")
     p.add_argument("--model", required=True, metavar="DIR_OR_CHECKPOINT", help="a Hugging Face model directory, a "
                    "run directory (its latest checkpoint), or a trainer checkpoint (dense, sharded or LoRA)")
     p.add_argument("--env", required=True, metavar="SPEC", help="environment spec (e.g. reasoning_gym), or with "
@@ -68,10 +70,15 @@ def summary_lines(name: str, model: str, result: dict[str, Any]) -> list[str]:
     """The human summary of an evaluation result (`run_eval`'s JSON)."""
     passk = "  ".join(f"pass@{k} {v:.3f}" for k, v in result["pass_at_k"].items())
     outcomes = ", ".join(f"{k or '-'} {v}" for k, v in sorted(result["outcomes"].items()))
-    return [f"eval of {model} on {result['problems']} held-out items of {name} x {result['samples']} samples "
+    items = ("evaluation seeds (never issued for training)" if result.get("items") == "eval_seeds"
+             else "held-out items")
+    game = ([f"  win {result['win_rate']:.3f}  draw {result['draw_rate']:.3f}  loss {result['loss_rate']:.3f}"]
+            if result.get("win_rate") is not None else [])
+    return [f"eval of {model} on {result['problems']} {items} of {name} x {result['samples']} samples "
             f"(temperature {result['temperature']:g}), {result['seconds']:.1f}s:",
             f"  success     {result['success']:.3f} +- {result['stderr']:.3f}",
             f"  {passk}",
+            *game,
             f"  mean reward {result['mean_reward']:.3f}",
             f"  outcomes    {outcomes}"]
 
@@ -98,7 +105,8 @@ def run_eval(args: argparse.Namespace) -> int:
         run = evaluate(loaded.model, loaded.tokenizer, held, samples=args.samples, temperature=args.temperature,
                        batch=args.batch, progress=lambda done, total: bar.update(task, completed=done))
     result = {"model": str(loaded.path), "model_kind": loaded.kind, "env": name, "spec": spec, "params": params,
-              "heldout_params": held.params, "seeds": list(held.seeds), "temperature": args.temperature,
+              "heldout_params": held.params, "items": held.items, "seeds": list(held.seeds),
+              "temperature": args.temperature,
               **run.summary.to_dict(), "seconds": run.seconds, "examples": run.examples}
     print("\n".join(summary_lines(name, f"{loaded.kind} {loaded.path}", result)),
           file=sys.stderr if to_stdout else sys.stdout)

@@ -48,6 +48,13 @@ def _eval_text(s: dict[str, Any]) -> str:
     return f" | held-out {' '.join(done)}" if done else ""
 
 
+def _game_text(e: dict[str, Any]) -> str:
+    """' (win W draw D loss L)' for a game's evaluation point; '' for other environments."""
+    if e.get("win_rate") is None:
+        return ""
+    return f" (win {e['win_rate']:.2f} draw {e['draw_rate']:.2f} loss {e['loss_rate']:.2f})"
+
+
 def _plan_text(s: dict[str, Any]) -> str:
     plan = (s.get("plans") or {}).get("trainer")
     if not plan:
@@ -76,7 +83,8 @@ def dashboard(s: dict[str, Any], steps: int) -> Group:
     top.add_row("win rate", _bar(win), f"{_fmt(win, '.2f')} (draw {_fmt(s.get('draw_rate_last'), '.2f')})")
     for env, e in (s.get("eval") or {}).items():  # evaluation during training (eval.every)
         if e.get("value") is not None:
-            top.add_row("held-out", _bar(e["value"]), f"{env} success {e['value']:.3f} at version {e['version']}")
+            top.add_row("held-out", _bar(e["value"]),
+                        f"{env} success {e['value']:.3f}{_game_text(e)} at version {e['version']}")
     ctx = s.get("context_length", {})
     trainer = s.get("trainer") or {}
     facts = Table.grid(padding=(0, 2))
@@ -149,5 +157,5 @@ class LiveView:
             if e.get("value") is not None:
                 passk = " ".join(f"pass@{k} {v:.3f}" for k, v in e["pass_at_k"].items())
                 self.message(f"held-out {env} at version {e['version']}: success {e['value']:.3f} "
-                             f"+- {e['stderr']:.3f}, {passk}, mean reward {e['mean_reward']:.3f} "
+                             f"+- {e['stderr']:.3f}{_game_text(e)}, {passk}, mean reward {e['mean_reward']:.3f} "
                              f"({len(e['history'])} evaluations)")

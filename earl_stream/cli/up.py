@@ -326,6 +326,8 @@ def make_summary(status: dict[str, Any], *, wall: float, records: list[dict[str,
         # evaluation during training (eval.every): env -> latest round (version, value = success, pass@k, mean
         # reward) and its history
         "eval": {env: {k: v for k, v in e.items() if k != "in_progress"} for env, e in status.get("eval", {}).items()},
+        # training seeds and evaluation seeds, [start, stop) each: they never meet (earl_stream/env/seeds.py)
+        "seed_split": status.get("seed_split"),
         "last_loss": last["loss"] if last.get("loss") is not None else trainer.get("loss"),
         "weight_bytes_per_version": trainer.get("weight_bytes_per_version"),  # the model, or its LoRA adapters
         # where each process ran (host, and ray_node_id under the ray launcher), a trainer's rank, and

@@ -99,13 +99,15 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """Evaluation during training (`earl_stream.supervisor.eval_rounds`): held-out items played by the rollout
-    pool between training episodes, never trained on. Checked in `earl_stream.evaluation.heldout`."""
+    """Evaluation during training (`earl_stream.supervisor.eval_rounds`): held-out items (or evaluation seeds,
+    `earl_stream.env.seeds`) played by the rollout pool between training episodes, never trained on. Checked in
+    `earl_stream.evaluation.heldout`."""
 
     every: int = _f(0, "evaluate when the policy version reaches a multiple of this (and at version 0); 0 = off",
                     minimum=0)
     envs: list[str] = _f([], "names of environments in `envs` to evaluate on their held-out items (items their "
-                         "training params never pose); empty = every one")
+                         "training params never pose; for one without a held-out set, such as a game, seeds the run "
+                         "never issues for training); empty = every one")
     problems: int = _f(64, "held-out items per environment and evaluation", minimum=1)
     samples: int = _f(1, "episodes per item; pass@k is reported for k = 1..samples", minimum=1)
     temperature: float = _f(0.0, "sampling temperature of evaluation episodes (0 = greedy)", minimum=0)

@@ -1,6 +1,7 @@
 """pass@k and the summary of an evaluation: success (fraction of episodes that succeed), the unbiased
 pass@k estimator of Chen et al. 2021 (n samples of an item, c of them correct:
-pass@k = 1 - C(n - c, k) / C(n, k), averaged over items, for k = 1..n) and the mean reward.
+pass@k = 1 - C(n - c, k) / C(n, k), averaged over items, for k = 1..n) and the mean reward; for a game
+(an environment whose outcomes include "win", "draw" or "loss"), its win, draw and loss rates beside success.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+GAME_OUTCOMES = ("win", "draw", "loss")
+FORFEITS = ("illegal",)  # a game ended by the model's invalid move: lost, counted in loss_rate
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalSummary:
     """success = mean over all episodes; pass_at_k[k] = mean over items; stderr = binomial of success."""
@@ -47,6 +52,10 @@ class EvalSummary:
     outcomes: dict[str, int]
     generated_tokens: int
     versions: tuple[int, int]  # oldest and newest policy version that played (-1, -1: unknown)
+    # a game's: fractions of the episodes won, drawn, lost (an illegal move loses); None for other environments
+    win_rate: float | None = None
+    draw_rate: float | None = None
+    loss_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -69,6 +78,9 @@ def summarize(episodes: Iterable[EpisodeOutcome]) -> EvalSummary:
     if len(n) != 1:
         raise ValueError(f"summarize: items have different numbers of samples {sorted(n)}")
     samples = n.pop()
+    game = any(o in outcomes for o in (*GAME_OUTCOMES, *FORFEITS))
+    rates = [sum(outcomes.get(o, 0) for o in group) / len(eps) if game else None
+             for group in (("win",), ("draw",), ("loss", *FORFEITS))]
     passk = {k: sum(pass_at_k(samples, sum(v), k) for v in per_item.values()) / len(per_item)
              for k in range(1, samples + 1)}
     p = sum(e.success for e in eps) / len(eps)
@@ -77,4 +89,5 @@ def summarize(episodes: Iterable[EpisodeOutcome]) -> EvalSummary:
                        stderr=math.sqrt(p * (1 - p) / len(eps)), pass_at_k=passk,
                        mean_reward=sum(e.reward for e in eps) / len(eps), outcomes=outcomes,
                        generated_tokens=sum(e.tokens for e in eps),
-                       versions=(min(versions), max(versions)) if versions else (-1, -1))
+                       versions=(min(versions), max(versions)) if versions else (-1, -1),
+                       win_rate=rates[0], draw_rate=rates[1], loss_rate=rates[2])

@@ -1,6 +1,8 @@
 """Evaluation during training, the supervisor's side: when the policy version reaches a multiple of
 `eval.every` (and at version 0) a round of evaluation episodes is due: every (held-out item, sample) of
-every eval environment (`earl_stream.evaluation.heldout`) becomes one `EvalTask`.
+every eval environment (`earl_stream.evaluation.heldout`) becomes one `EvalTask`. An environment with no
+held-out set of its own (a game) is played on evaluation seeds, which the ledger never issues for training
+(`earl_stream.env.seeds`); its points say so (`items`) and carry its win, draw and loss rates.
 
 Rollout workers ask for work with `RequestPrompts` as always; while a round has tasks left, a request is
 answered with a batch of them (trainer.group_size episodes, like a group) instead of a training prompt,
@@ -36,6 +38,8 @@ from earl_stream.evaluation.passk import EpisodeOutcome, summarize
 log = logging.getLogger(__name__)
 
 HISTORY_KEPT = 1000  # points per environment in the status
+# what each point of the status's history keeps (a game's rates are None elsewhere)
+HISTORY_KEYS = ("version", "value", "pass_at_k", "mean_reward", "win_rate", "draw_rate", "loss_rate")
 
 
 class Round(msgspec.Struct):
@@ -79,9 +83,9 @@ class EvalRounds:
             except HeldOutUnavailable as exc:
                 self.errors[name] = str(exc)
                 log.error("evaluation of %s is off: %s", name, exc)
-        log.info("evaluation every %d versions on %s: %d held-out items x %d samples each (temperature %g)",
-                 self.cfg.every, sorted(self.sets) or "nothing", self.cfg.problems, self.cfg.samples,
-                 self.cfg.temperature)
+        log.info("evaluation every %d versions on %s: %d items x %d samples each (temperature %g)",
+                 self.cfg.every, ", ".join(f"{n} ({h.describe()})" for n, h in sorted(self.sets.items())) or "nothing",
+                 self.cfg.problems, self.cfg.samples, self.cfg.temperature)
 
     # -- rounds -------------------------------------------------------------------------------
 
@@ -151,13 +155,14 @@ class EvalRounds:
             s = summarize(EpisodeOutcome(r.tasks[t].item, r.tasks[t].sample, r.results[t].reward, r.results[t].success,
                                          r.results[t].outcome, r.results[t].tokens, r.results[t].policy_version)
                           for t in tids)
-            point = {"version": r.version, "value": s.success, **s.to_dict()}
+            point = {"version": r.version, "value": s.success, "items": self.sets[name].items, **s.to_dict()}
             history = self.state.history.setdefault(name, [])
             history.append(point)
             del history[:-HISTORY_KEPT]
-            log.info("evaluation of %s at version %d (played by versions %s): success %.3f, %s, mean reward %.3f",
+            game = "" if s.win_rate is None else f", win {s.win_rate:.3f} draw {s.draw_rate:.3f} loss {s.loss_rate:.3f}"
+            log.info("evaluation of %s at version %d (played by versions %s): success %.3f, %s, mean reward %.3f%s",
                      name, r.version, s.versions, s.success,
-                     ", ".join(f"pass@{k} {v:.3f}" for k, v in s.pass_at_k.items()), s.mean_reward)
+                     ", ".join(f"pass@{k} {v:.3f}" for k, v in s.pass_at_k.items()), s.mean_reward, game)
 
     def worker_lost(self, worker_id: str) -> None:
         """Tasks `worker_id` held and did not report go back to the front of their round's queue."""
@@ -182,8 +187,8 @@ class EvalRounds:
                 "done": sum(1 for t in running[0].results if running[0].tasks[t].env == name),
                 "total": sum(1 for t in running[0].tasks.values() if t.env == name)}
             out[name] = {**(history[-1] if history else {"version": None, "value": None}),
-                         "history": [{k: p[k] for k in ("version", "value", "pass_at_k", "mean_reward")}
-                                     for p in history],
+                         "history": [{k: p[k] for k in HISTORY_KEYS if k in p} for p in history],
+                         "items": self.sets[name].items,
                          "in_progress": progress, "skipped_versions": list(self.state.skipped[-20:])}
         return out
 
@@ -197,6 +202,9 @@ class EvalRounds:
             M.EVAL_REWARD.labels(name).set(last["mean_reward"])
             for k, v in last["pass_at_k"].items():
                 M.EVAL_PASS_AT_K.labels(name, str(k)).set(v)
+            for outcome in ("win", "draw", "loss"):
+                if last.get(f"{outcome}_rate") is not None:
+                    M.EVAL_OUTCOME_RATE.labels(name, outcome).set(last[f"{outcome}_rate"])
 
     def snapshot(self) -> bytes:
         return msgspec.msgpack.encode(self.state)

@@ -42,6 +42,7 @@ from collections.abc import Collection, Iterable
 import msgspec
 
 from earl_stream.config import EnvSpec
+from earl_stream.env.seeds import train_seed
 from earl_stream.protocol import Prompt
 from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
 
@@ -155,7 +156,7 @@ class Ledger:
         envs = [e for e in self.envs if e.display_name not in avoid] or self.envs
         # a per-ordinal RNG: the choice is reproducible after a restart without persisting RNG state
         env = random.Random(self.seed * 7_777_777 + ordinal).choices(envs, weights=[e.weight for e in envs])[0]
-        seed = (self.seed * 1_000_003 + ordinal * 7919) & 0x7FFFFFFF
+        seed = train_seed(self.seed * 1_000_003 + ordinal * 7919)  # never an evaluation seed (env/seeds.py)
         prompt = Prompt(group_id=f"g{ordinal}", prompt_ordinal=ordinal, env=env.display_name, seed=seed,
                         group_size=self.group_size)
         self.groups[ordinal] = Group(prompt=prompt, state=PromptState.QUEUED)

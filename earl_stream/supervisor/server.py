@@ -19,6 +19,7 @@ import msgspec
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
+from earl_stream.env.seeds import SEED_SPLIT
 from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SampleMeta, metas_to_table, table_from_ipc, table_to_ipc
 from earl_stream.store.weight_route import WeightRoute, weight_route
@@ -466,6 +467,9 @@ class Supervisor:
             # evaluation during training (eval.every): env -> latest round's version and value (success), pass@k,
             # mean reward, history; {} when off
             "eval": self.evals.status() if self.evals.enabled else {},
+            # the seed space, split once: training resets environments with seeds in "train", evaluation of an
+            # environment without held-out items plays seeds in "eval" ([start, stop) each; env/seeds.py)
+            "seed_split": SEED_SPLIT,
             "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
                          "ray_node_id": w.ray_node_id,
                          "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from earl_stream.env import Environment, EnvOptions, StepResult, env_options, env_reset, env_step
+from earl_stream.env.seeds import train_seed
 from earl_stream.errors import EnvError
 from earl_stream.jitter import ajitter
 from earl_stream.model.chat import ChatFormat
@@ -50,8 +51,9 @@ def episode_sample_seed(prompt_seed: int, index: int) -> int:
 
 def episode_env_seed(prompt_seed: int, index: int, per_episode: bool) -> int:
     """The seed episode `index` of a prompt group resets its environment with: the group's, or with
-    `per_episode` (`earl_stream.env.seeds_per_episode`) one of its own, a pure function of (prompt seed, index)."""
-    return _episode_seed(prompt_seed, index, 2) if per_episode else prompt_seed
+    `per_episode` (`earl_stream.env.seeds_per_episode`) one of its own, a pure function of (prompt seed, index),
+    among the training seeds (`earl_stream.env.seeds`: never one that evaluation plays)."""
+    return train_seed(_episode_seed(prompt_seed, index, 2)) if per_episode else prompt_seed
 
 
 @dataclasses.dataclass

@@ -35,7 +35,7 @@ class ParityEnv:
 
 
 class NoHeldOut:
-    """An environment without held-out items (evaluating it is refused)."""
+    """An environment without held-out items (evaluated on evaluation seeds, earl_stream/env/seeds.py)."""
 
     async def reset(self, seed: int) -> str:
         return "x"

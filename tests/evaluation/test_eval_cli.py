@@ -1,6 +1,7 @@
 """`earl-stream eval` on a trainer checkpoint: the same figure as bench/heldout.py on the same items (the
 model of the checkpoint's Hugging Face export, played in-process); samples and pass@k through the CLI;
-an environment without held-out items is refused with the reason."""
+Tic-Tac-Toe, which has no held-out items, on evaluation seeds with its win/draw/loss rates; what cannot be played
+is refused with the reason."""
 
 from __future__ import annotations
 
@@ -75,9 +76,29 @@ def test_eval_samples_give_pass_at_k(run_dir: Path) -> None:
     assert r["pass_at_k"]["1"] <= r["pass_at_k"]["2"] <= r["pass_at_k"]["3"]
 
 
-def test_eval_refuses_an_environment_without_held_out_items(run_dir: Path) -> None:
-    proc = _eval("--model", str(run_dir), "--env", "tictactoe", "--problems", "4")
-    assert proc.returncode == 2
-    assert "cannot give held-out items: TicTacToe defines no held_out(params, problems)" in proc.stderr
+def test_eval_of_tictactoe_plays_evaluation_seeds_and_reports_game_rates(run_dir: Path, tmp_path: Path) -> None:
+    """The default game defines no held-out items: a checkpoint is evaluated on seeds no run trains on, with win,
+    draw and loss rates beside success. The deprecated `--json PATH` still writes the file, with a warning."""
+    from earl_stream.env.seeds import eval_seeds
+
+    proc = _eval("--model", str(run_dir), "--env", "tictactoe", "--problems", "8", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["model_kind"] == "checkpoint" and r["items"] == "eval_seeds" and r["seeds"] == eval_seeds(8)
+    assert r["episodes"] == 8 and sum(r["outcomes"].values()) == 8
+    rates = (r["win_rate"], r["draw_rate"], r["loss_rate"])
+    assert all(0 <= x <= 1 for x in rates) and sum(rates) == pytest.approx(1.0)  # every game ends one of the three
+    assert r["success"] == pytest.approx(r["win_rate"])
+    assert "evaluation seeds (never issued for training)" in proc.stderr and "  win " in proc.stderr
+
+    old = tmp_path / "old.json"
+    proc = _eval("--model", str(run_dir), "--env", "tictactoe", "--problems", "2", "--json", str(old))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "`--json PATH` is deprecated" in proc.stderr and json.loads(old.read_text())["problems"] == 2
+
+
+def test_eval_refuses_what_it_cannot_play(run_dir: Path) -> None:
+    proc = _eval("--model", str(run_dir), "--env", "no_such_module_xyz:Env", "--problems", "4")
+    assert proc.returncode == 2 and "cannot be loaded" in proc.stderr
     proc = _eval("--model", str(run_dir), "--env", PARITY, "--samples", "2")
     assert proc.returncode == 2 and "needs a temperature above 0" in proc.stderr

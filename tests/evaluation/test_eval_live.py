@@ -1,6 +1,7 @@
-"""Evaluation during a live `earl-stream up` (eval.every): rounds are played by the rollout pool while it
-trains, their results reach `status --json` (`eval.{env}`) and the `earl_eval_*` gauges, and no evaluation
-episode ever reaches the ledger, the store or a training step."""
+"""Evaluation during a live `earl-stream up` (eval.every), on an environment's held-out set and on the default
+game's evaluation seeds: rounds are played by the rollout pool while it trains, their results reach `status --json`
+(`eval.{env}`), the `earl_eval_*` gauges, the summary and metrics.jsonl, and no evaluation episode ever reaches the
+ledger, the store or a training step."""
 
 from __future__ import annotations
 
@@ -81,3 +82,30 @@ def test_eval_rounds_overlap_training_and_are_never_trained(tmp_path: Path, tiny
     assert trained and all(0 <= o < issued for o in trained) and len(trained) == len(set(trained))
     # eval episodes played: 2 rounds x 6 at least; the ledger counted only training groups of 4 episodes
     assert final["samples_produced"] % 4 == 0 and final["samples_produced"] <= 4 * issued
+
+
+def test_eval_every_on_the_default_run_plays_tictactoe_on_evaluation_seeds(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """What `make run` shows (the embedded default, Tic-Tac-Toe, which has no held-out items, with eval.every):
+    rounds played on the evaluation seeds, their success with win/draw/loss rates in the summary and in
+    metrics.jsonl, the seed split recorded in the summary, and the curve drawn."""
+    from earl_stream.env.seeds import SEED_SPLIT
+
+    summary_path = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", "6", "--summary", str(summary_path),
+           f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "trainer.groups_per_step=2",
+           "trainer.group_size=4", "rollout.groups_in_flight=2", "rollout.workers=1", "supervisor.heartbeat_s=0.2",
+           "eval.every=2", "eval.problems=4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["seed_split"] == SEED_SPLIT
+    e = summary["eval"]["tictactoe"]
+    assert e["items"] == "eval_seeds" and e["problems"] == 4 and "error" not in e
+    versions = [p["version"] for p in e["history"]]
+    assert versions[0] == 0 and len(versions) >= 2 and versions == sorted(set(versions)), versions
+    for p in e["history"]:
+        rates = (p["win_rate"], p["draw_rate"], p["loss_rate"])
+        assert all(0 <= r <= 1 for r in rates) and sum(rates) <= 1 + 1e-9 and p["value"] == p["win_rate"], p
+    recorded = [p for r in read_records(tmp_path / "run") for p in (r.get("eval") or {}).get("tictactoe", [])]
+    assert recorded and recorded[0]["version"] == 0 and all("win_rate" in p for p in recorded)
+    assert Path(summary["learning_curve_png"]).read_bytes()[:4] == b"\x89PNG"

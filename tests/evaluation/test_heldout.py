@@ -1,5 +1,6 @@
 """Held-out sets (evaluation/heldout.py): reasoning-gym's are questions its training dataset never poses; an
-environment without a held_out() hook, or one that cannot find enough unseen items, is refused with why."""
+environment that cannot be loaded, or one that cannot find enough unseen items, is refused with why (one without a
+held_out() hook is played on evaluation seeds: tests/evaluation/test_seed_split.py)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def test_reasoning_gym_held_out_questions_are_never_posed_in_training() -> None:
 
 
 def test_refusals_say_why() -> None:
-    with pytest.raises(HeldOutUnavailable, match="TicTacToe defines no held_out"):
-        check_held_out("tictactoe")
+    with pytest.raises(HeldOutUnavailable, match="cannot be loaded"):
+        check_held_out("no_such_module_xyz:Env")
     tiny = {"task": "basic_arithmetic", "size": 50,
             "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
                        "allow_parentheses": False, "allow_negation": False}}

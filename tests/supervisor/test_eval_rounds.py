@@ -1,6 +1,7 @@
 """Evaluation rounds in the supervisor's state machine (supervisor/eval_rounds.py): due at multiples of
 eval.every, handed out between training groups on at most eval.share of a worker's slots, never in the
-ledger, finished into success / pass@k points; requeued when a worker dies; refused environments."""
+ledger, finished into success / pass@k points; requeued when a worker dies; a game without held-out items
+played on evaluation seeds; refused environments."""
 
 from __future__ import annotations
 
@@ -90,12 +91,38 @@ def test_tasks_of_a_dead_worker_are_played_again_and_a_busy_round_skips_the_next
     assert restored.status(0.0)["eval"]["parity"]["history"] == status["history"]
 
 
-def test_an_environment_without_held_out_items_is_refused_at_config_load() -> None:
-    with pytest.raises(ConfigError, match="cannot give held-out items: TicTacToe defines no held_out"):
-        load_config(None, ["eval.every=5"])
-    no_held = PARITY.replace(":ParityEnv", ":NoHeldOut")
-    with pytest.raises(ConfigError, match="NoHeldOut defines no held_out"):
-        load_config(None, [f"envs.0.spec={no_held}", "eval.every=5"])
+def test_a_game_without_held_out_items_is_evaluated_on_seeds_training_never_issues() -> None:
+    """The embedded default (Tic-Tac-Toe defines no held_out()) with eval.every: its tasks reset the game with
+    evaluation seeds, disjoint from every seed the ledger hands out, and its points carry win/draw/loss rates."""
+    from earl_stream.env.seeds import EVAL_SEEDS, TRAIN_SEEDS
+
+    sup = Supervisor(load_config(None, ["eval.every=2", "eval.problems=4", "trainer.group_size=4",
+                                        "rollout.groups_in_flight=4", "model.path=/nonexistent"]))
+    sup.handle(P.Register(role=P.Role.ROLLOUT, host="h", pid=1, shard_address="127.0.0.1:9"), 0.0)
+    assert sup.status(0.0)["seed_split"] == {"train": [0, 1 << 30], "eval": [1 << 30, 1 << 31]}
+    tasks = _ask(sup, "0.0").eval_tasks
+    assert [t.seed for t in tasks] == list(EVAL_SEEDS[:4]) and {t.env for t in tasks} == {"tictactoe"}
+    training = [p.seed for i in range(1, 40) for p in _ask(sup, f"{i}.0").prompts]
+    assert training and all(s in TRAIN_SEEDS for s in training)
+    outcomes = ["win", "draw", "loss", "illegal"]
+    sup.handle(P.PutEval(worker_id="rollout-0", results=[
+        P.EvalResult(task_id=t.task_id, reward={"win": 1.0, "draw": 0.0}.get(outcomes[t.item], -1.0),
+                     success=t.item == 0, outcome=outcomes[t.item], tokens=1, policy_version=0) for t in tasks]), 0.0)
+    point = sup.status(0.0)["eval"]["tictactoe"]
+    assert point["items"] == "eval_seeds" and point["value"] == pytest.approx(0.25)
+    assert (point["win_rate"], point["draw_rate"], point["loss_rate"]) == pytest.approx((0.25, 0.25, 0.5))
+    assert point["history"][-1]["loss_rate"] == pytest.approx(0.5)
+    sup.export_metrics(0.0)
+    from earl_stream import metrics as M
+
+    assert M.EVAL_OUTCOME_RATE.labels("tictactoe", "loss")._value.get() == pytest.approx(0.5)
+
+
+def test_eval_config_refuses_what_it_cannot_play() -> None:
+    load_config(None, ["eval.every=5"])  # the embedded default's game: evaluation seeds
+    load_config(None, [f"envs.0.spec={PARITY.replace(':ParityEnv', ':NoHeldOut')}", "eval.every=5"])
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        load_config(None, ["envs.0.spec=no_such_module_xyz:Env", "eval.every=5"])
     with pytest.raises(ConfigError, match="'nope' names none of the run's environments"):
         load_config(None, [f"envs.0.spec={PARITY}", "eval.every=5", "eval.envs=[nope]"])
     with pytest.raises(ConfigError, match="eval.samples=2 at eval.temperature=0"):
