@@ -24,6 +24,12 @@ sub-layer's output (Gemma 3, OLMo 2: `post_norms`) saves (4 + e) sbh, its output
 norms (Qwen3, Gemma 3, OLMo 2) save their fp32 input and normalised value, (4 + e) per q and k element;
 a sub-layer with no norm before it (OLMo 2) has its linears save the residual stream, e sbh. A routed-expert
 layer also saves each token's top_k gathered rows and its experts' outputs: 2 e s b k h.
+Under autocast over fp32 weights (`Precision.AUTOCAST_BF16` without FSDP, whose mixed-precision policy gathers
+bf16 weights and so runs a bf16 stream) the residual stream, the embedding and the norms stay fp32: each RMSNorm
+saves its fp32 input and normalised value and each linear after it its own bf16 cast, (8 + c e) sbh for c linears
+(q, k, v: 3; gate, up: 2), the residual gradient is fp32, and the logits are the LM head's bf16 output (earl_stream's
+fp32 logits buffer is then a transient upcast). Under FSDP2 the root's unsharded weights (embedding, final norm,
+LM head) stay gathered from its forward to the end of the backward. Both measured (issue 45).
 The peak is not the saved total alone but the largest of: (a) everything saved plus the loss's
 [b, s, V] fp32 buffers (`TrainPlan.logit_copies`); (b) the lm_head backward (the logits' grad and
 the weight-gradient temporary); (c) the last layer's backward: the other layers' saved tensors plus
@@ -231,9 +237,12 @@ def layer_activation_bytes(shape: ModelShape, plan: TrainPlan) -> LayerActivatio
     keep_scores = plan.attention is Attention.EAGER and plan.recompute is Recompute.NONE
     _, gbytes, _, e = plan.precision.element_bytes
     q_el, kv_el, m_el = n * a * d / t, n * max(shape.num_kv_heads / t, 1.0) * d, n * inter / t
-    norm = n * h / rep_div * (4 + 2 * e)  # one RMSNorm: fp32 input, normalised, output
+    norm = mlp_norm = n * h / rep_div * (4 + 2 * e)  # one RMSNorm: fp32 input, normalised, output
+    if _fp32_stream(plan):  # fp32 input and normalised value, then each linear after it saves its own bf16 cast
+        norm = n * h / rep_div * (8 + (1 if shape.fused_qkv else 3) * e)
+        mlp_norm = n * h / rep_div * (8 + (1 if shape.fused_gate_up else 2) * e)
     # a sub-layer without a norm before it (OLMo 2) has its linears save the residual stream itself
-    norms = (shape.pre_norms * norm + shape.post_norms * n * h / rep_div * (4 + e)
+    norms = (shape.pre_norms * (norm + mlp_norm) / 2 + shape.post_norms * n * h / rep_div * (4 + e)
              + max(0, 2 - shape.pre_norms) * n * h / rep_div * e)
     qk_norm = (q_el + n * shape.num_kv_heads * d / t) * (4 + e) if shape.qk_norm else 0.0
     if plan.attention is Attention.EAGER:
@@ -252,11 +261,23 @@ def layer_activation_bytes(shape: ModelShape, plan: TrainPlan) -> LayerActivatio
     # recomputation rebuilds them only for the attention backward (counted in attn_peak).
     own_scores = 0.0 if plan.attention is Attention.FLASH or plan.recompute is Recompute.SELECTIVE else scores
     full = norms + attn + mlp + own_scores
-    dx = n * h / rep_div * e
+    dx = n * h / rep_div * _stream_bytes(plan)  # the residual stream's gradient (and a layer's input)
     mlp_peak = full + 2 * m_el * e  # at silu*up backward: grad of the product, of silu and of up
     down_peak = full + m_el * e + h * inter / t * gbytes  # down_proj backward: grad input + weight-grad temp
     peak = max(mlp_peak, down_peak, attn_peak) + dx
-    return LayerActivations(norms, attn + mlp, saved_scores, n * h / rep_div * e, peak, dx)
+    return LayerActivations(norms, attn + mlp, saved_scores, dx, peak, dx)
+
+
+def _fp32_stream(plan: TrainPlan) -> bool:
+    """Autocast over fp32 weights (trainer.dtype=bf16 without FSDP, whose mixed-precision policy gathers bf16
+    weights instead) keeps the residual stream, the embedding's output and the norms in fp32; only the
+    linears', attention's and the LM head's outputs are bf16 (measured with saved-tensor hooks, issue 45)."""
+    return plan.precision is Precision.AUTOCAST_BF16 and not plan.fsdp
+
+
+def _stream_bytes(plan: TrainPlan) -> int:
+    """Bytes per element of the residual stream (a layer's input, its gradient)."""
+    return 4 if _fp32_stream(plan) else plan.precision.element_bytes[3]
 
 
 @functools.cache  # a function of the shape and tp alone; the selector asks it for every plan it weighs
@@ -290,13 +311,22 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     kept = L * lay.input_bytes if full else L * lay.saved_bytes
     vocab = shape.vocab_size / (t if plan.shard_logits else 1)
     logit = n * vocab * 4
-    head_norm = lay.input_bytes * (4 + 2 * e) / e  # the final norm, as one pre-norm
+    # the final norm, as one pre-norm (under an fp32 stream: fp32 input, normalised, the LM head's bf16 cast)
+    head_norm = lay.input_bytes * ((8 + e) / 4 if _fp32_stream(plan) else (4 + 2 * e) / e)
     fsdp_buf = 0.0
     if plan.fsdp:  # the unsharded weights of the current and the prefetched layer, one layer's full grads
         layer_p = shape.layer_matrix_params() / t + shape.layer_small_params() - experts / shape.num_layers
         layer_grads = plan.lora_params / shape.num_layers if plan.lora_params else layer_p
-        fsdp_buf = layer_p * 2 * w_bytes + layer_grads * grad_bytes
-    extra_logits = n * vocab * e if e < 4 else 0.0  # the lm_head output before the fp32 upcast
+        # gathered as the trainer's mixed-precision policy casts them (bf16 under autocast); FSDP2 keeps the root's
+        # unsharded weights (embedding, final norm, LM head) from its forward to the end of the backward
+        gathered = 2 if plan.precision is Precision.AUTOCAST_BF16 else w_bytes
+        root_p = max(0.0, _device_params(shape, t) - L * (shape.layer_matrix_params() / t + shape.layer_small_params()))
+        fsdp_buf = (layer_p * 2 + root_p) * gathered + layer_grads * grad_bytes
+    # With e < 4 the logits are the LM head's bf16 output; earl_stream's counts hold the logits as one of their
+    # fp32 buffers, which is then only an upcast freed once shifted (HF's count does not hold the logits).
+    loss_logits = plan.logit_copies * logit
+    if e < 4:
+        loss_logits += n * vocab * e - (logit if plan.logit_copies != LOGIT_COPIES_HF_CROSS_ENTROPY else 0.0)
     # HF's eager [b, 1, s, s] fp32 mask is an argument of every checkpointed layer: it lives on.
     eager = plan.attention is Attention.EAGER
     ckpt_mask = plan.micro_batch * plan.seq_len ** 2 * 4 / plan.sp if full and eager else 0.0
@@ -307,7 +337,7 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
     biggest = min(max(shape.vocab_size, shape.intermediate_size) * shape.hidden_size / t, trained)
     dispatch = 4 * e * n * shape.top_k * shape.hidden_size if plan.ep > 1 else 0.0  # one MoE layer's rows in flight
     phases = [
-        (Phase.LOSS, kept + head_norm, plan.logit_copies * logit + extra_logits, ckpt_mask + fsdp_buf),
+        (Phase.LOSS, kept + head_norm, loss_logits, ckpt_mask + fsdp_buf),
         (Phase.LM_HEAD_BACKWARD, kept + head_norm, logit,
          lay.residual_grad_bytes + lm_w_grad + ckpt_mask + fsdp_buf),
         (Phase.LAYER_BACKWARD, (L - 1) * (lay.input_bytes if full else lay.saved_bytes), 0.0,

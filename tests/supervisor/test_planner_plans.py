@@ -21,7 +21,7 @@ from earl_stream.supervisor.planning import Planner
 from earl_stream.supervisor.server import Supervisor
 
 MIB = 1 << 20
-BUDGET = 1500 * MIB  # per rank (~230 MiB of it: the two policy versions a rank keeps published)
+BUDGET = 1590 * MIB  # per rank (~230 MiB of it: the two policy versions a rank keeps published)
 # a 57M-parameter Qwen2: its fp32 states (16 bytes per parameter) dominate a small per-rank budget
 SMALL = {"model_type": "qwen2", "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
          "num_key_value_heads": 2, "intermediate_size": 1536, "vocab_size": 32000}

@@ -210,9 +210,11 @@ def test_llama8b_on_eight_gpus_from_4k_to_32k() -> None:
     sel = TrainerSelector(shape, budget, base=base, thresholds=FAST, step_sequences=64)
     plans = [d for d in feed(sel, growing(3000, 26000, 400, seed=5)) if isinstance(d, PlanDecision)]
     # the powers of two 4K..32K, or (where the fastest layout holds the headroom but not the power of two)
-    # the longest length that layout holds: fsdp8 keeps 7,488 tokens rather than give way to sp at 8K
+    # the longest length that layout holds: fsdp8 keeps 7,232 tokens rather than give way to sp at 8K (FSDP2's
+    # root keeps the unsharded 128K-vocabulary embedding and LM head from its forward to the end of the backward),
+    # and the contexts outgrowing it re-plan to the power of two
     pow2s = [int(re.search(r"-> design length (\d+)", d.reason).group(1)) for d in plans]
-    assert pow2s == [4096, 8192, 16384, 32768]
+    assert pow2s == [4096, 8192, 8192, 16384, 16384, 32768]
     p99s = [float(re.search(r"p99 context ([\d.]+)", d.reason).group(1)) for d in plans]
     assert all(1.25 * x <= d.design_seq_len <= p for d, x, p in zip(plans, p99s, pow2s))
     for d in plans:
