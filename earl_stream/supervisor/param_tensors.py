@@ -138,8 +138,7 @@ def published_share_bytes(shape: ModelShape, *, devices: int, tp: int, fsdp_shar
     if lora_params:
         whole = [t.numel for t in plan_tensors(shape, lora_params) if t.trained]
     else:
-        tied = [ParamTensor(shape.vocab_size, shape.hidden_size, 0)] if shape.tie_word_embeddings else []
-        for t in [*parameter_tensors(shape), *tied]:  # a state dict names a tied head too: it is published
+        for t in parameter_tensors(shape):  # a tied head shares the embedding's storage: published once, as it
             n, split = rank_share(t, tp=tp, fsdp_shards=fsdp_shards, ep=ep)
             if split:
                 sharded += n

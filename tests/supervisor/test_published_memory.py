@@ -19,13 +19,6 @@ from earl_stream.supervisor.memory_model import TrainPlan, predict_train_memory,
 from earl_stream.supervisor.model_shape import ModelShape
 from earl_stream.workers.sharding import shard_pieces
 
-# published_share_bytes still counts a tied head as published ("a state dict names a tied head too"); since
-# weights go once per tensor (issue 49) it over-predicts by that head's share. The fix is in supervisor/
-# param_tensors.py (the `tied` list of published_share_bytes: drop it), owned elsewhere; strict, so that this
-# marker must go with it.
-_TIED_PREDICTION = pytest.mark.xfail(strict=True, reason="param_tensors.published_share_bytes counts the tied "
-                                     "LM head that shard_pieces no longer publishes")
-
 
 def _published(tied: bool, world: int) -> tuple[LlamaConfig, dict[str, torch.Tensor], list[list[Any]]]:
     config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -51,7 +44,7 @@ def test_replicated_weights_are_shared_out_each_tensor_once(tied: bool, world: i
         assert max(held) < whole * 0.75  # shared out, not one rank holding the replica
 
 
-@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=_TIED_PREDICTION)])
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_the_memory_model_predicts_the_fullest_rank(tied: bool, world: int) -> None:
     config, _, per_rank = _published(tied, world)
