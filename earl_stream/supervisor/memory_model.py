@@ -18,8 +18,9 @@ to the next linears: (4 + 2e) sbh, twice per layer (replicated). Eager attention
 *repeated* k and v (GQA saves no activation memory there: `repeat_kv` copies before the matmul) and
 the o_proj input: 4 e s b a d; the SwiGLU MLP saves gate, silu(gate), up and their product:
 4 e s b I (sharded). Scores: the fp32 softmax output, plus its cast copy when e < 4: (4 + e) a s^2 b.
-Flash/SDPA attention saves q, k and v at kv width, its output (which is also the o_proj input) and
-the fp32 log-sum-exp: e sb(2ad + 2kd) + 4 sba, no scores. Families differ by data on the shape: a norm on a
+Flash/SDPA attention saves q, k and v at kv width, its output and the fp32 log-sum-exp, and the o_proj its
+input, which the trainer's packed attention concatenates from the rows' outputs (a copy): e sb(3ad + 2kd) + 4 sba,
+no scores. Families differ by data on the shape: a norm on a
 sub-layer's output (Gemma 3, OLMo 2: `post_norms`) saves (4 + e) sbh, its output feeding an add; q/k
 norms (Qwen3, Gemma 3, OLMo 2) save their fp32 input and normalised value, (4 + e) per q and k element;
 a sub-layer with no norm before it (OLMo 2) has its linears save the residual stream, e sbh. A routed-expert
@@ -250,7 +251,9 @@ def layer_activation_bytes(shape: ModelShape, plan: TrainPlan) -> LayerActivatio
         # softmax backward: fp32 probs, their grad and the scores' grad; q, k and grad v alive
         attn_peak = norm + 3 * q_el * e + 12 * score_el
     else:
-        attn = (2 * q_el + 2 * kv_el) * e + 4 * n * a / t + qk_norm
+        # + the o_proj input: the trainer's packed attention (workers.packed_attention) concatenates the rows'
+        # outputs, a copy beside the output SDPA saves (flash_attn's varlen kernel on CUDA needs none: safe side)
+        attn = (3 * q_el + 2 * kv_el) * e + 4 * n * a / t + qk_norm
         attn_peak = norm + attn + 4 * q_el * e  # grads of O, q, k, v (k, v at full width, to be safe)
     mlp = 4 * m_el * e
     if shape.is_moe:  # each routed row gathered for its expert, and the expert's output the routing weight scales

@@ -186,14 +186,22 @@ def test_invalid_plan_is_refused(llama70b: ModelShape) -> None:
 def _saved_bytes(layers: int, attn: str, b: int, s: int, *, autocast: bool = False) -> int:
     """Bytes of the distinct non-parameter storages autograd saves for a tiny Qwen2's loss (`autocast`: under
     bf16 autocast over fp32 weights, its cached bf16 copies of the weights left out: the model counts them as
-    weights)."""
+    weights). SDPA runs as the trainer runs it: the b rows packed into one sequence (`workers.packed_attention`)."""
+    import contextlib
+
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from earl_stream.workers import packed_attention
 
     torch.manual_seed(0)
     cfg = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=160, vocab_size=96)
     model = Qwen2ForCausalLM(Qwen2Config(**cfg, attn_implementation=attn, use_cache=False))
+    packed = contextlib.nullcontext()
+    if attn == "sdpa":
+        model.config._attn_implementation = packed_attention.PACKED
+        packed = packed_attention.packed_segments([model], tuple(range(0, b * s + 1, s)))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -206,9 +214,12 @@ def _saved_bytes(layers: int, attn: str, b: int, s: int, *, autocast: bool = Fal
         return t
 
     ids = torch.randint(0, 96, (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    kw = {}
+    if attn == "sdpa":
+        ids, kw = ids.reshape(1, b * s), {"position_ids": torch.arange(s).repeat(b)[None]}
+    with packed, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model(input_ids=ids, labels=ids)
+            model(input_ids=ids, labels=ids, **kw)
     return sum(seen.values())
 
 
