@@ -81,7 +81,8 @@ class TrainerConfig:
                             "re-plans, and the same batch trains under the new plan; off = the rank dies as before "
                             "(for debugging)")
     oom_abort_seconds: float = _f(5.0, "after an allocation failure, how long the pool's ranks take at most to leave the "
-                                  "step (ranks blocked in a collective included) before it is retried", minimum=0.1)
+                                  "step (ranks blocked in a collective included) before it is retried; reserved: a pool "
+                                  "of several ranks does not recover yet and fails as before", minimum=0.1)
 
 
 @dataclasses.dataclass(frozen=True)

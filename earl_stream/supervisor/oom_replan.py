@@ -80,9 +80,9 @@ def replan_after_oom(planner: Planner, msg: TrainerOom, lengths: list[int]) -> t
     if after is not None:
         planner.adopt(after)
     wire = planner.trainer_wire if after is not None else None
-    planner.oom_recoveries.append(OomRecovery(
-        at=time.time(), step=msg.step, plan_before=before.name, version_before=before.version,
-        plan_after=wire.name if wire else "", version_after=wire.version if wire else 0,
+    planner.oom_recoveries.append(OomRecovery(  # plans named with "+rc" under full recomputation
+        at=time.time(), step=msg.step, plan_before=name, version_before=before.version,
+        plan_after=layout_name(after.plan) if after else "", version_after=wire.version if wire else 0,
         micro_batch_tokens_before=before.micro_batch_tokens, micro_batch_tokens_after=wire.micro_batch_tokens if wire else 0,
         predicted_bytes=failed, attempted_bytes=msg.attempted_bytes, peak_bytes=msg.peak_bytes, correction=factor,
         rows=msg.rows, tokens=msg.tokens, longest=longest, error=msg.error[:300]))
