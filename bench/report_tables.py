@@ -181,6 +181,27 @@ def render_memory_model(d: dict[str, Any]) -> list[str]:
                        "error per rank"], rows)
         out.append(f"Largest relative error over the sharded plans: "
                    f"**{fmt(100 * (d.get('max_relative_error_sharded') or 0), 2)}%** (goal <= 5%).")
+    return out + [""] + _render_real_model(d)
+
+
+def _render_real_model(d: dict[str, Any]) -> list[str]:
+    """(f): SmolLM2-135M per rank at real scale, total peak (states + step) and the switch."""
+    f = d.get("real_model", {})
+    rows = []
+    for c in f.get("configs", []):
+        if c.get("ranks") and c.get("relative_error") is not None:
+            measured = max(r.get("measured_total_bytes", r.get("peak_total_bytes", 0)) for r in c["ranks"])
+            pred = c.get("predicted_total_bytes", c.get("predicted_bytes")) or 0
+            rows.append([c["case"], pred / 2**20, measured / 2**20, f"{100 * c['relative_error']:+.1f}%",
+                         c.get("measured_at", ""), "yes" if c.get("scored", True) else "no"])
+    if not rows:
+        return []
+    out = ["(f) SmolLM2-135M per rank (gloo ranks, real `train_step`; `+bf16`: trainer.dtype=bf16), predicted vs "
+           "measured peak above the runtime (MiB):", ""]
+    out += _table(["case", "predicted", "measured (worst rank)", "error", "measured at", "scored"], rows)
+    out.append(f"Largest relative error: **{fmt(100 * (d.get('max_relative_error_real_model') or 0), 2)}%** (goal <= 5%); "
+               f"largest under-prediction: **{fmt(100 * (d.get('max_underprediction_real_model') or 0), 2)}%** "
+               "(goal <= 2%).")
     return out + [""]
 
 
