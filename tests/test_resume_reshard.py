@@ -51,7 +51,7 @@ def _up(run: Path, model_dir: Path, steps: int, nproc: int, *, resume: bool,
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == (130 if interrupt_after else 0), out[-3000:]
+    assert proc.returncode == 0, out[-3000:]  # a requested stop (Ctrl-C) exits 0, as the end of the run does
     return json.loads(summary.read_text()), log.read_text(errors="replace")[start:]
 
 

@@ -224,7 +224,7 @@ def test_resume_trains_the_persisted_segments_once(tmp_path: Path, tiny_model_di
         finally:
             if proc.poll() is None:
                 proc.kill()
-        assert proc.returncode == (130 if interrupt_after else 0), out[-3000:]
+        assert proc.returncode == 0, out[-3000:]  # a requested stop (Ctrl-C) exits 0, as the end of the run does
         return dict(json.loads(summary.read_text()))
 
     first = up(40, resume=False, interrupt_after=2)

@@ -57,7 +57,7 @@ def test_a_stopped_fsdp_pool_checkpoints_its_last_step_and_resumes_from_it(tmp_p
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == 0, out[-3000:]  # a requested stop (Ctrl-C) exits 0
     log = log_path.read_text()
     assert re.search(r"adopted trainer plan v\d+: fsdp2", log), "the pool did not train sharded: " + log[-3000:]
     last = max(_trained(log))
