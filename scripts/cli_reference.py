@@ -81,18 +81,10 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from the code")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not args.out.is_file() or args.out.read_text() != text:
-            sys.stderr.write(f"{args.out} is out of date: run `make docs-reference`\n")
-            return 1
-        return 0
-    args.out.write_text(text)
-    return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from reference_page import reference_main
+
+    return reference_main(__doc__ or "", render, OUT, argv)
 
 
 if __name__ == "__main__":
