@@ -84,6 +84,7 @@ def test_eval_rounds_overlap_training_and_are_never_trained(tmp_path: Path, tiny
     assert final["samples_produced"] % 4 == 0 and final["samples_produced"] <= 4 * issued
 
 
+@pytest.mark.live  # ~53 s: kept out of `make test`
 def test_eval_every_on_the_default_run_plays_tictactoe_on_evaluation_seeds(tmp_path: Path, tiny_model_dir: Path) -> None:
     """What `make run` shows (the embedded default, Tic-Tac-Toe, which has no held-out items, with eval.every):
     rounds played on the evaluation seeds, their success with win/draw/loss rates in the summary and in
