@@ -138,10 +138,11 @@ class FastDecoder:
         for layer in self._layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = (attn.qkv_proj,) if hasattr(attn, "qkv_proj") else (attn.q_proj, attn.k_proj, attn.v_proj)
-            dense = is_dense_mlp(mlp)
+            if not is_dense_mlp(mlp):  # a mixture of experts runs its own module (adapters: its linears' hooks)
+                out.append(_LayerAdapters(qkv=fused(qkv), o=of(attn.o_proj)))
+                continue
             gate_up = (mlp.gate_up_proj,) if hasattr(mlp, "gate_up_proj") else (mlp.gate_proj, mlp.up_proj)
-            out.append(_LayerAdapters(qkv=fused(qkv), o=of(attn.o_proj), gate_up=fused(gate_up) if dense else None,
-                                      down=of(mlp.down_proj) if dense else None))
+            out.append(_LayerAdapters(qkv=fused(qkv), o=of(attn.o_proj), gate_up=fused(gate_up), down=of(mlp.down_proj)))
         self._adapters = out
         self._head_adapter = of(self._head)
 
