@@ -146,6 +146,8 @@ def test_up_reports_bad_model_dir(tmp_path: Path) -> None:
                            f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr.splitlines()[-1]
+    assert f"model directory {tmp_path}/nope does not exist" in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "run" / "logs" / "trainer.log").exists()  # refused before any process started
 
 
 @pytest.mark.faults

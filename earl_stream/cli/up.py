@@ -43,7 +43,8 @@ def prepare(cfg: RunConfig, *, resume: bool = False) -> tuple[RunConfig, Path]:
     """Resolve the model (building the embedded one once; pinning a Hub id to its commit and the sha256 of
     its files, which every worker checks its own copy against; a resumed run keeps the commit it was
     started with, even if the branch has moved since) and write the run's config file."""
-    from earl_stream.model.hub import pin_model
+    from earl_stream.model.hub import is_hub_id, pin_model
+    from earl_stream.model.loading import check_model_dir
 
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -58,6 +59,8 @@ def prepare(cfg: RunConfig, *, resume: bool = False) -> tuple[RunConfig, Path]:
         model_dir = ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
                                          warm_start_seconds=cfg.model.warm_start_seconds)
         cfg = replace(cfg, f"model.path={model_dir}")
+    elif cfg.launcher.kind == "local" and not is_hub_id(cfg.model.path):
+        check_model_dir(cfg.model.path)  # a bad path fails here, before any process starts (not in a worker's log)
     path.write_text(config_to_yaml(cfg))
     return cfg, path
 
