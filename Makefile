@@ -18,10 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q "$(TRANSFORMERS)" -e ".[test]"
+	$(PIP) install -q "$(TRANSFORMERS)" -e ".[test,trackers]"
 	touch $@
 
-install: $(VENV)/.installed ## create .venv: CPU torch pinned first, then the project with the test extra
+# trackers: TensorBoard, W&B, MLflow and trackio, whose round trips tests/tracking/ runs (~27 s more to install)
+install: $(VENV)/.installed ## create .venv: CPU torch pinned first, then the project with the test and trackers extras
 
 # eval.every=20: the demo shows an evaluation curve (64 greedy games on seeds training never issues, every 20
 # steps); the config's own default stays 0 so that the tests' runs of `up` play no evaluation rounds.

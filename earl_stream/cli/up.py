@@ -1,7 +1,8 @@
 """`earl-stream up`: a whole run. A launcher (cli/launchers/: local child processes by default, or
 Ray) places a supervisor, the rollout workers and the trainer pool, each running the same command a
 user runs by hand on other hosts (`earl-stream supervisor`, `earl-stream worker`); `up` watches them,
-restarts a dead one with --restart, shows a live view, and writes a summary.
+restarts a dead one with --restart, shows a live view, feeds the experiment trackers (`logging.backends`,
+tracking/feed.py) and writes a summary.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from earl_stream.security.tls import CA_FILE, READONLY_KEY_FILE, tls_env, write_
 from earl_stream.store.durable import EXPERIENCE_DIR
 from earl_stream.supervisor.metrics_log import FILE_NAME as METRICS_FILE
 from earl_stream.supervisor.metrics_log import read_records
+from earl_stream.tracking import check_installed
+from earl_stream.tracking.feed import TrackerFeed
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",
@@ -143,6 +146,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     `restart`: times the trainer pool is restarted from its latest checkpoint when one of its ranks
     dies, and times a rollout worker or the supervisor that dies is started again (0 = the run stops
     with an error naming the process)."""
+    check_installed(cfg.logging.backends)  # a tracker's missing package: one error naming its extra, before anything
     cfg, config_file = prepare(cfg, resume=resume)
     run_dir = Path(cfg.run_dir)
     if not resume:  # a fresh run: forget the ledger of an earlier run in the same directory
@@ -154,6 +158,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     export_encrypt(cfg.security.encrypt)  # for this process's own clients; the launcher passes it on
     endpoint_lines = endpoint_settings(cfg, run_dir, secret)
     launcher = make_launcher(RunSpec(cfg, config_file, Path(os.environ[SECRET_ENV]), bind, resume, restart))
+    trackers = TrackerFeed.open(cfg, resume=resume)  # logging.backends, fed from metrics.jsonl (tracking/feed.py)
     stopping: list[str] = []
     signal.signal(signal.SIGINT, lambda s, f: stopping.append("interrupted"))
     signal.signal(signal.SIGTERM, lambda s, f: stopping.append("terminated"))
@@ -172,13 +177,16 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
         client = P.ControlClient(address, timeout_s=10, secret=secret)
         try:
             _watch(view, launcher, client, trainer, placed, rollout, stopping, status, resume, restart, address,
-                   run_dir)
+                   run_dir, trackers)
         except BrokenPipeError:  # `up | tee log` and Ctrl-C: tee is gone; stop the run, keep its summary
             _output_gone()
             stopping.append("interrupted" if not stopping else stopping[0])
         if trainer.poll() not in (None, 0):
             raise ChildProcessFailed(trainer.describe_exit())
         status.update(_final_status(client) or {})
+    except BaseException:
+        trackers.close()  # the run failed: each tracker's run closed as it stands
+        raise
     finally:
         launcher.stop()
     records = read_records(run_dir)  # the supervisor's per-step record: the summary's steps and the curve
@@ -192,6 +200,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     curve = plot_learning_curve(records, out.parent / "learning_curve.png", status.get("eval"))
     summary["learning_curve_png"] = str(curve) if curve else None
     out.write_text(json.dumps(summary, indent=2))  # before anything is printed: the reader may be gone
+    trackers.finish([out, curve])  # the last records, then the summary and the curve as artifacts
     try:
         view.finish(summary, stopping[0] if stopping else "")
     except BrokenPipeError:
@@ -212,10 +221,11 @@ def _output_gone() -> None:
 
 def _watch(view: LiveView, launcher: Launcher, client: P.ControlClient, trainer: Placed, placed: list[Placed],
            rollout: list[Placed], stopping: list[str], status: dict[str, Any], resume: bool, restart: int, address: str,
-           run_dir: Path) -> None:
+           run_dir: Path, trackers: TrackerFeed) -> None:
     """The live view until the trainer pool ends or a signal: revives what died (up to `restart` times),
-    starts the workers `earl-stream scale` asked for, and refreshes the view, the Prometheus targets and
-    `status` (the latest supervisor status, kept by the caller for the summary)."""
+    starts the workers `earl-stream scale` asked for, and refreshes the view, the Prometheus targets,
+    the trackers (the steps the supervisor recorded since) and `status` (the latest supervisor status,
+    kept by the caller for the summary)."""
     revivals = recovered = 0
     with view:
         while not stopping and trainer.poll() is None:
@@ -239,6 +249,7 @@ def _watch(view: LiveView, launcher: Launcher, client: P.ControlClient, trainer:
                 placed.append(new)
             view.update(status)
             write_targets(run_dir / "prometheus_targets.json", status)
+            trackers.poll()
             time.sleep(0.5)
 
 

@@ -1,5 +1,5 @@
 """The run's whole configuration, `RunConfig`: one field per section, the sections being the types of
-`training`, `rollout` and `cluster`. A pure type, like them: how it is loaded is `load`'s, its
+`training`, `rollout`, `cluster` and `tracking`. A pure type, like them: how it is loaded is `load`'s, its
 cross-section rules `validate`'s. A module that needs only the types imports them from here (or from
 the section's module), which pulls in nothing of the checks.
 """
@@ -11,6 +11,7 @@ import dataclasses
 from earl_stream.config.cluster import LauncherConfig, SecurityConfig, SelectorConfig, StoreConfig, SupervisorConfig
 from earl_stream.config.fields import field as _f
 from earl_stream.config.rollout import EnvSpec, EvalConfig, RolloutConfig
+from earl_stream.config.tracking import LoggingConfig
 from earl_stream.config.training import AlgoConfig, ModelConfig, TrainerConfig
 
 
@@ -30,3 +31,4 @@ class RunConfig:
     launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)

@@ -21,8 +21,9 @@ def cross_field_problems(cfg: RunConfig) -> list[str]:
     """What in `cfg` cannot work with the rest of it, the model or the engine (one line each; [] when all is well)."""
     from earl_stream.algo.checks import algo_problems  # it imports the estimator registry (numpy only)
     from earl_stream.model.hub import hub_problems  # Hub id or local folder (no network, no transformers)
+    from earl_stream.tracking.registry import backend_problems  # names only: imports no tracker package
 
-    out = algo_problems(cfg) + hub_problems(cfg.model)
+    out = algo_problems(cfg) + hub_problems(cfg.model) + backend_problems(cfg.logging.backends)
     if cfg.algo.routing_replay != "none":
         from earl_stream.model.moe_checks import routing_replay_problems  # reads the model's config.json
 
