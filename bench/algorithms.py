@@ -28,6 +28,7 @@ from learning import run_curve, summarize  # noqa: E402
 from policy_audit import audit  # noqa: E402
 
 from bench.provenance import write_result  # noqa: E402
+from earl_stream.progress import progress  # noqa: E402
 
 # (advantage, extra options): every estimator with the defaults, then the main loss options on grpo
 CONFIGS: list[tuple[str, list[str]]] = [
@@ -72,10 +73,10 @@ def main() -> int:
                              f"{old.get('overrides')}, not {args.minutes} and {args.overrides}: they would not compare")
         kept = old.get("runs", [])
     runs = []
-    for advantage, options in CONFIGS:
-        if args.only not in label(advantage, options):
-            continue
-        for seed in args.seeds:
+    chosen = [(advantage, options) for advantage, options in CONFIGS if args.only in label(advantage, options)]
+    with progress(f"algorithms ({args.minutes:g} min a run)", len(chosen) * len(args.seeds), "runs") as bar:
+        for advantage, options, seed in ((a, o, s) for a, o in chosen for s in args.seeds):
+            bar.update(bar.done, note=f"{label(advantage, options)} seed {seed}")
             start = time.monotonic()
             run_dir = out.parent / "algorithms_run"
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final one audited is this run's
@@ -91,6 +92,7 @@ def main() -> int:
                          "exact_win_rate": exact,
                          "filtered_samples": curve[-1].get("filtered", 0) if curve else 0, "wall_seconds": wall})
             print(json.dumps(runs[-1]), flush=True)
+            bar.advance()
     machine = {"cores": os.cpu_count(), "load_avg_before": load_before,
                "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
     new = {(label(r["advantage"], r["options"]), r["seed"]) for r in runs}

@@ -26,6 +26,7 @@ from provenance import write_result  # noqa: E402
 from stats import mean_ci95, ratio_ci95  # noqa: E402
 
 from earl_stream.model import init_model, load_model  # noqa: E402
+from earl_stream.progress import progress  # noqa: E402
 from earl_stream.workers.engines import GenerateRequest, TorchEngine  # noqa: E402
 
 DEPENDS_ON = ["earl_stream/workers/engines", "bench/batch_invariant.py", "bench/stats.py"]
@@ -70,10 +71,12 @@ def main() -> None:
     total = sum(r.max_new_tokens for r in reqs)
     rates: dict[str, list[float]] = {"off": [], "on": []}
     run(engines["off"], reqs, len(reqs))  # warm-up (allocator, lazy init)
-    for rep in range(args.repeats):
-        for arm in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-            seconds, _ = run(engines[arm], reqs, len(reqs))
-            rates[arm].append(total / seconds)
+    with progress("batch_invariant", 2 * args.repeats, "runs") as bar:
+        for rep in range(args.repeats):
+            for arm in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                seconds, _ = run(engines[arm], reqs, len(reqs))
+                rates[arm].append(total / seconds)
+                bar.advance(note=f"{arm} repeat {rep}: {total / seconds:.0f} tokens/s")
     _, whole = run(engines["on"], reqs, len(reqs))
     _, split = run(engines["on"], reqs, 3)
     result = {

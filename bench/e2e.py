@@ -326,6 +326,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
     from earl_stream.model import ensure_default_model
+    from earl_stream.progress import progress
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
     seconds = args.seconds or (60.0 if args.quick else 200.0)
@@ -335,14 +336,18 @@ def main() -> int:
     load_before = os.getloadavg()
     started = time.time()
     systems: dict[str, dict[str, Any]] = {}
-    for name in args.only.split(","):
-        print(f"running {name} for {seconds:.0f} s ...", flush=True)
-        if name == "trl":
-            systems[name] = run_trl(model_dir, seconds, args.target, work, args.trl_threads)
-            CORES["trl"]["everything"] = f"CPUs 0-1 (not pinned), {args.trl_threads or os.cpu_count()} torch thread(s)"
-        else:
-            systems[name] = run_earl(name, model_dir, seconds, args.target, work)
-        print(json.dumps({k: v for k, v in systems[name].items() if k not in ("curve",)}, default=str)[:1500], flush=True)
+    names = args.only.split(",")
+    with progress(f"e2e ({seconds:.0f} s a system)", len(names), "systems") as bar:
+        for name in names:
+            bar.update(bar.done, note=f"running {name}")
+            if name == "trl":
+                systems[name] = run_trl(model_dir, seconds, args.target, work, args.trl_threads)
+                CORES["trl"]["everything"] = f"CPUs 0-1 (not pinned), {args.trl_threads or os.cpu_count()} torch thread(s)"
+            else:
+                systems[name] = run_earl(name, model_dir, seconds, args.target, work)
+            print(json.dumps({k: v for k, v in systems[name].items() if k not in ("curve",)}, default=str)[:1500],
+                  flush=True)
+            bar.advance(note=f"{name} done")
     result = summarize(systems, args, seconds, model_dir, load_before, time.time() - started)
     write_result(out, result)
     plot(systems, out.with_suffix(".png"), args.target)

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_up import LiveUp  # noqa: E402
 from provenance import write_result  # noqa: E402
 
+from earl_stream.progress import progress  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 ARITHMETIC = ROOT / "configs" / "smollm2_arithmetic.yaml"
 QUICK = ["rollout.workers=1", "trainer.groups_per_step=4", "trainer.group_size=4", "rollout.groups_in_flight=4",
@@ -102,12 +104,13 @@ def main() -> int:
     evals = [f"eval.every={args.every}", f"eval.problems={args.problems}", f"eval.samples={args.samples}",
              f"eval.temperature={args.temperature}"]
     arms: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="eval-overlap-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="eval-overlap-") as tmp, \
+            progress("eval_overlap", 2 * args.repeats, "arms") as bar:
         for r in range(args.repeats):
             for name, extra in (("off", []), ("on", evals)):
                 arm = run_arm(f"{name}{r}", base + extra, args.minutes, Path(tmp))
-                print(json.dumps({k: v for k, v in arm.items() if k != "eval_rounds"}), flush=True)
-                arms.append(arm)
+                arms.append(arm)  # every arm is in the result's "arms"; the bar shows the latest
+                bar.advance(note=f"{arm['arm']}: {arm['trained_tokens_per_s']:.1f} trained tokens/s")
     total = {a: [x for x in arms if x["arm"].startswith(a)] for a in ("off", "on")}
     rate = {a: sum(x["trained_tokens"] for x in xs) / sum(x["window_s"] for x in xs) for a, xs in total.items()}
     result = {

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import write_result  # noqa: E402
 from stats import mean_ci95, ratio_ci95  # noqa: E402
 
-log = logging.getLogger("bench.lora_sync")
+from earl_stream.progress import progress  # noqa: E402
+
 DEPENDS_ON = ["earl_stream/model/lora.py", "earl_stream/store", "earl_stream/workers/engines", "bench/lora_sync.py",
               "bench/stats.py"]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -139,16 +140,16 @@ def main() -> int:
     arms: dict[str, list[dict[str, float]]] = {arm: [] for arm in order}
     load_before = os.getloadavg()
     version = 0
-    with ShardNode() as node, ShardClient(timeout_s=300.0) as client:
+    with ShardNode() as node, ShardClient(timeout_s=300.0) as client, \
+            progress("lora_sync", (repeats + 1) * len(order), "versions") as bar:
         for rep in range(-1, repeats):  # -1: one untimed version per arm
             turn = order[rep % len(order):] + order[: rep % len(order)] if rep >= 0 else order
             for arm in turn:
                 version += 1
                 got = one_version(models[arm], arm, version, node, client, engine)
                 if rep >= 0:
-                    arms[arm].append(got)
-                    log.info("%-8s repeat %d: %11d bytes, publish %.4fs pull %.4fs apply %.4fs = %.4fs", arm, rep,
-                             got["bytes"], got["publish_s"], got["pull_s"], got["apply_s"], got["total_s"])
+                    arms[arm].append(got)  # every repeat is in the result; the bar shows the latest
+                bar.advance(note=f"{arm} repeat {rep}: {got['bytes']} bytes, {got['total_s']:.4f} s")
     result: dict[str, Any] = {
         "model": described, "lora_targets": list(TARGETS), "ranks": list(RANKS), "repeats": repeats,
         "threads": args.threads, "unit": "one policy version: publish + pull + apply, seconds; bytes of its manifest",

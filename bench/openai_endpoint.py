@@ -52,6 +52,7 @@ from earl_stream.model import cache_dir, ensure_default_model, init_model, load_
 from earl_stream.model.chat import ChatFormat  # noqa: E402
 from earl_stream.openai_api import OpenAIEndpoint  # noqa: E402
 from earl_stream.openai_api.http import bind_socket  # noqa: E402
+from earl_stream.progress import progress  # noqa: E402
 from earl_stream.records import SampleRecord  # noqa: E402
 from earl_stream.workers.agent_episode import play_agent_episode  # noqa: E402
 from earl_stream.workers.agent_loop import Sampling, episode_sample_seed, play_episode  # noqa: E402
@@ -111,18 +112,18 @@ async def _run(which: str, envs: list[str], modes: tuple[str, ...], episodes: in
     runners = AgentRunners(agent_processes, "bench")
     out: dict[str, Any] = {}
     try:
-        for env in envs:
-            for mode in modes:  # warm-up: every path once
-                await _round(env, mode, 4, 99, batcher, endpoint, chat, tokenizer, runners)
-            rows = []
-            for rep in range(reps):
-                for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                    row = await _round(env, mode, episodes, rep, batcher, endpoint, chat, tokenizer, runners)
-                    print(f"  {env:11s} {mode:18s} rep {rep}: {row['tokens_per_s']:7.1f} tok/s  "
-                          f"{row['episodes_per_s']:5.2f} episodes/s ({row['generated_tokens']} tokens, {row['turns']} turns, "
-                          f"{row['seconds']:.2f} s)", flush=True)
-                    rows.append(row)
-            out[env] = _summarise(rows, modes)
+        with progress(f"openai_endpoint {which}", len(envs) * reps * len(modes), "rounds") as bar:
+            for env in envs:
+                for mode in modes:  # warm-up: every path once
+                    await _round(env, mode, 4, 99, batcher, endpoint, chat, tokenizer, runners)
+                rows = []
+                for rep in range(reps):
+                    for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                        row = await _round(env, mode, episodes, rep, batcher, endpoint, chat, tokenizer, runners)
+                        rows.append(row)  # every round is in the result; the bar shows the latest
+                        bar.advance(note=f"{env} {mode} rep {rep}: {row['tokens_per_s']:.1f} tok/s, "
+                                         f"{row['episodes_per_s']:.2f} episodes/s")
+                out[env] = _summarise(rows, modes)
     finally:
         await runners.aclose()
         await endpoint.close()

@@ -85,12 +85,11 @@ def summary_lines(name: str, model: str, result: dict[str, Any]) -> list[str]:
 
 def run_eval(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from earl_stream.evaluation.heldout import held_out_set
     from earl_stream.evaluation.models import load_for_eval
     from earl_stream.evaluation.runner import evaluate
+    from earl_stream.progress import progress
 
     _check(args)
     to_stdout, out = output_of(args, "eval")
@@ -98,12 +97,9 @@ def run_eval(args: argparse.Namespace) -> int:
     held = held_out_set(spec, params, args.problems, name)  # refused with its reason before the model loads
     torch.set_num_threads(args.threads)
     loaded = load_for_eval(args.model, base=args.base)
-    console = Console(stderr=True)
-    with Progress(TextColumn(f"eval {name}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=console, transient=not console.is_terminal) as bar:
-        task = bar.add_task("episodes", total=len(held.seeds) * args.samples)
+    with progress(f"eval {name}", len(held.seeds) * args.samples, "episodes") as bar:
         run = evaluate(loaded.model, loaded.tokenizer, held, samples=args.samples, temperature=args.temperature,
-                       batch=args.batch, progress=lambda done, total: bar.update(task, completed=done))
+                       batch=args.batch, progress=lambda done, total: bar.update(done, total))
     result = {"model": str(loaded.path), "model_kind": loaded.kind, "env": name, "spec": spec, "params": params,
               "heldout_params": held.params, "items": held.items, "seeds": list(held.seeds),
               "temperature": args.temperature,

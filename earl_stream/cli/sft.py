@@ -12,6 +12,7 @@ Face model directory that `model.path=out` runs RL from, with the trainer's chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -121,6 +122,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, data: str, out: str,
     from earl_stream import metrics as M
     from earl_stream.devices import resolve_device
     from earl_stream.model.loading import load_model
+    from earl_stream.progress import progress
     from earl_stream.sft.loop import place_model, run_sft
     from earl_stream.workers.mesh import pool_backend
 
@@ -135,8 +137,11 @@ def _rank(rank: int, world: int, port: int, model_dir: str, data: str, out: str,
         placement = place_model(model, cfg, rank=rank, world=world, device=resolve_device(cfg.device, key="device", local_rank=rank,
                                                                                  local_ranks=world))
         steps, indices = epoch_batches(len(examples), cfg)
-        report = run_sft(model, tokenizer, lambda s: [examples[i] for i in indices(s)], cfg, placement, steps=steps,
-                         out=out, rank=rank).as_dict()
+        # rank 0 shows the progress; the other ranks train the same steps in silence
+        with progress("sft", steps, "steps") if rank == 0 else contextlib.nullcontext() as bar:
+            report = run_sft(model, tokenizer, lambda s: [examples[i] for i in indices(s)], cfg, placement,
+                             steps=steps, out=out, rank=rank,
+                             progress=bar.update if bar is not None else lambda *_: None).as_dict()
         if rank == 0:
             with open(os.path.join(out, "sft_report.json"), "w") as fh:
                 json.dump({**report, "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}, fh, indent=2)

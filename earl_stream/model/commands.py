@@ -42,11 +42,14 @@ def run_model_command(args: argparse.Namespace) -> int:
     """Run the parsed `model` subcommand; errors are raised as EarlError for the CLI to print."""
     from earl_stream.errors import ModelError
     from earl_stream.model.importing import import_model
+    from earl_stream.progress import progress
 
     if args.model_command == "export":
         from earl_stream.model.export import export_model
 
-        out = export_model(args.run_dir, args.out, merge=args.merge, base=args.base, overwrite=args.overwrite)
+        with progress("model export", unit="steps") as bar:
+            out = export_model(args.run_dir, args.out, merge=args.merge, base=args.base, overwrite=args.overwrite,
+                               progress=bar.update)
         print(json.dumps({"out_dir": str(out), "merged": bool(args.merge)}))
         return 0
     if args.model_command != "import":
@@ -57,7 +60,9 @@ def run_model_command(args: argparse.Namespace) -> int:
             template = Path(args.chat_template).read_text()
         except OSError as exc:
             raise ModelError(f"cannot read the chat template {args.chat_template}: {exc.strerror}") from None
-    report = import_model(args.src, args.out_dir, overwrite=args.overwrite, chat_template=template)
+    with progress("model import", unit="stages") as bar:
+        report = import_model(args.src, args.out_dir, overwrite=args.overwrite, chat_template=template,
+                              progress=bar.update)
     print(json.dumps(report.as_dict(), indent=2))
     print(f"use it with: earl-stream up model.path={report.out_dir}")
     return 0

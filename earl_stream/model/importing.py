@@ -39,6 +39,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from earl_stream.errors import ModelError
 from earl_stream.model.loading import check_model_dir, count_parameters, load_model, one_line
+from earl_stream.progress import Report
 
 __all__ = ["ImportReport", "available_memory_bytes", "import_model", "supported_gguf_architectures"]
 
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 # Peak bytes per parameter of a float32 import: the de-quantised model plus the plain copy that is saved.
 _IMPORT_BYTES_PER_PARAM = 8
+_STAGES = 3  # read, write, check the round trip (what `progress` counts)
 _EXTRA_HINT = "pip install 'earl_stream[real-model]' (the gguf and accelerate packages)"
 
 
@@ -79,13 +81,16 @@ def available_memory_bytes() -> int:
 
 
 def import_model(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False,
-                 chat_template: str | None = None, memory_budget_bytes: int | None = None) -> ImportReport:
+                 chat_template: str | None = None, memory_budget_bytes: int | None = None,
+                 progress: Report | None = None) -> ImportReport:
     """Write the model at `src` (a .gguf file or an HF directory) to `out_dir` as a float32 HF directory.
 
     `chat_template` (Jinja text) replaces or supplies the tokenizer's; without one the source must
     carry its own. `memory_budget_bytes` bounds the import's peak memory (default: this machine's
-    available memory). An existing non-empty `out_dir` is replaced only with `overwrite`.
+    available memory). An existing non-empty `out_dir` is replaced only with `overwrite`. `progress` gets
+    each of the import's stages (read, write, check that it loads back) as it starts, and the end.
     """
+    stage = progress or (lambda done, total, note: None)
     started = time.monotonic()
     source = Path(src).expanduser()
     out = Path(out_dir).expanduser()
@@ -94,6 +99,7 @@ def import_model(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ModelError(f"{out} already exists and is not empty; pass --overwrite to replace it")
     budget = memory_budget_bytes if memory_budget_bytes is not None else available_memory_bytes()
+    stage(0, _STAGES, f"reading {source.name}")
     if source.is_dir():
         fmt = "hf"
         model, tokenizer = _read_hf_dir(source, budget)
@@ -106,14 +112,15 @@ def import_model(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *
         where = "tokenizer.chat_template metadata" if fmt == "gguf" else "chat template"
         raise ModelError(f"{source} has no {where}; earl_stream renders every turn with one: pass --chat-template "
                          "FILE (a Jinja template) to supply it")
-    _write(model, tokenizer, out, overwrite)
-    report = ImportReport(source=str(source), source_format=fmt, out_dir=str(out), model_type=model.config.model_type,
+    _write(model, tokenizer, out, overwrite, stage)
+    stage(_STAGES, _STAGES, "written")
+    result = ImportReport(source=str(source), source_format=fmt, out_dir=str(out), model_type=model.config.model_type,
                           parameters=count_parameters(model), vocab_size=len(tokenizer),
                           seconds=round(time.monotonic() - started, 1))
-    (out / "earl_stream_model.json").write_text(json.dumps({"imported": report.as_dict()}, indent=2) + "\n")
-    logger.info("imported %s (%s, %d parameters) into %s in %.1f s", source, report.model_type, report.parameters,
-                out, report.seconds)
-    return report
+    (out / "earl_stream_model.json").write_text(json.dumps({"imported": result.as_dict()}, indent=2) + "\n")
+    logger.info("imported %s (%s, %d parameters) into %s in %.1f s", source, result.model_type, result.parameters,
+                out, result.seconds)
+    return result
 
 
 def _check_memory(source: Path, parameters: int, budget: int) -> None:
@@ -292,13 +299,16 @@ def _plain_copy(source: Path, loaded: PreTrainedModel, config: PretrainedConfig)
     return plain
 
 
-def _write(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, overwrite: bool) -> None:
+def _write(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, overwrite: bool,
+           stage: Report) -> None:
     """Save into a sibling temporary directory, check it loads back, then rename it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
     try:
+        stage(1, _STAGES, "writing safetensors")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        stage(2, _STAGES, "checking that it loads back")
         _check_round_trip(model, tokenizer, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700, safetensors writes 0600: the imported model is meant to be shared
         for f in tmp.iterdir():

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from earl_stream import metrics as M
 from earl_stream.config.fields import field as _f
+from earl_stream.progress import Report
 from earl_stream.sft.data import Example
 from earl_stream.sft.step import SFTStepResult, sft_step
 from earl_stream.workers import checkpoint as ckpt
@@ -67,7 +68,8 @@ class SFTConfig:
     device: str = _f("auto", "cpu, cuda, or auto")
     seed: int = _f(0, "shuffling and initialisation seed")
     checkpoint_every: int = _f(0, "write a checkpoint every N steps (0 = only at the end)", minimum=0)
-    log_every: int = _f(50, "log a line every N steps", minimum=1)
+    log_every: int = _f(50, "log a line every N steps where no progress is shown (`earl-stream sft` shows it)",
+                        minimum=1)
 
     @property
     def plan(self) -> RankPlan:
@@ -116,9 +118,12 @@ def place_model(model: torch.nn.Module, cfg: SFTConfig, *, rank: int = 0, world:
 
 
 def run_sft(model: torch.nn.Module, tokenizer: Any, batches: Batches, cfg: SFTConfig, placement: Placement, *,
-            steps: int, out: str | os.PathLike[str] | None = None, rank: int = 0) -> SFTReport:
+            steps: int, out: str | os.PathLike[str] | None = None, rank: int = 0,
+            progress: Report | None = None) -> SFTReport:
     """Train `steps` steps (or until `cfg.seconds`) on `batches(step)`; then, with `out`, write the
-    final checkpoint and the Hugging Face model directory there. Every rank of the pool calls it."""
+    final checkpoint and the Hugging Face model directory there. Every rank of the pool calls it.
+    `progress` gets every step (steps done, `steps`, its loss); without one a line is logged every
+    `cfg.log_every` steps."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
     label = str(rank)
@@ -129,9 +134,9 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, batches: Batches, cfg: SFTCo
         elapsed = time.monotonic() - start
         if cfg.seconds and _agree_stop(elapsed >= cfg.seconds, placement):
             break
-        progress = max(elapsed / cfg.seconds if cfg.seconds else 0.0, len(losses) / steps)
+        spent = max(elapsed / cfg.seconds if cfg.seconds else 0.0, len(losses) / steps)  # of the budget
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * lr_factor(cfg, len(losses), progress)
+            group["lr"] = cfg.lr * lr_factor(cfg, len(losses), spent)
         batch = batches(len(losses))
         result: SFTStepResult = sft_step(model, opt, batch, placement, micro_batch_tokens=cfg.micro_batch_tokens,
                                          context_weight=cfg.context_weight, grad_clip=cfg.grad_clip)
@@ -142,7 +147,9 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, batches: Batches, cfg: SFTCo
         M.TRAINER_LOSS.labels(label).set(result.loss)
         M.TRAINER_GRAD_NORM.labels(label).set(result.grad_norm)
         M.TRAINER_STEPS.labels(label).inc()
-        if len(losses) % cfg.log_every == 0:
+        if progress is not None:
+            progress(len(losses), steps, f"loss {result.loss:.4f}")
+        elif len(losses) % cfg.log_every == 0:
             log.info("sft step %d loss %.4f context %.4f (%.0f s)", len(losses), result.loss, result.context_loss,
                      elapsed)
         if out is not None and cfg.checkpoint_every and len(losses) % cfg.checkpoint_every == 0:
