@@ -122,10 +122,24 @@ def progress(description: str, total: int | None = None, unit: str = "items", *,
              interval_s: float = LINE_INTERVAL_S) -> Iterator[Bar]:
     """A `Bar` of `total` steps (None: unknown until an `update` says) on stderr, or on `console`'s file."""
     console = console or Console(stderr=True)
-    bar = Bar(description, total, unit, console=console, mode=progress_mode(console), interval_s=interval_s)
+    mode = progress_mode(console)
+    restore = _quiet_transformers_bars() if mode != "off" else None
+    bar = Bar(description, total, unit, console=console, mode=mode, interval_s=interval_s)
     finished = False
     try:
         yield bar
         finished = True
     finally:
         bar.close(finished)
+        if restore is not None:
+            restore()
+
+
+def _quiet_transformers_bars() -> Callable[[], None] | None:
+    """transformers' own tqdm bars (loading weights, writing shards) would draw through ours, and in a pipe add
+    lines of carriage returns: off while ours is shown. Returns what turns them back on (None: nothing to do)."""
+    hf = sys.modules.get("transformers.utils.logging")  # not imported here: a command that never loads it pays nothing
+    if hf is None or not hf.is_progress_bar_enabled():
+        return None
+    hf.disable_progress_bar()
+    return hf.enable_progress_bar

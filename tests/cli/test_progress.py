@@ -144,3 +144,16 @@ def test_sft_in_a_pipe_reports_its_steps_with_the_loss_instead_of_log_lines(tiny
     assert lines and lines[-1].startswith("sft: 3/3 steps (100%) ") and ", loss " in lines[-1], proc.stderr
     assert "sft step" not in proc.stderr  # the progress replaces the periodic log line
     assert proc.stdout.startswith("sft: 4 transcripts, 3 steps")
+
+
+def test_transformers_bars_are_off_while_ours_is_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.delenv(P.PROGRESS_ENV, raising=False)
+    assert hf_logging.is_progress_bar_enabled()
+    with P.progress("eval", 1, console=Console(file=io.StringIO())):
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    monkeypatch.setenv(P.PROGRESS_ENV, "off")
+    with P.progress("eval", 1, console=Console(file=io.StringIO())):
+        assert hf_logging.is_progress_bar_enabled()
