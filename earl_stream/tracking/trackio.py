@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from earl_stream.tracking.base import TrackerRun
 
 log = logging.getLogger(__name__)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # trackio colours the command it suggests
 
 
 class TrackioTracker:
@@ -53,6 +55,6 @@ def _quiet() -> Iterator[None]:
         with contextlib.redirect_stdout(out):
             yield
     finally:
-        for line in out.getvalue().splitlines():
+        for line in _ANSI.sub("", out.getvalue()).splitlines():
             if line.strip():
                 log.info("trackio: %s", line.strip())

@@ -30,7 +30,7 @@ class WandbTracker:
         self._wandb = wandb.init(project=self.run.project, name=self.run.name, tags=list(self.run.tags),
                                  config=config, dir=str(self.run.dir), id=self.run.ids["id"], resume="allow",
                                  settings=wandb.Settings(console="off", silent=True))
-        if getattr(self._wandb, "url", None):
+        if not (self._wandb.offline or self._wandb.disabled):  # an offline run has no URL (asking warns)
             log.info("W&B run: %s", self._wandb.url)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

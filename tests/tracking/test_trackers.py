@@ -10,6 +10,7 @@ import importlib.util
 import json
 import struct
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -95,6 +96,11 @@ def _wandb_records(path: Path) -> list[Any]:
 
 def _read_wandb(run: TrackerRun) -> tuple[dict[int, dict[str, float]], str, list[str], list[str]]:
     (log_file,) = (run.dir / "wandb").glob(f"offline-run-*-{run.ids['id']}/run-{run.ids['id']}.wandb")
+    # W&B's service may still be writing the log when finish() returns: read it once its exit record is in
+    deadline = time.monotonic() + 30
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(log_file)):
+        assert time.monotonic() < deadline, f"{log_file} has no exit record"
+        time.sleep(0.2)
     steps: dict[int, dict[str, float]] = {}
     config, tags, files = "", [], []
     for record in _wandb_records(log_file):
