@@ -3,6 +3,7 @@ trainer, and the policy version reaches the rollout workers."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -34,7 +35,11 @@ def _up(tmp_path: Path, model_dir: Path, steps: int, *extra: str, timeout: float
 
 
 def test_up_trains_through_the_store(tmp_path: Path, tiny_model_dir: Path) -> None:
-    _, summary = _up(tmp_path, tiny_model_dir, 4)
+    """Also `logging.backends=[jsonl,tensorboard]` (where tensorboard is installed): each step's record
+    reaches TensorBoard with the values of metrics.jsonl, the summary and learning curve at the end."""
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    trackers = ("logging.backends=[jsonl,tensorboard]", "logging.tags=[smoke]") if tensorboard else ()
+    _, summary = _up(tmp_path, tiny_model_dir, 4, *trackers)
     for key in ("steps", "policy_version", "samples_trained", "samples_produced", "mean_reward_last",
                 "win_rate_last", "draw_rate_last", "tokens_per_second", "wall_seconds"):
         assert key in summary
@@ -59,6 +64,32 @@ def test_up_trains_through_the_store(tmp_path: Path, tiny_model_dir: Path) -> No
     assert all(r["context_p90"] is not None for r in records[1:])
     # the summary's step figures are the record's
     assert summary["metrics"]["steps_recorded"] == 4 and summary["last_loss"] == records[-1]["loss"]
+    if tensorboard:
+        _check_tensorboard(tmp_path / "run", records)
+
+
+def _check_tensorboard(run_dir: Path, records: list[dict]) -> None:
+    """The run's TensorBoard events, read back with TensorBoard's own reader, hold every number of each
+    step's record at its step, the config, tags and summary texts and the curve image; RUN_DIR/tracking.json
+    ends at the last step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from earl_stream.tracking import flatten
+    from earl_stream.tracking.feed import STATE_FILE
+
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state["last_step"] == records[-1]["step"]
+    (logdir,) = (run_dir / "tensorboard").iterdir()
+    assert logdir.name == state["ids"]["id"]
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    acc.Reload()
+    for record in records:
+        for key, value in flatten(record).items():
+            (event,) = [e for e in acc.Scalars(key) if e.step == record["step"]]
+            assert event.value == pytest.approx(value, rel=1e-6), key
+    assert "loss" in acc.Tags()["scalars"] and "staleness/0" in acc.Tags()["scalars"]
+    assert acc.Tags()["images"] == ["learning_curve"]
+    assert {"config", "tags", "summary"} <= {t.removesuffix("/text_summary") for t in acc.Tags()["tensors"]}
 
 
 @pytest.mark.live

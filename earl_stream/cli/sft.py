@@ -18,14 +18,16 @@ import logging
 import math
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from earl_stream.config.fields import apply_override, build
 from earl_stream.errors import ConfigError
-from earl_stream.sft.data import Example
-from earl_stream.sft.loop import SFTConfig
+from earl_stream.sft.config import SFTConfig
+
+if TYPE_CHECKING:
+    from earl_stream.sft.data import Example
 
 __all__ = ["add_parser", "load_sft_config", "run_sft_command"]
 

@@ -8,9 +8,19 @@ vocab-parallel log-probs and gradient reduction as an RL step; `loop` is the tra
 (`earl_stream.model.warmstart`).
 """
 
-from earl_stream.sft.data import Example, TranscriptError, load_transcripts, tokenize_chat
-from earl_stream.sft.loop import SFTConfig, SFTReport, run_sft
-from earl_stream.sft.step import SFTStepResult, sft_step
+from typing import Any
 
-__all__ = ["Example", "SFTConfig", "SFTReport", "SFTStepResult", "TranscriptError", "load_transcripts", "run_sft",
-           "sft_step", "tokenize_chat"]
+_HOMES = {"Example": "data", "TranscriptError": "data", "load_transcripts": "data", "tokenize_chat": "data",
+          "SFTConfig": "config", "SFTReport": "loop", "run_sft": "loop", "SFTStepResult": "step", "sft_step": "step"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    """The package's names, each imported from its module on first use: the command line imports
+    `sft.config` without torch and transformers (every `earl-stream` command built its parser with them)."""
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
