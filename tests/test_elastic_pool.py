@@ -27,6 +27,7 @@ def _scale(cluster: Cluster, replicas: int) -> P.ScaleReply:
     return reply
 
 
+@pytest.mark.live
 def test_scale_down_drains_and_scale_up_joins(tmp_path: Path, tiny_model_dir: Path) -> None:
     # a lease long enough that a worker starved of CPU while the new one loads torch is not declared dead
     cluster = Cluster(tmp_path, tiny_model_dir, "steps=0", "trainer.checkpoint_every=3", "supervisor.lease_s=20")

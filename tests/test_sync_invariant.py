@@ -93,8 +93,14 @@ def _overrides(tmp: Path, steps: int = STEPS) -> list[str]:
             "trainer.groups_per_step=2", "trainer.group_size=4", "trainer.lr=1e-2", "rollout.groups_in_flight=2"]
 
 
+# every weight-swap mode runs in `make test` (grpo: inplace, dr_grpo: interrupt, rloo: drain); the two further
+# estimators in the live tier, for make test's time
+IN_LIVE_TIER = {"reinforce_pp", "reinforce_pp_baseline"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("advantage", sorted(CASES))
+@pytest.mark.parametrize("advantage", [pytest.param(a, marks=pytest.mark.live) if a in IN_LIVE_TIER else a
+                                       for a in sorted(CASES)])
 def test_async_at_staleness_zero_matches_the_sync_loop(tmp_path: Path, tiny_model_dir: Path, advantage: str) -> None:
     torch.set_num_threads(1)
     steps, options, swap = CASES[advantage]

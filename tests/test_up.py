@@ -148,6 +148,7 @@ def test_up_pulls_samples_and_weights_over_ucx(tmp_path: Path, tiny_model_dir: P
     assert over == {"ucx"}, over
 
 
+@pytest.mark.live
 def test_piped_up_stopped_by_ctrl_c_writes_its_summary(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`earl-stream up | tee log` and Ctrl-C: the terminal sends SIGINT to both, tee exits first and the run's
     output has no reader; the run still stops its processes and writes its summary and learning curve."""

@@ -80,7 +80,7 @@ def _policy_version(run_dir: Path) -> int:
         client.close()
 
 
-@pytest.mark.slow
+@pytest.mark.live
 def test_status_and_stop_find_the_run_up_started_here(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`up` in a directory; there `earl-stream status` and `earl-stream stop` need no flag; `up` drains,
     checkpoints, writes its summary and exits 0."""

@@ -29,6 +29,7 @@ def _trainers(address: str, secret: bytes | None) -> list[dict]:
         client.close()
 
 
+@pytest.mark.faults
 def test_a_pool_of_one_whose_rank_is_killed_stops_with_an_error(tmp_path: Path, tiny_model_dir: Path) -> None:
     secret_file = create_secret_file(tmp_path / "secret")
     secret = load_secret(str(secret_file))

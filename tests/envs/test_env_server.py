@@ -78,7 +78,7 @@ def _episodes(status: dict, name: str) -> int:
     return int(status["envs"].get(name, {}).get("episodes", 0))
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 def test_a_killed_env_server_fails_only_its_episodes(tmp_path: Path, tiny_model_dir: Path) -> None:
     cluster = Cluster(tmp_path, tiny_model_dir, "steps=0", "rollout.groups_in_flight=3")
     port = _free_port()
