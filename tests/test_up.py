@@ -65,10 +65,10 @@ def test_up_trains_through_the_store(tmp_path: Path, tiny_model_dir: Path) -> No
     # the summary's step figures are the record's
     assert summary["metrics"]["steps_recorded"] == 4 and summary["last_loss"] == records[-1]["loss"]
     if tensorboard:
-        _check_tensorboard(tmp_path / "run", records)
+        _check_tensorboard(tmp_path / "run", records, summary_text="s")  # _up's --summary is tmp_path/s.json
 
 
-def _check_tensorboard(run_dir: Path, records: list[dict]) -> None:
+def _check_tensorboard(run_dir: Path, records: list[dict], summary_text: str) -> None:
     """The run's TensorBoard events, read back with TensorBoard's own reader, hold every number of each
     step's record at its step, the config, tags and summary texts and the curve image; RUN_DIR/tracking.json
     ends at the last step."""
@@ -89,7 +89,8 @@ def _check_tensorboard(run_dir: Path, records: list[dict]) -> None:
             assert event.value == pytest.approx(value, rel=1e-6), key
     assert "loss" in acc.Tags()["scalars"] and "staleness/0" in acc.Tags()["scalars"]
     assert acc.Tags()["images"] == ["learning_curve"]
-    assert {"config", "tags", "summary"} <= {t.removesuffix("/text_summary") for t in acc.Tags()["tensors"]}
+    # a file's text goes under its name: the summary's is `up --summary`'s file name
+    assert {"config", "tags", summary_text} <= {t.removesuffix("/text_summary") for t in acc.Tags()["tensors"]}
 
 
 @pytest.mark.live
