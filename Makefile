@@ -30,14 +30,15 @@ run: $(VENV)/.installed ## install, then `earl-stream up eval.every=20` on the e
 	$(VENV)/bin/earl-stream up eval.every=20 $(ARGS)
 
 test: $(VENV)/.installed ## install, then the CPU test suite (PYTEST_ARGS=...)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=15 -m "not faults and not live" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=15 -m "not faults and not live and not lint" $(PYTEST_ARGS)
 
 # The longest live runs of `up` (TLS, encryption, MoE, LoRA, re-plans, resumes, Prometheus; ~12 min), kept out
 # of `make test` so that it stays near 15 minutes on 2 cores; CI runs both.
 test-live: $(VENV)/.installed ## the longest end-to-end `up` runs (~12 min)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=10 -m "live and not faults" $(PYTEST_ARGS)
 
-# What tests/test_lint.py checks, on its own: ruff on the code and tests, mypy on [tool.mypy] files.
+# What tests/test_lint.py checks, on its own: ruff on the code and tests, mypy on [tool.mypy] files (mypy, ~1-1.5
+# min, is kept out of `make test` for its time: .ci/run runs `make lint`).
 lint: $(VENV)/.installed ## ruff + mypy, as tests/test_lint.py runs them
 	$(PY) -m ruff check --no-cache earl_stream envs bench tests
 	$(PY) -m mypy

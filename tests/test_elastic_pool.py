@@ -74,6 +74,7 @@ def test_scale_down_drains_and_scale_up_joins(tmp_path: Path, tiny_model_dir: Pa
         cluster.stop()
 
 
+@pytest.mark.live
 def test_a_worker_stopped_by_its_host_drains_with_drain_on_term(tmp_path: Path, tiny_model_dir: Path) -> None:
     """What a Kubernetes scale-down (or a preempted node) does: SIGTERM to a worker started with
     --drain-on-term. It drains (no new prompts), stays until its samples are trained and released, exits 0;

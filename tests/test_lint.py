@@ -24,6 +24,7 @@ def test_ruff_clean() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.lint
 def test_mypy_clean(tmp_path: Path) -> None:
     # the code to check is [tool.mypy] files; a fresh cache keeps the run independent of earlier ones
     out = _run("mypy", "--cache-dir", str(tmp_path / "mypy_cache"))

@@ -17,6 +17,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.live
 def test_two_rank_trainer_trains_with_ulysses_live(tmp_path: Path, tiny_model_dir: Path) -> None:
     summary = tmp_path / "s.json"
     steps = 4

@@ -101,6 +101,7 @@ def test_up_with_two_trainer_ranks(tmp_path: Path, tiny_model_dir: Path, dispatc
     assert summary["samples_trained"] >= 2 * 2 * 4
 
 
+@pytest.mark.live
 def test_up_relays_weights_through_the_rollout_pool(tmp_path: Path, tiny_model_dir: Path) -> None:
     """store.weight_sync=relay: the first rollout worker pulls each version from the trainer and serves it
     on; the second pulls it from the first (store/relay.py, routed by the supervisor). The run goes on until

@@ -194,7 +194,7 @@ def test_cli_model_import(tiny: dict[str, Any], tmp_path: Path) -> None:
     assert "--overwrite" in again.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.live
 def test_up_trains_the_imported_model_for_two_steps(tmp_path: Path, imported: Path) -> None:
     summary = tmp_path / "s.json"
     cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", "2", "--summary", str(summary),
