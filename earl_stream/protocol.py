@@ -340,8 +340,9 @@ class TrainerOom(Msg, tag="trainer_oom", frozen=True):
 
 class OomReplanned(Msg, tag="oom_replanned", frozen=True):
     """The supervisor's answer to `TrainerOom`: `plan` is the plan to retry the step under (its next
-    `Claimed` carries it, with the same rows), None when no plan the corrected memory model trusts is left
-    (`message` says why; the rank then fails as it would without recovery)."""
+    `Claimed` carries it, with the same rows less those no plan holds any more, refused as too long; with
+    every row refused, a fresh batch), None when the supervisor has no memory model to re-plan with (the
+    selector is off; `message` says why; the rank then fails as it would without recovery)."""
 
     plan: TrainerPlan | None = None
     message: str = ""

@@ -1,7 +1,8 @@
 """The prompt ledger and layout index of the supervisor: which prompts are out, which finished
 samples wait in which producer's store, what each training step claimed, and the sample accounting
 (produced = consumed + lost + stale + filtered + waiting + claimed, where claimed = claimed but not
-trained yet, and filtered = groups of equal rewards dropped by `algo.dynamic_sampling`, never replayed).
+trained yet, and filtered = groups of equal rewards dropped by `algo.dynamic_sampling`, and rows of a
+claimed step that no trainer plan holds (`refuse_longer`), never replayed).
 
 A group is ready when all its episodes are: an episode whose agent rewrote its history is several
 samples (segments, `rollout.non_append=split`) under the group's one ordinal, and the group waits for
@@ -44,7 +45,7 @@ import msgspec
 from earl_stream.config import EnvSpec
 from earl_stream.env.seeds import train_seed
 from earl_stream.protocol import Prompt
-from earl_stream.store.schema import SampleMeta, metas_to_table, table_to_ipc
+from earl_stream.store.schema import SampleMeta, metas_to_table, table_from_ipc, table_to_ipc, table_to_metas
 
 log = logging.getLogger(__name__)
 
@@ -390,6 +391,42 @@ class Ledger:
                                                                              key=lambda r: r.sample_id)]))
         self.claims[step] = (ipc, kept)
         return to_free
+
+    def refuse_longer(self, step: int, max_tokens: int) -> tuple[list[SampleMeta], dict[str, list[str]]]:
+        """The rows of claimed, untrained `step` longer than `max_tokens` that no trainer plan holds
+        (`oom_replan`): taken out of the claim and their groups for good, counted `samples_too_long` (unless
+        the rollout already counted them so) and `samples_filtered` (never trained, never played again: they
+        would be refused again). The claim keeps the other rows in its order; a group left with no row, and
+        a claim left with no group, are gone (the step is then claimed afresh). Returns (the refused rows,
+        {producer address: sample ids} to free); a repeat refuses nothing more."""
+        if step not in self.claims or step in self.trained_steps:
+            return [], {}
+        ipc, ordinals = self.claims[step]
+        refused: list[SampleMeta] = []
+        kept: list[int] = []
+        for o in ordinals:
+            group = self.groups[o]
+            refused += [r for r in group.rows if r.total_tokens > max_tokens]
+            group.rows = [r for r in group.rows if r.total_tokens <= max_tokens]
+            if group.rows:
+                kept.append(o)
+            else:
+                self.groups.pop(o).state = PromptState.DONE
+                self.lost_rows.pop(o, None)
+        if not refused:
+            return [], {}
+        self.counters.samples_filtered += len(refused)
+        self.counters.samples_too_long += sum(not too_long_of(r) for r in refused)
+        to_free: dict[str, list[str]] = {}
+        for r in refused:
+            to_free.setdefault(r.producer_address, []).append(r.sample_id)
+        if kept:
+            gone = {r.sample_id for r in refused}
+            rows = [m for m in table_to_metas(table_from_ipc(ipc)) if m.sample_id not in gone]
+            self.claims[step] = (table_to_ipc(metas_to_table(rows)), kept)
+        else:
+            del self.claims[step]
+        return refused, to_free
 
     def release(self, step: int, lost_sample_ids: Iterable[str] = ()) -> dict[str, list[str]]:
         """A checkpoint holds the step: it is done for good and its rows may be freed (counted by

@@ -44,7 +44,7 @@ from earl_stream.supervisor.context_stats import ContextStats, Percentile
 from earl_stream.supervisor.cost_model import StepCostModel
 from earl_stream.supervisor.decisions import DTYPE_PRECISION
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, ModelShape, TrainPlan
-from earl_stream.supervisor.oom_replan import OomRecovery, replan_after_oom
+from earl_stream.supervisor.oom_replan import OomAnswer, OomRecovery, replan_after_oom
 from earl_stream.supervisor.rollout_selector import RolloutSelector, largest_trainable_seq_len, rollout_selector_for
 from earl_stream.supervisor.selector import Infeasible, PlanDecision, PoolBudget, RolloutDecision, Thresholds, TrainerSelector
 from earl_stream.workers.engines.memory import EngineMemory, host_ram_bytes, host_share
@@ -321,13 +321,17 @@ class Planner:
             log.warning("cannot write the cost model calibration to %s: %s", self._calibration_file, exc)
         return fitted
 
-    def on_oom(self, msg: TrainerOom, lengths: list[int]) -> tuple[TrainerPlan | None, str]:
+    def on_oom(self, msg: TrainerOom, lengths: list[int]) -> OomAnswer:
         """The trainer abandoned `msg.step` (claimed rows of `lengths` tokens) on an allocation failure: the
-        plan to retry it under (`oom_replan.replan_after_oom`), or None and why none is left."""
-        plan, why = replan_after_oom(self, msg, lengths)
-        if plan is not None and msg.step in self._step_plans:  # the step is measured under the plan it retries with
-            self._step_plans[msg.step] = self.micro_batches(lengths)
-        return plan, why
+        plan to retry it under and the rows no plan holds, to refuse (`oom_replan.replan_after_oom`)."""
+        answer = replan_after_oom(self, msg, lengths)
+        if answer.plan is not None and msg.step in self._step_plans:  # measured under the plan it retries with
+            kept = [n for n in lengths if answer.refuse_longer_than is None or n <= answer.refuse_longer_than]
+            if kept:
+                self._step_plans[msg.step] = self.micro_batches(kept)
+            else:  # every row refused: the step's next claim is a new batch (on_step sizes it)
+                del self._step_plans[msg.step]
+        return answer
 
     def adopt(self, decision: PlanDecision | RolloutDecision) -> None:
         """Make `decision` the pool's current plan (what claims and heartbeats carry from now on)."""

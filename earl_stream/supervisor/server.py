@@ -258,13 +258,22 @@ class Supervisor:
 
     def _on_traineroom(self, msg: P.TrainerOom, now: float) -> P.Msg:
         """The trainer abandoned a step on an allocation failure: correct the memory model, re-plan, and let
-        it claim the same step (the same rows) again under the new plan."""
+        it claim the same step (the same rows) again under the new plan. Rows no plan holds any more are
+        refused for good (`samples_too_long`) and the rest retry; with every row refused the step is claimed
+        afresh. The message is write-ahead logged, so a restarted supervisor replays the same refusal."""
         claim = self.ledger.claims.get(msg.step)
         lengths = table_from_ipc(claim[0]).column("total_tokens").to_pylist() if claim else []
-        plan, why = self.planner.on_oom(msg, lengths)
+        answer = self.planner.on_oom(msg, lengths)
         log.warning("trainer step %d failed to allocate under plan v%d (%d rows, %d tokens, longest %d; %d bytes "
-                    "asked): %s", msg.step, msg.plan_version, msg.rows, msg.tokens, msg.longest, msg.attempted_bytes, why)
-        return P.OomReplanned(plan=plan, message=why)
+                    "asked): %s", msg.step, msg.plan_version, msg.rows, msg.tokens, msg.longest, msg.attempted_bytes,
+                    answer.message)
+        if answer.refuse_longer_than is not None:
+            refused, to_free = self.ledger.refuse_longer(msg.step, answer.refuse_longer_than)
+            self._queue_free(to_free)
+            if refused:
+                log.warning("step %d: refused as too long for any plan: %s", msg.step,
+                            ", ".join(f"{r.sample_id} ({r.total_tokens} tokens)" for r in refused))
+        return P.OomReplanned(plan=answer.plan, message=answer.message)
 
     def _on_release(self, msg: P.Release, now: float) -> P.Msg:
         if msg.checkpointed:
@@ -489,7 +498,7 @@ class Supervisor:
     def export_metrics(self, now: float) -> None:
         c = self.ledger.counters
         for kind in ("samples_produced", "samples_consumed", "samples_lost", "samples_stale", "samples_filtered",
-                     "samples_recovered", "prompts_reissued", "duplicates_detected"):
+                     "samples_recovered", "samples_too_long", "prompts_reissued", "duplicates_detected"):
             M.SUP_SAMPLES.labels(kind).set(getattr(c, kind))
         M.SUP_SAMPLES.labels("in_store").set(self.ledger.samples_waiting())
         for role in (P.Role.ROLLOUT, P.Role.TRAINER):
