@@ -31,6 +31,9 @@ ROLES = ("supervisor", "rollout", "trainer")
 # Series Prometheus itself adds for every target (not exported by a process).
 PROMETHEUS_SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "text"}
+# Labelled by the plan that failed to allocate: no sample until a step fails, which a healthy run never does.
+# For these, a process declaring the family (its `# TYPE` line, no sample yet) counts as exporting it.
+EVENT_ONLY = {"earl_trainer_oom_recovered_total", "earl_selector_memory_correction"}
 
 
 class RunningUp:
@@ -115,6 +118,10 @@ def scrape(address: str) -> dict[str, list[dict[str, str]]]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             samples.setdefault(s.name, []).append(dict(s.labels))
+        # declared, no sample yet (a labelled family no event has set): only the EVENT_ONLY names count
+        declared = family.name + "_total" if family.type == "counter" else family.name
+        if not family.samples and declared in EVENT_ONLY:
+            samples.setdefault(declared, [])
     return samples
 
 
