@@ -116,6 +116,9 @@ SUP_STATE_FSYNCS = Counter("earl_supervisor_state_fsyncs_total", "fsyncs of the 
 SUP_MESSAGES = Counter("earl_supervisor_messages_total", "Control messages the supervisor answered")
 SELECTOR_MEMORY_CORRECTION = Gauge("earl_selector_memory_correction", "Factor on the trainer memory model's "
                                    "predictions for one layout, learnt from its allocation failures (1 = none)", ["plan"])
+SELECTOR_MEMORY_RESERVE = Gauge("earl_selector_memory_reserve_bytes", "Bytes per device the trainer selector keeps free "
+                                "for one layout: selector.reserve_bytes plus the largest recent excess of its measured "
+                                "step peaks over their predictions", ["plan"])
 SUP_MEMORY_PREDICTED = Gauge("earl_memory_predicted_bytes", "Peak bytes per device the memory model predicts for the pool's plan",
                              ["pool"])
 

@@ -20,6 +20,12 @@ A model whose config sets fields the memory model does not interpret (`ModelShap
 all the same, with a warning; the first trainer step whose metrics carry `peak_memory_bytes` scales the
 trainer selector's predictions by measured / predicted (`TrainerSelector.calibrate_memory`), shown in
 the status ("plans" -> "memory_calibration").
+
+Every measured trainer step also teaches the trainer selector the reserve of the layout it ran under
+(`TrainerSelector.observe_peak`, `memory_reserve`): its fullest rank's `peak_memory_bytes` against the
+prediction for the largest micro-batch any rank cut the step's claim into under that plan. The reserves'
+evidence is persisted with the planner's state, shown in the status ("plans" -> "memory_reserves") and
+exported (`earl_selector_memory_reserve_bytes{plan}`).
 """
 
 from __future__ import annotations
@@ -43,10 +49,10 @@ from earl_stream.store.schema import SampleMeta, table_from_ipc
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
 from earl_stream.supervisor.cost_model import StepCostModel
 from earl_stream.supervisor.decisions import DTYPE_PRECISION
-from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, ModelShape, TrainPlan
+from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL, Attention, ModelShape, TrainPlan, predict_train_memory
 from earl_stream.supervisor.oom_replan import OomAnswer, OomRecovery, replan_after_oom
 from earl_stream.supervisor.rollout_selector import RolloutSelector, largest_trainable_seq_len, rollout_selector_for
-from earl_stream.supervisor.selector import Infeasible, PlanDecision, PoolBudget, RolloutDecision, Thresholds, TrainerSelector
+from earl_stream.supervisor.selector import Infeasible, PlanDecision, PoolBudget, RolloutDecision, Thresholds, TrainerSelector, layout_name
 from earl_stream.workers.engines.memory import EngineMemory, host_ram_bytes, host_share
 
 log = logging.getLogger(__name__)
@@ -76,6 +82,7 @@ class PlannerState(msgspec.Struct):
     issued: list[TrainerPlan] = []
     trainer_history: list[PlanAdoption] = []
     memory_corrections: dict[str, float] = {}  # layout name -> factor learnt from allocation failures
+    memory_reserve_excess: dict[str, list[int]] = {}  # layout name -> measured peak - prediction of its latest steps
     oom_recoveries: list[OomRecovery] = []
 
 
@@ -129,6 +136,7 @@ class Planner:
         # step times pick its plans: the refit is computed and reported, never adopted.
         self._hold_refits = cfg.rollout.invariant_batches(cfg.trainer.max_staleness)
         self._step_plans: dict[int, list[TrainPlan]] = {}  # step -> its micro-batches, until measured
+        self._step_lengths: dict[int, list[int]] = {}  # step -> its claim's row lengths, until its peak is reported
         self._samples: deque[tuple[ModelShape, list[TrainPlan], float]] = deque(maxlen=s.cost_model_window)
         self._measured = 0
         self._fit_at = 0
@@ -237,24 +245,28 @@ class Planner:
                 self.last_infeasible = result.message
             elif result is not None:
                 self._adopt(result)
-        if claim_ipc and self.trainer_plan is not None and self._min_steps:
+        if claim_ipc and self.trainer_plan is not None and self.trainer is not None:
             lengths = table_from_ipc(claim_ipc).column("total_tokens").to_pylist()
-            self._step_plans[step] = self.micro_batches(lengths)
-            for old in [k for k in self._step_plans if k < step - 64]:  # never reported (e.g. a trainer restart)
-                del self._step_plans[old]
+            self._step_lengths[step] = lengths
+            if self._min_steps:
+                self._step_plans[step] = self.micro_batches(lengths)
+            for kept in (self._step_plans, self._step_lengths):
+                for old in [k for k in kept if k < step - 64]:  # never reported (e.g. a trainer restart)
+                    del kept[old]
 
-    def micro_batches(self, lengths: list[int], *, packing: bool | None = None) -> list[TrainPlan]:
+    def micro_batches(self, lengths: list[int], *, packing: bool | None = None, dp_rank: int = 0) -> list[TrainPlan]:
         """The micro-batches rank 0 of the trainer runs for a claim of rows of `lengths` tokens under
         the current plan, as `train_step` cuts them (`packing`: `trainer.packing`, by default the
         planner's `packing` attribute, else on). Each is a `TrainPlan` of what it materialises
         (`store.layout.materialised_tokens`): packed, b = 1 and s = the packed length with its
-        alignment padding; unpacked, b = its rows and s = the longest row rounded up to sp."""
+        alignment padding; unpacked, b = its rows and s = the longest row rounded up to sp. `dp_rank`: the
+        micro-batches of the ranks of that data-parallel rank instead."""
         decision = self.trainer_plan
         if decision is None:
             return []
         packed = self.packing if packing is None else packing
         plan = decision.plan
-        layout = Layout.from_rank(0, dp=plan.dp, tp=plan.tp, cp=plan.sp)
+        layout = Layout.from_rank(dp_rank * plan.tp * plan.sp, dp=plan.dp, tp=plan.tp, cp=plan.sp)
         part = partition(lengths, layout, micro_batch_tokens=decision.rank_micro_batch_tokens, packed=packed)
         out = []
         for mb in part.micro_batches:
@@ -268,8 +280,9 @@ class Planner:
         the sample and refit the cost model every `selector.cost_model_min_steps` samples. Returns the
         refit model when one was adopted."""
         self._calibrate_memory(step, metrics)
+        self._learn_reserve(step, metrics)
         plans = self._step_plans.pop(step, None)
-        if not plans or self.trainer is None:
+        if not plans or self.trainer is None or not self._min_steps:
             return None
         self._measured += 1
         seconds = float(metrics.get("step_seconds", 0.0)) - float(metrics.get("pull_seconds", 0.0))
@@ -293,6 +306,27 @@ class Planner:
         scale = self.trainer.calibrate_memory(predicted, measured)
         self.memory_calibration = {**self.memory_calibration, "step": step, "measured_peak_bytes": measured,
                                    "predicted_peak_bytes": predicted, "scale": scale}
+
+    def predicted_step_peak(self, lengths: list[int]) -> int:
+        """The memory model's peak (bytes per device) for a claim of rows of `lengths` tokens under the current
+        trainer plan: its largest micro-batch on any data-parallel rank (0 without a plan)."""
+        if self.trainer_plan is None:
+            return 0
+        return max((predict_train_memory(self.shape, mb).total_bytes
+                    for r in range(self.trainer_plan.plan.dp) for mb in self.micro_batches(lengths, dp_rank=r)),
+                   default=0)
+
+    def _learn_reserve(self, step: int, metrics: dict[str, float]) -> None:
+        """The trainer measured `step`'s peak (the fullest rank's): the layout it ran under learns its reserve.
+        The step ran under the current plan: plans change only at claims, and an allocation failure's re-plan
+        (before the step's retry) is current too."""
+        lengths = self._step_lengths.pop(step, None)
+        measured = int(metrics.get("peak_memory_bytes", 0))
+        if self.trainer is None or self.trainer_plan is None or not lengths or measured <= 0:
+            return
+        layout = self.trainer_plan.plan
+        reserve = self.trainer.observe_peak(layout, self.predicted_step_peak(lengths), measured)
+        M.SELECTOR_MEMORY_RESERVE.labels(layout_name(layout)).set(reserve)
 
     def _refit(self, step: int) -> StepCostModel | None:
         samples = list(self._samples)
@@ -374,6 +408,7 @@ class Planner:
         return PlannerState(trainer=self.trainer_plan, rollout=self.rollout_plan, issued=list(self._issued.values()),
                             trainer_history=list(self.trainer_history),
                             memory_corrections=dict(self.trainer.memory_corrections) if self.trainer else {},
+                            memory_reserve_excess=self.trainer.reserves.excess() if self.trainer else {},
                             oom_recoveries=list(self.oom_recoveries))
 
     def restore(self, state: PlannerState) -> None:
@@ -386,6 +421,9 @@ class Planner:
             self.trainer.memory_corrections.update(state.memory_corrections)
             for name, factor in state.memory_corrections.items():
                 M.SELECTOR_MEMORY_CORRECTION.labels(name).set(factor)
+            self.trainer.reserves.restore(state.memory_reserve_excess)
+            for name in state.memory_reserve_excess:
+                M.SELECTOR_MEMORY_RESERVE.labels(name).set(self.trainer.reserves.bytes(name))
         if self.trainer is not None and state.trainer is not None:
             self._adopt(self.trainer.resume(state.trainer))
         if self.rollout is not None and state.rollout is not None:
@@ -401,5 +439,6 @@ class Planner:
                 "max_trainable_tokens": self.max_trainable_tokens or None,
                 "memory_calibration": self.memory_calibration or None,
                 "memory_corrections": dict(self.trainer.memory_corrections) if self.trainer else {},
+                "memory_reserves": self.trainer.reserves.status() if self.trainer else {},
                 "oom_recoveries": [msgspec.structs.asdict(r) for r in self.oom_recoveries],
                 "rollout_memory": dataclasses.asdict(self.rollout_memory) if self.rollout_memory else None}

@@ -27,6 +27,13 @@ failing layout alone (by name: `dp1`, `fsdp2+rc`, ...) so that no more than half
 `replan_after_oom` then picks, outside the thresholds' hysteresis, the plan the corrected model says holds
 the step's longest row.
 
+The reserve a layout's fit checks keep free is learnt from the pool's measured step peaks
+(`TrainerSelector.observe_peak`, `memory_reserve.LearntReserve`: `selector.reserve_bytes` plus the largest
+excess of the layout's recent peaks over their predictions). When it grows so that the current plan's
+micro-batch no longer fits, the next `decide` re-plans at once, as when contexts pass the design length
+(waiting would run steps the model now says do not fit); the design length stays (only the thresholds
+move it, so the reserve adds no band of its own), and a reserve that shrinks again never re-plans by itself.
+
 Everything is pure and deterministic: the same snapshots and steps give the same decisions.
 """
 
@@ -45,6 +52,7 @@ from earl_stream.supervisor.cost_model import RankedPlan, StepCostModel, rank_pl
 from earl_stream.supervisor.decisions import Infeasible, PlanDecision, Refusal, RolloutDecision
 from earl_stream.supervisor.layouts import pool_layouts
 from earl_stream.supervisor.memory_model import ModelShape, Recompute, TrainPlan, advise, check_fit, predict_train_memory
+from earl_stream.supervisor.memory_reserve import LearntReserve
 from earl_stream.supervisor.switch_memory import switch_refusal
 
 logger = logging.getLogger(__name__)
@@ -190,23 +198,31 @@ class _Selector(Generic[_D]):
         """A new decision when the thresholds are crossed, Infeasible once per unreachable design
         length (until a decision succeeds), otherwise None (keep the current plan)."""
         self._snapshot = snapshot
-        hit = self._trigger(snapshot, step)
+        hit, unfit = self._trigger(snapshot, step), self._unfit()
+        if unfit is not None and self._current is not None:  # urgent: keep the design unless the thresholds move it
+            design, why = hit or (self._current.design_seq_len, "")
+            hit = design, f"{why}; {unfit}" if why else unfit
         if hit is None:
             return None
         design, reason = hit
         if self._infeasible is not None and self._infeasible.design_seq_len == design:
             return None
         observed, current = snapshot.value(self.thresholds.percentile), self._current
-        if current is not None and self._ceiling == (design, current.design_seq_len) and observed <= current.design_seq_len:
+        if (unfit is None and current is not None and self._ceiling == (design, current.design_seq_len)
+                and observed <= current.design_seq_len):
             return None  # the headroom design fits nothing and the current plan is already the longest that fits
         result = self._plan(design, reason, step, floor=self._floor(observed, design))
         if isinstance(result, Infeasible):
             result = self._without_headroom(observed, result, step)
-            if (not isinstance(result, Infeasible) and self._current is not None
+            if (unfit is None and not isinstance(result, Infeasible) and self._current is not None
                     and result.design_seq_len == self._current.design_seq_len):
                 self._ceiling = (design, result.design_seq_len)
                 return None
         return self._adopt(result, snapshot.total, step)
+
+    def _unfit(self) -> str | None:
+        """Why the current plan no longer fits the memory it was chosen for (None: it fits)."""
+        return None
 
     def _floor(self, observed: float, design: int) -> int:
         """The shortest design length that still keeps the headroom over `observed` (quantum multiples)."""
@@ -359,6 +375,7 @@ class TrainerSelector(_Selector[PlanDecision]):
         self.running: TrainPlan | None = None  # the layout the pool holds now, when the planner knows it
         self.memory_scale = 1.0  # measured / predicted peak of the first measured step (shapes with quirks)
         self.memory_corrections: dict[str, float] = {}  # layout name -> factor on its predictions, from allocation failures
+        self.reserves = LearntReserve(budget.reserve_bytes)  # layout name -> bytes kept free, from measured peaks
         if shape.calibrate:
             logger.warning("%s: memory prediction for %s will be calibrated from the first measured step (the memory "
                            "model does not interpret: %s)", self.pool, shape.model_type or "this model",
@@ -392,13 +409,44 @@ class TrainerSelector(_Selector[PlanDecision]):
                        "bytes predicted fit)", self.pool, name, factor, fits_bytes, usable)
         return factor
 
+    def observe_peak(self, layout: TrainPlan, predicted_bytes: int, measured_bytes: int) -> int:
+        """A step under `layout` peaked at `measured_bytes` on its fullest rank where the memory model predicted
+        `predicted_bytes` for its largest micro-batch: the layout's reserve learns the excess over the prediction
+        as its fit checks see it (calibration and allocation-failure factors applied). Returns the reserve."""
+        name = layout_name(layout)
+        factor = self.memory_scale * max(1.0, self.memory_corrections.get(name, 1.0))
+        reserve = self.reserves.observe(name, math.ceil(predicted_bytes * factor), measured_bytes)
+        if reserve > self.budget.reserve_bytes:
+            logger.info("%s: layout %s peaked at %d bytes, %d predicted: its reserve is %d bytes", self.pool, name,
+                        measured_bytes, math.ceil(predicted_bytes * factor), reserve)
+        return reserve
+
     def budget_of(self, layout: TrainPlan) -> PoolBudget:
-        """The budget `layout`'s fit checks see: the pool's, shrunk by the layout's correction (if any)."""
-        factor, b = self.memory_corrections.get(layout_name(layout), 1.0), self.budget
-        if factor <= 1.0:
+        """The budget `layout`'s fit checks see: the pool's, with the layout's learnt reserve, shrunk by the
+        layout's correction (if any)."""
+        name, b = layout_name(layout), self.budget
+        factor, reserve = max(1.0, self.memory_corrections.get(name, 1.0)), self.reserves.bytes(name)
+        if factor == 1.0 and reserve == b.reserve_bytes:
             return b
-        usable = max(1, int((b.memory_bytes_per_device - b.reserve_bytes) / factor))
-        return dataclasses.replace(b, memory_bytes_per_device=b.reserve_bytes + usable)
+        # the learnt part is in real bytes; the pool's budget is already divided by the calibration scale
+        extra = (reserve - b.reserve_bytes) / self.memory_scale
+        usable = max(1, int((b.memory_bytes_per_device - b.reserve_bytes - extra) / factor))
+        return dataclasses.replace(b, memory_bytes_per_device=reserve + usable, reserve_bytes=reserve)
+
+    def _unfit(self) -> str | None:
+        """Why the current plan's micro-batch no longer fits its layout's budget (its reserve grew, or a
+        calibration or correction shrank the budget since the plan was made); None while it fits."""
+        current = self._current
+        if current is None:
+            return None
+        bound = dataclasses.replace(current.plan, micro_batch=1, seq_len=current.micro_batch_tokens)
+        budget = self.budget_of(current.plan)
+        fit = check_fit(self.shape, bound, budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes)
+        if fit.fits:
+            return None
+        return (f"{layout_name(current.plan)}'s micro-batch of {current.micro_batch_tokens} tokens no longer fits "
+                f"with its learnt reserve of {budget.reserve_bytes / MIB:.0f} MiB "
+                f"({-fit.headroom_bytes / MIB:.0f} MiB short)")
 
     def replan_after_oom(self, longest: int, step: int, reason: str) -> PlanDecision | Infeasible:
         """A plan, as the next version and outside the thresholds' hysteresis, for a step whose longest row has
