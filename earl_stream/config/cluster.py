@@ -50,8 +50,9 @@ class SelectorConfig:
                     "tp2, sp2, fsdp2_sp2, ...; '+rc' = with full recomputation, e.g. 'fsdp2+rc|dp2'); empty = all")
     initial_seq_len: int = _f(256, "design length of the plan adopted before any episode finishes", minimum=16)
     trainer_memory_bytes: int = _f(0, "per-rank memory budget; 0 = this machine's RAM / 4", minimum=0)
-    reserve_bytes: int = _f(1 << 30, "memory kept free for what the model does not count (runtime, allocator)",
-                            minimum=0)
+    reserve_bytes: int = _f(1 << 30, "memory kept free for what the model does not count (runtime, allocator); "
+                            "each trainer layout adds the largest recent excess of its measured peaks over the "
+                            "model's predictions", minimum=0)
     cost_model_path: str = _f("", "JSON of a step cost-model calibration to start from (StepCostModel.to_dict(), "
                               "or a file with it under \"cost_model\" like bench/results/selector.json); empty = defaults")
     cost_model_min_steps: int = _f(8, "refit the cost model from the trainer's measured step times after this many "
