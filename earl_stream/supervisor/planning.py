@@ -361,10 +361,12 @@ class Planner:
         answer = replan_after_oom(self, msg, lengths)
         if answer.plan is not None and msg.step in self._step_plans:  # measured under the plan it retries with
             kept = [n for n in lengths if answer.refuse_longer_than is None or n <= answer.refuse_longer_than]
-            if kept:
+            if kept:  # the step's peak is then predicted for the rows that still train (the learnt reserve)
                 self._step_plans[msg.step] = self.micro_batches(kept)
+                self._step_lengths[msg.step] = kept
             else:  # every row refused: the step's next claim is a new batch (on_step sizes it)
                 del self._step_plans[msg.step]
+                self._step_lengths.pop(msg.step, None)
         return answer
 
     def adopt(self, decision: PlanDecision | RolloutDecision) -> None:
