@@ -486,8 +486,11 @@ class TrainerSelector(_Selector[PlanDecision]):
         for layout in self.layouts(design):
             budget = self.budget_of(layout)
             largest = micro_batch_tokens(self.shape, layout, budget, max_tokens=cap)
-            # the longest design this layout holds, down to the floor (one packed sequence of it fits)
+            # the longest design this layout holds, down to the floor (one packed sequence of it fits); rounding
+            # to the quantum never goes below a floor the layout holds (the longest row must stay held)
             held = design if largest >= design else largest // _DESIGN_QUANTUM * _DESIGN_QUANTUM
+            if held < floor <= largest:
+                held = floor
             if held < floor or held < 1 or not self._switch_fits(layout):
                 continue
             for tokens in self._budgets(largest, held):

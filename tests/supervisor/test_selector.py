@@ -348,3 +348,18 @@ def test_a_faster_layout_that_holds_the_headroom_but_not_the_power_of_two_is_tak
                             step_sequences=2, recomputes=(Recompute.NONE,), allow_tp=False, allow_sp=False)
     d2 = feed(tight, [2400] * 20)[-1]
     assert isinstance(d2, PlanDecision) and d2.plan.fsdp and d2.design_seq_len >= 3008
+
+
+def test_an_oom_replan_keeps_a_design_the_layout_holds_although_it_is_no_multiple_of_64(
+        tiny: ModelShape, monkeypatch: pytest.MonkeyPatch) -> None:
+    # every layout holds at most 216 tokens in one micro-batch: the design (1024) is rounded down to 192, below the
+    # step's longest row (200) that the layouts do hold; the re-plan must keep 200, not refuse the rows
+    import earl_stream.supervisor.selector as selector_module
+
+    sel = TrainerSelector(tiny, PoolBudget(1, 4096 * MIB), base=EAGER, thresholds=FAST)
+    first = sel.initial(1024)
+    assert isinstance(first, PlanDecision) and first.design_seq_len == 1024
+    monkeypatch.setattr(selector_module, "micro_batch_tokens", lambda *a, max_tokens, **k: min(216, max_tokens))
+    d = sel.replan_after_oom(200, step=3, reason="oom")
+    assert isinstance(d, PlanDecision), d
+    assert d.design_seq_len == 200 and d.micro_batch_tokens >= 200
