@@ -100,3 +100,39 @@ def test_an_agent_process_plays_the_built_in_loops_episodes_and_fails_alone(tiny
         assert all(r._proc is None or r._proc.returncode is not None for r in runners.runners)
 
     asyncio.run(go())
+
+
+def test_a_child_slow_to_start_does_not_time_its_first_episode_out(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy host can take longer to start the child than an episode may last: the episode's clock starts when
+    the child says it is ready. The child's start is slowed on purpose (a sitecustomize that sleeps 7 s, more
+    than the 1 s timeout plus the worker's grace) and its episode still completes; a child that dies before it
+    is ready fails the episode with why."""
+    from earl_stream.workers import agent_runner as ar
+
+    (tmp_path / "agent.py").write_text("async def run(client, task):\n    return 0.25\n")
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import time\ntime.sleep(7)\n")
+    env = dict(ar.agent_environment(), PYTHONPATH=str(slow))
+    monkeypatch.setattr(ar, "agent_environment", lambda: env)
+    spec = {"run": f"{tmp_path / 'agent.py'}:run", "tasks": [{}], "timeout_s": 1.0}
+
+    async def go() -> None:
+        runner = ar.AgentRunner("slow-start")
+        try:
+            reward = await runner.run("agent", spec, 0, url="http://127.0.0.1:9/v1", api_key="k", episode_key="e",
+                                      timeout_s=1.0)
+            assert reward == 0.25 and runner.starts == 1
+        finally:
+            await runner.aclose()
+        (slow / "sitecustomize.py").write_text("import os\nos._exit(7)\n")
+        runner = ar.AgentRunner("dies-at-start")
+        try:
+            with pytest.raises(EpisodeFailed, match="could not start the agent process.*exited with code 7"):
+                await runner.run("agent", spec, 0, url="http://127.0.0.1:9/v1", api_key="k", episode_key="e",
+                                 timeout_s=1.0)
+        finally:
+            await runner.aclose()
+
+    asyncio.run(go())

@@ -5,7 +5,8 @@ worker, so it does not take turns with the engine's batcher on the worker's even
 The worker's side is `AgentRunner`: it starts the child on first use, sends each episode as an
 `AgentJob` (the environment's registry spec and params, the seed, the endpoint's URL, the episode's
 agent key as bearer token, the episode's id, the timeout) over a socket pair, and waits for its `AgentDone` (the reward, or why it
-failed). The child (`python -m earl_stream.workers.agent_runner --fd N`) makes the environment for each
+failed). The child (`python -m earl_stream.workers.agent_runner --fd N`) first answers `AgentReady` once its
+imports are done (an episode's timeout never counts the child's start-up), then makes the environment for each
 episode as the worker would, runs it with an `openai.AsyncOpenAI` client whose requests carry the
 episode's key, and answers. The endpoint, the token accounting and the sample stay in the worker
 (`earl_stream.workers.agent_episode`). A child that dies fails only the episodes it was running; the
@@ -39,6 +40,9 @@ MAX_FRAME = 16 * 1024 * 1024
 # the worker waits this much longer than the episode's own timeout (which the child enforces) before it
 # gives the episode up itself, so that a child that hangs cannot hold an episode for ever
 GRACE_S = 5.0
+# how long a new child may take to say it is ready (Python, the environments' registry and openai imported: ~4 s
+# on a quiet core, several times that on a busy host); its start-up never counts against an episode's timeout
+START_TIMEOUT_S = 120.0
 
 
 class AgentJob(msgspec.Struct, tag="job", frozen=True):
@@ -63,9 +67,14 @@ class AgentDone(msgspec.Struct, tag="done", frozen=True):
     error: str = ""  # non-empty: the episode failed, and why
 
 
+class AgentReady(msgspec.Struct, tag="ready", frozen=True):
+    """The child's first frame, once its imports are done: episodes' timeouts run from here on."""
+    pid: int
+
+
 _encoder = msgspec.msgpack.Encoder()
 _to_child = msgspec.msgpack.Decoder(AgentJob | AgentCancel)
-_to_worker = msgspec.msgpack.Decoder(AgentDone)
+_to_worker = msgspec.msgpack.Decoder(AgentDone | AgentReady)
 
 
 def _frame(msg: msgspec.Struct) -> bytes:
@@ -121,6 +130,19 @@ class AgentRunner:
             finally:
                 child.close()
             reader, writer = await asyncio.open_connection(sock=parent)
+            try:  # its imports done before any episode's clock starts (a busy host must not time episodes out)
+                ready = _to_worker.decode(await asyncio.wait_for(_read_frame(reader), START_TIMEOUT_S))
+                if not isinstance(ready, AgentReady):
+                    raise ConnectionError(f"its first frame was {type(ready).__name__}, not ready")
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
+                writer.close()
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                why = f"not ready within {START_TIMEOUT_S:.0f}s" if isinstance(exc, asyncio.TimeoutError) else (
+                    f"exited with code {proc.returncode} before it was ready"
+                    if isinstance(exc, asyncio.IncompleteReadError) else str(exc))
+                raise OSError(f"{self.name} (pid {proc.pid}): {why}") from None
             self._proc, self._writer, self._alive = proc, writer, True
             self.starts += 1
             self._reader_task = asyncio.create_task(self._read(reader, proc), name=f"{self.name}-reader")
@@ -130,6 +152,8 @@ class AgentRunner:
         try:
             while True:
                 done = _to_worker.decode(await _read_frame(reader))
+                if isinstance(done, AgentReady):
+                    continue
                 future = self._pending.get(done.job)
                 if future is not None and not future.done():
                     future.set_result(done)
@@ -278,6 +302,11 @@ def _forget(running: dict[int, asyncio.Task[None]], job: int) -> Any:
 
 async def _serve(fd: int) -> None:
     reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
+    import earl_stream.env  # noqa: F401  (what every episode needs, imported before the worker is told ready)
+    with contextlib.suppress(ImportError):  # (without it each agent episode fails with the reason)
+        import openai  # noqa: F401
+    writer.write(_frame(AgentReady(os.getpid())))
+    await writer.drain()
     running: dict[int, asyncio.Task[None]] = {}
     try:
         while True:
