@@ -29,8 +29,12 @@ install: $(VENV)/.installed ## create .venv: CPU torch pinned first, then the pr
 run: $(VENV)/.installed ## install, then `earl-stream up eval.every=20` on the embedded default (ARGS="--steps 20")
 	$(VENV)/bin/earl-stream up eval.every=20 $(ARGS)
 
-test: $(VENV)/.installed ## install, then the CPU test suite (PYTEST_ARGS=...)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=15 -m "not faults and not live and not lint" $(PYTEST_ARGS)
+# The suite runs in TEST_WORKERS pytest processes (pytest-xdist): a test mostly keeps one core busy, or waits on
+# the processes it started, so two share 2 cores better than one does (TEST_WORKERS=0: one process).
+TEST_WORKERS ?= 2
+
+test: $(VENV)/.installed ## install, then the CPU test suite (PYTEST_ARGS=..., TEST_WORKERS=2)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=15 -n $(TEST_WORKERS) -m "not faults and not live and not lint" $(PYTEST_ARGS)
 
 # The longest live runs of `up` (TLS, encryption, MoE, LoRA, re-plans, resumes, Prometheus; ~12 min), kept out
 # of `make test` so that it stays near 15 minutes on 2 cores; CI runs both.
