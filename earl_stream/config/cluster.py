@@ -52,7 +52,12 @@ class SelectorConfig:
     trainer_memory_bytes: int = _f(0, "per-rank memory budget; 0 = this machine's RAM / 4", minimum=0)
     reserve_bytes: int = _f(1 << 30, "memory kept free for what the model does not count (runtime, allocator); "
                             "each trainer layout adds the largest recent excess of its measured peaks over the "
-                            "model's predictions", minimum=0)
+                            "model's predictions (see learn_reserve)", minimum=0)
+    learn_reserve: str = _f("auto", "learn each trainer layout's reserve from its measured step peaks: auto = where "
+                            "the peak counts tensor bytes, as the model predicts them (CUDA's allocator), not from "
+                            "a CPU process's resident high-water mark, which also holds the interpreter's and the "
+                            "allocator's own growth; always = from either; never = the constant reserve_bytes only",
+                            choices=("auto", "always", "never"))
     cost_model_path: str = _f("", "JSON of a step cost-model calibration to start from (StepCostModel.to_dict(), "
                               "or a file with it under \"cost_model\" like bench/results/selector.json); empty = defaults")
     cost_model_min_steps: int = _f(8, "refit the cost model from the trainer's measured step times after this many "

@@ -132,6 +132,7 @@ class Planner:
         self.calibration: dict[str, Any] = {"source": source, "cost_model": self.cost_model.to_dict()}
         self._calibration_file = Path(cfg.run_dir) / "cost_model.json"
         self._min_steps = s.cost_model_min_steps
+        self._learn_reserve_from = s.learn_reserve  # which measured peaks teach the layouts' reserves
         # A run that promises timing independence (staleness 0, batch-invariant rollout) must not let measured
         # step times pick its plans: the refit is computed and reported, never adopted.
         self._hold_refits = cfg.rollout.invariant_batches(cfg.trainer.max_staleness)
@@ -324,6 +325,9 @@ class Planner:
         measured = int(metrics.get("peak_memory_bytes", 0))
         if self.trainer is None or self.trainer_plan is None or not lengths or measured <= 0:
             return
+        if self._learn_reserve_from == "never" or (self._learn_reserve_from == "auto"
+                                                    and not metrics.get("peak_memory_allocated")):
+            return  # (auto: a CPU rank's resident peak is not in the units the model predicts)
         layout = self.trainer_plan.plan
         reserve = self.trainer.observe_peak(layout, self.predicted_step_peak(lengths), measured)
         M.SELECTOR_MEMORY_RESERVE.labels(layout_name(layout)).set(reserve)

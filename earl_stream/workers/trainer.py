@@ -149,7 +149,8 @@ class TrainerRank:
             if step % t.checkpoint_every == 0:
                 self.save_checkpoint(step)  # every rank: DCP writes collectively
             # collective: every rank has pulled, so producers may free
-            self._publish(step, {**result.metrics(), "peak_memory_bytes": float(peak)})
+            self._publish(step, {**result.metrics(), "peak_memory_bytes": float(peak),
+                                 "peak_memory_allocated": float(self.peak_memory.device.type == "cuda")})
             if self.rank == 0:
                 self._call(P.Release(worker_id=self.worker_id, step=step - 1, lost_sample_ids=lost, checkpointed=False))
                 if step % t.checkpoint_every == 0:

@@ -110,12 +110,14 @@ def _wire(sup: Supervisor, msg: P.Msg) -> Any:
     return P.decode(P.encode(sup.handle(P.decode(P.encode(msg)), time.monotonic())))
 
 
-def test_reported_peaks_teach_the_planner_and_survive_a_restart(tmp_path: Path) -> None:
+def _claimed_and_measured(tmp_path: Path, *, allocated: bool, learn: str = "auto") -> tuple[Supervisor, str]:
+    """A supervisor whose trainer claimed step 0 (8 rows of 200 tokens) and published its peak, 300 MiB over the
+    prediction: measured by CUDA's allocator (`allocated`) or as a CPU rank's resident high-water mark."""
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     sup = Supervisor(load_config(None, [f"model.path={tmp_path}", f"run_dir={tmp_path / 'run'}", "trainer.nproc=1",
                                         "trainer.groups_per_step=4", "trainer.group_size=2",
                                         "selector.initial_seq_len=256", f"selector.reserve_bytes={PRIOR}",
-                                        f"selector.trainer_memory_bytes={4096 * MIB}"]))
+                                        f"selector.trainer_memory_bytes={4096 * MIB}", f"selector.learn_reserve={learn}"]))
     rollout = _wire(sup, P.Register(role=P.Role.ROLLOUT, host="h", pid=1, shard_address="127.0.0.1:1")).worker_id
     trainer = _wire(sup, P.Register(role=P.Role.TRAINER, host="h", pid=2, rank=0)).worker_id
     for prompt in _wire(sup, P.RequestPrompts(worker_id=rollout, max_groups=4)).prompts:
@@ -133,7 +135,15 @@ def test_reported_peaks_teach_the_planner_and_survive_a_restart(tmp_path: Path) 
     predicted = planner.predicted_step_peak([200] * 8)
     assert predicted > 0
     _wire(sup, P.PublishVersion(worker_id=trainer, version=1,
-                                metrics={"loss": 0.1, "peak_memory_bytes": float(predicted + 300 * MIB)}))
+                                metrics={"loss": 0.1, "peak_memory_bytes": float(predicted + 300 * MIB),
+                                         "peak_memory_allocated": float(allocated)}))
+    return sup, name
+
+
+def test_reported_peaks_teach_the_planner_and_survive_a_restart(tmp_path: Path) -> None:
+    sup, name = _claimed_and_measured(tmp_path, allocated=True)
+    planner = sup.planner
+    assert planner.trainer is not None and planner.trainer_plan is not None
     assert planner.trainer.reserves.bytes(name) == PRIOR + 300 * MIB
     assert M.SELECTOR_MEMORY_RESERVE.labels(name)._value.get() == PRIOR + 300 * MIB
     status = json.loads(_wire(sup, P.StatusRequest()).status_json)["plans"]
@@ -144,3 +154,14 @@ def test_reported_peaks_teach_the_planner_and_survive_a_restart(tmp_path: Path) 
     assert restarted.planner.trainer is not None
     assert restarted.planner.trainer.reserves.bytes(name) == PRIOR + 300 * MIB
     assert restarted.planner.trainer.budget_of(planner.trainer_plan.plan).reserve_bytes == PRIOR + 300 * MIB
+
+
+@pytest.mark.parametrize(("learn", "allocated", "learns"), [("auto", False, False), ("always", False, True),
+                                                            ("never", True, False)])
+def test_which_measured_peaks_teach_the_reserve(tmp_path: Path, learn: str, allocated: bool, learns: bool) -> None:
+    """selector.learn_reserve=auto learns from CUDA's allocated peaks only: a CPU rank's resident high-water mark
+    also holds the interpreter's and the C allocator's growth, which the memory model never predicts; always
+    learns from either, never from none."""
+    sup, name = _claimed_and_measured(tmp_path, allocated=allocated, learn=learn)
+    assert sup.planner.trainer is not None
+    assert sup.planner.trainer.reserves.bytes(name) == PRIOR + (300 * MIB if learns else 0)
