@@ -84,6 +84,8 @@ class PlannerState(msgspec.Struct):
     memory_corrections: dict[str, float] = {}  # layout name -> factor learnt from allocation failures
     memory_reserve_excess: dict[str, list[int]] = {}  # layout name -> measured peak - prediction of its latest steps
     oom_recoveries: list[OomRecovery] = []
+    rollout_memory_corrections: dict[str, float] = {}  # engine ("tp1") -> factor learnt from the engines' sheds
+    rollout_sheds_seen: dict[str, int] = {}  # rollout worker -> the oom_sheds its heartbeats last reported
 
 
 def load_cost_model(path: str | os.PathLike[str]) -> StepCostModel:
@@ -152,6 +154,7 @@ class Planner:
         self._issued: dict[int, TrainerPlan] = {}
         self.trainer_history: list[PlanAdoption] = []
         self.oom_recoveries: list[OomRecovery] = []  # the trainer's allocation failures and the plans that answered them
+        self.rollout_sheds_seen: dict[str, int] = {}  # rollout worker -> its engine's sheds counted so far
         self.last_infeasible = ""
         self._memory_configured = cfg.rollout.memory_bytes > 0
         self._initial_seq_len = cfg.selector.initial_seq_len  # a rollout plan's design length before any decision
@@ -227,6 +230,23 @@ class Planner:
             self._adopt(result)
             if self.last_infeasible.startswith(f"{self.rollout.pool}:"):
                 self.last_infeasible = ""
+
+    def on_rollout_sheds(self, worker: str, total: int, step: int = 0) -> None:
+        """`worker`'s heartbeat reports `total` allocation failures its engine shed since it started: those not
+        counted yet correct the rollout memory model (`RolloutSelector.on_sheds`), and the next rollout plan
+        holds fewer sequences and a smaller KV budget. A total below the last one (the engine restarted) resets."""
+        seen = self.rollout_sheds_seen.get(worker, 0)
+        self.rollout_sheds_seen[worker] = total
+        if self.rollout is None or total <= seen:
+            return
+        result = self.rollout.on_sheds(total - seen, worker, step=step)
+        for key, factor in self.rollout.memory_corrections.items():
+            M.SELECTOR_MEMORY_CORRECTION.labels(f"rollout {key}").set(factor)
+        if isinstance(result, Infeasible):
+            log.error("rollout: no plan fits after %s's allocation failures: %s", worker, result.message)
+            self.last_infeasible = result.message
+        elif result is not None:
+            self._adopt(result)
 
     def add(self, rows: list[SampleMeta]) -> None:
         self.stats.add_many(r.total_tokens for r in rows)
@@ -415,7 +435,9 @@ class Planner:
                             trainer_history=list(self.trainer_history),
                             memory_corrections=dict(self.trainer.memory_corrections) if self.trainer else {},
                             memory_reserve_excess=self.trainer.reserves.excess() if self.trainer else {},
-                            oom_recoveries=list(self.oom_recoveries))
+                            oom_recoveries=list(self.oom_recoveries),
+                            rollout_memory_corrections=dict(self.rollout.memory_corrections) if self.rollout else {},
+                            rollout_sheds_seen=dict(self.rollout_sheds_seen))
 
     def restore(self, state: PlannerState) -> None:
         """Continue a restarted supervisor's plans: versions go on from the persisted ones."""
@@ -430,6 +452,9 @@ class Planner:
             self.trainer.reserves.restore(state.memory_reserve_excess)
             for name in state.memory_reserve_excess:
                 M.SELECTOR_MEMORY_RESERVE.labels(name).set(self.trainer.reserves.bytes(name))
+        self.rollout_sheds_seen = dict(state.rollout_sheds_seen)
+        if self.rollout is not None:  # before the resume, as the trainer's
+            self.rollout.memory_corrections.update(state.rollout_memory_corrections)
         if self.trainer is not None and state.trainer is not None:
             self._adopt(self.trainer.resume(state.trainer))
         if self.rollout is not None and state.rollout is not None:
@@ -446,5 +471,6 @@ class Planner:
                 "memory_calibration": self.memory_calibration or None,
                 "memory_corrections": dict(self.trainer.memory_corrections) if self.trainer else {},
                 "memory_reserves": self.trainer.reserves.status() if self.trainer else {},
+                "rollout_memory_corrections": dict(self.rollout.memory_corrections) if self.rollout else {},
                 "oom_recoveries": [msgspec.structs.asdict(r) for r in self.oom_recoveries],
                 "rollout_memory": dataclasses.asdict(self.rollout_memory) if self.rollout_memory else None}

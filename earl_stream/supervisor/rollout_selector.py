@@ -1,12 +1,24 @@
 """The rollout side of the parallelism selector: an engine's KV budget, concurrency and episode bound.
 
-Owns `RolloutSelector` (per engine: what its memory leaves after the weights, in KV tokens of
-`rollout.dtype`; how many design-length sequences that holds; the engine tensor-parallel size),
+Owns `RolloutSelector` (per engine: what its memory leaves after the weights and the engine's transient peak,
+in KV tokens of `rollout.dtype`; how many design-length sequences that holds; the engine tensor-parallel size;
+the per-engine corrections learnt from the allocation failures the engines shed),
 `resize` (the same decision for a new memory figure, e.g. the smallest that the rollout workers
 reported), `fused_copy_params` (the extra weights the built-in engine's fused projections hold) and
 `largest_trainable_seq_len` (the longest sequence any trainer plan fits: episodes longer than that
 are stopped by the workers, `RolloutDecision.max_episode_tokens`). Hysteresis and versions are the
-shared `selector._Selector`'s; the byte counts are `memory_model`'s.
+shared `selector._Selector`'s; the byte counts are `memory_model`'s (weights, KV) and `rollout_memory`'s (the
+built-in engine's prefill and decode transients). Per device of an engine of tp devices:
+
+    KV capacity (tokens) = (memory - reserve - weights - c x transient peak) / (c x KV bytes per token)
+
+where the transient peak is `rollout_memory.engine_transient` for the design length L and the rows R the engine
+runs at once (counted for the built-in engine only: vLLM and SGLang size their own workspace). The transient grows
+with R (sampling and logits per row, the prefill's positions up to max_prefill_tokens), so R is the largest count,
+at most rollout.max_batch_size, with R x L x c x KV bytes per token + c x transient(R) within the free memory; the
+plan's concurrency is R and its KV budget the formula above at R. c >= 1 is the engine's correction: x1.25
+for each allocation failure its rollout workers shed (`on_sheds`, from the heartbeats' `oom_sheds`), at most
+four steps per report, kept per engine tensor-parallel size (`memory_corrections`, persisted with the planner).
 """
 
 from __future__ import annotations
@@ -14,17 +26,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
 from earl_stream.supervisor.decisions import Infeasible, RolloutDecision
 from earl_stream.supervisor.memory_model import GIB, ModelShape, predict_kv_cache_bytes, predict_rollout_bytes
-from earl_stream.supervisor.selector import MIB, PoolBudget, Thresholds, TrainerSelector, _Selector
+from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS, EngineTransient, engine_transient
+from earl_stream.supervisor.selector import _OOM_STEP, MIB, PoolBudget, Thresholds, TrainerSelector, _Selector
 
 logger = logging.getLogger(__name__)
 _TP_GAIN = 1.1  # a larger rollout engine must hold >= 10% more sequences in all to be chosen
 _SEARCH_STEP = 64  # granularity of largest_trainable_seq_len between two powers of two (a multiple of any sp)
+_SHED_STEPS = 4  # at most this many correction steps per report of sheds (a burst is one cause, not many)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # rollout.dtype -> bytes per weight and KV element of the engine
 
 
@@ -59,12 +74,15 @@ def largest_trainable_seq_len(trainer: TrainerSelector, *, limit: int = 1 << 20)
 def rollout_selector_for(cfg: RunConfig, shape: ModelShape, memory_bytes: int, memory_source: str, *,
                          thresholds: Thresholds | None = None, max_episode_tokens: int = 0) -> RolloutSelector:
     """The rollout selector of a run: one engine of `memory_bytes` (less selector.reserve_bytes) in
-    rollout.dtype, at most rollout.max_batch_size sequences; the built-in engine's fused copies counted."""
+    rollout.dtype, at most rollout.max_batch_size sequences; the built-in engine's fused copies and transients
+    counted."""
     r = cfg.rollout
+    torch = r.engine == "torch"
     return RolloutSelector(shape, PoolBudget(1, max(1, memory_bytes), cfg.selector.reserve_bytes),
                            thresholds=thresholds, dtype_bytes=DTYPE_BYTES[r.dtype], max_sequences=r.max_batch_size,
-                           allow_tp=False, extra_weight_params=fused_copy_params(shape) if r.engine == "torch" else 0,
-                           max_episode_tokens=max_episode_tokens, memory_source=memory_source)
+                           allow_tp=False, extra_weight_params=fused_copy_params(shape) if torch else 0,
+                           max_episode_tokens=max_episode_tokens, memory_source=memory_source,
+                           max_prefill_tokens=ENGINE_MAX_PREFILL_TOKENS if torch else None)
 
 
 def engine_kv_capacity(cfg: RunConfig, model_dir: Path, memory_bytes: int, memory_source: str) -> int:
@@ -93,11 +111,14 @@ class RolloutSelector(_Selector[RolloutDecision]):
     the built-in engine). `max_episode_tokens`: the longest episode the trainer pool can train
     (`largest_trainable_seq_len`; 0 = no bound): a decision's bound is the smaller of that and its
     KV budget (one sequence alone). `memory_source` says where the budget's memory figure came from.
+    `max_prefill_tokens`: the built-in engine's bound on one prefill (0: none), whose transients
+    (`rollout_memory`) are then counted; None: no transient counted (an engine that sizes its own).
     """
 
     def __init__(self, shape: ModelShape, budget: PoolBudget, *, thresholds: Thresholds | None = None,
                  pool: str = "rollout", dtype_bytes: int = 2, max_sequences: int = 0, allow_tp: bool = True,
-                 extra_weight_params: int = 0, max_episode_tokens: int = 0, memory_source: str = "") -> None:
+                 extra_weight_params: int = 0, max_episode_tokens: int = 0, memory_source: str = "",
+                 max_prefill_tokens: int | None = None) -> None:
         super().__init__(budget, thresholds, pool)
         if dtype_bytes < 1 or max_sequences < 0 or extra_weight_params < 0 or max_episode_tokens < 0:
             raise ConfigError(f"dtype_bytes={dtype_bytes} must be >= 1, and max_sequences={max_sequences}, "
@@ -106,6 +127,8 @@ class RolloutSelector(_Selector[RolloutDecision]):
         self.dtype_bytes, self.max_sequences, self.allow_tp = dtype_bytes, max_sequences, allow_tp
         self.extra_weight_params, self.max_episode_tokens = extra_weight_params, max_episode_tokens
         self.memory_source = memory_source
+        self.max_prefill_tokens = max_prefill_tokens
+        self.memory_corrections: dict[str, float] = {}  # engine ("tp1") -> factor learnt from the sheds of its workers
 
     def _admissible(self, decision: RolloutDecision) -> bool:
         again = self._plan(decision.design_seq_len, decision.reason, decision.step)
@@ -116,11 +139,72 @@ class RolloutSelector(_Selector[RolloutDecision]):
         extra = -(-self.extra_weight_params // tp) * self.dtype_bytes
         return predict_rollout_bytes(self.shape, 0, dtype_bytes=self.dtype_bytes, tp=tp) + extra
 
-    def kv_capacity_tokens(self, tp: int = 1) -> int:
-        """Tokens of KV cache one engine of `tp` devices can hold within the budget (0 if none)."""
+    def correction(self, tp: int = 1) -> float:
+        """The factor on this engine's transient and KV predictions, learnt from its sheds (1: none yet)."""
+        return self.memory_corrections.get(f"tp{tp}", 1.0)
+
+    def _free_and_per_token(self, tp: int) -> tuple[int, int]:
+        """Bytes per device left after reserve and weights; corrected KV bytes per token."""
         free = self.budget.memory_bytes_per_device - self.budget.reserve_bytes - self.weight_bytes(tp)
         per_token = predict_kv_cache_bytes(self.shape, 1, dtype_bytes=self.dtype_bytes, tp=tp)
-        return max(0, free // per_token)
+        return free, math.ceil(per_token * self.correction(tp))
+
+    def _transient_for(self, tp: int, design: int, rows: int) -> EngineTransient | None:
+        if self.max_prefill_tokens is None:
+            return None
+        return engine_transient(self.shape, design_seq_len=design, rows=rows, dtype_bytes=self.dtype_bytes,
+                                max_prefill_tokens=self.max_prefill_tokens, tp=tp)
+
+    def _transient_bytes(self, tp: int, design: int, rows: int) -> int:
+        transient = self._transient_for(tp, design, rows)
+        return math.ceil(transient.peak_bytes * self.correction(tp)) if transient else 0
+
+    def rows(self, tp: int = 1, design: int = 0) -> int:
+        """The most `design`-token sequences (0: the smallest design length) an engine runs at once: their KV and
+        the engine's transient peak for that many rows fit the budget (both corrected); at most
+        rollout.max_batch_size; 0 when not even one does."""
+        design = design or self.thresholds.min_design_seq_len
+        free, per_token = self._free_and_per_token(tp)
+        hi = free // max(1, per_token * design)
+        hi = min(hi, self.max_sequences) if self.max_sequences else hi
+        lo = 0
+        while lo < hi:  # the transient grows with the rows: the largest count whose KV + transient fit
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if mid * design * per_token + self._transient_bytes(tp, design, mid) <= free else (lo, mid - 1)
+        return lo
+
+    def transient(self, tp: int = 1, design: int = 0) -> EngineTransient | None:
+        """The engine's transient peak (uncorrected) for `design`-token sequences (0: the smallest design length)
+        at the rows it runs at once (`rows`, at least 1); None when this engine's transients are not modelled."""
+        design = design or self.thresholds.min_design_seq_len
+        return self._transient_for(tp, design, max(1, self.rows(tp, design)))
+
+    def kv_capacity_tokens(self, tp: int = 1, design: int = 0) -> int:
+        """Tokens of KV cache one engine of `tp` devices can hold within the budget, after its transient peak for
+        `design`-token sequences (0: the smallest design length) at `rows`, corrected by its sheds (0 if none)."""
+        design = design or self.thresholds.min_design_seq_len
+        free, per_token = self._free_and_per_token(tp)
+        return max(0, (free - self._transient_bytes(tp, design, max(1, self.rows(tp, design)))) // per_token)
+
+    def on_sheds(self, sheds: int, worker: str, step: int = 0) -> RolloutDecision | Infeasible | None:
+        """`worker`'s engine shed `sheds` more allocation failures: the engine's predictions are scaled by
+        x1.25 per shed (at most `_SHED_STEPS` per report) and the current design re-planned as the next version
+        (outside the hysteresis); None when there is no decision yet. An Infeasible keeps the current decision."""
+        tp = self._current.engine_tp if self._current is not None else 1
+        key, old = f"tp{tp}", self.correction(tp)
+        self.memory_corrections[key] = old * _OOM_STEP ** min(max(1, sheds), _SHED_STEPS)
+        logger.warning("%s: %s shed %d allocation failure(s): engine %s predictions scaled x%.3f (was x%.3f)",
+                       self.pool, worker, sheds, key, self.memory_corrections[key], old)
+        current = self._current
+        if current is None:
+            return None
+        reason = (f"{worker} shed {sheds} allocation failure(s): engine memory predictions corrected "
+                  f"x{self.memory_corrections[key]:.3f}; design length {current.design_seq_len}")
+        last = self._last
+        result = self._adopt(self._plan(current.design_seq_len, reason, step), last[0] if last else 0, step)
+        if not isinstance(result, Infeasible):
+            self._last = last  # a correction is no context decision: hysteresis timing is unchanged
+        return result
 
     def resize(self, budget: PoolBudget, memory_source: str, *, step: int = 0,
                design_seq_len: int = 0) -> RolloutDecision | Infeasible | None:
@@ -147,8 +231,7 @@ class RolloutSelector(_Selector[RolloutDecision]):
         n = self.budget.devices
         options = []  # (sequences per engine, tp), smallest tp first
         for tp in [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0] if self.allow_tp else [1]:
-            seqs = self.kv_capacity_tokens(tp) // design if self.shape.num_heads % tp == 0 else 0
-            seqs = min(seqs, self.max_sequences) if self.max_sequences else seqs
+            seqs = self.rows(tp, design) if self.shape.num_heads % tp == 0 else 0
             if seqs >= 1:
                 options.append((seqs, tp))
         if not options:
@@ -157,8 +240,10 @@ class RolloutSelector(_Selector[RolloutDecision]):
         # in sequences held across all engines.
         most = max(seqs * (n // tp) for seqs, tp in options)
         seqs, tp = next((s, t) for s, t in options if s * (n // t) * _TP_GAIN >= most)
-        kv_tokens = self.kv_capacity_tokens(tp)
-        peak = self.weight_bytes(tp) + predict_kv_cache_bytes(self.shape, kv_tokens, dtype_bytes=self.dtype_bytes, tp=tp)
+        kv_tokens = self.kv_capacity_tokens(tp, design)
+        transient = self.transient(tp, design)
+        peak = (self.weight_bytes(tp) + predict_kv_cache_bytes(self.shape, kv_tokens, dtype_bytes=self.dtype_bytes, tp=tp)
+                + (transient.peak_bytes if transient else 0))
         bound = min(kv_tokens, self.max_episode_tokens) if self.max_episode_tokens else kv_tokens
         return RolloutDecision(version=self.version + 1, max_concurrent_sequences=seqs, kv_budget_tokens=kv_tokens,
                                design_seq_len=design, reason=reason, engine_tp=tp, replicas=n // tp,
@@ -168,26 +253,30 @@ class RolloutSelector(_Selector[RolloutDecision]):
 
     def _sizing(self, tp: int, seqs: int, kv_tokens: int, design: int, bound: int) -> str:
         """What the decision admits and why, in words (RolloutPlan.sizing)."""
-        b = self.budget
+        b, c, transient = self.budget, self.correction(tp), self.transient(tp, design)
         per_token = predict_kv_cache_bytes(self.shape, 1, dtype_bytes=self.dtype_bytes, tp=tp)
+        extra = f" - {transient.describe()}" if transient else ""
+        corrected = f", both x{c:.3f} after sheds" if c != 1.0 else ""
         capped = " (capped by rollout.max_batch_size)" if self.max_sequences and seqs == self.max_sequences else ""
         why = ("the longest sequence a trainer plan fits" if self.max_episode_tokens and bound == self.max_episode_tokens
                else "one sequence alone in the KV budget")
         return (f"KV budget {kv_tokens} tokens = ({b.memory_bytes_per_device / MIB:.0f} MiB per device "
                 f"[{self.memory_source or 'given'}] - {b.reserve_bytes / MIB:.0f} MiB reserve - "
-                f"{self.weight_bytes(tp) / MIB:.1f} MiB weights) / {per_token} bytes per token ({self.dtype_bytes}-byte "
-                f"elements, tp {tp}); {seqs} sequences of the design length {design}{capped}, more while contexts "
-                f"are shorter (admission counts each row's KV); episodes stop at {bound} tokens ({why})")
+                f"{self.weight_bytes(tp) / MIB:.1f} MiB weights{extra}) / {per_token} bytes per token "
+                f"({self.dtype_bytes}-byte elements, tp {tp}{corrected}); {seqs} sequences of the design length "
+                f"{design}{capped}, more while contexts are shorter (admission counts each row's KV); episodes stop at "
+                f"{bound} tokens ({why})")
 
     def _infeasible_message(self, design: int) -> str:
         def need(tp: int) -> int:
-            return (self.budget.reserve_bytes + self.weight_bytes(tp)
-                    + predict_kv_cache_bytes(self.shape, design, dtype_bytes=self.dtype_bytes, tp=tp))
+            return (self.budget.reserve_bytes + self.weight_bytes(tp) + self._transient_bytes(tp, design, 1)
+                    + design * self._free_and_per_token(tp)[1])
 
         fits_tp = [tp for tp in (1 << i for i in range(1, 11))
                    if self.shape.num_heads % tp == 0 and need(tp) <= self.budget.memory_bytes_per_device]
         more = f", or an engine tensor-parallel size of >= {fits_tp[0]} devices" if fits_tp else ""
         return (f"{self.pool}: one {design}-token sequence does not fit an engine of {self.budget.devices} device(s) "
-                f"with {self.budget.memory_bytes_per_device / MIB:.1f} MiB each: weights + its KV cache + reserve "
+                f"with {self.budget.memory_bytes_per_device / MIB:.1f} MiB each: weights + its KV cache + the "
+                f"engine's transients + reserve "
                 f"need {need(1) / MIB:.1f} MiB ({need(1) / GIB:.3f} GiB) per device on one device{more}")
 

@@ -20,6 +20,7 @@ from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta
 from earl_stream.supervisor import planning
 from earl_stream.supervisor.memory_model import ModelShape, predict_kv_cache_bytes
 from earl_stream.supervisor.planning import Planner
+from earl_stream.supervisor.rollout_memory import engine_transient
 from earl_stream.supervisor.rollout_selector import engine_kv_capacity, fused_copy_params
 from earl_stream.supervisor.selector import Infeasible
 from earl_stream.supervisor.server import Supervisor
@@ -51,7 +52,10 @@ def test_the_kv_budget_comes_from_the_engines_memory_and_dtype(tmp_path: Path) -
     weights = shape.num_params() + fused_copy_params(shape)  # the built-in engine's fused copies count
     for plan, nbytes in ((fp32, 4), (bf16, 2)):
         per_token = predict_kv_cache_bytes(shape, 1, dtype_bytes=nbytes)
-        assert plan.kv_budget_tokens == (ROLLOUT_MEMORY - weights * nbytes) // per_token
+        # ... and so do its prefill and decode transients at the rows the plan runs at once
+        transient = engine_transient(shape, design_seq_len=256, rows=plan.max_concurrent_sequences, dtype_bytes=nbytes)
+        assert plan.kv_budget_tokens == (ROLLOUT_MEMORY - weights * nbytes - transient.peak_bytes) // per_token
+        assert "transient" in plan.sizing
         assert plan.memory_bytes == ROLLOUT_MEMORY and plan.predicted_peak_bytes <= ROLLOUT_MEMORY
         assert "rollout.memory_bytes" in plan.sizing and f"{plan.kv_budget_tokens} tokens" in plan.sizing
     # half the bytes per KV element, and half the weights: more than twice the tokens on the same memory

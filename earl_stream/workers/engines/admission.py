@@ -17,9 +17,9 @@ is alive while it is copied into the batch storage; if that storage must grow, i
 and an engine admits only while that, plus the kept caches (evicted first), stays within
 `kv_budget_tokens`. As contexts grow, each row costs more and fewer rows run at once; a request
 whose prompt + max_new_tokens exceed the budget on its own is refused, never run out of memory.
-Prefill activations are not KV: they are part of the memory the selector keeps in reserve, and the
-engine bounds them by admitting, past the first row, at most `max_prefill_tokens` prompt positions
-(those without kept KV) per prefill.
+Prefill activations are not KV: the rollout selector takes them off the budget before it sizes the KV
+(`supervisor.rollout_memory`), and the engine bounds them by admitting, past the first row, at most
+`max_prefill_tokens` prompt positions (those without kept KV) per prefill.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from transformers import PreTrainedModel
 
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
+from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS
 from earl_stream.workers.engines.adapters import LiveAdapters
 from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
@@ -106,7 +107,7 @@ class TorchEngine(SwapSteps, ShedSteps):
         fast_forward: bool = True,
         continuous: bool = True,
         prefix_sharing: bool = True,
-        max_prefill_tokens: int = 8192,
+        max_prefill_tokens: int = ENGINE_MAX_PREFILL_TOKENS,
         weight_swap: SwapMode | str = SwapMode.DRAIN,
         batch_invariant: bool = False,
     ) -> None:
