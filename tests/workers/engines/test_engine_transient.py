@@ -17,22 +17,26 @@ CONFIG = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 1024, 
           "max_position_embeddings": 8192}
 PROMPT = 2048
 
+# The high-water mark is reset right before the long prefill (PeakMemory: /proc/self/clear_refs, as the trainer's
+# step peaks): the process's lifetime maximum (getrusage) can sit above it from the imports and the model's
+# initialisation, and then showed no growth at all (seen under pytest-xdist).
 _PROBE = """
-import json, resource, sys
+import json, sys
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from earl_stream.workers.engines.base import GenerateRequest
 from earl_stream.workers.engines.torch_engine import TorchEngine
+from earl_stream.workers.peak_memory import PeakMemory
 torch.set_num_threads(2)
 n, config = int(sys.argv[1]), json.loads(sys.argv[2])
 config.pop("model_type")
 torch.manual_seed(0)
 engine = TorchEngine(Qwen2ForCausalLM(Qwen2Config(**config)).eval(), max_batch_size=4, kv_budget_tokens=n + 64)
-def high_water(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 engine.generate([GenerateRequest(prompt_ids=list(range(1, 17)), max_new_tokens=2, temperature=0.0)])
-base = high_water()
+peak = PeakMemory(torch.device("cpu"))  # its baseline: the resident size now
+peak.start()
 engine.generate([GenerateRequest(prompt_ids=[1 + i % 500 for i in range(n)], max_new_tokens=1, temperature=0.0)])
-print(json.dumps({"growth": high_water() - base, "path": engine.decode_path.path.value}))
+print(json.dumps({"growth": peak.step_peak(), "path": engine.decode_path.path.value}))
 """
 
 
