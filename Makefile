@@ -39,7 +39,7 @@ test: $(VENV)/.installed ## install, then the CPU test suite (PYTEST_ARGS=..., T
 # The longest live runs of `up` (TLS, encryption, MoE, LoRA, re-plans, resumes, Prometheus), kept out of `make
 # test` so that it stays near 15 minutes on 2 cores; CI runs both. Two at a time too (TEST_WORKERS): a run of `up`
 # keeps ~1.3 of 2 cores busy (measured: 131% CPU), the rest is process start-up and waiting.
-test-live: $(VENV)/.installed ## the longest end-to-end `up` runs (~15 min)
+test-live: $(VENV)/.installed ## the longest end-to-end `up` runs (~12 min)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -rR --durations=10 -n $(TEST_WORKERS) -m "live and not faults" $(PYTEST_ARGS)
 
 # What tests/test_lint.py checks, on its own: ruff on the code and tests, mypy on [tool.mypy] files (mypy, ~1-1.5
