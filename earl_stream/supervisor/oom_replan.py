@@ -153,12 +153,11 @@ def _why_refused(trainer: TrainerSelector, lengths: list[int], keep: int) -> str
     holding it and that layout's predicted bytes per device against its budget after the correction."""
     refused = [n for n in lengths if n > keep]
     shortest = min(refused)
-    shown = trainer.refused  # the layouts the current plan's length refuses (status): kept as they are
+    layouts, cannot = trainer.layout_options(shortest)  # (the status' refusals stay the current plan's)
     fits = [check_fit(trainer.shape, dataclasses.replace(layout, micro_batch=1, seq_len=shortest),
                       trainer.budget_of(layout).memory_bytes_per_device,
                       reserve_bytes=trainer.budget_of(layout).reserve_bytes)
-            for layout in trainer.layouts(shortest)]
-    cannot, trainer.refused = trainer.refused, shown
+            for layout in layouts]
     head = (f"{len(refused)} row(s) of {shortest}-{max(refused)} tokens refused as samples_too_long: no plan holds "
             f"{shortest} tokens after the correction")
     if not fits:

@@ -34,7 +34,7 @@ from earl_stream.errors import ConfigError
 from earl_stream.supervisor.decisions import Infeasible, RolloutDecision
 from earl_stream.supervisor.memory_model import GIB, ModelShape, predict_kv_cache_bytes, predict_rollout_bytes
 from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS, EngineTransient, engine_transient
-from earl_stream.supervisor.selector import _OOM_STEP, MIB, PoolBudget, Thresholds, TrainerSelector, _Selector
+from earl_stream.supervisor.selector import MIB, OOM_CORRECTION_STEP, PoolBudget, Thresholds, TrainerSelector, _Selector
 
 logger = logging.getLogger(__name__)
 _TP_GAIN = 1.1  # a larger rollout engine must hold >= 10% more sequences in all to be chosen
@@ -192,7 +192,7 @@ class RolloutSelector(_Selector[RolloutDecision]):
         (outside the hysteresis); None when there is no decision yet. An Infeasible keeps the current decision."""
         tp = self._current.engine_tp if self._current is not None else 1
         key, old = f"tp{tp}", self.correction(tp)
-        self.memory_corrections[key] = old * _OOM_STEP ** min(max(1, sheds), _SHED_STEPS)
+        self.memory_corrections[key] = old * OOM_CORRECTION_STEP ** min(max(1, sheds), _SHED_STEPS)
         logger.warning("%s: %s shed %d allocation failure(s): engine %s predictions scaled x%.3f (was x%.3f)",
                        self.pool, worker, sheds, key, self.memory_corrections[key], old)
         current = self._current

@@ -57,7 +57,7 @@ from earl_stream.supervisor.switch_memory import switch_refusal
 
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
-_OOM_STEP = 1.25  # a layout's correction grows at least this much with each of its allocation failures
+OOM_CORRECTION_STEP = 1.25  # a layout's correction grows at least this much with each of its allocation failures
 _DESIGN_QUANTUM = 64  # design lengths below the headroom's power of two (when it fits no plan): multiples of this
 
 
@@ -403,7 +403,7 @@ class TrainerSelector(_Selector[PlanDecision]):
         name = layout_name(plan)
         usable = self.budget.memory_bytes_per_device - self.budget.reserve_bytes
         old = self.memory_corrections.get(name, 1.0)
-        factor = max(old * _OOM_STEP, usable / max(1, fits_bytes))
+        factor = max(old * OOM_CORRECTION_STEP, usable / max(1, fits_bytes))
         self.memory_corrections[name] = factor
         logger.warning("%s: layout %s failed to allocate: its predictions are scaled x%.3f from now on (%d of %d "
                        "bytes predicted fit)", self.pool, name, factor, fits_bytes, usable)
@@ -455,9 +455,9 @@ class TrainerSelector(_Selector[PlanDecision]):
         result = self._plan(design, reason, step, floor=max(1, longest))
         return self._adopt(result, self._snapshot.total if self._snapshot else 0, step)
 
-    def layouts(self, design_seq_len: int) -> list[TrainPlan]:
-        """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence
-        that the model and the pool can take; sets `refused` to those they cannot."""
+    def layout_options(self, design_seq_len: int) -> tuple[list[TrainPlan], list[Refusal]]:
+        """Every layout variant on exactly `budget.devices` devices for one `design_seq_len` sequence that
+        the model and the pool can take, and the refusals of those they cannot (no state changes)."""
         out, refused = pool_layouts(self.shape, self.base, self.budget.devices, design_seq_len,
                                     recomputes=self.recomputes, allow_tp=self.allow_tp, allow_sp=self.allow_sp,
                                     allow_fsdp=self.allow_fsdp, allow_ep=self.allow_ep)
@@ -465,6 +465,11 @@ class TrainerSelector(_Selector[PlanDecision]):
             refused += [Refusal(layout_name(p), "not among selector.plans") for p in out
                         if layout_name(p) not in self.only]
             out = [p for p in out if layout_name(p) in self.only]
+        return out, refused
+
+    def layouts(self, design_seq_len: int) -> list[TrainPlan]:
+        """`layout_options`' layouts; sets `refused` (the status') to its refusals, each logged once."""
+        out, refused = self.layout_options(design_seq_len)
         for r in refused:
             if r not in self._logged:
                 self._logged.add(r)
