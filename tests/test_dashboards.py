@@ -31,9 +31,11 @@ ROLES = ("supervisor", "rollout", "trainer")
 # Series Prometheus itself adds for every target (not exported by a process).
 PROMETHEUS_SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "text"}
-# Labelled by the plan that failed to allocate: no sample until a step fails, which a healthy run never does.
+# Labelled by a plan, with no sample until an event sets one: a step that fails to allocate (which a healthy
+# run never does), or a reserve learnt from measured peaks (CUDA peaks only under selector.learn_reserve=auto).
 # For these, a process declaring the family (its `# TYPE` line, no sample yet) counts as exporting it.
-EVENT_ONLY = {"earl_trainer_oom_recovered_total", "earl_selector_memory_correction"}
+EVENT_ONLY = {"earl_trainer_oom_recovered_total", "earl_selector_memory_correction",
+              "earl_selector_memory_reserve_bytes"}
 
 
 class RunningUp:
