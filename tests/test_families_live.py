@@ -3,7 +3,8 @@
 Each named dense family issue 47 lists trains a few steps: Llama 3 (its rope scaling), Qwen3 (q/k norms,
 free head_dim), Mistral, Gemma 3 text (sliding windows, the Hugging Face forward in the engine), Phi-3 (fused
 projections), SmolLM3 (layers without rotary embeddings); Qwen2.5 is the architecture of the default tiny model
-(Qwen2ForCausalLM), which every other run of `up` trains, and the mixtures of experts are tests/test_moe_live.py's.
+(Qwen2ForCausalLM), which every other run of `up` trains; of the mixtures of experts Mixtral trains
+here (Qwen3-MoE with routing replay is tests/test_moe_live.py's).
 A model type no code of earl_stream names (GLM-4, built here from its transformers config) trains
 under both plans the issue asks of an unknown family, dp2 and fsdp2. The math of every family under
 every plan is tests/test_families_parallel.py's; the engine's output per family is
@@ -85,3 +86,13 @@ def test_a_model_type_no_code_names_trains_under_dp2_and_fsdp2(tmp_path: Path, u
     summary, log = _up(tmp_path, unnamed_model_dir, "trainer.nproc=2", f"selector.plans={plan}")
     _trained(summary)
     assert f"trainer pool adopted plan v1 ({plan})" in log, log[-3000:]
+
+
+def test_a_mixtral_trains_with_the_selector_on(tmp_path: Path) -> None:
+    """The second mixture-of-experts family (Qwen3-MoE's run with routing replay is tests/test_moe_live.py's)."""
+    from earl_stream.model.tiny_moe import init_moe_model
+
+    model_dir = init_moe_model(tmp_path / "mixtral", family="mixtral", experts=4, top_k=2)
+    summary, log = _up(tmp_path, model_dir)
+    _trained(summary)
+    assert "trainer pool adopted plan" in log, log[-3000:]
