@@ -7,7 +7,7 @@ the per-engine corrections learnt from the allocation failures the engines shed)
 reported), `fused_copy_params` (the extra weights the built-in engine's fused projections hold) and
 `largest_trainable_seq_len` (the longest sequence any trainer plan fits: episodes longer than that
 are stopped by the workers, `RolloutDecision.max_episode_tokens`). Hysteresis and versions are the
-shared `selector._Selector`'s; the byte counts are `memory_model`'s (weights, KV) and `rollout_memory`'s (the
+shared `hysteresis.PoolSelector`'s; the byte counts are `memory_model`'s (weights, KV) and `rollout_memory`'s (the
 built-in engine's prefill and decode transients). Per device of an engine of tp devices:
 
     KV capacity (tokens) = (memory - reserve - weights - c x transient peak) / (c x KV bytes per token)
@@ -32,9 +32,10 @@ from pathlib import Path
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
 from earl_stream.supervisor.decisions import Infeasible, RolloutDecision
+from earl_stream.supervisor.hysteresis import MIB, PoolBudget, PoolSelector, Thresholds
 from earl_stream.supervisor.memory_model import GIB, ModelShape, predict_kv_cache_bytes, predict_rollout_bytes
 from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS, EngineTransient, engine_transient
-from earl_stream.supervisor.selector import MIB, OOM_CORRECTION_STEP, PoolBudget, Thresholds, TrainerSelector, _Selector
+from earl_stream.supervisor.selector import OOM_CORRECTION_STEP, TrainerSelector
 
 logger = logging.getLogger(__name__)
 _TP_GAIN = 1.1  # a larger rollout engine must hold >= 10% more sequences in all to be chosen
@@ -102,7 +103,7 @@ def engine_kv_capacity(cfg: RunConfig, model_dir: Path, memory_bytes: int, memor
     return sel.kv_capacity_tokens()
 
 
-class RolloutSelector(_Selector[RolloutDecision]):
+class RolloutSelector(PoolSelector[RolloutDecision]):
     """Chooses an engine's concurrent sequences, KV budget and tensor-parallel size from the KV cache
     model: per device, what the budget leaves after the weights holds the KV of the sequences.
 
