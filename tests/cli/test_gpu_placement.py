@@ -1,6 +1,7 @@
-"""launcher.gpus: which CUDA devices each process of a local run sees (cli/launchers/gpus.py). No GPU is needed:
-the split is made from CUDA_VISIBLE_DEVICES as `up` got it, and checked on the environment the local launcher
-gives each process."""
+"""launcher.gpus: which CUDA devices each process of a local run sees (cli/launchers/gpus.py), and the Ray GPUs
+each process of a Ray run reserves for the same split. No GPU is needed: the split is made from
+CUDA_VISIBLE_DEVICES as `up` got it, and checked on the environment the local launcher gives each process; the
+Ray amounts are checked here as arithmetic and on a Ray node with declared GPUs in tests/cli/test_ray_gpus.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from earl_stream.cli.launchers import RunSpec
-from earl_stream.cli.launchers.gpus import place_gpus, placement_for, visible_gpus
+from earl_stream.cli.launchers.gpus import GpuShares, place_gpus, placement_for, ray_gpu_shares, ray_shares_for, visible_gpus
 from earl_stream.cli.launchers.local import LocalLauncher
 from earl_stream.config import load_config, replace
 from earl_stream.errors import ConfigError
@@ -64,3 +65,36 @@ def test_the_local_launcher_hands_each_process_its_devices(tmp_path: Path, monke
     assert shared.gpus.trainer_env() == {} and shared.gpus.rollout_env(0) == {}
     with pytest.raises(ConfigError):
         replace(cfg, "launcher.gpus=each")
+
+
+def test_ray_reserves_the_split_as_amounts_of_gpus() -> None:
+    on = {"trainer_on_gpu": True, "rollout_on_gpu": True}
+    # a GPU each while the cluster has one for every rank and worker (the 8-GPU preset's 4 + 4)
+    assert ray_shares_for(load_config(ROOT / "configs" / "gpu_node.yaml"), 8) == GpuShares(1.0, 1.0)
+    assert ray_gpu_shares("split", 4, trainer_ranks=2, rollout_workers=2, **on) == GpuShares(1.0, 1.0)
+    # fewer spare GPUs than workers: round-robin, i.e. the most crowded spare GPU holds 2 workers
+    assert ray_gpu_shares("split", 4, trainer_ranks=2, rollout_workers=3, **on) == GpuShares(1.0, 0.5)
+    assert ray_gpu_shares("split", 2, trainer_ranks=1, rollout_workers=3, **on) == GpuShares(1.0, 0.3333)
+    # one GPU for everything: the rank and the workers share it, in shares that fit on one GPU
+    one = ray_gpu_shares("split", 1, trainer_ranks=1, rollout_workers=2, **on)
+    assert one == GpuShares(0.3333, 0.3333) and one.trainer + 2 * one.rollout <= 1.0
+    # a pool on the CPU reserves none, and leaves every GPU to the other
+    assert ray_gpu_shares("split", 3, trainer_ranks=2, rollout_workers=3, trainer_on_gpu=False,
+                          rollout_on_gpu=True) == GpuShares(0.0, 1.0)
+    assert ray_gpu_shares("split", 3, trainer_ranks=2, rollout_workers=3, trainer_on_gpu=True,
+                          rollout_on_gpu=False) == GpuShares(1.0, 0.0)
+    # shared, or a cluster without GPUs: none reserved (Ray then leaves CUDA_VISIBLE_DEVICES as the node has it)
+    assert ray_gpu_shares("shared", 4, trainer_ranks=2, rollout_workers=2, **on) == GpuShares(0.0, 0.0)
+    assert ray_gpu_shares("split", 0, trainer_ranks=2, rollout_workers=2, **on) == GpuShares(0.0, 0.0)
+
+
+def test_ray_refuses_splits_that_would_put_two_ranks_on_one_gpu() -> None:
+    on = {"trainer_on_gpu": True, "rollout_on_gpu": True}
+    # Ray fits fractions onto the fullest GPU: two ranks sharing GPUs with workers could land on one GPU
+    with pytest.raises(ConfigError, match="launcher.ray.rollout.num_gpus"):
+        ray_gpu_shares("split", 2, trainer_ranks=2, rollout_workers=2, **on)
+    with pytest.raises(ConfigError, match="trainer.nproc=3 ranks on GPUs need as many GPUs"):
+        ray_gpu_shares("split", 2, trainer_ranks=3, rollout_workers=0, **on)
+    # the same ranks with their workers on the CPU are fine: a GPU each
+    assert ray_gpu_shares("split", 2, trainer_ranks=2, rollout_workers=2, trainer_on_gpu=True,
+                          rollout_on_gpu=False) == GpuShares(1.0, 0.0)

@@ -1,7 +1,11 @@
 """The `ray` launcher: `up --launcher ray [--ray-address ADDR]` places the run on a Ray cluster.
 
 Each process runs in its own actor (`ray_host.ProcessHost`) on a Ray node, reserving the resources its
-role declares (launcher.ray.{supervisor,rollout,trainer}: num_cpus, num_gpus, custom resources). The
+role declares (launcher.ray.{supervisor,rollout,trainer}: num_cpus, num_gpus, custom resources). GPUs follow
+`launcher.gpus` as for the local launcher (cli/launchers/gpus.py: split = a GPU of its own for each trainer
+rank and rollout worker while the cluster has enough, shared = none reserved), as amounts of Ray's GPU
+resource: Ray picks the devices and sets each actor's CUDA_VISIBLE_DEVICES, which its process inherits. A
+role whose launcher.ray.<role>.num_gpus is set (> 0) turns that off: then every role reserves what it sets. The
 trainer pool's ranks are the bundles of one placement group (PACK: filled node by node); MASTER_ADDR is
 the node of the first bundle, and the ranks form their torch.distributed group across the nodes. Ray
 restarts a rollout worker that dies (launcher.ray.rollout_max_restarts); the new one re-registers.
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream.cli.launchers import Placed, RunSpec
+from earl_stream.cli.launchers.gpus import ray_shares_for
 from earl_stream.cli.launchers.ray_host import ProcessHost
 from earl_stream.cli.procs import STOP_GRACE_S
 from earl_stream.config import RayRoleConfig
@@ -98,7 +103,7 @@ class RayTrainerPool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg, rc = self.launcher.run.cfg, self.launcher.rc
-        bundle = _bundle(rc.trainer)
+        bundle = self.launcher.demand("trainer")
         self.launcher.check_fits("trainer", bundle, count=cfg.trainer.nproc)
         self.group = placement_group([bundle] * cfg.trainer.nproc, strategy="PACK")
         if not self.group.wait(timeout_seconds=rc.placement_timeout_s):
@@ -154,9 +159,34 @@ class RayLauncher:
         self.run = run
         self.rc = run.cfg.launcher.ray
         self.owns_ray = connect(self.rc.address, self.rc.connect_timeout_s)
+        try:
+            self.num_gpus = self._gpus_per_process()
+        except ConfigError:
+            self._disconnect()
+            raise
         self.secret = run.secret_file.read_bytes()
         self.processes: list[RayProcess] = []
         self.pools: list[RayTrainerPool] = []
+
+    def _gpus_per_process(self) -> dict[str, float]:
+        """Ray GPUs each process of a role reserves: launcher.gpus's split of the cluster's GPUs, unless a role
+        sets launcher.ray.<role>.num_gpus (then each role's own setting)."""
+        import ray
+
+        own = {role: getattr(self.rc, role).num_gpus for role in ("supervisor", "rollout", "trainer")}
+        if any(own.values()):
+            log.info("Ray GPUs as launcher.ray.<role>.num_gpus set them: %s", own)
+            return own
+        gpus = int(ray.cluster_resources().get("GPU", 0.0))
+        shares = ray_shares_for(self.run.cfg, gpus)
+        if gpus:
+            log.info("Ray GPUs (launcher.gpus=%s, %d in the cluster): each trainer rank reserves %g, each rollout "
+                     "worker %g", self.run.cfg.launcher.gpus, gpus, shares.trainer, shares.rollout)
+        return {"supervisor": 0.0, "rollout": shares.rollout, "trainer": shares.trainer}
+
+    def demand(self, role: str) -> dict[str, float]:
+        """What one process of `role` reserves on its node (a placement group bundle for a trainer rank)."""
+        return _bundle(getattr(self.rc, role), self.num_gpus[role])
 
     # ---- the Launcher protocol
 
@@ -196,12 +226,15 @@ class RayLauncher:
             self._wait_ready(placed)
 
     def stop(self) -> None:
-        import ray
-
         for pool in self.pools:  # first: its ranks finish their step and checkpoint it
             pool.stop(self.run.cfg.trainer.stop_grace_s)
         self.stop_all(self.processes[1:][::-1])
         self.stop_all(self.processes[:1])
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        import ray
+
         if self.owns_ray:
             ray.shutdown()
 
@@ -214,8 +247,9 @@ class RayLauncher:
 
         spec: RayRoleConfig = getattr(self.rc, role)
         if strategy is None:
-            self.check_fits(role, _bundle(spec))
-        options: dict[str, Any] = {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus, "max_restarts": max_restarts}
+            self.check_fits(role, self.demand(role))
+        options: dict[str, Any] = {"num_cpus": spec.num_cpus, "num_gpus": self.num_gpus[role],
+                                   "max_restarts": max_restarts}
         if spec.resources:
             options["resources"] = {k: float(v) for k, v in spec.resources.items()}
         if strategy is not None:
@@ -228,8 +262,9 @@ class RayLauncher:
             proc.node = ray.get(actor.node.remote(), timeout=self.rc.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(f"Ray could not place {name} within {self.rc.placement_timeout_s:.0f}s: it needs "
-                              f"{_bundle(spec)} (launcher.ray.{role}.*); available now: {_available()}") from None
-        log.info("%s placed on %s (Ray node %s)", name, proc.node["ip"], proc.node["node_id"][:12])
+                              f"{self.demand(role)} (launcher.ray.{role}.*); available now: {_available()}") from None
+        log.info("%s placed on %s (Ray node %s)%s", name, proc.node["ip"], proc.node["node_id"][:12],
+                 f", {self.num_gpus[role]:g} GPU" if self.num_gpus[role] else "")
         return proc
 
     def check_fits(self, role: str, demand: dict[str, float], count: int = 1) -> None:
@@ -328,8 +363,8 @@ def _check_reachable(address: str, timeout_s: float) -> None:
                           "there? --ray-address, launcher.ray.address)") from None
 
 
-def _bundle(spec: RayRoleConfig) -> dict[str, float]:
-    demand = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **{k: float(v) for k, v in spec.resources.items()}}
+def _bundle(spec: RayRoleConfig, num_gpus: float) -> dict[str, float]:
+    demand = {"CPU": spec.num_cpus, "GPU": num_gpus, **{k: float(v) for k, v in spec.resources.items()}}
     return {k: v for k, v in demand.items() if v > 0} or {"CPU": 0.01}
 
 
