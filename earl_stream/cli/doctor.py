@@ -4,9 +4,9 @@ the fix for what is missing, and whether a run of the given config can start her
 Owns the checks; each probes the machine itself: torch's build and the CUDA devices it sees (through
 `devices.resolve_device`, the rule every role applies at start), the optional packages imported in a child
 process (an install that is present but broken counts as missing), loopback ports bound, /dev/shm's size,
-the model folder or the Hub cache. Nothing is downloaded or started. What a config needs is read from the
-config (`rollout.engine`, `store.transport`, `launcher.kind`, the devices, `model.path`); loading it is
-`config.load_config`'s, whose error is the first finding when it fails.
+the model folder or the Hub cache, the sandbox (bubblewrap, control groups). Nothing is downloaded or started.
+What a config needs is read from the config (`rollout.engine`, `store.transport`, `launcher.kind`, the devices,
+`model.path`); loading it is `config.load_config`'s, whose error is the first finding when it fails.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 def diagnose(cfg: RunConfig) -> list[Finding]:
     """Every finding for a run of `cfg` on this machine, in report order."""
     return [*check_torch(cfg), *check_packages(cfg), *check_ports(cfg), check_shm(cfg), check_model(cfg),
-            check_run_dir(cfg)]
+            check_run_dir(cfg), check_sandbox()]
 
 
 def check_torch(cfg: RunConfig) -> list[Finding]:
@@ -256,6 +256,22 @@ def check_shm(cfg: RunConfig) -> Finding:
     return Finding("/dev/shm", Verdict.WARN, detail + ": a full /dev/shm ends a process with SIGBUS",
                    f"give /dev/shm at least {need / GIB:.1f} GiB (docker run --shm-size={max(1, -(-need // GIB))}g; "
                    "mount -o remount,size=...G /dev/shm), or lower store.max_bytes_per_node")
+
+
+def check_sandbox() -> Finding:
+    """bubblewrap, which untrusted code (environments, tools, agent programs) runs under: installed, and able to
+    make its namespaces here; and the control groups its limits use."""
+    from earl_stream.sandbox.launch import bwrap_problem, control_groups
+
+    groups = sorted(control_groups())
+    limits = (f"memory and process limits by control group ({', '.join(groups)})" if len(groups) == 2 else
+              f"limits by rlimit where no control group could be made (have: {', '.join(groups) or 'none'}; "
+              "as root with cgroups mounted, both are made)")
+    problem = bwrap_problem()
+    if problem is None:
+        return Finding("sandbox", Verdict.OK, f"bubblewrap can make its namespaces; {limits}")
+    return Finding("sandbox", Verdict.WARN, f"{problem}: untrusted code would run as plain processes (seeing this "
+                   f"host's files and network); {limits}", "bash scripts/install-sandbox.sh (as root)")
 
 
 def check_model(cfg: RunConfig) -> Finding:

@@ -15,7 +15,7 @@ import torch
 from earl_stream.cli.main import main
 
 NAMES = ["torch", "trainer.device", "rollout.device", "vLLM", "SGLang", "UCX (ucxx)", "Ray", "ports", "/dev/shm",
-         "model", "run_dir"]
+         "model", "run_dir", "sandbox"]
 
 
 def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
@@ -128,3 +128,14 @@ def test_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
         main(["doctor", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "Exit status 1 when a run of this config cannot start here" in text and "--json" in text
+
+
+def test_the_sandbox_finding_says_whether_bwrap_works(capsys: pytest.CaptureFixture[str]) -> None:
+    from earl_stream.sandbox import bwrap_problem
+
+    _, report = _doctor(capsys)
+    sandbox = _by_name(report)["sandbox"]
+    if bwrap_problem() is None:
+        assert sandbox["verdict"] == "ok" and "bubblewrap can make its namespaces" in sandbox["detail"]
+    else:
+        assert sandbox["verdict"] == "warn" and sandbox["fix"] == "bash scripts/install-sandbox.sh (as root)"
