@@ -261,7 +261,8 @@ def check_shm(cfg: RunConfig) -> Finding:
 def check_sandbox() -> Finding:
     """bubblewrap, which untrusted code (environments, tools, agent programs) runs under: installed, and able to
     make its namespaces here; and the control groups its limits use."""
-    from earl_stream.sandbox.launch import bwrap_problem, control_groups
+    from earl_stream.sandbox.cgroups import control_groups
+    from earl_stream.sandbox.launch import bwrap_problem
 
     groups = sorted(control_groups())
     limits = (f"memory and process limits by control group ({', '.join(groups)})" if len(groups) == 2 else

@@ -33,14 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from earl_stream.sandbox.cgroups import Groups
 from earl_stream.sandbox.spec import Breach, SandboxMode, SandboxSpec
 
 NOBODY = 65534
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
 _ETC = ("/etc/passwd", "/etc/group", "/etc/hosts", "/etc/resolv.conf", "/etc/nsswitch.conf", "/etc/localtime",
         "/etc/ssl", "/etc/ca-certificates", "/etc/alternatives")
 _HIDDEN_ENV = ("EARL_STREAM_SECRET_FILE", "EARL_STREAM_TLS_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
@@ -133,157 +132,70 @@ def sandbox_environment(base: Mapping[str, str] | None = None) -> dict[str, str]
     return {**env, "HOME": "/tmp", "TMPDIR": "/tmp"}
 
 
-class _Groups:
-    """The control groups (memory, pids) one sandbox runs in, where this process may make them."""
-
-    def __init__(self, memory_bytes: int, processes: int) -> None:
-        self.name, self.paths = f"earl_sandbox_{os.getpid()}_{uuid.uuid4().hex[:8]}", {}
-        for controller, limits in (("memory", {"memory.limit_in_bytes": memory_bytes, "memory.swappiness": 0,
-                                               "memory.max": memory_bytes, "memory.swap.max": 0}),
-                                   ("pids", {"pids.max": processes})):
-            group = self._make(controller)
-            if group is None:
-                continue
-            try:
-                for key, value in limits.items():
-                    if (group / key).exists():
-                        (group / key).write_text(str(value))
-            except OSError:
-                group.rmdir()
-                continue
-            self.paths[controller] = group
-
-    def _make(self, controller: str) -> Path | None:
-        for parent in (_CGROUP_ROOT / controller, _CGROUP_ROOT):  # v1 hierarchy, else the v2 one
-            if parent == _CGROUP_ROOT and controller not in _v2_controllers():
-                continue
-            if not (parent / "cgroup.procs").exists():
-                continue
-            try:
-                (parent / self.name).mkdir()
-            except OSError:
-                continue
-            return parent / self.name
-        return None
-
-    def procs_files(self) -> list[str]:
-        return [str(g / "cgroup.procs") for g in self.paths.values()]
-
-    def breach(self) -> Breach | None:
-        memory, pids = self.paths.get("memory"), self.paths.get("pids")
-        if memory is not None and _counter(memory, ("memory.oom_control", "memory.events"), "oom_kill") > 0:
-            return Breach.MEMORY
-        if pids is not None and _counter(pids, ("pids.events",), "max") > 0:
-            return Breach.PROCESSES
-        return None
-
-    def kill(self) -> None:
-        for group in self.paths.values():
-            for pid in _read_pids(group):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-    def remove(self) -> None:
-        for group in self.paths.values():
-            for _ in range(50):  # the kernel frees a group once its last task is reaped
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.02)
-
-
-def control_groups() -> frozenset[str]:
-    """The controllers ("memory", "pids") a sandbox started from here gets a group of (the rest: rlimits)."""
-    probe = _Groups(1 << 30, 64)
-    try:
-        return frozenset(probe.paths)
-    finally:
-        probe.remove()
-
-
-@functools.lru_cache(maxsize=1)
-def _v2_controllers() -> frozenset[str]:
-    try:
-        return frozenset((_CGROUP_ROOT / "cgroup.controllers").read_text().split())
-    except OSError:
-        return frozenset()
-
-
-def _counter(group: Path, files: Sequence[str], key: str) -> int:
-    for name in files:
-        try:
-            for line in (group / name).read_text().splitlines():
-                k, _, v = line.partition(" ")
-                if k == key and v.strip().isdigit():
-                    return int(v)
-        except OSError:
-            continue
-    return 0
-
-
-def _read_pids(group: Path) -> list[int]:
-    try:
-        return [int(p) for p in (group / "cgroup.procs").read_text().split()]
-    except OSError:
-        return []
-
-
 @dataclasses.dataclass
-class Sandboxed:
-    """A program started in a sandbox."""
+class Launch:
+    """A sandbox made ready for one program (`prepare`): the command to start (bwrap's, or the program's), its
+    working directory, environment and pre-exec hook (limits, control groups, uid), for `subprocess.Popen` or
+    `asyncio.create_subprocess_exec` alike; afterwards, the limit it went past and the cleanup."""
 
-    proc: subprocess.Popen[bytes]
+    command: list[str]
+    cwd: str | None
+    env: dict[str, str]
+    preexec: Callable[[], None] | None
     spec: SandboxSpec
-    mode: SandboxMode
-    started: float
-    _groups: _Groups | None
-    _killed_for: Breach | None = None
-    _scratch: tempfile.TemporaryDirectory[str] | None = None
-
-    def kill(self, why: Breach | None = None) -> None:
-        """Kill everything in the sandbox (its process group, and its control groups' tasks)."""
-        self._killed_for = self._killed_for or why
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self._groups is not None:
-            self._groups.kill()
+    _groups: Groups | None
+    _scratch: tempfile.TemporaryDirectory[str] | None
+    killed_for: Breach | None = None
 
     def has_group(self, controller: str) -> bool:
         """Whether a control group of `controller` ("memory", "pids") holds the limit (else an rlimit does)."""
         return self._groups is not None and controller in self._groups.paths
 
-    def breach(self) -> Breach | None:
-        """The limit the program went past, once it has ended (None: none, as far as can be told)."""
-        if self._killed_for is not None:
-            return self._killed_for
+    def kill(self, pid: int, why: Breach | None = None) -> None:
+        """Kill everything in the sandbox: the process group of `pid` (its leader) and its control groups' tasks."""
+        self.killed_for = self.killed_for or why
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self._groups is not None:
+            self._groups.kill()
+
+    def allow_cpu(self, seconds: float) -> None:
+        """Move the CPU limit of every process in the sandbox to what it has used plus `seconds` (a sandbox reused
+        for another run gets that run's budget); needs its control groups to find them (else nothing moves)."""
+        for pid in self._groups.pids() if self._groups is not None else []:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                soft = max(1, int(used + seconds + 0.999))
+                resource.prlimit(pid, resource.RLIMIT_CPU, (soft, soft + 1))
+            except (OSError, ValueError, IndexError):
+                continue  # (gone meanwhile)
+
+    def breach(self, returncode: int | None) -> Breach | None:
+        """The limit the program went past, once it ended with `returncode` (None: none, as far as can be told)."""
+        if self.killed_for is not None:
+            return self.killed_for
         if self._groups is not None and (found := self._groups.breach()) is not None:
             return found
-        code = self.proc.returncode
-        if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
             return Breach.CPU
         return None
 
-    def close(self) -> None:
-        """After the program ended: kill what is left of it and free its control groups and scratch folder."""
-        self.kill()
-        self.proc.wait()
+    def cleanup(self) -> None:
+        """After the program ended: free its control groups and scratch folder."""
         if self._groups is not None:
             self._groups.remove()
         if self._scratch is not None:
             self._scratch.cleanup()
 
 
-def start(argv: Sequence[str], spec: SandboxSpec, *, env: Mapping[str, str] | None = None,
-          pass_fds: Sequence[int] = (), stdin: int | None = None, stdout: int | None = None,
-          stderr: int | None = None) -> Sandboxed:
-    """Start `argv` in a sandbox of `spec.mode` (`resolve_mode` first to fall back from a missing bwrap)."""
+def prepare(argv: Sequence[str], spec: SandboxSpec, *, env: Mapping[str, str] | None = None) -> Launch:
+    """Make a sandbox of `spec.mode` ready for `argv` (`resolve_mode` first, to fall back from a missing bwrap)."""
     limits = spec.limits
-    groups = None if spec.mode is SandboxMode.NONE else _Groups(limits.memory_bytes, limits.processes)
+    groups = None if spec.mode is SandboxMode.NONE else Groups(limits.memory_bytes, limits.processes)
     scratch = None
     command, cwd = list(argv), None
     if spec.mode is SandboxMode.BWRAP:
@@ -299,12 +211,46 @@ def start(argv: Sequence[str], spec: SandboxSpec, *, env: Mapping[str, str] | No
     if scratch is not None:
         environment.update(HOME=scratch.name, TMPDIR=scratch.name)
     preexec = None if spec.mode is SandboxMode.NONE else _limiter(argv, spec, groups)
-    proc = subprocess.Popen(command, env=environment, cwd=cwd, pass_fds=tuple(pass_fds), stdin=stdin, stdout=stdout,
-                            stderr=stderr, preexec_fn=preexec, start_new_session=spec.mode is SandboxMode.NONE)
-    return Sandboxed(proc, spec, spec.mode, time.monotonic(), groups, _scratch=scratch)
+    return Launch(command, cwd, environment, preexec, spec, groups, scratch)
 
 
-def _limiter(argv: Sequence[str], spec: SandboxSpec, groups: _Groups | None) -> Callable[[], None]:
+@dataclasses.dataclass
+class Sandboxed:
+    """A program started in a sandbox (`start`)."""
+
+    proc: subprocess.Popen[bytes]
+    launch: Launch
+    started: float
+
+    @property
+    def mode(self) -> SandboxMode:
+        return self.launch.spec.mode
+
+    def kill(self, why: Breach | None = None) -> None:
+        self.launch.kill(self.proc.pid, why)
+
+    def breach(self) -> Breach | None:
+        return self.launch.breach(self.proc.returncode)
+
+    def close(self) -> None:
+        """After the program ended: kill what is left of it and free its control groups and scratch folder."""
+        self.kill()
+        self.proc.wait()
+        self.launch.cleanup()
+
+
+def start(argv: Sequence[str], spec: SandboxSpec, *, env: Mapping[str, str] | None = None,
+          pass_fds: Sequence[int] = (), stdin: int | None = None, stdout: int | None = None,
+          stderr: int | None = None) -> Sandboxed:
+    """Start `argv` in a sandbox of `spec.mode` (`resolve_mode` first to fall back from a missing bwrap)."""
+    launch = prepare(argv, spec, env=env)
+    proc = subprocess.Popen(launch.command, env=launch.env, cwd=launch.cwd, pass_fds=tuple(pass_fds), stdin=stdin,
+                            stdout=stdout, stderr=stderr, preexec_fn=launch.preexec,
+                            start_new_session=spec.mode is SandboxMode.NONE)
+    return Sandboxed(proc, launch, time.monotonic())
+
+
+def _limiter(argv: Sequence[str], spec: SandboxSpec, groups: Groups | None) -> Callable[[], None]:
     limits, files = spec.limits, groups.procs_files() if groups is not None else []
     has_memory_group = groups is not None and "memory" in groups.paths
     drop = spec.mode is SandboxMode.PROCESS and os.geteuid() == 0 and others_can_run(argv[0])
@@ -371,7 +317,7 @@ def run(argv: Sequence[str], spec: SandboxSpec, *, env: Mapping[str, str] | None
         box.close()
         raise
     seconds, breach = time.monotonic() - box.started, box.breach()  # (its control groups are gone after close)
-    if breach is None and box.proc.returncode != 0 and not box.has_group("memory") and b"MemoryError" in err[-4096:]:
+    if breach is None and box.proc.returncode != 0 and not box.launch.has_group("memory") and b"MemoryError" in err[-4096:]:
         breach = Breach.MEMORY  # under RLIMIT_AS a Python program's allocation fails and it says so
     box.close()
     return SandboxResult(box.proc.returncode, out, err, breach, seconds, box.mode)

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from earl_stream.errors import ConfigError
-from earl_stream.sandbox import Breach, Limits, SandboxMode, SandboxSpec, bwrap_problem, launch, resolve_mode, run
-from earl_stream.sandbox.launch import control_groups, others_can_run
+from earl_stream.sandbox import Breach, Limits, SandboxMode, SandboxSpec, bwrap_problem, cgroups, resolve_mode, run
+from earl_stream.sandbox.cgroups import control_groups
+from earl_stream.sandbox.launch import others_can_run
 
 BWRAP = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bwrap here: {bwrap_problem()}")
 ROOT = os.geteuid() == 0
@@ -177,7 +178,7 @@ def test_allocating_without_bound_ends_at_the_memory_limit(mode: SandboxMode) ->
 @pytest.mark.parametrize("mode", MODES)
 def test_without_control_groups_rlimits_hold_memory(mode: SandboxMode, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch, "_CGROUP_ROOT", tmp_path / "no-cgroups")  # a host where none can be made
+    monkeypatch.setattr(cgroups, "ROOT", tmp_path / "no-cgroups")  # a host where none can be made
     assert control_groups() == frozenset()
     code, _, err, breach = python("""
         chunks = []
