@@ -34,7 +34,7 @@ from earl_stream.errors import ConfigError
 from earl_stream.supervisor.decisions import Infeasible, RolloutDecision
 from earl_stream.supervisor.hysteresis import MIB, PoolBudget, PoolSelector, Thresholds
 from earl_stream.supervisor.memory_model import GIB, ModelShape, predict_kv_cache_bytes, predict_rollout_bytes
-from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS, EngineTransient, engine_transient
+from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS, ENGINE_PREFILL_CHUNK_TOKENS, EngineTransient, engine_transient
 from earl_stream.supervisor.selector import OOM_CORRECTION_STEP, TrainerSelector
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ def rollout_selector_for(cfg: RunConfig, shape: ModelShape, memory_bytes: int, m
                            thresholds=thresholds, dtype_bytes=DTYPE_BYTES[r.dtype], max_sequences=r.max_batch_size,
                            allow_tp=False, extra_weight_params=fused_copy_params(shape) if torch else 0,
                            max_episode_tokens=max_episode_tokens, memory_source=memory_source,
-                           max_prefill_tokens=ENGINE_MAX_PREFILL_TOKENS if torch else None)
+                           max_prefill_tokens=ENGINE_MAX_PREFILL_TOKENS if torch else None,
+                           prefill_chunk_tokens=r.prefill_chunk_tokens)
 
 
 def engine_kv_capacity(cfg: RunConfig, model_dir: Path, memory_bytes: int, memory_source: str) -> int:
@@ -114,12 +115,14 @@ class RolloutSelector(PoolSelector[RolloutDecision]):
     KV budget (one sequence alone). `memory_source` says where the budget's memory figure came from.
     `max_prefill_tokens`: the built-in engine's bound on one prefill (0: none), whose transients
     (`rollout_memory`) are then counted; None: no transient counted (an engine that sizes its own).
+    `prefill_chunk_tokens`: the positions its prefill runs per forward (rollout.prefill_chunk_tokens; 0: whole).
     """
 
     def __init__(self, shape: ModelShape, budget: PoolBudget, *, thresholds: Thresholds | None = None,
                  pool: str = "rollout", dtype_bytes: int = 2, max_sequences: int = 0, allow_tp: bool = True,
                  extra_weight_params: int = 0, max_episode_tokens: int = 0, memory_source: str = "",
-                 max_prefill_tokens: int | None = None) -> None:
+                 max_prefill_tokens: int | None = None,
+                 prefill_chunk_tokens: int = ENGINE_PREFILL_CHUNK_TOKENS) -> None:
         super().__init__(budget, thresholds, pool)
         if dtype_bytes < 1 or max_sequences < 0 or extra_weight_params < 0 or max_episode_tokens < 0:
             raise ConfigError(f"dtype_bytes={dtype_bytes} must be >= 1, and max_sequences={max_sequences}, "
@@ -128,7 +131,7 @@ class RolloutSelector(PoolSelector[RolloutDecision]):
         self.dtype_bytes, self.max_sequences, self.allow_tp = dtype_bytes, max_sequences, allow_tp
         self.extra_weight_params, self.max_episode_tokens = extra_weight_params, max_episode_tokens
         self.memory_source = memory_source
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.prefill_chunk_tokens = max_prefill_tokens, prefill_chunk_tokens
         self.memory_corrections: dict[str, float] = {}  # engine ("tp1") -> factor learnt from the sheds of its workers
 
     def _admissible(self, decision: RolloutDecision) -> bool:
@@ -154,7 +157,8 @@ class RolloutSelector(PoolSelector[RolloutDecision]):
         if self.max_prefill_tokens is None:
             return None
         return engine_transient(self.shape, design_seq_len=design, rows=rows, dtype_bytes=self.dtype_bytes,
-                                max_prefill_tokens=self.max_prefill_tokens, tp=tp)
+                                max_prefill_tokens=self.max_prefill_tokens,
+                                prefill_chunk_tokens=self.prefill_chunk_tokens, tp=tp)
 
     def _transient_bytes(self, tp: int, design: int, rows: int) -> int:
         transient = self._transient_for(tp, design, rows)

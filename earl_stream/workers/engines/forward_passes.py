@@ -2,7 +2,10 @@
 
 It owns running them through the fast decoder (`fast_decoder`, a `StaticKV` cache) or the Hugging Face forward
 (a `DynamicCache`), whichever `decode_path` chose, and recording the routed experts of MoE models. It leaves the
-scheduling, sampling and the KV budget to `torch_engine` and the batch layout to `running`.
+scheduling, sampling and the KV budget to `torch_engine` and the batch layout to `running`. A prefill longer than
+`chunk_tokens` positions runs in chunks (`chunked_prefill`), on the fast decoder and on an HF forward whose
+layers are all full attention; a model recording MoE routing (`routing`) prefills whole (its recorder files one
+forward per prefill).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from earl_stream.workers.engines.chunked_prefill import chunk_bounds, fast_chunks, hf_can_chunk, hf_chunks
 from earl_stream.workers.engines.fast_decoder import FastDecoder
 from earl_stream.workers.engines.routing import RoutingRecorder
 from earl_stream.workers.engines.running import Row, RunningBatch, fill_kept, merged_kept, prefill_layout, select_rows
@@ -22,7 +26,8 @@ from earl_stream.workers.engines.static_kv import StaticKV
 class ForwardPasses:
     """What the passes run on: the HF `model`, its `fast` decoder (None: the HF forward), the `device` of its
     parameters, the MoE `routing` recorder (None for dense models), the `pad_id` of prompt padding, and whether
-    rows admitted together with the same prompt share one prefill (`sharing`)."""
+    rows admitted together with the same prompt share one prefill (`sharing`); `chunk_tokens`: the most prompt
+    positions one prefill forward runs (`chunked_prefill.chunk_bounds`; 0: no chunks)."""
 
     model: PreTrainedModel
     fast: FastDecoder | None
@@ -30,6 +35,7 @@ class ForwardPasses:
     routing: RoutingRecorder | None
     pad_id: int
     sharing: bool
+    chunk_tokens: int = 0
 
     def prefill(self, rows: list[Row], version: int, counts: dict[str, int]) -> RunningBatch:
         """One forward over the new prompt tokens of the admitted rows, laid out by `prefill_layout`: each
@@ -39,21 +45,22 @@ class ForwardPasses:
         sources, index, cached, width_c, width_n = lay.sources, lay.index, lay.cached, lay.width_c, lay.width_n
         ids, mask, positions = lay.ids.to(self.device), lay.mask.to(self.device), lay.positions.to(self.device)
         cache: DynamicCache | StaticKV | None
+        chunks = self.chunk_tokens if self.routing is None and (self.fast is not None or hf_can_chunk(self.model)) else 0
+        invariant = self.fast is not None and self.fast.batch_invariant
+        bounds = chunk_bounds(width_n, len(sources), chunks, rows_share=not invariant)
         if self.fast is not None:
             capacity = width_c + width_n + max(r.remaining for r in rows)
             cache = self.fast.new_cache(len(sources), capacity)
             fill_kept(sources, cached, width_c, [(layer.k_buf, layer.v_buf) for layer in cache.layers])
             cache.length = width_c
-            logits = self.fast.forward(ids, positions, mask, cache)
+            logits = fast_chunks(self.fast, ids, positions, mask, cache, bounds)
         else:
             cache = merged_kept(sources, cached, width_c)
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                              use_cache=True, logits_to_keep=1)
-            logits, cache = out.logits[:, -1, :], out.past_key_values
+            logits, cache = hf_chunks(self.model, ids, positions, mask, cache, bounds)
         assert cache is not None
         if self.routing is not None:
             self.routing.prefill(rows, lay)
-        counts["forward_calls"] += 1
+        counts["forward_calls"] += len(bounds)
         counts["prefill_tokens"] += sum(len(r.prompt) - c for r, c in zip(sources, cached))
         counts["reused_tokens"] += sum(cached)
         for row in rows:

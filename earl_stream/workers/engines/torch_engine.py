@@ -49,7 +49,7 @@ from transformers import PreTrainedModel
 
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
-from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS
+from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS, ENGINE_PREFILL_CHUNK_TOKENS
 from earl_stream.workers.engines.adapters import LiveAdapters
 from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
@@ -110,13 +110,15 @@ class TorchEngine(SwapSteps, ShedSteps):
         max_prefill_tokens: int = ENGINE_MAX_PREFILL_TOKENS,
         weight_swap: SwapMode | str = SwapMode.DRAIN,
         batch_invariant: bool = False,
+        prefill_chunk_tokens: int = ENGINE_PREFILL_CHUNK_TOKENS,
     ) -> None:
         """`fast_forward=False` always uses the HF model's forward (for comparisons and debugging);
         `continuous=False` admits requests only into an empty batch (batch-to-completion);
         `prefix_sharing=False` prefills every row's prompt separately; `max_prefill_tokens` bounds the
         prompt positions (without kept KV) one prefill runs, past its first row (0: no bound); `weight_swap`: what a
         weight load does to running rows (`weight_swap.SwapMode`); `batch_invariant`: a row's logits are bitwise the same
-        whatever rows share its batch (see `set_batch_invariant`)."""
+        whatever rows share its batch (see `set_batch_invariant`); `prefill_chunk_tokens`: a prefill runs at most
+        this many positions per forward, appending to the KV chunk by chunk (`chunked_prefill`; 0: whole)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)  # the plan's; `capacity`: within sheds
@@ -149,7 +151,8 @@ class TorchEngine(SwapSteps, ShedSteps):
         self._invariant = False
         self.set_batch_invariant(batch_invariant)
         self._continuous = continuous and (self._fast is not None or self._can_keep)  # sliding layers: cannot join
-        self._passes = ForwardPasses(model, self._fast, self._device, self._routing, self._pad_id, prefix_sharing)
+        self._passes = ForwardPasses(model, self._fast, self._device, self._routing, self._pad_id, prefix_sharing,
+                                     prefill_chunk_tokens)
         self._max_prefill = max_prefill_tokens
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._layers = int(config.num_hidden_layers)

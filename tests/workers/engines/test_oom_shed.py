@@ -66,16 +66,20 @@ def _child(mode: str) -> None:
     from prometheus_client import REGISTRY
 
     torch.set_num_threads(1)
-    engine = TorchEngine(_model(), max_batch_size=64, kv_budget_tokens=1 << 20, max_prefill_tokens=0)
+    chunk = 512 if mode == "alone_chunked" else 0  # whole prefills: their transient is what runs out
+    engine = TorchEngine(_model(), max_batch_size=64, kv_budget_tokens=1 << 20, max_prefill_tokens=0,
+                         prefill_chunk_tokens=chunk)
     cap = _vm_bytes() + (HEADROOM_MIB if mode == "turns" else ALONE_HEADROOM_MIB) * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
-    if mode == "alone":
+    if mode.startswith("alone"):
         big, small = GenerateRequest(_tokens(2048, 0), NEW, temperature=0.0), GenerateRequest(_tokens(16, 1), NEW)
         try:
-            engine.generate([big])
+            tokens = engine.generate([big])[0].token_ids
         except RequestOutOfMemory as exc:
             print(json.dumps({"error": str(exc), "sheds": len(engine.oom_sheds),
                               "small": engine.generate([small])[0].token_ids}))
+            return
+        print(json.dumps({"error": None, "sheds": len(engine.oom_sheds), "tokens": tokens}))
         return
     turns = _two_turns(engine)
     sheds = [{"phase": s.phase.value, "before": s.sequences_before, "after": s.max_sequences_after,
@@ -100,7 +104,8 @@ def test_a_real_allocation_failure_is_shed_and_every_turn_completes_unchanged() 
     assert out["sheds"][0]["before"] == EPISODES and out["sheds"][0]["bytes"] > 0
     assert out["counter"] == len(out["sheds"])
 
-    want = _two_turns(TorchEngine(_model(), max_batch_size=64, kv_budget_tokens=1 << 20, max_prefill_tokens=0))
+    want = _two_turns(TorchEngine(_model(), max_batch_size=64, kv_budget_tokens=1 << 20, max_prefill_tokens=0,
+                                  prefill_chunk_tokens=0))
     for got_turn, want_turn in zip(out["turns"], want, strict=True):
         for (tokens, logprobs, version, versions), ref in zip(got_turn, want_turn, strict=True):
             assert tokens == ref.token_ids
@@ -113,6 +118,15 @@ def test_a_request_that_cannot_run_alone_fails_alone_and_the_engine_goes_on() ->
     out = _run_child("alone")
     assert "ran out of memory in a prefill step with no other sequence running" in out["error"]
     assert out["sheds"] == 1 and len(out["small"]) == NEW
+
+
+@_LINUX
+def test_the_same_prompt_in_chunks_fits_the_cap_it_failed_under_whole() -> None:
+    out = _run_child("alone_chunked")
+    assert out["error"] is None and out["sheds"] == 0
+    want = TorchEngine(_model(), prefill_chunk_tokens=0).generate([GenerateRequest(_tokens(2048, 0), NEW,
+                                                                                   temperature=0.0)])
+    assert out["tokens"] == want[0].token_ids
 
 
 def test_a_decode_step_that_fails_keeps_the_sampled_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
