@@ -173,6 +173,10 @@ class Heartbeat(Msg, tag="heartbeat", frozen=True):
     envs_version: int = -1  # the environment set this worker has loaded
     env_errors: dict[str, str] = {}  # environment name -> why this worker cannot load it
     leaving: bool = False  # its host stopped it (SIGTERM with --drain-on-term): drain it, then let it leave
+    # a rollout worker's built-in engine, its latest allocation failure shed (stats["oom_sheds"] counts them): the
+    # bytes the failed allocation asked for and what the engine's process held then (0: unknown, or none shed)
+    oom_attempted_bytes: int = 0
+    oom_in_use_bytes: int = 0
 
 
 class HeartbeatReply(Msg, tag="heartbeat_reply", frozen=True):

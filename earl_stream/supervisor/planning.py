@@ -231,15 +231,19 @@ class Planner:
             if self.last_infeasible.startswith(f"{self.rollout.pool}:"):
                 self.last_infeasible = ""
 
-    def on_rollout_sheds(self, worker: str, total: int, step: int = 0) -> None:
-        """`worker`'s heartbeat reports `total` allocation failures its engine shed since it started: those not
-        counted yet correct the rollout memory model (`RolloutSelector.on_sheds`), and the next rollout plan
-        holds fewer sequences and a smaller KV budget. A total below the last one (the engine restarted) resets."""
+    def on_rollout_sheds(self, worker: str, total: int, step: int = 0, *, attempted_bytes: int = 0,
+                         in_use_bytes: int = 0) -> None:
+        """`worker`'s heartbeat reports `total` allocation failures its engine shed since it started, the latest
+        asking `attempted_bytes` with `in_use_bytes` in use (0: unknown): those not counted yet correct the rollout
+        memory model (`RolloutSelector.on_sheds`: by what it under-predicted when the bytes are known), and the next
+        rollout plan holds fewer sequences and a smaller KV budget. A total below the last one (the engine
+        restarted) resets."""
         seen = self.rollout_sheds_seen.get(worker, 0)
         self.rollout_sheds_seen[worker] = total
         if self.rollout is None or total <= seen:
             return
-        result = self.rollout.on_sheds(total - seen, worker, step=step)
+        result = self.rollout.on_sheds(total - seen, worker, step=step, attempted_bytes=attempted_bytes,
+                                       in_use_bytes=in_use_bytes)
         for key, factor in self.rollout.memory_corrections.items():
             M.SELECTOR_MEMORY_CORRECTION.labels(f"rollout {key}").set(factor)
         if isinstance(result, Infeasible):

@@ -16,9 +16,15 @@ where the transient peak is `rollout_memory.engine_transient` for the design len
 runs at once (counted for the built-in engine only: vLLM and SGLang size their own workspace). The transient grows
 with R (sampling and logits per row, the prefill's positions up to max_prefill_tokens), so R is the largest count,
 at most rollout.max_batch_size, with R x L x c x KV bytes per token + c x transient(R) within the free memory; the
-plan's concurrency is R and its KV budget the formula above at R. c >= 1 is the engine's correction: x1.25
-for each allocation failure its rollout workers shed (`on_sheds`, from the heartbeats' `oom_sheds`), at most
-four steps per report, kept per engine tensor-parallel size (`memory_corrections`, persisted with the planner).
+plan's concurrency is R and its KV budget the formula above at R. c >= 1 is the engine's correction, learnt from
+the allocation failures its rollout workers shed (`on_sheds`, from the heartbeats' `oom_sheds` and the latest
+shed's bytes), kept per engine tensor-parallel size (`memory_corrections`, persisted with the planner). With the
+bytes known (the failed allocation's `attempted` and the process's `in_use` then) the failed state needed
+in_use + attempted, of which real = in_use + attempted - reserve - weights for KV and transients, where the plan
+let the corrected model fill model = memory - reserve - weights: the model was off by real / model (it
+under-predicted: the state fit the plan) or by model / real (the device held less than the budget said), and c
+grows by that ratio x1.05 (so the failed state no longer fits), at least x1.05 and at most x1.25^4 per report.
+With the bytes unknown (0): x1.25 per shed, at most four steps per report.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ logger = logging.getLogger(__name__)
 _TP_GAIN = 1.1  # a larger rollout engine must hold >= 10% more sequences in all to be chosen
 _SEARCH_STEP = 64  # granularity of largest_trainable_seq_len between two powers of two (a multiple of any sp)
 _SHED_STEPS = 4  # at most this many correction steps per report of sheds (a burst is one cause, not many)
+_SHED_MARGIN = 1.05  # a shed with bytes: the correction that makes the failed state not fit, and this much more
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # rollout.dtype -> bytes per weight and KV element of the engine
 
 
@@ -191,19 +198,36 @@ class RolloutSelector(PoolSelector[RolloutDecision]):
         free, per_token = self._free_and_per_token(tp)
         return max(0, (free - self._transient_bytes(tp, design, max(1, self.rows(tp, design)))) // per_token)
 
-    def on_sheds(self, sheds: int, worker: str, step: int = 0) -> RolloutDecision | Infeasible | None:
-        """`worker`'s engine shed `sheds` more allocation failures: the engine's predictions are scaled by
-        x1.25 per shed (at most `_SHED_STEPS` per report) and the current design re-planned as the next version
-        (outside the hysteresis); None when there is no decision yet. An Infeasible keeps the current decision."""
+    def shed_step(self, sheds: int, tp: int = 1, attempted_bytes: int = 0, in_use_bytes: int = 0) -> tuple[float, str]:
+        """The factor one report of `sheds` allocation failures multiplies an engine's correction by, and why (the
+        module docstring: from the latest shed's bytes when both are known, else x1.25 per shed)."""
+        cap = OOM_CORRECTION_STEP ** _SHED_STEPS
+        fixed = self.budget.reserve_bytes + self.weight_bytes(tp)
+        model, real = self.budget.memory_bytes_per_device - fixed, in_use_bytes + attempted_bytes - fixed
+        if attempted_bytes <= 0 or in_use_bytes <= 0 or model <= 0 or real <= 0:
+            step = OOM_CORRECTION_STEP ** min(max(1, sheds), _SHED_STEPS)
+            return step, f"x{OOM_CORRECTION_STEP} per shed (bytes unknown)"
+        ratio = max(real / model, model / real)
+        step = min(cap, max(1.0, ratio) * _SHED_MARGIN)
+        return step, (f"{attempted_bytes / MIB:.1f} MiB asked with {in_use_bytes / MIB:.1f} MiB in use: KV and "
+                      f"transients needed {real / MIB:.1f} MiB where the plan allowed {model / MIB:.1f} MiB, x{step:.3f}")
+
+    def on_sheds(self, sheds: int, worker: str, step: int = 0, *, attempted_bytes: int = 0,
+                 in_use_bytes: int = 0) -> RolloutDecision | Infeasible | None:
+        """`worker`'s engine shed `sheds` more allocation failures, the latest asking `attempted_bytes` with
+        `in_use_bytes` held (0: unknown): the engine's predictions are corrected (`shed_step`) and the current design
+        re-planned as the next version (outside the hysteresis); None when there is no decision yet. An Infeasible
+        keeps the current decision."""
         tp = self._current.engine_tp if self._current is not None else 1
         key, old = f"tp{tp}", self.correction(tp)
-        self.memory_corrections[key] = old * OOM_CORRECTION_STEP ** min(max(1, sheds), _SHED_STEPS)
-        logger.warning("%s: %s shed %d allocation failure(s): engine %s predictions scaled x%.3f (was x%.3f)",
-                       self.pool, worker, sheds, key, self.memory_corrections[key], old)
+        factor, why = self.shed_step(sheds, tp, attempted_bytes, in_use_bytes)
+        self.memory_corrections[key] = old * factor
+        logger.warning("%s: %s shed %d allocation failure(s) (%s): engine %s predictions scaled x%.3f (was x%.3f)",
+                       self.pool, worker, sheds, why, key, self.memory_corrections[key], old)
         current = self._current
         if current is None:
             return None
-        reason = (f"{worker} shed {sheds} allocation failure(s): engine memory predictions corrected "
+        reason = (f"{worker} shed {sheds} allocation failure(s) ({why}): engine memory predictions corrected "
                   f"x{self.memory_corrections[key]:.3f}; design length {current.design_seq_len}")
         last = self._last
         result = self._adopt(self._plan(current.design_seq_len, reason, step), last[0] if last else 0, step)

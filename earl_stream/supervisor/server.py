@@ -148,7 +148,8 @@ class Supervisor:
         worker.stats = dict(msg.stats)
         worker.envs_version = msg.envs_version
         if worker.role == P.Role.ROLLOUT and "oom_sheds" in msg.stats:  # before the reply, as the memory below
-            self.planner.on_rollout_sheds(worker.worker_id, int(msg.stats["oom_sheds"]), step=self.policy_version)
+            self.planner.on_rollout_sheds(worker.worker_id, int(msg.stats["oom_sheds"]), step=self.policy_version,
+                                          attempted_bytes=msg.oom_attempted_bytes, in_use_bytes=msg.oom_in_use_bytes)
         if worker.role == P.Role.ROLLOUT and "memory_bytes" in msg.stats:
             self._rollout_memory()  # before the reply: the plan it carries is sized for this worker's memory
         if msg.env_errors and self.envs.report(worker.worker_id, msg.env_errors):

@@ -258,10 +258,12 @@ class RolloutWorker:
                      "memory_bytes": self.memory.bytes, **self.swaps.stats(), **self._lora_stats(),
                      # the built-in engine's load sheds on allocation failures (workers/engines/shedding.py)
                      "oom_sheds": float(getattr(self.engine, "oom_shed_total", 0))}
+            sheds = getattr(self.engine, "oom_sheds", ())  # the evidence of the latest one: what it asked, what was held
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
                     worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors,
-                    leaving=self.stop.leaving))
+                    leaving=self.stop.leaving, oom_attempted_bytes=(sheds[-1].bytes_attempted or 0) if sheds else 0,
+                    oom_in_use_bytes=sheds[-1].bytes_in_use if sheds else 0))
             except EarlError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 await asyncio.sleep(period)

@@ -6,7 +6,9 @@ per failure, and the per-engine record of every shed, `OomShed`), what happens t
 as an interrupting weight swap does, so the tokens already sampled stay with their log-probs and versions
 and the rest is sampled from the re-prefilled logits) and the refusal of a request that fails even alone
 (`RequestOutOfMemory`). The engine (`torch_engine`) catches the failure (`workers.oom.is_allocation_failure`)
-and drops the failed step's batch; the supervisor's rollout plan is left to the supervisor.
+and drops the failed step's batch; the supervisor's rollout plan is left to the supervisor, to which each shed's
+evidence goes (the bytes the failed allocation asked for and the memory in use then, `OomShed`, in the rollout
+worker's heartbeat).
 
 The ceiling stays for the engine's life (no growing back: a shed costs a re-prefill, a repeated one
 more than the memory a slow regrowth would win); a new plan (`set_capacity`) is capped by it too.
@@ -20,6 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -51,7 +54,8 @@ class RequestOutOfMemory(EngineError):
 class OomShed:
     """One survived allocation failure: when (unix seconds), in which pass, the sequences the failed step
     ran or admitted together, the concurrency and KV budget (tokens) admission allows after it, the bytes
-    the failed allocation asked for (None when the allocator did not say), rows re-queued and failed."""
+    the failed allocation asked for (None when the allocator did not say), rows re-queued and failed, and the
+    memory the engine's process held when it failed (`memory_in_use`; 0: unknown)."""
 
     time: float
     phase: StepPhase
@@ -62,6 +66,7 @@ class OomShed:
     requeued: int
     failed: int
     error: str
+    bytes_in_use: int = 0
 
 
 class Shedder:
@@ -94,9 +99,24 @@ class Shedder:
 
 
 def shed_record(phase: StepPhase, sequences: int, after: EngineCapacity, attempted: int | None, requeued: int,
-                failed: int, exc: BaseException) -> OomShed:
+                failed: int, exc: BaseException, in_use: int = 0) -> OomShed:
     return OomShed(time.time(), phase, sequences, after.max_concurrent_sequences, after.kv_budget_tokens, attempted,
-                   requeued, failed, f"{type(exc).__name__}: {exc}"[:500])
+                   requeued, failed, f"{type(exc).__name__}: {exc}"[:500], in_use)
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes the engine's process holds on `device` now (0: unknown): on CUDA what the caching allocator reserved
+    (tensors and cached blocks: what counts against the device), elsewhere the resident size (VmRSS). Read before
+    `release_cached`, it is what was in use when an allocation failed, the failed step's temporaries included."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device)) if torch.cuda.is_available() else 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class ShedSteps:
@@ -118,6 +138,7 @@ class ShedSteps:
         """An allocation failed in a step that ran or admitted `sequences` rows together (`held`: KV positions
         of a running batch that stays): lower admission and queue `rows` (those not done) first again, with
         their context so far as prompt; a row that failed alone fails (`RequestOutOfMemory`)."""
+        in_use = memory_in_use(self._device)
         release_cached(exc, self._device)
         rows = [r for r in rows if not r.done.is_set()]
         tokens = held + sum(len(r.prompt) + r.remaining for r in rows)
@@ -139,6 +160,7 @@ class ShedSteps:
             row.resume_from_context()  # its kept KV (if any) is dropped: prefilled again with the context
         with self._intake_lock:
             self._intake.extendleft(reversed(requeued))
-        self._shedder.record(shed_record(phase, sequences, after, attempted_bytes(exc), len(requeued), len(failed), exc))
+        self._shedder.record(shed_record(phase, sequences, after, attempted_bytes(exc), len(requeued), len(failed), exc,
+                                         in_use))
         _LOG.warning("allocation failed in a %s step of %d sequences (%s): %d re-queued, %d failed; admission lowered "
                      "from %s to %s", phase.value, sequences, exc, len(requeued), len(failed), before, after)

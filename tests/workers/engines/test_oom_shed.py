@@ -77,6 +77,7 @@ def _child(mode: str) -> None:
             tokens = engine.generate([big])[0].token_ids
         except RequestOutOfMemory as exc:
             print(json.dumps({"error": str(exc), "sheds": len(engine.oom_sheds),
+                              "in_use": engine.oom_sheds[-1].bytes_in_use, "cap": cap,
                               "small": engine.generate([small])[0].token_ids}))
             return
         print(json.dumps({"error": None, "sheds": len(engine.oom_sheds), "tokens": tokens}))
@@ -118,6 +119,7 @@ def test_a_request_that_cannot_run_alone_fails_alone_and_the_engine_goes_on() ->
     out = _run_child("alone")
     assert "ran out of memory in a prefill step with no other sequence running" in out["error"]
     assert out["sheds"] == 1 and len(out["small"]) == NEW
+    assert 0 < out["in_use"] < out["cap"]  # the evidence the heartbeat carries: the resident size when it failed
 
 
 @_LINUX
@@ -151,6 +153,7 @@ def test_a_decode_step_that_fails_keeps_the_sampled_tokens(monkeypatch: pytest.M
     assert engine.oom_shed_total == 1  # what the rollout worker reports in its heartbeat (oom_sheds)
     assert (shed.phase, shed.sequences_before, shed.max_sequences_after, shed.requeued) == (StepPhase.DECODE, 4, 2, 4)
     assert shed.bytes_attempted == 4096 and engine.capacity.max_concurrent_sequences == 2
+    assert shed.bytes_in_use > 0  # the process's resident size when it failed (reported with the bytes asked)
     assert engine.stats.prefill_tokens == 4 * 32 + 4 * (32 + 5)  # re-prefilled with the 5 tokens sampled before
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids and g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
