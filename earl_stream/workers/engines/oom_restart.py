@@ -51,6 +51,14 @@ class EngineOutOfMemory(EngineError):
     the settings it reached and the knobs that give it room."""
 
 
+class BatchOutOfMemory(EngineError):
+    """The engine ran out of memory with a batch in flight (raised inside an engine, which restarts and re-issues)."""
+
+    def __init__(self, message: str, evidence: str) -> None:
+        super().__init__(message)
+        self.evidence = evidence
+
+
 def oom_evidence(*texts: str) -> str | None:
     """The first line of `texts` that says memory ran out (None: no sign of an out-of-memory failure)."""
     for text in texts:

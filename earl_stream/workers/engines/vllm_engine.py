@@ -17,6 +17,15 @@ Processes: vLLM runs its engine core and worker in processes started with multip
 so a script that creates a `VllmEngine` needs an `if __name__ == "__main__":` guard. Importing
 this module does not import vllm.
 
+Out of memory: when vLLM runs out of memory starting (its KV cache does not fit) or generating (its
+EngineCore dies of an allocation failure), the engine stops it and starts it again with lower settings
+(`oom_restart.RestartPolicy`: the KV memory knob halved, and after a failure while generating
+`max_num_seqs` too; `vllm_oom` says which knob holds the memory), then re-issues the requests that were
+in flight: their turns are generated again from their prompts, under the weights of the current policy
+version (the version their results carry). Each restart counts as a shed (`oom_shed_total`, which the
+rollout worker's heartbeat reports as `oom_sheds`, and `earl_rollout_oom_shed_total`); after
+`max_restarts` or at the floor it raises `EngineOutOfMemory`, naming the knobs.
+
 Streaming: `vllm.LLM.generate` returns whole turns, so a request's `on_token` is never called; the
 OpenAI endpoint's streamed replies then arrive in one piece when the turn ends (per-token output
 would need vLLM's AsyncLLM, which this backend does not use).
@@ -40,7 +49,9 @@ from earl_stream.errors import EngineError
 from earl_stream.model.lora import adapter_problems, is_adapter_state
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.model_files import clamp_capacity, read_model_shape, shm_root, state_problems, write_checkpoint
+from earl_stream.workers.engines.oom_restart import BatchOutOfMemory, OomPhase
 from earl_stream.workers.engines.vllm_lora import LoraMode, VllmLora
+from earl_stream.workers.engines.vllm_oom import KV_ROUND_TOKENS, VllmRestarts
 
 _LOG = logging.getLogger(__name__)
 
@@ -50,9 +61,6 @@ VLLM_INSTALL_HINT = (
     "`make test-vllm` builds such an environment in .venv-vllm"
 )
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-# KV blocks are allocated whole and vLLM keeps one block back; rounding the budget up to this many
-# tokens and adding as many covers every block size.
-_KV_ROUND_TOKENS = 256
 
 
 class _NoTokenizerWarmupWarning(logging.Filter):
@@ -65,12 +73,13 @@ class _NoTokenizerWarmupWarning(logging.Filter):
 _WARMUP_FILTER = _NoTokenizerWarmupWarning()
 
 
-class VllmEngine:
+class VllmEngine(VllmRestarts):
     """Generates with a `vllm.LLM` started on the Hugging Face directory `model_dir`.
 
     `max_batch_size` becomes vLLM's `max_num_seqs`; `kv_budget_tokens` sizes its KV cache exactly
     (`kv_cache_memory_bytes`) and caps the context length. Both are start-up values: `set_capacity`
-    can lower them (requests are then submitted in chunks) but not raise them. Thread-safe:
+    can lower them (requests are then submitted in chunks) but not raise them; a restart after running out
+    of memory lowers them for good (`oom_restarts`). Thread-safe:
     `generate` and `load_state_dict` serialise on one lock. `lora_rank` > 0 (a `model.lora` run) starts
     vLLM able to serve adapters of that rank; `lora_mode` is `vllm_lora.LoraMode`'s.
     """
@@ -87,6 +96,8 @@ class VllmEngine:
         llm_kwargs: Mapping[str, Any] | None = None,
         lora_rank: int = 0,
         lora_mode: LoraMode | str = LoraMode.AUTO,
+        oom_factor: float = 0.5,
+        oom_max_restarts: int = 4,
     ) -> None:
         if max_batch_size < 1 or kv_budget_tokens < 1:
             raise EngineError(f"invalid engine capacity ({max_batch_size}, {kv_budget_tokens}): both must be >= 1")
@@ -111,14 +122,21 @@ class VllmEngine:
         logging.getLogger("vllm.renderers.base").addFilter(_WARMUP_FILTER)
         kwargs = self._llm_args(start_dir, max_batch_size, kv_budget_tokens, seed, dtype, enable_prefix_caching)
         kwargs.update(llm_kwargs or {})
+        self._kv_bytes_per_token = self._shape.kv_bytes_per_token(dtype)
         self._lora = VllmLora(lora_rank, lora_mode)
-        self._llm = self._start(vllm, kwargs)
+        self._init_restarts(kwargs, self._kv_bytes(self._max_len), oom_factor, oom_max_restarts)
         self._started = EngineCapacity(max_batch_size, kv_budget_tokens)
         self._capacity = self._started
+        self._llm: Any = None
+        try:
+            self._llm = self._start_fitting(vllm)
+        except EngineError:
+            self._cleanup()
+            raise
         self._lock = threading.Lock()
         self._version = 0
-        _LOG.info("vLLM %s engine ready on %s (%d sequences, %d KV tokens)%s", vllm.__version__, self._model_dir,
-                  max_batch_size, kwargs["kv_cache_memory_bytes"] // self._shape.kv_bytes_per_token(dtype),
+        _LOG.info("vLLM %s engine ready on %s (%s, %d KV tokens)%s", vllm.__version__, self._model_dir,
+                  self._settings.describe(), self._started.kv_budget_tokens,
                   f"; LoRA versions: {self.lora_mode} (rank <= {self._lora.max_rank})" if lora_rank > 0 else "")
 
     # ---------------------------------------------------------------- Engine protocol
@@ -157,12 +175,15 @@ class VllmEngine:
             return []
         results: list[GenerateResult] = []
         with self._lock:
-            cap = self._capacity.max_concurrent_sequences
-            # At the start-up size vLLM's own scheduler enforces the cap; below it, we submit in chunks.
-            step = len(reqs) if cap >= self._started.max_concurrent_sequences else cap
-            for start in range(0, len(reqs), step):
-                chunk = reqs[start : start + step]
-                results.extend(self._run(chunk))
+            while len(results) < len(reqs):
+                cap = self._capacity.max_concurrent_sequences
+                # At the start-up size vLLM's own scheduler enforces the cap; below it, we submit in chunks.
+                step = len(reqs) if cap >= self._started.max_concurrent_sequences else cap
+                chunk = reqs[len(results) : len(results) + step]
+                try:
+                    results.extend(self._run(chunk))
+                except BatchOutOfMemory as oom:  # vLLM died with the chunk in flight: restart smaller, re-issue it
+                    self._restart(OomPhase.GENERATE, oom.evidence, len(chunk))
         return results
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -226,6 +247,10 @@ class VllmEngine:
 
     def close(self) -> None:
         """Stop vLLM's processes and delete the weight directories (idempotent)."""
+        self._stop()
+        self._cleanup()
+
+    def _stop(self) -> None:
         llm = getattr(self, "_llm", None)
         if llm is not None:
             try:
@@ -233,7 +258,6 @@ class VllmEngine:
             except Exception as exc:  # shutting down is best effort; the processes die with us anyway
                 _LOG.warning("vLLM shutdown: %s", exc)
             self._llm = None
-        self._cleanup()
 
     def __enter__(self) -> VllmEngine:
         return self
@@ -249,33 +273,27 @@ class VllmEngine:
         try:
             return vllm.LLM(**kwargs, **lora_args)
         except Exception as exc:
-            if not lora_args:
-                self._cleanup()
+            if not lora_args or self._oom_evidence(exc) is not None:
                 raise EngineError(f"vLLM could not start on {self._model_dir}: {type(exc).__name__}: {exc}") from exc
-            try:
-                self._lora.start_failed(exc)  # adapter mode: raises
-            except EngineError:
-                self._cleanup()
-                raise
+            self._lora.start_failed(exc)  # adapter mode: raises
         return self._start(vllm, kwargs)
 
     def _live(self) -> Any:
         if self._llm is None:
-            raise EngineError("this VllmEngine was closed")
+            raise EngineError("this VllmEngine was closed (or its restart after running out of memory failed)")
         return self._llm
 
     def _llm_args(self, start_dir: Path, max_batch_size: int, kv_budget_tokens: int, seed: int, dtype: str,
                   enable_prefix_caching: bool) -> dict[str, Any]:
         from vllm.platforms import current_platform
 
-        kv_tokens = (-(-max(kv_budget_tokens, self._max_len) // _KV_ROUND_TOKENS) + 1) * _KV_ROUND_TOKENS
         return dict(
             model=str(start_dir),
             dtype=dtype,
             seed=seed,
             max_num_seqs=max_batch_size,
             max_model_len=self._max_len,
-            kv_cache_memory_bytes=kv_tokens * self._shape.kv_bytes_per_token(dtype),
+            kv_cache_memory_bytes=self._kv_bytes(kv_budget_tokens, dtype),
             gpu_memory_utilization=0.2,  # on CPU a share of RAM; unused once the KV size is explicit
             enable_prefix_caching=enable_prefix_caching,
             # Eager on CPU: torch.compile would add minutes to start-up for no gain on small batches.
@@ -284,6 +302,12 @@ class VllmEngine:
             generation_config="vllm",  # stop only where our requests say, never at the model's defaults
             skip_tokenizer_init=True,  # token ids in, token ids out
         )
+
+    def _kv_bytes(self, kv_budget_tokens: int, dtype: str | None = None) -> int:
+        """vLLM's KV cache for `kv_budget_tokens` (at least one sequence of the maximum length), whole blocks."""
+        kv_tokens = (-(-max(kv_budget_tokens, self._max_len) // KV_ROUND_TOKENS) + 1) * KV_ROUND_TOKENS
+        per_token = self._shape.kv_bytes_per_token(dtype) if dtype is not None else self._kv_bytes_per_token
+        return kv_tokens * per_token
 
     def _run(self, reqs: list[GenerateRequest]) -> list[GenerateResult]:
         from vllm import SamplingParams
@@ -307,7 +331,11 @@ class VllmEngine:
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora.request)
         except Exception as exc:
-            raise EngineError(f"vLLM failed on a batch of {len(reqs)} requests: {type(exc).__name__}: {exc}") from exc
+            message = f"vLLM failed on a batch of {len(reqs)} requests: {type(exc).__name__}: {exc}"
+            evidence = self._oom_evidence(exc)
+            if evidence is not None:
+                raise BatchOutOfMemory(message, evidence) from exc
+            raise EngineError(message) from exc
         return [self._result(r, out) for r, out in zip(reqs, outputs)]
 
     def _result(self, req: GenerateRequest, output: Any) -> GenerateResult:

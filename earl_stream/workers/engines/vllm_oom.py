@@ -1,9 +1,11 @@
 """What `VllmEngine` needs to restart vLLM smaller after it ran out of memory (the policy is `oom_restart`'s).
 
-Owns: which of vLLM's start-up knobs holds its memory (`memory_settings`: the `VLLM_CPU_KVCACHE_SPACE`
-environment variable where it is set on CPU, else `kv_cache_memory_bytes` where the engine sized the KV
-cache exactly, else `gpu_memory_utilization`) and its floor, writing lowered settings back
-(`apply_settings`), and the file vLLM's child processes write their errors to (`ErrorLog`).
+Owns: the restart itself (`VllmRestarts`, which `VllmEngine` mixes in: stop, lower, start again while the
+start runs out of memory, record, count as a shed), which of vLLM's start-up knobs holds its memory
+(`memory_settings`: the `VLLM_CPU_KVCACHE_SPACE` environment variable where it is set on CPU, else
+`kv_cache_memory_bytes` where the engine sized the KV cache exactly, else `gpu_memory_utilization`) and its
+floor, writing lowered settings back (`apply_settings`), and the file vLLM's child processes write their
+errors to (`ErrorLog`). Re-issuing the requests in flight is the engine's (`VllmEngine.generate`).
 
 Why a file: vLLM runs its scheduler (EngineCore) and model (Worker) in child processes. When one of them
 runs out of memory, the engine's process sees only "Engine core initialization failed. See root cause
@@ -14,19 +16,29 @@ level brings that message back to this process, where `oom_restart.oom_evidence`
 
 from __future__ import annotations
 
+import collections
 import copy
+import importlib
 import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-from earl_stream.workers.engines.oom_restart import EngineSettings, RestartPolicy
+from earl_stream import metrics as M
+from earl_stream.errors import EngineError
+from earl_stream.workers.engines.base import EngineCapacity
+from earl_stream.workers.engines.oom_restart import EngineSettings, OomPhase, OomRestart, RestartPolicy, exception_text, oom_evidence
 
 _LOG = logging.getLogger(__name__)
 
 CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, an integer (vLLM's legacy CPU knob; overrides kv_cache_memory_bytes)
+# KV blocks are allocated whole and vLLM keeps one block back; rounding the budget up to this many
+# tokens and adding as many covers every block size.
+KV_ROUND_TOKENS = 256
+_RECORDS = 256  # restarts kept per engine (the oldest are dropped)
 MIN_GPU_MEMORY_UTILIZATION = 0.05  # below this share of a device, vLLM holds little more than the weights
 HINT = ("rollout.max_batch_size (max_num_seqs), rollout.memory_bytes (the KV budget, kv_cache_memory_bytes), "
         f"or gpu_memory_utilization / {CPU_KV_ENV} where those size vLLM's KV cache")
@@ -102,3 +114,111 @@ class ErrorLog:
         if self._path is None or not self._path.exists():
             return ""
         return self._path.read_text(errors="replace")
+
+
+Failure = tuple[OomPhase, str, int]  # (phase, evidence, requests in flight)
+
+
+class VllmRestarts:
+    """The out-of-memory restarts of `VllmEngine` (mixed in: its vLLM handle and start-up values are the engine's;
+    when vLLM ran out of memory, stopping, lowering and starting it again is this class's)."""
+
+    _llm: Any
+    _kwargs: dict[str, Any]
+    _started: EngineCapacity
+    _capacity: EngineCapacity
+    _max_len: int
+    _kv_bytes_per_token: int
+    _weights_dir: Path | None
+    _model_dir: Path
+    _root: Path
+
+    def _start(self, vllm: Any, kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def _init_restarts(self, kwargs: dict[str, Any], min_kv_bytes: int, factor: float, max_restarts: int) -> None:
+        from vllm.platforms import current_platform
+
+        self._kwargs = kwargs
+        self._errors = ErrorLog(self._root)
+        self._errors.enabled = self._errors.enabled and "logging_config" not in kwargs
+        self._settings, self._policy = memory_settings(kwargs, min_kv_bytes, current_platform.is_cpu(), factor,
+                                                       max_restarts)
+        self._restarts: collections.deque[OomRestart] = collections.deque(maxlen=_RECORDS)
+        self._restart_total = 0
+        self._starts = 0
+
+    @property
+    def oom_restarts(self) -> tuple[OomRestart, ...]:
+        """The restarts after running out of memory, oldest first (the last `_RECORDS`)."""
+        return tuple(self._restarts)
+
+    @property
+    def oom_shed_total(self) -> int:
+        """Restarts after running out of memory since the engine was built (heartbeats report it as `oom_sheds`)."""
+        return self._restart_total
+
+    def _oom_evidence(self, exc: BaseException) -> str | None:
+        """What says `exc` (a failed start or batch) was vLLM running out of memory: its chain or a child's log."""
+        return oom_evidence(exception_text(exc), self._errors.text())
+
+    def _restart(self, phase: OomPhase, evidence: str, reissued: int) -> None:
+        """vLLM ran out of memory in `phase` with `reissued` requests in flight: stop it, start it lower."""
+        self._stop()
+        self._llm = self._start_fitting(importlib.import_module("vllm"), (phase, evidence, reissued))
+
+    def _start_fitting(self, vllm: Any, failure: Failure | None = None) -> Any:
+        """Start vLLM, first lowered after `failure`, and lowered again while it runs out of memory starting;
+        `EngineOutOfMemory` past the policy's limit or floor."""
+        while True:
+            before = self._settings
+            if failure is not None:
+                self._lower(*failure)
+            began = time.monotonic()
+            try:
+                llm = self._start(vllm, self._attempt_kwargs())
+            except EngineError as exc:
+                evidence = self._oom_evidence(exc)
+                if failure is not None:
+                    self._record(failure, before, time.monotonic() - began, started=False)
+                if evidence is None:
+                    raise
+                failure = (OomPhase.START, evidence, 0)
+                continue
+            if failure is not None:
+                self._record(failure, before, time.monotonic() - began, started=True)
+            return llm
+
+    def _lower(self, phase: OomPhase, evidence: str, reissued: int) -> None:
+        """Lower the settings after a failure (raises `EngineOutOfMemory` past the limit); capacity follows."""
+        before = self._settings
+        self._settings = self._policy.next(before, phase, self._restart_total, "vLLM", evidence, HINT)
+        apply_settings(self._settings, self._kwargs)
+        self._restart_total += 1
+        M.ROLLOUT_OOM_SHED.inc()
+        kv_tokens = self._started.kv_budget_tokens
+        if self._settings.memory_knob == "kv_cache_memory_bytes":  # vLLM keeps one block back
+            kv_tokens = min(kv_tokens, max(self._max_len, int(self._settings.memory) // self._kv_bytes_per_token
+                                           - KV_ROUND_TOKENS))
+        self._started = EngineCapacity(self._settings.seqs, kv_tokens)
+        self._capacity = EngineCapacity(min(self._capacity.max_concurrent_sequences, self._settings.seqs),
+                                        min(self._capacity.kv_budget_tokens, kv_tokens))
+        self._kwargs["model"] = str(self._weights_dir or self._model_dir)  # the current version's weights
+        _LOG.warning("vLLM ran out of memory (%s, %d request(s) in flight): restarting it with %s (was %s); "
+                     "capacity now %s. Cause: %s", phase.value, reissued, self._settings.describe(),
+                     before.describe(), self._capacity, evidence)
+
+    def _record(self, failure: Failure, before: EngineSettings, seconds: float, started: bool) -> None:
+        phase, evidence, reissued = failure
+        self._restarts.append(OomRestart(time.time(), phase, before, self._settings, seconds, reissued, evidence))
+        if started:
+            _LOG.warning("vLLM restarted after running out of memory in %.1f s with %s; re-issuing %d request(s)",
+                         seconds, self._settings.describe(), reissued)
+
+    def _attempt_kwargs(self) -> dict[str, Any]:
+        self._starts += 1
+        config = self._errors.logging_config(self._starts)
+        return self._kwargs if config is None else {**self._kwargs, "logging_config": config}
