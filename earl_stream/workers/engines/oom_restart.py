@@ -19,7 +19,9 @@ from dataclasses import dataclass, replace
 from earl_stream.errors import EngineError
 
 # What engines and allocators write when memory ran out (vLLM's KV sizing checks on GPU and CPU, torch's
-# allocators, SGLang's pool sizing). Matched case-sensitively in the text of the failure.
+# allocators). Matched case-sensitively in the text of the failure. Not SGLang's "Not enough memory. Please
+# try to increase --mem-fraction-static": its weights fill the static share, which a smaller KV pool
+# (what a restart lowers) does not change.
 _OOM_MARKERS = (
     "No available memory for the cache blocks",  # vLLM, GPU: nothing left for KV after the profile
     "larger than the available KV cache memory",  # vLLM: one max-length sequence does not fit
@@ -32,7 +34,6 @@ _OOM_MARKERS = (
     "DefaultCPUAllocator: can't allocate memory",
     "DefaultCPUAllocator: not enough memory",
     "MemoryError",
-    "Not enough memory. Please try to increase --mem-fraction-static",  # SGLang's KV pool sizing
     # vLLM's executor when a worker was SIGKILLed: on Linux that is the kernel's OOM killer unless someone
     # else killed it (a heuristic: the kernel leaves no message in the process)
     "died unexpectedly (exit code: -9)",

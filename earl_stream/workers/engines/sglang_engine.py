@@ -21,17 +21,30 @@ Stops: SGLang always stops at the model's own EOS tokens as well as at `stop_tok
 across backends. Per-request seeds are honoured only with `deterministic=True`
 (`--enable-deterministic-inference`).
 
+Out of memory (UNTESTED, like the rest of this backend): an out-of-memory failure that reaches this process
+as an exception (`oom_restart.oom_evidence` on its chain), starting or generating, stops SGLang and starts
+it again lower (`oom_restart.RestartPolicy`: `max_total_tokens` halved, down to one sequence of the context
+length, and after a failure while generating `max_running_requests` too), then re-issues the requests that
+were in flight under the current weights; each restart counts as a shed (`oom_shed_total`, reported by the
+rollout worker's heartbeat as `oom_sheds`, and `earl_rollout_oom_shed_total`). A limit: SGLang's scheduler
+runs in a child process and, when it fails (an allocation failure included), signals this process with
+SIGQUIT, whose handler (installed by `sglang.Engine`) kills the whole process tree; such a failure is a
+dead rollout worker, whose unpulled samples and prompts the supervisor re-issues, not a restart.
+
 Streaming: the offline `Engine.generate` returns whole turns, so a request's `on_token` is never
 called; the OpenAI endpoint's streamed replies then arrive in one piece when the turn ends.
 """
 
 from __future__ import annotations
 
+import collections
+import importlib
 import logging
 import math
 import os
 import shutil
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,14 +52,25 @@ from typing import Any
 
 import torch
 
+from earl_stream import metrics as M
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.model_files import clamp_capacity, read_model_shape, shm_root, state_problems, write_checkpoint
+from earl_stream.workers.engines.oom_restart import (
+    BatchOutOfMemory,
+    EngineSettings,
+    OomPhase,
+    OomRestart,
+    RestartPolicy,
+    exception_text,
+    oom_evidence,
+)
 
 _LOG = logging.getLogger(__name__)
 
 SGLANG_INSTALL_HINT = "on a machine with a CUDA GPU, `pip install \"sglang[all]\"` (SGLang has no CPU build on PyPI)"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+_HINT = "rollout.max_batch_size (max_running_requests) or rollout.memory_bytes (the KV budget, max_total_tokens)"
 
 
 def filtered_logprob(chosen: float, candidates: Sequence[float], top_k: int, top_p: float) -> float | None:
@@ -105,6 +129,8 @@ class SglangEngine:
         weight_update: str = "tensor",
         top_p_candidates: int = 256,
         engine_kwargs: Mapping[str, Any] | None = None,
+        oom_factor: float = 0.5,
+        oom_max_restarts: int = 4,
     ) -> None:
         if max_batch_size < 1 or kv_budget_tokens < 1:
             raise EngineError(f"invalid engine capacity ({max_batch_size}, {kv_budget_tokens}): both must be >= 1")
@@ -139,17 +165,21 @@ class SglangEngine:
             log_level="error",
         )
         kwargs.update(engine_kwargs or {})
-        try:
-            self._engine = sglang.Engine(**kwargs)
-        except Exception as exc:
-            raise EngineError(f"SGLang could not start on {self._model_dir}: {type(exc).__name__}: {exc}") from exc
-        self._started = EngineCapacity(max_batch_size, kv_budget_tokens)
+        self._kwargs = kwargs
+        self._settings = EngineSettings(int(kwargs["max_running_requests"]), float(kwargs["max_total_tokens"]),
+                                        "max_running_requests", "max_total_tokens")
+        self._policy = RestartPolicy(min_memory=self._max_len, factor=oom_factor, max_restarts=oom_max_restarts)
+        self._restarts: collections.deque[OomRestart] = collections.deque(maxlen=256)
+        self._restart_total = 0
+        self._last_state: Mapping[str, torch.Tensor] | None = None  # "tensor" updates: what a restart loads again
+        self._version = 0
+        self._engine: Any = None
+        self._engine = self._start_fitting(sglang, None)
+        self._started = EngineCapacity(self._settings.seqs, int(self._settings.memory))
         self._capacity = self._started
         self._lock = threading.Lock()
-        self._version = 0
         self._loads = 0
-        _LOG.info("SGLang engine ready on %s (%d sequences, %d KV tokens)", self._model_dir, max_batch_size,
-                  kv_budget_tokens)
+        _LOG.info("SGLang engine ready on %s (%s)", self._model_dir, self._settings.describe())
 
     # ---------------------------------------------------------------- Engine protocol
 
@@ -160,6 +190,16 @@ class SglangEngine:
     @property
     def capacity(self) -> EngineCapacity:
         return self._capacity
+
+    @property
+    def oom_restarts(self) -> tuple[OomRestart, ...]:
+        """The restarts after running out of memory, oldest first (the last 256)."""
+        return tuple(self._restarts)
+
+    @property
+    def oom_shed_total(self) -> int:
+        """Restarts after running out of memory since the engine was built (heartbeats report it as `oom_sheds`)."""
+        return self._restart_total
 
     def set_capacity(self, capacity: EngineCapacity) -> None:
         """Lower (or restore) the knobs; values above the start-up ones are clamped with a warning."""
@@ -176,10 +216,16 @@ class SglangEngine:
             check_request(i, req, self._shape.vocab_size, max_len)
         results: list[GenerateResult] = []
         with self._lock:
-            cap = self._capacity.max_concurrent_sequences
-            step = len(reqs) if cap >= self._started.max_concurrent_sequences else cap
-            for start in range(0, len(reqs), max(step, 1)):
-                results.extend(self._run(reqs[start : start + step]))
+            while len(results) < len(reqs):
+                cap = self._capacity.max_concurrent_sequences
+                step = len(reqs) if cap >= self._started.max_concurrent_sequences else max(cap, 1)
+                chunk = reqs[len(results) : len(results) + step]
+                try:
+                    results.extend(self._run(chunk))
+                except BatchOutOfMemory as oom:  # restart smaller, re-issue the chunk under the current weights
+                    self._stop()
+                    self._engine = self._start_fitting(importlib.import_module("sglang"),
+                                                       (OomPhase.GENERATE, oom.evidence, len(chunk)))
         return results
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -205,17 +251,80 @@ class SglangEngine:
                 )
             if self._weight_update == "disk":
                 self._engine.flush_cache()
+            else:
+                self._last_state = state
             self._version = version
         _LOG.info("loaded policy version %d (%d tensors) into SGLang", version, len(state))
 
     def close(self) -> None:
         """Stop SGLang's processes and delete weight directories (idempotent)."""
-        engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.shutdown()
-            self._engine = None
+        self._stop()
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
+
+    def _stop(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as exc:  # best effort: a failed engine may be half gone
+                _LOG.warning("SGLang shutdown: %s", exc)
+            self._engine = None
+
+    # ---------------------------------------------------------------- out-of-memory restarts
+
+    def _start_fitting(self, sglang: Any, failure: tuple[OomPhase, str, int] | None) -> Any:
+        """Start SGLang, first lowered after `failure` (phase, evidence, requests in flight), and lowered again
+        while it runs out of memory starting; `EngineOutOfMemory` past the policy's limit or floor."""
+        while True:
+            before = self._settings
+            if failure is not None:
+                self._lower(*failure)
+            began = time.monotonic()
+            try:
+                engine = sglang.Engine(**self._kwargs)
+            except Exception as exc:
+                evidence = oom_evidence(exception_text(exc))
+                if failure is not None:
+                    self._restarts.append(OomRestart(time.time(), failure[0], before, self._settings,
+                                                     time.monotonic() - began, failure[2], failure[1]))
+                if evidence is None:
+                    raise EngineError(f"SGLang could not start on {self._model_dir}: {type(exc).__name__}: {exc}") from exc
+                failure = (OomPhase.START, evidence, 0)
+                continue
+            if failure is not None:
+                self._restore_weights(engine)
+                seconds = time.monotonic() - began
+                self._restarts.append(OomRestart(time.time(), failure[0], before, self._settings, seconds, failure[2],
+                                                 failure[1]))
+                _LOG.warning("SGLang restarted after running out of memory in %.1f s with %s; re-issuing %d request(s)",
+                             seconds, self._settings.describe(), failure[2])
+            return engine
+
+    def _restore_weights(self, engine: Any) -> None:
+        """A restarted engine serves the current version: from its directory ("disk", set in `_lower`) or, with
+        "tensor" updates, from the last state loaded (kept for this: one host copy of the weights)."""
+        if self._weight_update == "tensor" and self._last_state is not None:
+            ok, message = _outcome(engine.update_weights_from_tensor(named_tensors=list(self._last_state.items()),
+                                                                     flush_cache=True))
+            if not ok:
+                raise EngineError(f"SGLang restarted after running out of memory but refused the weights of version "
+                                  f"{self._version}: {message}")
+
+    def _lower(self, phase: OomPhase, evidence: str, reissued: int) -> None:
+        before = self._settings
+        self._settings = self._policy.next(before, phase, self._restart_total, "SGLang", evidence, _HINT)
+        self._kwargs.update(max_running_requests=self._settings.seqs, max_total_tokens=int(self._settings.memory))
+        self._restart_total += 1
+        M.ROLLOUT_OOM_SHED.inc()
+        if hasattr(self, "_started"):  # a restart while serving: capacity follows the lower start-up values
+            self._started = EngineCapacity(self._settings.seqs, int(self._settings.memory))
+            self._capacity = EngineCapacity(min(self._capacity.max_concurrent_sequences, self._settings.seqs),
+                                            min(self._capacity.kv_budget_tokens, int(self._settings.memory)))
+        if self._weight_update == "disk" and self._root is not None and self._version > 0:
+            self._kwargs["model_path"] = str(max(self._root.iterdir(), key=lambda p: p.stat().st_mtime))
+        _LOG.warning("SGLang ran out of memory (%s, %d request(s) in flight): restarting it with %s (was %s). Cause: %s",
+                     phase.value, reissued, self._settings.describe(), before.describe(), evidence)
 
     # ---------------------------------------------------------------- helpers
 
@@ -247,7 +356,11 @@ class SglangEngine:
                 top_logprobs_num=[self._candidates(r) for r in reqs],
             )
         except Exception as exc:
-            raise EngineError(f"SGLang failed on a batch of {len(reqs)} requests: {type(exc).__name__}: {exc}") from exc
+            message = f"SGLang failed on a batch of {len(reqs)} requests: {type(exc).__name__}: {exc}"
+            evidence = oom_evidence(exception_text(exc))
+            if evidence is not None:
+                raise BatchOutOfMemory(message, evidence) from exc
+            raise EngineError(message) from exc
         if isinstance(outputs, dict):
             outputs = [outputs]
         return [self._result(r, out) for r, out in zip(reqs, outputs)]
