@@ -12,6 +12,7 @@ from earl_stream.config.cluster import (
     LauncherConfig,
     RayLauncherConfig,
     RayRoleConfig,
+    SandboxConfig,
     SecurityConfig,
     SelectorConfig,
     SlurmLauncherConfig,
@@ -36,7 +37,7 @@ from earl_stream.config.training import LORA_TARGETS, AlgoConfig, DistillConfig,
 
 __all__ = [
     "GROUP_SEEDS", "LORA_TARGETS", "AlgoConfig", "DistillConfig", "EnvSpec", "EvalConfig", "LauncherConfig", "LoggingConfig",
-    "LoraConfig", "ModelConfig", "RayLauncherConfig", "RayRoleConfig", "RolloutConfig", "RunConfig", "SecurityConfig",
+    "LoraConfig", "ModelConfig", "RayLauncherConfig", "RayRoleConfig", "RolloutConfig", "RunConfig", "SandboxConfig", "SecurityConfig",
     "SelectorConfig",
     "SlurmLauncherConfig", "StoreConfig", "SupervisorConfig", "TrainerConfig", "apply_run_override", "config_from_dict",
     "config_to_dict", "config_to_json", "config_to_yaml", "field_help", "load_config", "parse_cpus", "replace",

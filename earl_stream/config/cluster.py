@@ -1,5 +1,5 @@
 """The sections of how a run's processes are connected, planned and placed: the data plane (`store`), the
-supervisor, the plan selector, the launcher (Ray, Slurm) and security. Pure types with each field's help
+supervisor, the plan selector, the launcher (Ray, Slurm), security and the sandbox of untrusted code. Pure types with each field's help
 and rule; a `selector.plans` that names unknown layouts is refused in `earl_stream.config.validate`.
 """
 
@@ -147,3 +147,21 @@ class SecurityConfig:
     def metrics_auth_on(self) -> bool:
         """Whether the metrics endpoints require the read-only key."""
         return self.metrics_auth or self.tls_on
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    mode: str = _f("bwrap", "where agent programs run (earl_stream/sandbox): bwrap = bubblewrap, a filesystem of only "
+                   "the interpreter, the installed packages and the environment's own files (no run directory, "
+                   "secret, keys or checkpoints), uid 65534, no network but a socket to the worker's OpenAI "
+                   "endpoint; falls back to process, with a warning, where bwrap is missing or cannot make its "
+                   "namespaces (scripts/install-sandbox.sh installs it); process = a child under the limits below, "
+                   "seeing this host's files and network; none = no limits (debugging)",
+                   choices=("none", "process", "bwrap"))
+    cpu_seconds: float = _f(120.0, "CPU seconds an agent process may use past the start of its latest episode; "
+                            "past it the process is killed and the episodes running in it fail with "
+                            "sandbox_limit: cpu", minimum=1)
+    memory_bytes: int = _f(4 << 30, "memory an agent process may hold (all the episodes it runs at once); past it "
+                           "the kernel kills it and its episodes fail with sandbox_limit: memory", minimum=64 << 20)
+    processes: int = _f(256, "processes and threads an agent process may have at once; a fork past it fails (counted "
+                        "as sandbox_limit: processes when its episode fails)", minimum=8)

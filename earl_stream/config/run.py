@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from earl_stream.config.cluster import LauncherConfig, SecurityConfig, SelectorConfig, StoreConfig, SupervisorConfig
+from earl_stream.config.cluster import LauncherConfig, SandboxConfig, SecurityConfig, SelectorConfig, StoreConfig, SupervisorConfig
 from earl_stream.config.fields import field as _f
 from earl_stream.config.rollout import EnvSpec, EvalConfig, RolloutConfig
 from earl_stream.config.tracking import LoggingConfig
@@ -30,5 +30,6 @@ class RunConfig:
     selector: SelectorConfig = dataclasses.field(default_factory=SelectorConfig)
     launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)

@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import socket
 import ssl
 import time
@@ -113,6 +114,7 @@ class OpenAIEndpoint:
         self.local_url = ""  # what agents in this process use
         self.ca_pem = ""  # under TLS: the CA certificate (PEM) the agents trust
         self._server: asyncio.Server | None = None
+        self._unix_servers: list[asyncio.Server] = []
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -132,10 +134,22 @@ class OpenAIEndpoint:
         log.info("OpenAI-compatible endpoint at %s (model %r)", self.url, self.model)
         return self.url
 
+    async def serve_unix(self, path: str) -> str:
+        """Also serve on a Unix socket at `path` (plain HTTP: the socket's file is the boundary), for agent programs
+        in sandboxes without a network (`earl_stream.sandbox`); returns the base URL to give their clients."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o666)  # (a sandbox's uid 65534 connects; its folder is private to the worker and that sandbox)
+        sock.listen(256)
+        sock.setblocking(False)
+        self._unix_servers.append(await http.serve(self.handle, sock))
+        return "http://localhost/v1"
+
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        for server in [self._server, *self._unix_servers]:
+            if server is not None:
+                server.close()
+                await server.wait_closed()
 
     def expect(self, key: str) -> None:
         """An agent of this worker starts episode `key`: its requests are waited for when batching, and its

@@ -178,11 +178,9 @@ class Launch:
         """The limit the program went past, once it ended with `returncode` (None: none, as far as can be told)."""
         if self.killed_for is not None:
             return self.killed_for
-        if self._groups is not None and (found := self._groups.breach()) is not None:
-            return found
-        if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):  # (the kernel's signal: the surest evidence)
             return Breach.CPU
-        return None
+        return self._groups.breach() if self._groups is not None else None
 
     def cleanup(self) -> None:
         """After the program ended: free its control groups and scratch folder."""

@@ -21,18 +21,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import importlib
 import itertools
 import logging
 import os
+import shutil
 import socket
 import struct
 import sys
-from typing import Any
+import tempfile
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from earl_stream import metrics as M
+from earl_stream.sandbox import Breach, Launch, SandboxSpec, prepare, sandbox_environment
 from earl_stream.security.secret import SECRET_ENV
 from earl_stream.workers.agent_loop import EpisodeFailed
+from earl_stream.workers.agent_sandbox import EnvSource, agent_sandbox
+
+if TYPE_CHECKING:
+    from earl_stream.config import RunConfig
+    from earl_stream.openai_api import OpenAIEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +54,7 @@ GRACE_S = 5.0
 # how long a new child may take to say it is ready (Python, the environments' registry and openai imported: ~4 s
 # on a quiet core, several times that on a busy host); its start-up never counts against an episode's timeout
 START_TIMEOUT_S = 120.0
+START_CPU_S = 30.0  # CPU seconds a sandboxed child may spend starting (imports), besides its episodes' budgets
 
 
 class AgentJob(msgspec.Struct, tag="job", frozen=True):
@@ -55,6 +67,7 @@ class AgentJob(msgspec.Struct, tag="job", frozen=True):
     episode_key: str  # sent as the episode header with every request of the episode
     timeout_s: float
     ca_pem: str = ""  # under TLS: the CA certificate the endpoint's certificate is signed by
+    uds: str = ""  # the endpoint's Unix socket, in a sandbox without a network (`url` then names only the path)
 
 
 class AgentCancel(msgspec.Struct, tag="cancel", frozen=True):
@@ -102,8 +115,10 @@ def agent_environment() -> dict[str, str]:
 class AgentRunner:
     """One child process that runs agent episodes, any number at a time (asyncio tasks there)."""
 
-    def __init__(self, name: str = "agent-runner") -> None:
-        self.name = name
+    def __init__(self, name: str = "agent-runner", sandbox: SandboxSpec | None = None, worker: str = "",
+                 python_path: tuple[str, ...] = ()) -> None:
+        self.name, self.sandbox, self.worker, self.python_path = name, sandbox, worker or name, python_path
+        self._launch: Launch | None = None
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[AgentDone]] = {}
         self._proc: asyncio.subprocess.Process | None = None
@@ -123,10 +138,24 @@ class AgentRunner:
             if self._alive:
                 return
             parent, child = socket.socketpair()
+            argv = [sys.executable, "-m", "earl_stream.workers.agent_runner", "--fd", str(child.fileno()),
+                    "--name", self.name]
+            launch = None
+            if self.sandbox is not None:  # its start-up's CPU on top of the first episode's budget (`allow_cpu`)
+                limits = dataclasses.replace(self.sandbox.limits, cpu_seconds=self.sandbox.limits.cpu_seconds + START_CPU_S)
+                launch = prepare(argv, dataclasses.replace(self.sandbox, limits=limits), env=self._sandbox_environment())
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "earl_stream.workers.agent_runner", "--fd", str(child.fileno()),
-                    "--name", self.name, pass_fds=(child.fileno(),), env=agent_environment())
+                if launch is None:
+                    proc = await asyncio.create_subprocess_exec(*argv, pass_fds=(child.fileno(),),
+                                                                env=agent_environment())
+                else:
+                    proc = await asyncio.create_subprocess_exec(*launch.command, pass_fds=(child.fileno(),),
+                                                                env=launch.env, cwd=launch.cwd,
+                                                                preexec_fn=launch.preexec)
+            except BaseException:
+                if launch is not None:
+                    launch.cleanup()
+                raise
             finally:
                 child.close()
             reader, writer = await asyncio.open_connection(sock=parent)
@@ -142,13 +171,23 @@ class AgentRunner:
                 why = f"not ready within {START_TIMEOUT_S:.0f}s" if isinstance(exc, asyncio.TimeoutError) else (
                     f"exited with code {proc.returncode} before it was ready"
                     if isinstance(exc, asyncio.IncompleteReadError) else str(exc))
+                if launch is not None:
+                    launch.cleanup()
                 raise OSError(f"{self.name} (pid {proc.pid}): {why}") from None
-            self._proc, self._writer, self._alive = proc, writer, True
+            self._proc, self._writer, self._alive, self._launch = proc, writer, True, launch
             self.starts += 1
-            self._reader_task = asyncio.create_task(self._read(reader, proc), name=f"{self.name}-reader")
-            log.info("%s started (pid %d)", self.name, proc.pid)
+            self._reader_task = asyncio.create_task(self._read(reader, proc, launch), name=f"{self.name}-reader")
+            log.info("%s started (pid %d%s)", self.name, proc.pid,
+                     f", sandbox {self.sandbox.mode.value}" if self.sandbox is not None else "")
 
-    async def _read(self, reader: asyncio.StreamReader, proc: asyncio.subprocess.Process) -> None:
+    def _sandbox_environment(self) -> dict[str, str]:
+        env = sandbox_environment(agent_environment())
+        if self.python_path:
+            env["PYTHONPATH"] = os.pathsep.join([*self.python_path, *filter(None, [env.get("PYTHONPATH")])])
+        return env
+
+    async def _read(self, reader: asyncio.StreamReader, proc: asyncio.subprocess.Process,
+                    launch: Launch | None) -> None:
         try:
             while True:
                 done = _to_worker.decode(await _read_frame(reader))
@@ -168,6 +207,13 @@ class AgentRunner:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()  # a child that sent garbage, or hangs past its socket, is not trusted again
             code = await proc.wait()
+        breach = launch.breach(code) if launch is not None else None
+        if launch is not None:
+            launch.kill(proc.pid)  # what it left running in its sandbox
+            launch.cleanup()
+        if breach is not None:
+            M.ROLLOUT_SANDBOX_BREACHES.labels(self.worker, breach.value).inc()
+            why = f"{why}: {breach_text(breach, self.sandbox)}"
         for future in failed:
             if not future.done():  # (one may have timed out or been cancelled meanwhile)
                 future.set_exception(EpisodeFailed(f"the agent process exited with code {code}{why}"))
@@ -175,19 +221,21 @@ class AgentRunner:
             log.warning("%s (pid %d) exited with code %s%s: %d episodes failed", self.name, proc.pid, code, why, len(failed))
 
     async def run(self, spec: str, params: dict[str, Any], seed: int, *, url: str, api_key: str, episode_key: str,
-                  timeout_s: float, ca_pem: str = "") -> float:
+                  timeout_s: float, ca_pem: str = "", uds: str = "") -> float:
         """Play one episode in the child; returns its reward or raises `EpisodeFailed`."""
         try:
             await self._ensure_started()
         except OSError as exc:
             raise EpisodeFailed(f"could not start the agent process: {exc}") from None
         assert self._writer is not None
+        if self._launch is not None and self.sandbox is not None:
+            self._launch.allow_cpu(self.sandbox.limits.cpu_seconds)  # this episode's budget, from now on
         job = next(self._ids)
         future: asyncio.Future[AgentDone] = asyncio.get_running_loop().create_future()
         self._pending[job] = future
         try:
             self._writer.write(_frame(AgentJob(job, spec, dict(params), seed, url, api_key, episode_key, timeout_s,
-                                               ca_pem)))
+                                               ca_pem, uds)))
             await self._writer.drain()
             done = await asyncio.wait_for(future, timeout_s + GRACE_S)
         except (ConnectionError, RuntimeError) as exc:
@@ -222,30 +270,88 @@ class AgentRunner:
                 await proc.wait()
         if self._reader_task is not None:
             await asyncio.gather(self._reader_task, return_exceptions=True)
+        elif self._launch is not None:
+            self._launch.cleanup()
 
 
 class AgentRunners:
-    """`n` children; each episode goes to the least loaded one (`rollout.agent_processes`)."""
+    """`n` children (`rollout.agent_processes`); each episode goes to the least loaded one. In a sandbox
+    (`sandbox.*`, `agent_sandbox`) there are `n` for each set of files environments need to see (`EnvSource`: their
+    code and the paths their parameters name), and they reach the worker's OpenAI endpoint only through its Unix
+    socket `endpoint_socket`, whose folder is all of the worker they can write to."""
 
-    def __init__(self, n: int, worker_id: str) -> None:
-        self.runners = [AgentRunner(f"{worker_id}-agents-{i}") for i in range(n)]
+    def __init__(self, n: int, worker_id: str, sandbox: SandboxSpec | None = None, endpoint_socket: str = "") -> None:
+        if sandbox is not None and not endpoint_socket:
+            raise ValueError("sandboxed agent processes reach the endpoint by its Unix socket: pass endpoint_socket")
+        self.n, self.worker_id, self.sandbox, self.endpoint_socket = n, worker_id, sandbox, endpoint_socket
+        self.pools: dict[tuple[tuple[str, ...], tuple[str, ...]], list[AgentRunner]] = {}  # by what they see
+
+    @property
+    def runners(self) -> list[AgentRunner]:
+        return [r for pool in self.pools.values() for r in pool]
+
+    def _pool(self, source: EnvSource) -> list[AgentRunner]:
+        view = source.view if self.sandbox is not None else ((), ())
+        if view not in self.pools:
+            box = None
+            if self.sandbox is not None:
+                box = dataclasses.replace(self.sandbox, read_only=(*self.sandbox.read_only, *source.read_only),
+                                          writable=(*self.sandbox.writable, os.path.dirname(self.endpoint_socket)))
+            first = len(self.runners)
+            self.pools[view] = [AgentRunner(f"{self.worker_id}-agents-{first + i}", box, self.worker_id,
+                                            source.python_path) for i in range(self.n)]
+        return self.pools[view]
 
     async def run(self, spec: str, params: dict[str, Any], seed: int, **kw: Any) -> float:
-        return await min(self.runners, key=lambda r: r.load).run(spec, params, seed, **kw)
+        if self.sandbox is None:
+            pool = self._pool(EnvSource(spec, params))
+        else:  # no network inside: the endpoint by its socket, plain HTTP; code references made absolute
+            source = EnvSource.of(spec, params)
+            pool, spec, params = self._pool(source), source.spec, source.params
+            kw.update(url="http://localhost/v1", ca_pem="", uds=self.endpoint_socket)
+        return await min(pool, key=lambda r: r.load).run(spec, params, seed, **kw)
 
     async def aclose(self) -> None:
         await asyncio.gather(*(r.aclose() for r in self.runners), return_exceptions=True)
+        if self.endpoint_socket:
+            shutil.rmtree(os.path.dirname(self.endpoint_socket), ignore_errors=True)
+
+
+async def open_agent_runners(cfg: RunConfig, worker_id: str, endpoint: OpenAIEndpoint) -> AgentRunners:
+    """The worker's agent processes (`rollout.agent_processes`), in sandboxes per `sandbox.*`: then the endpoint also
+    serves on a Unix socket in a folder of its own (removed by `aclose`), the one path of the worker they see."""
+    sandbox = agent_sandbox(cfg)
+    if sandbox is None:
+        return AgentRunners(cfg.rollout.agent_processes, worker_id)
+    folder = tempfile.mkdtemp(prefix="earl-agents-")
+    os.chmod(folder, 0o755)  # (uid 65534 connects to the socket inside)
+    path = os.path.join(folder, "openai.sock")
+    await endpoint.serve_unix(path)
+    log.info("agent programs run in sandboxes (%s) and reach the endpoint by %s", sandbox.mode.value, path)
+    return AgentRunners(cfg.rollout.agent_processes, worker_id, sandbox, path)
+
+
+def breach_text(breach: Breach, spec: SandboxSpec | None) -> str:
+    """`sandbox_limit: <limit> (...)`: the reason an episode failed for, its limit's setting named."""
+    limits = spec.limits if spec is not None else None
+    said = {Breach.CPU: f"more than sandbox.cpu_seconds={limits.cpu_seconds:g} CPU seconds" if limits else "",
+            Breach.MEMORY: f"more than sandbox.memory_bytes={limits.memory_bytes} bytes" if limits else "",
+            Breach.PROCESSES: f"more than sandbox.processes={limits.processes} processes" if limits else "",
+            Breach.WALL: "past its wall-clock limit"}[breach]
+    return f"sandbox_limit: {breach.value} ({said})"
 
 
 # --- the child ---------------------------------------------------------------------------------------------
 
 
-_clients: dict[tuple[str, str], Any] = {}
+_clients: dict[tuple[str, str, str], Any] = {}
 
 
-def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float, ca_pem: str = "") -> Any:
-    """An `openai.AsyncOpenAI` client on the endpoint at `url`, its requests filed under `episode_key` and
-    authorised by `api_key` (the episode's agent key); under TLS it trusts only `ca_pem`.
+def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float, ca_pem: str = "",
+                   uds: str = "") -> Any:
+    """An `openai.AsyncOpenAI` client on the endpoint at `url` (through the Unix socket `uds` where given), its
+    requests filed under `episode_key` and authorised by `api_key` (the episode's agent key); under TLS it trusts
+    only `ca_pem`.
 
     Every episode's client is a copy of one client per endpoint, sharing its connection pool: a new
     client builds an SSL context (~30 ms here), which would cost more than a short turn.
@@ -256,24 +362,30 @@ def episode_client(url: str, api_key: str, episode_key: str, timeout_s: float, c
         import openai
     except ImportError:
         raise EpisodeFailed("agent environments need the openai package (pip install 'earl_stream[agents]')") from None
-    base = _clients.get((url, ca_pem))
+    base = _clients.get((url, ca_pem, uds))
     if base is None or base.is_closed():
         from earl_stream.security.tls import client_context  # (only under TLS: the child starts faster without it)
 
-        http_client = openai.DefaultAsyncHttpxClient(verify=client_context(ca_pem)) if ca_pem else None
-        base = _clients[(url, ca_pem)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0,
-                                                            http_client=http_client)
+        http_client = None
+        if uds:  # the transport of the HTTP library openai's client is built on (httpx, or httpx2 in newer ones)
+            base_client = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
+            library = importlib.import_module(base_client.__module__.split(".")[0])
+            http_client = openai.DefaultAsyncHttpxClient(transport=library.AsyncHTTPTransport(uds=uds))
+        elif ca_pem:
+            http_client = openai.DefaultAsyncHttpxClient(verify=client_context(ca_pem))
+        base = _clients[(url, ca_pem, uds)] = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0,
+                                                                 http_client=http_client)
     return base.with_options(api_key=api_key, timeout=timeout_s, default_headers={EPISODE_HEADER: episode_key})
 
 
 async def run_agent(env: Any, seed: int, url: str, api_key: str, episode_key: str, timeout_s: float,
-                    ca_pem: str = "") -> float:
+                    ca_pem: str = "", uds: str = "") -> float:
     """`env.run(client, env.task(seed))` with an episode client, its reward; any failure is `EpisodeFailed`."""
     try:
         task = env.task(seed)
     except Exception as exc:  # the environment's own code
         raise EpisodeFailed(f"agent task({seed}) raised {type(exc).__name__}: {exc}") from None
-    client = episode_client(url, api_key, episode_key, timeout_s, ca_pem)
+    client = episode_client(url, api_key, episode_key, timeout_s, ca_pem, uds)
     try:
         return float(await asyncio.wait_for(env.run(client, task), timeout_s))
     except asyncio.TimeoutError:
@@ -288,7 +400,7 @@ async def _episode(job: AgentJob, writer: asyncio.StreamWriter) -> None:
     try:
         env = make_env(job.spec, job.params)
         done = AgentDone(job.job, reward=await run_agent(env, job.seed, job.url, job.api_key, job.episode_key,
-                                                         job.timeout_s, job.ca_pem))
+                                                         job.timeout_s, job.ca_pem, job.uds))
     except EpisodeFailed as exc:
         done = AgentDone(job.job, error=str(exc))
     except Exception as exc:  # the environment's constructor is user code too

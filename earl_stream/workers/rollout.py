@@ -48,7 +48,7 @@ from earl_stream.store.weight_route import WeightRoute
 from earl_stream.supervisor.rollout_selector import engine_kv_capacity
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_env_seed, episode_sample_seed, play_episode
-from earl_stream.workers.agent_runner import AgentRunners
+from earl_stream.workers.agent_runner import AgentRunners, open_agent_runners
 from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.durable import DurableSamples
 from earl_stream.workers.engines.base import Engine, EngineCapacity
@@ -223,8 +223,7 @@ class RolloutWorker:
         self._control_wake = asyncio.Event()
         self._tasks = [*slots, asyncio.create_task(self._engine_control())]
         self.endpoint: openai_api.OpenAIEndpoint | None = None
-        self.agent_runners = AgentRunners(self.cfg.rollout.agent_processes, self.worker_id) \
-            if self.cfg.rollout.agent_processes else None
+        self.agent_runners: AgentRunners | None = None
         if self.openai_sock is not None:
             r = self.cfg.rollout
             self.endpoint = openai_api.OpenAIEndpoint(
@@ -233,6 +232,8 @@ class RolloutWorker:
                 top_p=r.top_p, top_k=r.top_k, policy_version=lambda: self.engine.policy_version, worker=self.worker_id,
                 non_append=r.non_append)
             await self.endpoint.start(self.openai_sock, self.openai_url.split("//")[1].rsplit(":", 1)[0])
+            if r.agent_processes:
+                self.agent_runners = await open_agent_runners(self.cfg, self.worker_id, self.endpoint)
         try:
             await self._heartbeat_loop()
         finally:
@@ -258,12 +259,10 @@ class RolloutWorker:
                      "memory_bytes": self.memory.bytes, **self.swaps.stats(), **self._lora_stats(),
                      # the built-in engine's load sheds on allocation failures (workers/engines/shedding.py)
                      "oom_sheds": float(getattr(self.engine, "oom_shed_total", 0))}
-            sheds = getattr(self.engine, "oom_sheds", ())  # the evidence of the latest one: what it asked, what was held
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
                     worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors,
-                    leaving=self.stop.leaving, oom_attempted_bytes=(sheds[-1].bytes_attempted or 0) if sheds else 0,
-                    oom_in_use_bytes=sheds[-1].bytes_in_use if sheds else 0))
+                    leaving=self.stop.leaving))
             except EarlError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 await asyncio.sleep(period)

@@ -1,0 +1,109 @@
+"""The sandbox a rollout worker's agent processes run in (`sandbox.*`, `earl_stream.sandbox`), and what an agent
+environment's process needs to see in it.
+
+`agent_sandbox(cfg)`: the spec every agent process of the worker starts from (the mode resolved: bwrap falls back
+to process, with the warning to log), or None under `sandbox.mode=none`. `EnvSource.of(spec)`: for one agent
+environment's registry spec and parameters, what its process is given: the spec and parameters as they resolve
+inside (a `file.py:attr` named relative to the worker's folder made absolute), the paths it must read (that file's
+folder, the folder of a module that is not installed, e.g. one importable from the worker's working directory)
+and the import path that finds them. An installed package or entry point needs nothing: the sandbox shows the
+interpreter's packages. Data files named in parameters are not shown: the process works in its own empty folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from earl_stream.sandbox import Limits, SandboxMode, SandboxSpec, resolve_mode
+from earl_stream.sandbox.launch import visible_roots
+
+if TYPE_CHECKING:
+    from earl_stream.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def agent_sandbox(cfg: RunConfig) -> SandboxSpec | None:
+    """The spec of the worker's agent processes (their wall time is each episode's timeout, not a limit here)."""
+    s = cfg.sandbox
+    mode, warning = resolve_mode(s.mode)
+    if warning:
+        log.warning("%s", warning)
+    if mode is SandboxMode.NONE:
+        log.warning("sandbox.mode=none: agent programs run without limits, as this worker's user")
+        return None
+    limits = Limits(cpu_seconds=s.cpu_seconds, wall_seconds=365 * 86400.0, memory_bytes=s.memory_bytes,
+                    processes=s.processes)
+    return SandboxSpec(mode=mode, limits=limits)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSource:
+    spec: str  # the registry spec as the agent process resolves it
+    params: dict[str, Any]  # its parameters, code references in them made absolute
+    read_only: tuple[str, ...] = ()  # what it must be able to read
+    python_path: tuple[str, ...] = ()  # prepended to its PYTHONPATH
+
+    @property
+    def view(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What its process sees besides the packages: processes with the same view serve each other's episodes."""
+        return self.read_only, self.python_path
+
+    @classmethod
+    def of(cls, spec: str, params: dict[str, Any]) -> EnvSource:
+        """The spec and every string in `params` that names code (the `agent` environment's `run`, ...): a
+        `file.py:attr` reference is made absolute and its folder shown, and a module that is not installed is shown
+        with the import path that finds it. Paths to data are not shown (a parameter naming the run directory would
+        show it all): the code reads what it was given or ships with it."""
+        seen: list[str] = []
+        python_path: list[str] = []
+        spec = _reference(spec, seen, python_path)
+        params = _walk(params, seen, python_path)
+        return cls(spec, params, tuple(dict.fromkeys(seen)), tuple(dict.fromkeys(python_path)))
+
+
+def _walk(value: Any, seen: list[str], python_path: list[str]) -> Any:
+    if isinstance(value, str):
+        return _reference(value, seen, python_path)
+    if isinstance(value, dict):
+        return {k: _walk(v, seen, python_path) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_walk(v, seen, python_path) for v in value)
+    return value
+
+
+def _reference(text: str, seen: list[str], python_path: list[str]) -> str:
+    """`text` as the sandboxed process must see it, when it names code (`file.py:attr`, `module:attr`)."""
+    target, colon, attr = text.rpartition(":")
+    if not colon or not target or not attr.isidentifier():
+        return text  # a name (registered by an installed package, an entry point), or not code at all
+    if target.endswith(".py"):
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            return text  # the process says it does not exist, as the worker would
+        seen.append(str(path.parent))
+        return f"{path}:{attr}"
+    if not all(part.isidentifier() for part in target.split(".")):
+        return text
+    try:
+        found = importlib.util.find_spec(target.split(".")[0])
+    except (ImportError, ValueError):
+        return text
+    where = None
+    if found is not None:
+        where = found.submodule_search_locations[0] if found.submodule_search_locations else found.origin
+    if where is not None and not _visible(where):
+        package = os.path.realpath(where)
+        seen.append(package)
+        python_path.append(os.path.dirname(package))
+    return text
+
+
+def _visible(path: str) -> bool:
+    real = os.path.realpath(path)
+    return real.startswith("/usr/") or any(real == root or real.startswith(root + "/") for root in visible_roots())
