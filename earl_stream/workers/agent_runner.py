@@ -13,6 +13,12 @@ episode's key, and answers. The endpoint, the token accounting and the sample st
 next episode starts a new child. What the agent prints goes to the worker's log. The child's environment
 holds no cluster secret (`agent_environment`).
 
+Sandboxed (`sandbox.*`; `open_agent_runners`, `agent_sandbox`): the child starts in a sandbox
+(`earl_stream.sandbox`) that shows it only the interpreter, the packages and its environment's code, with no
+network: it reaches the endpoint through a Unix socket (`AgentJob.uds`). Before each episode its CPU limit moves
+to what it used plus `sandbox.cpu_seconds`; a child that goes past a limit fails its episodes with
+`sandbox_limit: <limit>` (`breach_text`).
+
 Frames: a 4-byte big-endian length, then a msgpack-encoded message.
 """
 
@@ -104,9 +110,8 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
 
 def agent_environment() -> dict[str, str]:
     """The agent process's environment: the worker's, less the variables that name the cluster secret's file
-    and the TLS key's. Its programs get each episode's agent key instead (openai_api/auth.py). (They run as the
-    worker's user: a program that goes looking can still read files that user can, the secret's included; run
-    agent programs under another user or in a sandbox for a hard boundary.)"""
+    and the TLS key's. Its programs get each episode's agent key instead (openai_api/auth.py). (Outside a bwrap
+    sandbox they run where the worker's files are: a program that goes looking can read what its user can.)"""
     from earl_stream.security.tls import TLS_KEY_ENV
 
     return {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, TLS_KEY_ENV)}
