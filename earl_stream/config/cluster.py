@@ -77,7 +77,8 @@ class SelectorConfig:
 @dataclasses.dataclass(frozen=True)
 class RayRoleConfig:
     num_cpus: float = _f(1.0, "Ray CPUs each process of this role reserves", minimum=0)
-    num_gpus: float = _f(0.0, "Ray GPUs each process of this role reserves (a trainer rank on cuda: 1)", minimum=0)
+    num_gpus: float = _f(0.0, "Ray GPUs each process of this role reserves; 0 in every role = launcher.gpus decides; "
+                         "set in any role, every role reserves its own setting", minimum=0)
     resources: dict[str, Any] = _f({}, "custom Ray resources each process of this role reserves, e.g. "
                                    "{rollout_node: 1}: it runs only on nodes that declare them")
 
@@ -112,10 +113,11 @@ class LauncherConfig:
     kind: str = _f("local", "how `up` places the processes: local (child processes), ray (actors on a Ray "
                    "cluster), slurm (srun steps inside a Slurm allocation), or a registered launcher "
                    "(earl_stream.cli.launchers)")
-    gpus: str = _f("split", "the local launcher on a host with CUDA devices: split = the trainer ranks see the first "
-                   "trainer.nproc visible GPUs and each rollout worker one of the others, round-robin (with none left "
-                   "over, the workers take the visible GPUs round-robin); shared = every process sees every visible "
-                   "GPU (CUDA_VISIBLE_DEVICES as `up` got it). Pools on the CPU are not placed",
+    gpus: str = _f("split", "the local and Ray launchers: split = the trainer ranks see the first trainer.nproc "
+                   "visible GPUs and each rollout worker one of the others, round-robin (with none left over, the "
+                   "workers take the visible GPUs round-robin); shared = every process sees every visible GPU "
+                   "(CUDA_VISIBLE_DEVICES as `up` got it). On Ray as amounts of Ray's GPU resource (Ray picks the "
+                   "devices); shared reserves none. Pools on the CPU are not placed",
                    choices=("split", "shared"))
     ray: RayLauncherConfig = dataclasses.field(default_factory=RayLauncherConfig)
     slurm: SlurmLauncherConfig = dataclasses.field(default_factory=SlurmLauncherConfig)
