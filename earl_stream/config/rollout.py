@@ -40,9 +40,11 @@ class RolloutConfig:
     prefill_chunk_tokens: int = _f(512, "the built-in engine prefills a long prompt this many positions per forward, "
                                    "appending to its KV cache chunk by chunk (same tokens and log-probs): a prefill's "
                                    "transient memory is then one chunk's activations and chunk x context mask, not the "
-                                   "whole prompt's (the rollout memory model counts the chunk). 512: a 4,096-token "
-                                   "prefill's peak drops from 193 to 37 MiB on the 2-layer test model "
-                                   "(bench/results/rollout_prefill_chunks.json); 0 = whole prompts",
+                                   "whole prompt's (the rollout memory model counts the chunk). 512: on the 2-layer "
+                                   "test model a 4,096-token prefill peaks at 38 MiB instead of 192 and, at "
+                                   "rollout.threads=1, takes 0.58x the CPU time (a whole prefill attends through a "
+                                   "full n x n mask); 256 saves 12 MiB more but ran 2.3x slower at 2 threads on a "
+                                   "loaded host (bench/results/rollout_prefill_chunks.json); 0 = whole prompts",
                                    minimum=0)
     join_running_batch: bool = _f(True, "the built-in engine admits a request into a batch already decoding "
                                   "(continuous batching); false: each batch runs to completion")
