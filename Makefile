@@ -108,6 +108,7 @@ bench: $(BENCH_VENV)/.installed ## every benchmark, then docs/BENCHMARKS.md (BEN
 	HF_HUB_OFFLINE=1 $(BPY) bench/eval_overlap.py --json bench/results/eval_overlap.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/sft.py --out bench/results/sft.json
 	HF_HUB_OFFLINE=1 $(BPY) bench/distill.py --out bench/results/distill.json
+	HF_HUB_OFFLINE=1 $(BPY) bench/sandbox.py $(BENCH_ARGS) --json bench/results/sandbox.json
 	$(MAKE) bench-report
 
 # docs/BENCHMARKS.md and the README's results table from bench/results/*.json, each result marked stale when

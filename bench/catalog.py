@@ -169,6 +169,11 @@ BENCHMARKS: list[dict[str, Any]] = [
      "title": "On-policy distillation vs plain GRPO on the same budget",
      "script": "bench/distill.py", "command": "python bench/distill.py --out bench/results/distill.json",
      "files": ["distill.json"], "render": render_generic},
+    {"name": "sandbox", "depends_on": ["earl_stream/sandbox", "earl_stream/workers/agent_runner.py",
+                                       "earl_stream/workers/agent_sandbox.py", "bench/sandbox.py"],
+     "title": "Sandboxed agent programs: episodes/s with sandbox.mode none, process and bwrap",
+     "script": "bench/sandbox.py", "command": "python bench/sandbox.py --json bench/results/sandbox.json",
+     "files": ["sandbox.json"], "render": render_generic},
 ]
 
 for _bench in BENCHMARKS:
