@@ -14,7 +14,8 @@ built-in engine's prefill and decode transients). Per device of an engine of tp 
 
 where the transient peak is `rollout_memory.engine_transient` for the design length L and the rows R the engine
 runs at once (counted for the built-in engine only: vLLM and SGLang size their own workspace). The transient grows
-with R (sampling and logits per row, the prefill's positions up to max_prefill_tokens), so R is the largest count,
+with R (sampling and logits per row, the prefill's positions up to max_prefill_tokens, or up to one chunk of
+rollout.prefill_chunk_tokens), so R is the largest count,
 at most rollout.max_batch_size, with R x L x c x KV bytes per token + c x transient(R) within the free memory; the
 plan's concurrency is R and its KV budget the formula above at R. c >= 1 is the engine's correction, learnt from
 the allocation failures its rollout workers shed (`on_sheds`, from the heartbeats' `oom_sheds` and the latest
