@@ -6,8 +6,10 @@ restoring the RNG state it started from and releasing what the failed step held,
 optimizer are exactly those of the last completed step and the same batch can be trained again. A failure
 inside or after an optimizer step (several updates per step, or the step's own temporaries) is raised as
 it is: the rank's state is no longer that of a completed step, and the pool resumes from its last
-checkpoint as after any crash. Asking the supervisor for a plan and retrying is the trainer's
-(`workers.trainer`); the supervisor's side is `supervisor.oom_replan`.
+checkpoint as after any crash. In a pool of several ranks, `peer_failure` turns the error a rank sees when
+another rank abandoned the step (its collective fails, or `pool_abort.PeerAbandoned`) into the same
+`AllocationFailure`, with the same clean-up (`workers.pool_abort`). Asking the supervisor for a plan and
+retrying is `workers.oom_retry`'s; the supervisor's side is `supervisor.oom_replan`.
 
 `cap_address_space`: for tests and benchmarks, caps the process's address space (RLIMIT_AS) a given
 headroom above what it maps now ($EARL_TRAINER_AS_HEADROOM_BYTES in a trainer rank, once its model and
@@ -50,9 +52,11 @@ class AllocationFailure:
     failed: float  # when it failed
 
 
-def run_guarded(run: Callable[[], T], optimizer: torch.optim.Optimizer, device: torch.device) -> T | AllocationFailure:
+def run_guarded(run: Callable[[], T], optimizer: torch.optim.Optimizer, device: torch.device, *,
+                peer_failure: Callable[[BaseException], AllocationFailure | None] | None = None) -> T | AllocationFailure:
     """`run()`, or an `AllocationFailure` when it failed to allocate before the optimizer stepped (then no
-    gradient, RNG draw or cached block of the attempt is left)."""
+    gradient, RNG draw or cached block of the attempt is left). `peer_failure(exc)`: for an error that is not
+    an allocation failure, another rank's failure that explains it (None: `exc` is raised as it is)."""
     stepped = False
 
     def mark(*_: Any) -> None:
@@ -65,15 +69,17 @@ def run_guarded(run: Callable[[], T], optimizer: torch.optim.Optimizer, device: 
     try:
         return run()
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        if not is_allocation_failure(exc):
+        own = is_allocation_failure(exc)
+        elsewhere = None if own or stepped or peer_failure is None else peer_failure(exc)
+        if not own and elsewhere is None:
             raise
         if stepped:
             log.error("the step failed to allocate after the optimizer stepped: the rank's state is not that of a "
                       "completed step, so it is not retried (the pool resumes from its last checkpoint)")
             raise
         text = str(exc).strip()
-        failure = AllocationFailure(text.splitlines()[0][:300] if text else type(exc).__name__,
-                                    attempted_bytes(exc) or 0, started, time.monotonic())
+        failure = elsewhere or AllocationFailure(text.splitlines()[0][:300] if text else type(exc).__name__,
+                                                 attempted_bytes(exc) or 0, started, time.monotonic())
         release_cached(exc, device)
     finally:
         handle.remove()
