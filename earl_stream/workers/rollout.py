@@ -145,7 +145,8 @@ class RolloutWorker:
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
                            kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.swap_mode,
                            lora_rank=lora.rank if lora.enabled else 0,
-                           batch_invariant=r.invariant_batches(self.cfg.trainer.max_staleness))
+                           batch_invariant=r.invariant_batches(self.cfg.trainer.max_staleness),
+                           prefill_chunk_tokens=r.prefill_chunk_tokens)
 
     def _lora_stats(self) -> dict[str, float]:
         """How the engine applied LoRA versions (vLLM: `lora_versions_as_adapter` / `lora_versions_merged`)."""
@@ -259,10 +260,12 @@ class RolloutWorker:
                      "memory_bytes": self.memory.bytes, **self.swaps.stats(), **self._lora_stats(),
                      # the built-in engine's load sheds on allocation failures (workers/engines/shedding.py)
                      "oom_sheds": float(getattr(self.engine, "oom_shed_total", 0))}
+            sheds = getattr(self.engine, "oom_sheds", ())  # the evidence of the latest one: what it asked, what was held
             try:
                 reply = await asyncio.to_thread(self.hb_client.call, P.Heartbeat(
                     worker_id=self.worker_id, stats=stats, envs_version=self.envs_version, env_errors=self.env_errors,
-                    leaving=self.stop.leaving))
+                    leaving=self.stop.leaving, oom_attempted_bytes=(sheds[-1].bytes_attempted or 0) if sheds else 0,
+                    oom_in_use_bytes=sheds[-1].bytes_in_use if sheds else 0))
             except EarlError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 await asyncio.sleep(period)

@@ -98,6 +98,7 @@ def make_engine(
     weight_swap: str = "drain",
     lora_rank: int = 0,
     batch_invariant: bool = False,
+    prefill_chunk_tokens: int | None = None,
 ) -> Engine:
     """Start backend `name` on the Hugging Face directory `model_dir`.
 
@@ -109,7 +110,9 @@ def make_engine(
     `lora_rank` > 0 (a `model.lora` run): vLLM starts able to serve adapters of that rank (the built-in
     engine applies them unmerged and needs nothing at start). `batch_invariant` (`rollout.batch_invariant`): a row's
     tokens do not depend on which rows share its batch; only backends with `set_batch_invariant` (the built-in
-    one) can, any other is refused.
+    one) can, any other is refused. `prefill_chunk_tokens` (`rollout.prefill_chunk_tokens`): the most positions one
+    prefill forward runs, for backends with `set_prefill_chunk_tokens` (the built-in one; the others size their own
+    prefills); None keeps the backend's default.
     """
     reason = unavailable_reason(name)
     if reason is not None:
@@ -137,4 +140,7 @@ def make_engine(
             raise EngineError(f"rollout.batch_invariant: engine {name!r} cannot make a row's tokens independent of "
                               "its batch; use rollout.engine=torch or rollout.batch_invariant=never")
         make_invariant(True)
+    chunking = getattr(engine, "set_prefill_chunk_tokens", None)
+    if prefill_chunk_tokens is not None and chunking is not None:
+        chunking(prefill_chunk_tokens)
     return engine

@@ -196,6 +196,12 @@ class TorchEngine(SwapSteps, ShedSteps):
         self._kv.set_budget(self.capacity.kv_budget_tokens)
         M.ROLLOUT_KV_BUDGET_TOKENS.set(self.capacity.kv_budget_tokens)
 
+    def set_prefill_chunk_tokens(self, tokens: int) -> None:
+        """`rollout.prefill_chunk_tokens`: the most positions one prefill forward runs from now on (0: whole)."""
+        if tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens={tokens} must be >= 0")
+        self._passes = dataclasses.replace(self._passes, chunk_tokens=tokens)
+
     def set_batch_invariant(self, on: bool) -> None:
         """Make every row's logits (hence its seeded tokens) independent of which rows share its batch and when
         they joined (`rollout.batch_invariant`): the fast decoder runs the fixed-shape ops of `invariant_ops`;

@@ -4,6 +4,8 @@ unequal lengths; the batch-invariant path stays batch-invariant; the rollout mem
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -80,6 +82,19 @@ def test_a_chunked_prefill_samples_what_a_whole_one_does(model: Qwen2ForCausalLM
     # the same prefills, in more forwards: the chunks ran
     assert chunked.stats.prefill_tokens == whole.stats.prefill_tokens
     assert chunked.stats.forward_calls >= whole.stats.forward_calls + 10
+
+
+def test_the_setting_reaches_the_engine_that_make_engine_starts(model: Qwen2ForCausalLM, tmp_path: Path) -> None:
+    """`rollout.prefill_chunk_tokens` as the rollout worker passes it: 0 prefills whole, 64 in chunks."""
+    from earl_stream.workers.engines.registry import make_engine
+
+    calls: dict[int, int] = {}
+    for chunk in (0, 64):
+        engine = make_engine("torch", tmp_path, model, prefill_chunk_tokens=chunk)
+        assert isinstance(engine, TorchEngine)
+        engine.generate([GenerateRequest(_tokens(300, 0), 1, temperature=0.0)])
+        calls[chunk] = engine.stats.forward_calls
+    assert calls[64] >= calls[0] + 4  # 300 positions in 64-position forwards
 
 
 def test_chunked_prefills_stay_batch_invariant(model: Qwen2ForCausalLM) -> None:
