@@ -134,7 +134,7 @@ BENCHMARKS: list[dict[str, Any]] = [
     {"name": "rollout_memory", "depends_on": ["earl_stream/workers/engines", "bench/rollout_memory.py"],
      "title": "Rollout memory: the engine's KV budget and admission under a memory cap",
      "script": "bench/rollout_memory.py", "command": "python bench/rollout_memory.py --json bench/results/rollout_memory.json",
-     "files": ["rollout_memory.json", "rollout_memory_gpu.json"], "render": render_generic},
+     "files": ["rollout_memory.json", "rollout_memory_gpu.json", "rollout_prefill_chunks.json"], "render": render_generic},
     {"name": "moe", "depends_on": ["earl_stream/model/moe.py", "earl_stream/model/moe_config.py",
                                    "earl_stream/model/tiny_moe.py", "earl_stream/workers/routing_replay.py",
                                    "earl_stream/workers/engines/routing.py", "earl_stream/workers/train_step.py",
