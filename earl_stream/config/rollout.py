@@ -25,6 +25,10 @@ class EnvSpec:
                          "policy still differs where it errs; auto = per_episode where the environment sets "
                          "seed_per_episode = True (tictactoe, connect_four), else shared",
                          choices=GROUP_SEEDS)
+    limits: dict[str, float] = _f({}, "this environment's agent processes' sandbox limits, each overriding sandbox.*'s: "
+                                  "cpu_seconds, memory_bytes, processes (e.g. {cpu_seconds: 600})")
+    network: list[str] = _f([], "host:port its agent programs may reach besides the worker's endpoint; under "
+                            "sandbox.mode=bwrap any entry gives them the host's network (no per-address filter)")
 
     @property
     def display_name(self) -> str:

@@ -46,6 +46,7 @@ def cross_field_problems(cfg: RunConfig) -> list[str]:
                    "built-in engine makes a row's tokens independent of its batch; use rollout.engine=torch, or "
                    "rollout.batch_invariant=never (then a run at trainer.max_staleness=0 depends on how requests batch)")
     out.extend(_eval_problems(cfg))
+    out.extend(_sandbox_problems(cfg))
     names = [n for n in cfg.selector.plans.split("|") if n]
     bad = [n for n in names if not _LAYOUT_NAME.fullmatch(n)]
     if bad:
@@ -60,6 +61,23 @@ def cross_field_problems(cfg: RunConfig) -> list[str]:
 
 _AXIS = r"(dp\d+|fsdp\d+|tp\d+|sp\d+|ep\d+)"
 _LAYOUT_NAME = re.compile(rf"(dp1|{_AXIS}(_{_AXIS})*)(\+rc)?")
+
+
+def _sandbox_problems(cfg: RunConfig) -> list[str]:
+    """Each environment's sandbox `limits` (names of sandbox.*'s limits, positive) and `network` (host:port)."""
+    out: list[str] = []
+    known = ("cpu_seconds", "memory_bytes", "processes")
+    for env in cfg.envs:
+        for key, value in env.limits.items():
+            if key not in known:
+                out.append(f"envs[{env.display_name}].limits: unknown limit {key!r}; choose from {', '.join(known)}")
+            elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                out.append(f"envs[{env.display_name}].limits.{key}={value!r} must be a number > 0")
+        for entry in env.network:
+            host, _, port = str(entry).rpartition(":")
+            if not host or not port.isdigit():
+                out.append(f"envs[{env.display_name}].network: {entry!r} is not host:port")
+    return out
 
 
 def _eval_problems(cfg: RunConfig) -> list[str]:

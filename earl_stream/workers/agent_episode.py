@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from earl_stream.env.api import DEFAULT_AGENT_TIMEOUT_S
@@ -26,12 +27,14 @@ from earl_stream.workers.agent_runner import GRACE_S, AgentRunners, run_agent
 async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, env_name: str, seed: int, prompt_ordinal: int,
                              group_id: str, runner: AgentRunners | None = None,
                              spec: tuple[str, dict[str, Any]] | None = None,
-                             api_key: str | None = None) -> list[SampleRecord]:
+                             api_key: str | None = None, limits: Mapping[str, float] | None = None,
+                             network: Sequence[str] = ()) -> list[SampleRecord]:
     """Run `env.run(client, env.task(seed))` to its end and return the episode's samples (one per segment,
     in order; one unless the agent rewrote its history): in this event loop,
     or with `runner` in an agent process, which makes the environment again from `spec` (registry spec,
-    params). The agent's `api_key` is the episode's own agent key (openai_api/auth.py), valid only for this
-    episode's requests while it runs; a given `api_key` is used instead (tests, benchmarks)."""
+    params; `limits` and `network`: its sandbox's, `EnvSpec.limits`/`network`). The agent's `api_key` is the
+    episode's own agent key (openai_api/auth.py), valid only for this episode's requests while it runs; a given
+    `api_key` is used instead (tests, benchmarks)."""
     episode_id = uuid.uuid4().hex[:16]
     key = f"{group_id}-{episode_id}"
     timeout_s = float(getattr(env, "timeout_s", DEFAULT_AGENT_TIMEOUT_S))
@@ -43,7 +46,8 @@ async def play_agent_episode(env: Any, endpoint: OpenAIEndpoint, *, env_name: st
             if spec is None:
                 raise ValueError("an agent process makes the environment from its spec: pass spec=(name, params)")
             reward = await runner.run(spec[0], spec[1], seed, url=endpoint.local_url, api_key=api_key,
-                                      episode_key=key, timeout_s=timeout_s, ca_pem=endpoint.ca_pem)
+                                      episode_key=key, timeout_s=timeout_s, ca_pem=endpoint.ca_pem, limits=limits,
+                                      network=network)
         else:
             reward = await run_agent(env, seed, endpoint.local_url, api_key, key, timeout_s, endpoint.ca_pem)
     finally:

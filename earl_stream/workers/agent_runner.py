@@ -37,6 +37,7 @@ import socket
 import struct
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,7 +46,7 @@ from earl_stream import metrics as M
 from earl_stream.sandbox import Breach, Launch, SandboxSpec, prepare, sandbox_environment
 from earl_stream.security.secret import SECRET_ENV
 from earl_stream.workers.agent_loop import EpisodeFailed
-from earl_stream.workers.agent_sandbox import EnvSource, agent_sandbox
+from earl_stream.workers.agent_sandbox import EnvSource, agent_sandbox, env_sandbox
 
 if TYPE_CHECKING:
     from earl_stream.config import RunConfig
@@ -289,30 +290,34 @@ class AgentRunners:
         if sandbox is not None and not endpoint_socket:
             raise ValueError("sandboxed agent processes reach the endpoint by its Unix socket: pass endpoint_socket")
         self.n, self.worker_id, self.sandbox, self.endpoint_socket = n, worker_id, sandbox, endpoint_socket
-        self.pools: dict[tuple[tuple[str, ...], tuple[str, ...]], list[AgentRunner]] = {}  # by what they see
+        self.pools: dict[tuple[Any, ...], list[AgentRunner]] = {}  # by what they see and their limits
 
     @property
     def runners(self) -> list[AgentRunner]:
         return [r for pool in self.pools.values() for r in pool]
 
-    def _pool(self, source: EnvSource) -> list[AgentRunner]:
-        view = source.view if self.sandbox is not None else ((), ())
+    def _pool(self, source: EnvSource, limits: Mapping[str, float], network: Sequence[str]) -> list[AgentRunner]:
+        view = (*source.view, tuple(sorted(limits.items())), tuple(network)) if self.sandbox is not None else ()
         if view not in self.pools:
             box = None
             if self.sandbox is not None:
-                box = dataclasses.replace(self.sandbox, read_only=(*self.sandbox.read_only, *source.read_only),
+                box = dataclasses.replace(env_sandbox(self.sandbox, limits, network),
+                                          read_only=(*self.sandbox.read_only, *source.read_only),
                                           writable=(*self.sandbox.writable, os.path.dirname(self.endpoint_socket)))
             first = len(self.runners)
             self.pools[view] = [AgentRunner(f"{self.worker_id}-agents-{first + i}", box, self.worker_id,
                                             source.python_path) for i in range(self.n)]
         return self.pools[view]
 
-    async def run(self, spec: str, params: dict[str, Any], seed: int, **kw: Any) -> float:
+    async def run(self, spec: str, params: dict[str, Any], seed: int, *, limits: Mapping[str, float] | None = None,
+                  network: Sequence[str] = (), **kw: Any) -> float:
+        """One episode of environment `spec` (`params`) in a child; `limits` and `network`: the environment's own
+        (`EnvSpec.limits`, `EnvSpec.network`) over the sandbox's."""
         if self.sandbox is None:
-            pool = self._pool(EnvSource(spec, params))
-        else:  # no network inside: the endpoint by its socket, plain HTTP; code references made absolute
+            pool = self._pool(EnvSource(spec, params), {}, ())
+        else:  # the endpoint by its socket (plain HTTP); code references made absolute
             source = EnvSource.of(spec, params)
-            pool, spec, params = self._pool(source), source.spec, source.params
+            pool, spec, params = self._pool(source, limits or {}, network), source.spec, source.params
             kw.update(url="http://localhost/v1", ca_pem="", uds=self.endpoint_socket)
         return await min(pool, key=lambda r: r.load).run(spec, params, seed, **kw)
 

@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,14 @@ def agent_sandbox(cfg: RunConfig) -> SandboxSpec | None:
     limits = Limits(cpu_seconds=s.cpu_seconds, wall_seconds=365 * 86400.0, memory_bytes=s.memory_bytes,
                     processes=s.processes)
     return SandboxSpec(mode=mode, limits=limits)
+
+
+def env_sandbox(base: SandboxSpec, limits: Mapping[str, float], network: Sequence[str]) -> SandboxSpec:
+    """`base` with an environment's own `limits` (`EnvSpec.limits`, checked at load) and `network` (`EnvSpec.network`)."""
+    if not limits and not network:
+        return base
+    changed = dataclasses.replace(base.limits, **{k: type(getattr(base.limits, k))(v) for k, v in limits.items()})
+    return dataclasses.replace(base, limits=changed, network=(*base.network, *network))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -493,8 +493,8 @@ class RolloutWorker:
                 raise EpisodeFailed("agent environments need the OpenAI endpoint (rollout.openai_bind is empty)")
             return await play_agent_episode(env, self.endpoint, env_name=prompt.env, seed=seed,
                                             prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id,
-                                            runner=self.agent_runners,
-                                            spec=(spec.spec, dict(spec.params)))
+                                            runner=self.agent_runners, spec=(spec.spec, dict(spec.params)),
+                                            limits=spec.limits, network=spec.network)
         return [await play_episode(env, None, self.chat, self.batcher, env_name=prompt.env, seed=seed,
                                   prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=sampling,
                                    policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,
