@@ -76,6 +76,20 @@ def apply_settings(settings: EngineSettings, kwargs: dict[str, Any]) -> None:
         kwargs[settings.memory_knob] = settings.memory
 
 
+class ErrorFileHandler(logging.FileHandler):
+    """The file handler of `ErrorLog` (in vLLM's processes): silent when the file cannot be written, as after the
+    engine was closed and its directory deleted (vLLM keeps the logging configuration of its last start)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:  # FileHandler opens a delayed or closed file outside its own error handling
+            super().emit(record)
+        except OSError:
+            pass
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
 class ErrorLog:
     """A file per vLLM start that vLLM's processes (this one and its children) append their errors to.
 
@@ -103,7 +117,7 @@ class ErrorLog:
         self._path.unlink(missing_ok=True)
         config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)  # what vLLM applies by default, refreshed as vLLM does
         config["handlers"]["vllm"].update(level=envs.VLLM_LOGGING_LEVEL, stream=envs.VLLM_LOGGING_STREAM)
-        config["handlers"]["earl_errors"] = {"class": "logging.FileHandler", "filename": str(self._path),
+        config["handlers"]["earl_errors"] = {"()": f"{__name__}.ErrorFileHandler", "filename": str(self._path),
                                              "level": "ERROR", "formatter": "vllm", "delay": True}
         config["loggers"]["vllm"]["handlers"] = [*config["loggers"]["vllm"]["handlers"], "earl_errors"]
         config_file = self._root / f"vllm-logging-{attempt}.json"
