@@ -157,5 +157,35 @@ def test_vllm_out_of_memory_restarts_smaller_and_every_request_completes(tmp_pat
     assert report["counter"] == report["generate_sheds"] + report["start_sheds"]  # earl_rollout_oom_shed_total
 
 
+def test_the_error_log_brings_back_what_vllm_logs_and_outlives_its_directory(tmp_path: Path) -> None:
+    """What `ErrorLog` configures is applied as vLLM applies it (here in this process): an error reaches the
+    file and `oom_evidence`; once the engine's directory is deleted, an error logged later raises nothing."""
+    import logging
+    import shutil
+
+    from vllm.logger import configure_logging
+
+    from earl_stream.workers.engines.oom_restart import oom_evidence
+    from earl_stream.workers.engines.vllm_oom import ErrorLog
+
+    root = tmp_path / "engine"
+    root.mkdir()
+    log = ErrorLog(root)
+    configure_logging(log.logging_config(1))
+    try:
+        logging.getLogger("vllm.v1.worker").info("not an error: not kept")
+        logging.getLogger("vllm.v1.worker").error("RuntimeError: DefaultCPUAllocator: can't allocate memory: 1 bytes")
+        assert "not kept" not in log.text()
+        assert "DefaultCPUAllocator: can't allocate memory: 1 bytes" in (oom_evidence(log.text()) or "")
+        shutil.rmtree(root)
+        for handler in logging.getLogger("vllm").handlers:
+            handler.close()
+        logging.getLogger("vllm.v1.worker").error("logged after the engine was closed")
+    finally:
+        from vllm.config.logging import LoggingConfig
+
+        configure_logging(LoggingConfig())  # vLLM's own configuration again
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
