@@ -44,7 +44,9 @@ async def run(client, task):
     how = task["how"]
     if how == "snoop":  # what of the run and the host can it read? (the reward says how much)
         read = 0
-        for path in task["paths"]:
+        run_dir, home = task["run_dir"], task["home"]  # folders: a parameter naming one does not show it
+        for path in (run_dir + "/secret", run_dir + "/keys/operator", run_dir + "/checkpoints/step_2.pt",
+                     home + "/.bashrc"):
             try:
                 open(path).read()
                 read += 1
@@ -100,9 +102,8 @@ def test_hostile_agents_fail_alone_and_read_nothing_of_the_run(tiny_model_dir: P
     cfg = load_config(None, ["sandbox.mode=bwrap", "sandbox.cpu_seconds=3", f"sandbox.memory_bytes={768 << 20}",
                              "sandbox.processes=64", "rollout.agent_processes=1"])
     hows = ["ok", "snoop", "connect", "fork", "spin", "alloc"]
-    tasks: list[dict[str, object]] = [{"how": h, "paths": [str(p) for p in (run_dir / "secret", run_dir / "keys" / "operator",
-                                                   run_dir / "checkpoints" / "step_2.pt", Path.home() / ".bashrc")],
-              "ports": [0]} for h in hows]
+    tasks: list[dict[str, object]] = [{"how": h, "run_dir": str(run_dir), "home": str(Path.home()), "ports": [0]}
+                                      for h in hows]
     spec = ("agent", {"run": f"{agent_file}:run", "tasks": tasks, "timeout_s": 60.0})
 
     async def go() -> None:

@@ -6,8 +6,9 @@ to process, with the warning to log), or None under `sandbox.mode=none`. `EnvSou
 environment's registry spec and parameters, what its process is given: the spec and parameters as they resolve
 inside (a `file.py:attr` named relative to the worker's folder made absolute), the paths it must read (that file's
 folder, the folder of a module that is not installed, e.g. one importable from the worker's working directory)
-and the import path that finds them. An installed package or entry point needs nothing: the sandbox shows the
-interpreter's packages. Data files named in parameters are not shown: the process works in its own empty folder.
+and the import path that finds them, and each file a parameter names (made absolute). An installed package or
+entry point needs nothing: the sandbox shows the interpreter's packages. Folders named in parameters are not shown:
+the process works in its own empty folder.
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ class EnvSource:
 
     @classmethod
     def of(cls, spec: str, params: dict[str, Any]) -> EnvSource:
-        """The spec and every string in `params` that names code (the `agent` environment's `run`, ...): a
-        `file.py:attr` reference is made absolute and its folder shown, and a module that is not installed is shown
-        with the import path that finds it. Paths to data are not shown (a parameter naming the run directory would
-        show it all): the code reads what it was given or ships with it."""
+        """The spec and every string in `params` that names code or a file: a `file.py:attr` reference (the `agent`
+        environment's `run`) is made absolute and its folder shown, a module that is not installed is shown with
+        the import path that finds it, and an existing file (the `agent` environment's `tasks.jsonl`) is made
+        absolute and shown alone. Folders are never shown (a parameter naming the run directory would show it
+        all)."""
         seen: list[str] = []
         python_path: list[str] = []
         spec = _reference(spec, seen, python_path)
@@ -78,6 +80,10 @@ class EnvSource:
 
 def _walk(value: Any, seen: list[str], python_path: list[str]) -> Any:
     if isinstance(value, str):
+        if value and not value.startswith("-") and ":" not in value and os.path.isfile(value):
+            path = os.path.realpath(os.path.expanduser(value))  # a data file the config names: that file alone
+            seen.append(path)
+            return path
         return _reference(value, seen, python_path)
     if isinstance(value, dict):
         return {k: _walk(v, seen, python_path) for k, v in value.items()}

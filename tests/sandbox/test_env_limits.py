@@ -46,12 +46,15 @@ def test_an_environments_limits_override_the_runs_and_its_processes_are_its_own(
     asyncio.run(runners.aclose())  # nothing was started
 
 
-def test_a_file_referenced_in_params_is_shown_read_only_and_made_absolute(tmp_path: Path,
+def test_code_and_files_named_in_params_are_shown_read_only_and_made_absolute(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "agents").mkdir()
     (tmp_path / "agents" / "mine.py").write_text("async def run(client, task):\n    return 1.0\n")
+    (tmp_path / "tasks.jsonl").write_text('{"q": 1}\n')
     monkeypatch.chdir(tmp_path)
-    source = EnvSource.of("agent", {"run": "agents/mine.py:run", "tasks": [{"path": "/etc/passwd"}]})
+    source = EnvSource.of("agent", {"run": "agents/mine.py:run", "tasks": "tasks.jsonl", "data": {"dir": str(tmp_path)}})
     assert source.params["run"] == f"{(tmp_path / 'agents' / 'mine.py').resolve()}:run"
-    assert source.read_only == (str((tmp_path / "agents").resolve()),)  # data paths are never shown
-    assert source.params["tasks"] == [{"path": "/etc/passwd"}]
+    assert source.params["tasks"] == str((tmp_path / "tasks.jsonl").resolve())
+    # the code's folder and the file named; never a folder a parameter names
+    assert source.read_only == (str((tmp_path / "agents").resolve()), str((tmp_path / "tasks.jsonl").resolve()))
+    assert source.params["data"] == {"dir": str(tmp_path)}
