@@ -37,7 +37,7 @@ class LongPrompt:
     async def step(self, action_text: str) -> StepResult:
         return StepResult("", (len(action_text) % 5) / 4, True)
 """
-HEADROOM = 300 << 20
+HEADROOM = {1: 300 << 20, 2: 450 << 20}  # per rank; two ranks split the step's rows but each holds a replica
 
 
 def _trained(log: str) -> list[int]:
@@ -46,7 +46,11 @@ def _trained(log: str) -> list[int]:
 
 @pytest.mark.live
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc to size the cap")
-def test_a_step_that_fails_to_allocate_is_replanned_and_trained_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_step_that_fails_to_allocate_is_replanned_and_trained_once(tmp_path: Path, tiny_model_dir: Path,
+                                                                     ranks: int) -> None:
+    """ranks=2: each rank runs under its own cap; the pool leaves the failed step together, re-forms its
+    process group and trains the same rows under the new plan (one `TrainerOom` per failure)."""
     run = tmp_path / "run"
     env_file = tmp_path / "long_prompt.py"
     env_file.write_text(LONG_PROMPT_ENV)
@@ -55,8 +59,9 @@ def test_a_step_that_fails_to_allocate_is_replanned_and_trained_once(tmp_path: P
          f"model.path={tiny_model_dir}", f"run_dir={run}", f"envs.0.spec={env_file}:LongPrompt",
          "trainer.groups_per_step=2", "trainer.group_size=4", "rollout.groups_in_flight=2", "rollout.workers=1",
          "supervisor.heartbeat_s=0.2", "trainer.malloc_mmap_threshold=65536", "trainer.max_staleness=4",
-         f"selector.trainer_memory_bytes={8 << 30}", "selector.reserve_bytes=0", "selector.initial_seq_len=2048"],
-        env={**os.environ, AS_HEADROOM_ENV: str(HEADROOM)}, capture_output=True, text=True, timeout=600)
+         f"selector.trainer_memory_bytes={8 << 30}", "selector.reserve_bytes=0", "selector.initial_seq_len=2048",
+         f"trainer.nproc={ranks}"],
+        env={**os.environ, AS_HEADROOM_ENV: str(HEADROOM[ranks])}, capture_output=True, text=True, timeout=600)
     log = (run / "logs" / "trainer.log").read_text() if (run / "logs" / "trainer.log").exists() else ""
     assert proc.returncode == 0, (proc.stdout[-3000:], log[-4000:])
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -68,7 +73,12 @@ def test_a_step_that_fails_to_allocate_is_replanned_and_trained_once(tmp_path: P
         assert (r["micro_batch_tokens_after"] < r["micro_batch_tokens_before"]
                 or r["plan_after"].endswith("+rc") and not r["plan_before"].endswith("+rc")), r
     assert len(re.findall(r"recovered from the allocation failure", log)) >= 1, log[-4000:]
-    assert _trained(log) == list(range(1, STEPS + 1)), log[-4000:]  # each step trained once, in order
+    # each step trained once (by every rank of the pool), in order
+    assert _trained(log) == [s for s in range(1, STEPS + 1) for _ in range(ranks)], log[-4000:]
+    if ranks > 1:  # every rank left each failed step and the supervisor got one report per failure
+        left = re.findall(r"step (\d+): every rank left the step ([0-9.]+)s after it began", log)
+        assert len(left) == ranks * len(recoveries), (left, recoveries)
+        print("seconds from the step's start until each rank left it:", [float(s) for _, s in left])
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
     lost = [float(s) for s in re.findall(r"trained under plan \S+, ([0-9.]+)s lost", log)]

@@ -80,9 +80,10 @@ class TrainerConfig:
                             "abandoned with its gradients, the supervisor corrects its memory model for that plan and "
                             "re-plans, and the same batch trains under the new plan; off = the rank dies as before "
                             "(for debugging)")
-    oom_abort_seconds: float = _f(5.0, "after an allocation failure, how long the pool's ranks take at most to leave the "
-                                  "step (ranks blocked in a collective included) before it is retried; reserved: a pool "
-                                  "of several ranks does not recover yet and fails as before", minimum=0.1)
+    oom_abort_seconds: float = _f(5.0, "after an allocation failure on one rank, how long the pool's other ranks take at "
+                                  "most to leave the step (ranks blocked in a collective included) and to agree before "
+                                  "the pool re-forms; a rank that does not answer in time fails the pool as before (it "
+                                  "resumes from its last checkpoint)", minimum=0.1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,9 @@ retrying is `workers.oom_retry`'s; the supervisor's side is `supervisor.oom_repl
 
 `cap_address_space`: for tests and benchmarks, caps the process's address space (RLIMIT_AS) a given
 headroom above what it maps now ($EARL_TRAINER_AS_HEADROOM_BYTES in a trainer rank, once its model and
-optimizer are built), so that a plan the selector was told fits fails to allocate for real on a CPU.
+optimizer are built), so that a plan the selector was told fits fails to allocate for real on a CPU;
+$EARL_TRAINER_AS_CAP_RANKS (e.g. "1") caps only those ranks of a pool, so that the failure lands on one rank
+while the others go on to their next collective.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from earl_stream.workers.oom import attempted_bytes, is_allocation_failure, rele
 
 log = logging.getLogger(__name__)
 AS_HEADROOM_ENV = "EARL_TRAINER_AS_HEADROOM_BYTES"
+AS_CAP_RANKS_ENV = "EARL_TRAINER_AS_CAP_RANKS"
 T = TypeVar("T")
 
 
@@ -97,9 +100,13 @@ def _vm_size() -> int:
 
 
 def cap_address_space(environ: dict[str, str] | None = None) -> int | None:
-    """Cap RLIMIT_AS at VmSize + $EARL_TRAINER_AS_HEADROOM_BYTES when that is set (Linux); the cap, or None."""
-    headroom = int((environ if environ is not None else os.environ).get(AS_HEADROOM_ENV, "0") or 0)
+    """Cap RLIMIT_AS at VmSize + $EARL_TRAINER_AS_HEADROOM_BYTES when that is set (Linux) and this rank ($RANK)
+    is one of $EARL_TRAINER_AS_CAP_RANKS (comma-separated; unset: every rank); the cap, or None."""
+    env = environ if environ is not None else os.environ
+    headroom = int(env.get(AS_HEADROOM_ENV, "0") or 0)
     if headroom <= 0 or not Path("/proc/self/status").exists():
+        return None
+    if (ranks := env.get(AS_CAP_RANKS_ENV, "")) and env.get("RANK", "0") not in ranks.split(","):
         return None
     cap = _vm_size() + headroom
     resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))

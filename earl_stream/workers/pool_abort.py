@@ -61,6 +61,7 @@ class PoolFailure:
     rank: int  # the rank that failed to allocate
     error: str
     attempted_bytes: int
+    at: float = 0.0  # unix seconds, when it said so (the pool's hosts' clocks: for the log only)
 
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -121,8 +122,10 @@ class PoolGuard:
             watcher.join()
             handle.remove()
         if isinstance(outcome, AllocationFailure):
-            self._publish(PoolFailure(self.rank, outcome.error, outcome.attempted_bytes))
+            self._publish(PoolFailure(self.rank, outcome.error, outcome.attempted_bytes, time.time()))
             _leave_group()  # the group is spent; closing it frees peers still blocked in it
+            log.warning("trainer rank %d: left the step %.2fs after it failed to allocate", self.rank,
+                        time.monotonic() - outcome.failed)
         return outcome
 
     def _publish(self, failure: PoolFailure) -> None:
@@ -169,10 +172,11 @@ class PoolGuard:
             return None
         _leave_group()  # the group is spent either way; closing it frees peers still blocked in it
         peer = PoolFailure.decode(self.store.get(self.key()))
-        log.warning("trainer rank %d: rank %d failed to allocate (%s): leaving the step (%s)", self.rank, peer.rank,
-                    peer.error, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__)
+        log.warning("trainer rank %d: rank %d failed to allocate (%s); left the step %.2fs after it (%s: %s)",
+                    self.rank, peer.rank, peer.error, time.time() - peer.at, type(exc).__name__,
+                    str(exc).splitlines()[0][:120] if str(exc) else "")
         now = time.monotonic()
-        return AllocationFailure(f"rank {peer.rank}: {peer.error}", peer.attempted_bytes, now, now)
+        return AllocationFailure(peer.error, peer.attempted_bytes, now, now)
 
     def _watch(self, done: threading.Event) -> None:
         key = self.key()

@@ -108,6 +108,29 @@ def move_state(old: torch.nn.Module, new: torch.nn.Module, old_optimizer: torch.
     return buckets
 
 
+def copy_local_state(old: torch.nn.Module, new: torch.nn.Module, old_optimizer: torch.optim.Optimizer | None,
+                     new_optimizer: torch.optim.Optimizer | None) -> None:
+    """`old`'s parameters and optimizer state into `new`, laid out the same way on other meshes (the same
+    plan on a re-formed process group): each rank's local shards are copied as they are, no collective."""
+    for name, o, n in _pairs(old, new):
+        if _local(o).shape != _local(n).shape:
+            raise ConfigError(f"re-bind: {name}'s local shard is {tuple(_local(o).shape)} here, "
+                              f"{tuple(_local(n).shape)} on the new mesh")
+        with torch.no_grad():
+            _local(n).copy_(_local(o))
+        state = old_optimizer.state.get(o) if old_optimizer is not None else None
+        if state and new_optimizer is not None:
+            new_optimizer.state[n] = {k: _rewrap(v, n) for k, v in state.items()}
+
+
+def _rewrap(value: Any, like: torch.Tensor) -> Any:
+    """An optimizer state tensor on `like`'s mesh (a DTensor of the parameter's placement), else as it is."""
+    if not isinstance(value, DTensor) or not isinstance(like, DTensor):
+        return value
+    return DTensor.from_local(value.to_local(), like.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
 def _pairs(old: torch.nn.Module, new: torch.nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, old parameter, new parameter) in the old model's order; tied parameters once."""
     fresh = dict(new.named_parameters())

@@ -35,7 +35,7 @@ from earl_stream.errors import ConfigError
 from earl_stream.store.weights import WeightPiece, distinct_tensors
 from earl_stream.workers.expert_parallel import is_expert_param, shard_experts
 from earl_stream.workers.mesh import Placement, is_shard
-from earl_stream.workers.reshard import DEFAULT_BUCKET_BYTES, copy_buffers, meta_like, move_state
+from earl_stream.workers.reshard import DEFAULT_BUCKET_BYTES, copy_buffers, copy_local_state, meta_like, move_state
 from earl_stream.workers.tensor_parallel import decoder_layers, tp_plan
 from earl_stream.workers.ulysses import set_sequence_parallel
 
@@ -114,6 +114,27 @@ def relayout(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, pl
     new_optimizer = make_optimizer(new) if optimizer is not None else None
     buckets = move_state(model, new, optimizer, new_optimizer, bucket_bytes=bucket_bytes)
     return Relaid(new, new_optimizer, buckets)
+
+
+def rebind(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, placement: Placement,
+           make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Relaid:
+    """The same model and optimizer state under the same plan, on `placement`'s meshes: after the pool's
+    process group was re-formed (`workers.pool_abort`) the DTensors still name the old, aborted groups.
+    Every rank keeps the same coordinates, so each shard stays where it is: a local copy, no collective.
+    FSDP modules a failed step left unsharded are resharded first (local: the sharded copy is kept)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    hf: Any = model
+    tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
+    new: Any = shard_model(meta_like(model), placement)
+    new.to_empty(device=placement.device)
+    if tied and not placement.plan.sharded:
+        new.tie_weights()
+    copy_buffers(model, new)
+    new_optimizer = make_optimizer(new) if optimizer is not None else None
+    copy_local_state(model, new, optimizer, new_optimizer)
+    return Relaid(new, new_optimizer)
 
 
 def shard_pieces(state: dict[str, torch.Tensor], placement: Placement) -> list[WeightPiece]:

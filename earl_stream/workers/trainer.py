@@ -10,11 +10,12 @@ ranks agree on it at the step boundary (`collectives.any_rank`), so all of them 
 publish nothing more, write the checkpoint of that version together (unless one already holds it) and
 exit 0. A second signal stops the rank at once (`common.StopFlag`).
 
-Out of memory (`trainer.oom_recovery`): a step that fails to allocate before its optimizer update is
-abandoned with nothing applied (`oom_step.run_guarded`); rank 0 reports it (`protocol.TrainerOom`), the
-supervisor corrects its memory model for that plan and re-plans, and the pool claims the same step again:
-the same rows, the new plan. Single-rank pools only for now: a pool of several ranks fails as before (a
-rank blocked in a collective would wait for the collective timeout), and resumes from its last checkpoint.
+Out of memory (`trainer.oom_recovery`): a step that fails to allocate on any rank before an optimizer update
+is abandoned by every rank with nothing applied, within `trainer.oom_abort_seconds` (`workers.oom_retry`,
+`workers.pool_abort`: the pool's process group is re-formed); rank 0 reports it (`protocol.TrainerOom`),
+the supervisor corrects its memory model for that plan and re-plans, and the pool claims the same step
+again: the same rows, the new plan. A failure after an optimizer stepped is not retried: the pool resumes
+from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from earl_stream.workers.collectives import all_gather_flags, all_gather_str, an
 from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register
 from earl_stream.workers.host_memory import free_unused_memory, set_malloc_mmap_threshold
 from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
-from earl_stream.workers.oom_step import AllocationFailure, TrainerOutOfMemory, cap_address_space, run_guarded
+from earl_stream.workers.oom_retry import OomRetry
+from earl_stream.workers.oom_step import cap_address_space
 from earl_stream.workers.peak_memory import PeakMemory
 from earl_stream.workers.sharding import apply_plan, relayout, shard_pieces
 from earl_stream.workers.tensor_parallel import family_problems
@@ -58,7 +60,8 @@ log = logging.getLogger(__name__)
 
 
 class TrainerRank:
-    def __init__(self, supervisor: str, *, rank: int, world_size: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, supervisor: str, *, rank: int, world_size: int, host: str = "127.0.0.1",
+                 collective_timeout_s: float = 300.0) -> None:
         self.rank, self.world_size, self.host = rank, world_size, host
         self.stop = StopFlag(stopping="finishing the step in progress, then writing a checkpoint")
         self._closed = threading.Event()
@@ -113,7 +116,7 @@ class TrainerRank:
         self.version = self._resume(reg.policy_version)
         self.checkpointed_step = self.version  # the version the newest checkpoint holds (0: none)
         self.published_version = -1
-        self.recovering: tuple[str, float] | None = None  # a step being retried: (the plan it first failed under, since)
+        self.oom = OomRetry(self, collective_timeout_s=collective_timeout_s)
         cap_address_space()  # tests and benchmarks only: a real allocation failure on a CPU rank
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True)
         self._hb.start()
@@ -159,8 +162,8 @@ class TrainerRank:
         return 0
 
     def _train(self, step: int, metas: list) -> StepResult | None:
-        """This rank's part of step `step`; None when it failed to allocate and the step is to be claimed
-        again under the plan the supervisor answered with (`trainer.oom_recovery`, one-rank pools)."""
+        """This rank's part of step `step`; None when a rank failed to allocate and the step is to be claimed
+        again under the plan the supervisor answered with (`trainer.oom_recovery`)."""
         cfg, t = self.cfg, self.cfg.trainer
         if isinstance(self.store_client, CentralClient):
             self.store_client.set_step(step, metas)
@@ -172,38 +175,7 @@ class TrainerRank:
                               min_version=max(0, step - t.max_staleness), ref_model=self.ref_model, rank=self.rank,
                               placement=self.placement, temperature=cfg.rollout.temperature)
 
-        if not t.oom_recovery or self.world_size > 1:
-            return run()
-        started = time.monotonic()
-        outcome = run_guarded(run, self.optimizer, self.placement.device)
-        if isinstance(outcome, AllocationFailure):
-            self._replan_after_oom(step, metas, outcome)
-            return None
-        if self.recovering is not None:
-            failed, since = self.recovering
-            M.TRAINER_OOM_RECOVERED.labels(failed).inc()
-            log.warning("step %d: recovered from the allocation failure under %s: trained under plan %s, %.2fs lost "
-                        "to it", step, failed, self.placement.plan.name, started - since)
-            self.recovering = None
-        return outcome
-
-    def _replan_after_oom(self, step: int, metas: list, failure: AllocationFailure) -> None:
-        """Report the abandoned step; the supervisor's next claim of it carries the plan to retry under."""
-        lengths = [m.total_tokens for m in metas]
-        failed = self.placement.plan.name
-        log.warning("step %d: failed to allocate under plan v%d (%s, micro-batch %d tokens; %d rows, %d tokens, longest "
-                    "%d): %s; abandoned with nothing applied, asking for a new plan", step, self.plan_version, failed,
-                    self.step_cfg.micro_batch_tokens, len(lengths), sum(lengths), max(lengths, default=0), failure.error)
-        reply = self._call(P.TrainerOom(worker_id=self.worker_id, step=step, plan_version=self.plan_version,
-                                        rows=len(lengths), tokens=sum(lengths), longest=max(lengths, default=0),
-                                        attempted_bytes=failure.attempted_bytes,
-                                        peak_bytes=self.peak_memory.step_peak(), error=failure.error))
-        if not isinstance(reply, P.OomReplanned) or reply.plan is None:
-            why = reply.message if isinstance(reply, P.OomReplanned) else str(reply)
-            raise TrainerOutOfMemory(f"step {step} failed to allocate under plan {failed} ({failure.error}) and no plan "
-                                     f"is left to retry it under: {why}")
-        log.warning("step %d: the supervisor re-planned: %s", step, reply.message)
-        self.recovering = self.recovering or (failed, failure.started)
+        return self.oom.train(step, metas, run) if t.oom_recovery else run()
 
     def _finish(self, step: int, stopped: bool) -> None:
         """After the last step (the run's end, or a stop every rank agreed on at this same step): the
@@ -449,7 +421,8 @@ def run_trainer_rank(supervisor: str, host: str = "127.0.0.1", *, collective_tim
         if world_size > 1:
             dist.init_process_group(pool_backend(), init_method=os.environ.get(RENDEZVOUS_ENV), rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s))
-        trainer = TrainerRank(supervisor, rank=rank, world_size=world_size, host=host)
+        trainer = TrainerRank(supervisor, rank=rank, world_size=world_size, host=host,
+                              collective_timeout_s=collective_timeout_s)
         return trainer.run()
     except RuntimeError as exc:
         if world_size == 1 or not (isinstance(exc, dist.DistError) or "gloo" in str(exc)):
