@@ -85,6 +85,7 @@ class PoolGuard:
         self._lock = threading.Lock()
         self._open = False  # the main thread is inside a guarded step and its optimizer has not stepped
         self._injected = False
+        self._peer = False  # the step was abandoned for another rank's failure
         self._main = threading.main_thread().ident or 0
 
     def key(self, suffix: str = "") -> str:
@@ -98,7 +99,7 @@ class PoolGuard:
         done = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(done,), name="oom-watch", daemon=True)
         handle = optimizer.register_step_pre_hook(self._before_step)  # before run_guarded's: it may refuse the step
-        self._open, self._injected = True, False
+        self._open, self._injected, self._peer = True, False, False
         watcher.start()
 
         def guarded() -> T:
@@ -121,7 +122,7 @@ class PoolGuard:
             done.set()
             watcher.join()
             handle.remove()
-        if isinstance(outcome, AllocationFailure):
+        if isinstance(outcome, AllocationFailure) and not self._peer:
             self._publish(PoolFailure(self.rank, outcome.error, outcome.attempted_bytes, time.time()))
             _leave_group()  # the group is spent; closing it frees peers still blocked in it
             log.warning("trainer rank %d: left the step %.2fs after it failed to allocate", self.rank,
@@ -171,6 +172,7 @@ class PoolGuard:
         except (RuntimeError, dist.DistError):  # the store's wait timed out: not a peer's allocation failure
             return None
         _leave_group()  # the group is spent either way; closing it frees peers still blocked in it
+        self._peer = True
         peer = PoolFailure.decode(self.store.get(self.key()))
         log.warning("trainer rank %d: rank %d failed to allocate (%s); left the step %.2fs after it (%s: %s)",
                     self.rank, peer.rank, peer.error, time.time() - peer.at, type(exc).__name__,
