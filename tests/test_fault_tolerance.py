@@ -208,3 +208,53 @@ def test_lost_ids_of_every_rank_reach_rank_0(tmp_path: Path) -> None:
     # both ranks drop group g2 before training (rank 0 had pulled its rows) and report its ids
     expected = {"lost": ["g2.0-0", "g2.0-1"], "kept": [0, 1, 2, 3]}
     assert [json.loads(o.strip().splitlines()[-1]) for o in outs] == [expected] * 2
+
+
+@pytest.mark.faults
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc to size the cap")
+def test_one_rank_fails_to_allocate_while_the_other_is_in_a_collective(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Issue 46 on a pool of two: only rank 1 runs under an address-space cap, so its first long-context
+    step fails to allocate while rank 0, which fits, has gone on into the gradients' all-reduce. Both leave
+    the step within trainer.oom_abort_seconds (+ slack), the pool re-forms its process group and trains the
+    same rows under a more frugal plan and then the next steps: nothing lost, nothing trained twice."""
+    import subprocess
+    import sys
+
+    from test_oom_recovery_live import HEADROOM, LONG_PROMPT_ENV, _trained
+
+    from earl_stream.workers.oom_step import AS_CAP_RANKS_ENV, AS_HEADROOM_ENV
+
+    steps, abort_s, slack_s = 4, 5.0, 2.0
+    run = tmp_path / "run"
+    env_file = tmp_path / "long_prompt.py"
+    env_file.write_text(LONG_PROMPT_ENV)
+    proc = subprocess.run(
+        [sys.executable, "-m", "earl_stream", "up", "--summary", str(tmp_path / "summary.json"), f"steps={steps}",
+         f"model.path={tiny_model_dir}", f"run_dir={run}", f"envs.0.spec={env_file}:LongPrompt", "trainer.nproc=2",
+         "trainer.groups_per_step=2", "trainer.group_size=4", "rollout.groups_in_flight=2", "rollout.workers=1",
+         "supervisor.heartbeat_s=0.2", "trainer.malloc_mmap_threshold=65536", "trainer.max_staleness=4",
+         f"trainer.oom_abort_seconds={abort_s}", f"selector.trainer_memory_bytes={8 << 30}", "selector.reserve_bytes=0",
+         "selector.initial_seq_len=2048"],
+        env={**os.environ, AS_HEADROOM_ENV: str(HEADROOM[2]), AS_CAP_RANKS_ENV: "1"}, capture_output=True, text=True,
+        timeout=600)
+    log = (run / "logs" / "trainer.log").read_text() if (run / "logs" / "trainer.log").exists() else ""
+    assert proc.returncode == 0, (proc.stdout[-3000:], log[-4000:])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["oom_recoveries"] and summary["steps"] == steps, (summary["oom_recoveries"], log[-4000:])
+    assert summary["samples_lost"] == 0 and summary["duplicates_detected"] == 0
+    assert "resumed from" not in log and "restarting the trainer pool" not in log  # no crash, no resume
+    for r in summary["oom_recoveries"]:  # each recovery's plan is more frugal than the one that failed
+        assert r["error"].startswith("rank 1: ") and r["plan_after"], r
+        assert (r["micro_batch_tokens_after"] < r["micro_batch_tokens_before"] or r["plan_after"] != r["plan_before"]), r
+    # rank 0 (uncapped) left within the bound: from inside a collective (it fails once rank 1's groups are
+    # aborted) or while computing (PeerAbandoned, from its watcher), whichever it was doing at the time
+    left = [(float(s), why) for s, why in re.findall(
+        r"trainer rank 0: rank 1 failed to allocate \(.*?\); left the step ([0-9.]+)s after it \((\w+)", log)]
+    assert left and all(s < abort_s + slack_s for s, _ in left), (left, log[-4000:])
+    own = [float(s) for s in re.findall(r"trainer rank 1: left the step ([0-9.]+)s after it failed to allocate", log)]
+    assert own and all(s < abort_s + slack_s for s in own), (own, log[-4000:])
+    assert "the pool re-formed (generation 1)" in log
+    assert _trained(log) == [s for s in range(1, steps + 1) for _ in range(2)], log[-4000:]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, steps + 1))
+    print("rank 0 left the step (s after rank 1's failure, how):", left, "rank 1 left (s):", own)
