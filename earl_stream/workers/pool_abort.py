@@ -142,10 +142,16 @@ class PoolGuard:
         keys = [self.key(f"/rank{r}") for r in range(self.world)]
         try:  # a peer may take up to the bound to leave the step after this rank did
             self.store.wait(keys, datetime.timedelta(seconds=2 * self.abort_seconds))
+            late = self.store.check([self.key("/abandoned")])  # a rank gave up waiting for this one
         except (RuntimeError, dist.DistError) as exc:
+            self.store.set(self.key("/abandoned"), b"1")  # a late peer must not wait to re-form without this rank
             raise TrainerOutOfMemory(f"rank {failure.rank} failed to allocate ({failure.error}) and not every rank "
                                      f"left the step within trainer.oom_abort_seconds={self.abort_seconds:g}s: not "
                                      "retried (the pool resumes from its last checkpoint)") from exc
+        if late:
+            raise TrainerOutOfMemory(f"rank {failure.rank} failed to allocate ({failure.error}) and this rank left the "
+                                     f"step later than trainer.oom_abort_seconds={self.abort_seconds:g}s allows: not "
+                                     "retried (the pool resumes from its last checkpoint)")
         stepped = [r for r, k in enumerate(keys) if self.store.get(k) != b"intact"]
         _leave_group()
         if stepped:

@@ -71,6 +71,37 @@ def test_a_failure_after_the_optimizer_stepped_or_another_error_is_raised() -> N
         run_guarded(bug, opt, CPU)
 
 
+def test_a_peers_failure_abandons_the_step_the_same_way() -> None:
+    """In a pool, the error a rank sees when another rank abandoned the step (its collective fails) becomes
+    the same abandoned step when `peer_failure` explains it, with the same clean-up; unexplained, or after
+    the optimizer stepped, it is raised as it is (`workers.pool_abort` supplies the hook)."""
+    model, opt = _model()
+    before, rng = _state(model, opt), torch.get_rng_state()
+    peer = AllocationFailure("rank 1: " + MESSAGE, 1 << 30, 0.0, 0.0)
+
+    def collective_fails() -> None:
+        torch.rand(3)
+        model(torch.ones(2, 8)).sum().backward()
+        raise RuntimeError("Connection closed by peer")
+
+    seen: list[BaseException] = []
+    out = run_guarded(collective_fails, opt, CPU, peer_failure=lambda exc: seen.append(exc) or peer)
+    assert out is peer and "Connection closed" in str(seen[0])
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, opt)))
+    assert torch.equal(torch.get_rng_state(), rng)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        run_guarded(collective_fails, opt, CPU, peer_failure=lambda exc: None)
+
+    def stepped_then_fails() -> None:
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        run_guarded(stepped_then_fails, opt, CPU, peer_failure=lambda exc: peer)
+
+
 CHILD = """
 import json, torch
 from earl_stream.workers.oom_step import cap_address_space, run_guarded

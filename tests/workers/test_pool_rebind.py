@@ -15,12 +15,29 @@ import pytest
 RANK_SCRIPT = Path(__file__).with_name("pool_rebind_rank.py")
 
 
+def _pool(tmp_path: Path, *args: str) -> list[dict]:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(r), init, *args]) for r in range(2)]
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 @pytest.mark.parametrize("plan", ["fsdp2", "tp2"])
 def test_a_sharded_model_is_rebound_to_the_reformed_group(tmp_path: Path, plan: str) -> None:
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(r), init, plan, str(tmp_path)]) for r in range(2)]
-    assert [p.wait(timeout=180) for p in procs] == [0, 0]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = _pool(tmp_path, plan, str(tmp_path))
     for r in ranks:
         assert r["same"] and r["keys"] > 0, r  # parameters and optimizer state, whole, unchanged
         assert r["next_same"], r  # the next step trains as in a pool that never failed
+
+
+def test_fsdp_one_rank_failing_while_the_other_is_in_a_collective_is_not_retried(tmp_path: Path) -> None:
+    """The known limit under FSDP2 on gloo: the failing rank's abort does not close the connections a peer
+    blocked in an FSDP collective waits on (something of the failed step still holds the mesh's groups; the
+    peer is released when the failing process exits). Both ranks then fail as without recovery, and in
+    bounded time: the failing rank after 2 x trainer.oom_abort_seconds, the peer once it is released (it
+    does not wait to re-form with a rank that gave up). The pool resumes from its checkpoint."""
+    ranks = _pool(tmp_path, "fsdp2", str(tmp_path), "one")
+    assert "not every rank left the step" in ranks[0]["raised"], ranks[0]
+    assert "later than trainer.oom_abort_seconds" in ranks[1]["raised"], ranks[1]
+    assert ranks[0]["s"] < 2 * 1.5 + 2, ranks
+    print("seconds until each rank raised:", [round(r["s"], 2) for r in ranks])
