@@ -18,9 +18,17 @@ How each rank learns of a failure:
   error is not an allocation failure and is raised as before (`CollectiveFailed`, resume from checkpoint).
 
 Then each rank says under `earl/oom/<generation>/rank<r>` whether its state is that of the last completed
-step (its optimizer did not step). If one did, or a rank does not answer within the bound, every rank
-raises: the pool resumes from its checkpoint, as after any crash. Otherwise every rank re-forms the default
-process group under the next generation, on a `PrefixStore` of the same rendezvous store.
+step (its optimizer did not step). If one did, or a rank does not answer within 2 x the bound (a rank that
+gives up says so under `.../abandoned`, so a late peer raises too), every rank raises: the pool resumes
+from its checkpoint, as after any crash. Otherwise every rank re-forms the default process group under the
+next generation, on a `PrefixStore` of the same rendezvous store.
+
+Known limit (measured, gloo): under FSDP2 a peer blocked in one of the model's collectives is not released
+by the failing rank's abort: something of the failed step (FSDP's mesh info, and a reference we did not
+find) still holds the mesh's groups, so their connections stay open until the failing process exits. Such
+a failure ends as without recovery, in bounded time (tests/workers/test_pool_rebind.py). Replicated plans
+(dp) recover; a sharded model whose ranks all left the step is re-bound (`sharding.rebind`). NCCL takes the
+same path plus the watcher's abort: untested here (no GPU).
 """
 
 from __future__ import annotations
