@@ -69,7 +69,7 @@ class PoolFailure:
     rank: int  # the rank that failed to allocate
     error: str
     attempted_bytes: int
-    at: float = 0.0  # unix seconds, when it said so (the pool's hosts' clocks: for the log only)
+    at: float  # unix seconds, when it said so (the pool's hosts' clocks: for the log only)
 
     def encode(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -121,7 +121,8 @@ class PoolGuard:
         except BaseException as exc:
             self._close()
             if is_allocation_failure(exc):  # after this rank's optimizer stepped: let the peers leave too
-                self._publish(PoolFailure(self.rank, str(exc).splitlines()[0][:300] if str(exc) else "", 0))
+                self._publish(PoolFailure(self.rank, str(exc).splitlines()[0][:300] if str(exc) else "", 0,
+                                          time.time()))
             if self.store.check([self.key()]):  # a failure the pool cannot recover from: say so, let peers go
                 self.store.set(self.key(f"/rank{self.rank}"), b"stepped")
                 _leave_group()
