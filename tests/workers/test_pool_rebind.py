@@ -39,5 +39,7 @@ def test_fsdp_one_rank_failing_while_the_other_is_in_a_collective_is_not_retried
     ranks = _pool(tmp_path, "fsdp2", str(tmp_path), "one")
     assert "not every rank left the step" in ranks[0]["raised"], ranks[0]
     assert "later than trainer.oom_abort_seconds" in ranks[1]["raised"], ranks[1]
-    assert ranks[0]["s"] < 2 * 1.5 + 2, ranks
+    # bounded: 2 x oom_abort_seconds plus a loaded host's slack (5.7 s seen beside a busy make test), far below
+    # the group's own 60 s timeout, which is what a pool without this bound would wait for
+    assert ranks[0]["s"] < 2 * 1.5 + 15, ranks
     print("seconds until each rank raised:", [round(r["s"], 2) for r in ranks])
