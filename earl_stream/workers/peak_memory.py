@@ -4,7 +4,8 @@ On CUDA: the caching allocator's high-water mark of tensor bytes (`torch.cuda.ma
 reset before each step. On CPU (Linux): the process's resident high-water mark (`VmHWM`, reset by writing
 5 to /proc/self/clear_refs) minus its resident size before the model was loaded, so that the interpreter,
 torch and the libraries (what the selector's reserve covers) are not counted as the model's. 0 where
-neither can be read. The supervisor takes the fullest rank's figure (`planning.Planner`) to calibrate
+neither can be read, and on a CPU host whose kernel ignores the reset (some sandboxes): a lifetime peak
+would be taken for the step's. The supervisor takes the fullest rank's figure (`planning.Planner`) to calibrate
 its memory model.
 """
 
@@ -36,6 +37,7 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.baseline = 0 if device.type == "cuda" else _status_bytes("VmRSS")
+        self.resets = device.type == "cuda"  # whether the last start() reset the peak
 
     def start(self) -> None:
         if self.device.type == "cuda":
@@ -44,11 +46,19 @@ class PeakMemory:
         try:
             _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident size
         except OSError:
-            pass  # not Linux, or not allowed: the peak then covers the whole process life so far (an over-estimate)
+            self.resets = False  # not Linux, or not allowed
+            return
+        # a kernel that accepts the write but keeps the old mark (seen in CI sandboxes) leaves VmHWM above VmRSS
+        hwm, rss = _status_bytes("VmHWM"), _status_bytes("VmRSS")
+        self.resets = bool(hwm) and hwm <= rss + (1 << 20)
+        if not self.resets:
+            log.debug("VmHWM %d stayed above VmRSS %d after clear_refs: CPU step peaks are unknown", hwm, rss)
 
     def step_peak(self) -> int:
         """Bytes at the step's peak beyond the baseline (0: unknown)."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
+        if not self.resets:
+            return 0
         peak = _status_bytes("VmHWM")
         return max(0, peak - self.baseline) if peak and self.baseline else 0
