@@ -12,6 +12,7 @@ supervisor's. Settings only go down (no growing back), as the built-in engine's 
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 from dataclasses import dataclass, replace
@@ -158,3 +159,33 @@ class OomRestart:
     seconds: float
     reissued: int
     evidence: str
+
+
+class RestartRecord:
+    """What an external engine keeps of its out-of-memory restarts, behind the two properties every engine
+    reports (`oom_restarts`, `oom_shed_total`). The engine calls `_init_restart_record()` when it is built,
+    `_count_restart()` each time it lowers its settings, and `_record_restart()` once the restart is over."""
+
+    RECORDS = 256  # restarts kept per engine (the oldest are dropped)
+    _restarts: collections.deque[OomRestart]
+    _restart_total: int
+
+    def _init_restart_record(self) -> None:
+        self._restarts = collections.deque(maxlen=self.RECORDS)
+        self._restart_total = 0
+
+    def _count_restart(self) -> None:
+        self._restart_total += 1
+
+    def _record_restart(self, restart: OomRestart) -> None:
+        self._restarts.append(restart)
+
+    @property
+    def oom_restarts(self) -> tuple[OomRestart, ...]:
+        """The restarts after running out of memory, oldest first (the last `RECORDS`)."""
+        return tuple(self._restarts)
+
+    @property
+    def oom_shed_total(self) -> int:
+        """Restarts after running out of memory since the engine was built (heartbeats report it as `oom_sheds`)."""
+        return self._restart_total

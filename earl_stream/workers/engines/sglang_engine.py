@@ -37,7 +37,6 @@ called; the OpenAI endpoint's streamed replies then arrive in one piece when the
 
 from __future__ import annotations
 
-import collections
 import importlib
 import logging
 import math
@@ -62,6 +61,7 @@ from earl_stream.workers.engines.oom_restart import (
     OomPhase,
     OomRestart,
     RestartPolicy,
+    RestartRecord,
     exception_text,
     oom_evidence,
 )
@@ -107,7 +107,7 @@ def _logsumexp(values: Sequence[float]) -> float:
     return top + math.log(sum(math.exp(v - top) for v in values))
 
 
-class SglangEngine:
+class SglangEngine(RestartRecord):
     """Generates with `sglang.Engine` started on the Hugging Face directory `model_dir` (GPU only).
 
     `max_batch_size` becomes `max_running_requests`, `kv_budget_tokens` becomes `max_total_tokens`
@@ -169,8 +169,7 @@ class SglangEngine:
         self._settings = EngineSettings(int(kwargs["max_running_requests"]), float(kwargs["max_total_tokens"]),
                                         "max_running_requests", "max_total_tokens")
         self._policy = RestartPolicy(min_memory=self._max_len, factor=oom_factor, max_restarts=oom_max_restarts)
-        self._restarts: collections.deque[OomRestart] = collections.deque(maxlen=256)
-        self._restart_total = 0
+        self._init_restart_record()
         self._last_state: Mapping[str, torch.Tensor] | None = None  # "tensor" updates: what a restart loads again
         self._version = 0
         self._engine: Any = None
@@ -190,16 +189,6 @@ class SglangEngine:
     @property
     def capacity(self) -> EngineCapacity:
         return self._capacity
-
-    @property
-    def oom_restarts(self) -> tuple[OomRestart, ...]:
-        """The restarts after running out of memory, oldest first (the last 256)."""
-        return tuple(self._restarts)
-
-    @property
-    def oom_shed_total(self) -> int:
-        """Restarts after running out of memory since the engine was built (heartbeats report it as `oom_sheds`)."""
-        return self._restart_total
 
     def set_capacity(self, capacity: EngineCapacity) -> None:
         """Lower (or restore) the knobs; values above the start-up ones are clamped with a warning."""
@@ -286,7 +275,7 @@ class SglangEngine:
             except Exception as exc:
                 evidence = oom_evidence(exception_text(exc))
                 if failure is not None:
-                    self._restarts.append(OomRestart(time.time(), failure[0], before, self._settings,
+                    self._record_restart(OomRestart(time.time(), failure[0], before, self._settings,
                                                      time.monotonic() - began, failure[2], failure[1]))
                 if evidence is None:
                     raise EngineError(f"SGLang could not start on {self._model_dir}: {type(exc).__name__}: {exc}") from exc
@@ -295,7 +284,7 @@ class SglangEngine:
             if failure is not None:
                 self._restore_weights(engine)
                 seconds = time.monotonic() - began
-                self._restarts.append(OomRestart(time.time(), failure[0], before, self._settings, seconds, failure[2],
+                self._record_restart(OomRestart(time.time(), failure[0], before, self._settings, seconds, failure[2],
                                                  failure[1]))
                 _LOG.warning("SGLang restarted after running out of memory in %.1f s with %s; re-issuing %d request(s)",
                              seconds, self._settings.describe(), failure[2])
@@ -315,7 +304,7 @@ class SglangEngine:
         before = self._settings
         self._settings = self._policy.next(before, phase, self._restart_total, "SGLang", evidence, _HINT)
         self._kwargs.update(max_running_requests=self._settings.seqs, max_total_tokens=int(self._settings.memory))
-        self._restart_total += 1
+        self._count_restart()
         M.ROLLOUT_OOM_SHED.inc()
         if hasattr(self, "_started"):  # a restart while serving: capacity follows the lower start-up values
             self._started = EngineCapacity(self._settings.seqs, int(self._settings.memory))

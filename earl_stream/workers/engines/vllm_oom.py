@@ -16,7 +16,6 @@ level brings that message back to this process, where `oom_restart.oom_evidence`
 
 from __future__ import annotations
 
-import collections
 import copy
 import importlib
 import json
@@ -30,7 +29,15 @@ from typing import Any
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import EngineCapacity
-from earl_stream.workers.engines.oom_restart import EngineSettings, OomPhase, OomRestart, RestartPolicy, exception_text, oom_evidence
+from earl_stream.workers.engines.oom_restart import (
+    EngineSettings,
+    OomPhase,
+    OomRestart,
+    RestartPolicy,
+    RestartRecord,
+    exception_text,
+    oom_evidence,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -38,7 +45,6 @@ CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, an integer (vLLM's legacy CPU knob
 # KV blocks are allocated whole and vLLM keeps one block back; rounding the budget up to this many
 # tokens and adding as many covers every block size.
 KV_ROUND_TOKENS = 256
-_RECORDS = 256  # restarts kept per engine (the oldest are dropped)
 MIN_GPU_MEMORY_UTILIZATION = 0.05  # below this share of a device, vLLM holds little more than the weights
 HINT = ("rollout.max_batch_size (max_num_seqs), rollout.memory_bytes (the KV budget, kv_cache_memory_bytes), "
         f"or gpu_memory_utilization / {CPU_KV_ENV} where those size vLLM's KV cache")
@@ -133,7 +139,7 @@ class ErrorLog:
 Failure = tuple[OomPhase, str, int]  # (phase, evidence, requests in flight)
 
 
-class VllmRestarts:
+class VllmRestarts(RestartRecord):
     """The out-of-memory restarts of `VllmEngine` (mixed in: its vLLM handle and start-up values are the engine's;
     when vLLM ran out of memory, stopping, lowering and starting it again is this class's)."""
 
@@ -161,19 +167,8 @@ class VllmRestarts:
         self._errors.enabled = self._errors.enabled and "logging_config" not in kwargs
         self._settings, self._policy = memory_settings(kwargs, min_kv_bytes, current_platform.is_cpu(), factor,
                                                        max_restarts)
-        self._restarts: collections.deque[OomRestart] = collections.deque(maxlen=_RECORDS)
-        self._restart_total = 0
+        self._init_restart_record()
         self._starts = 0
-
-    @property
-    def oom_restarts(self) -> tuple[OomRestart, ...]:
-        """The restarts after running out of memory, oldest first (the last `_RECORDS`)."""
-        return tuple(self._restarts)
-
-    @property
-    def oom_shed_total(self) -> int:
-        """Restarts after running out of memory since the engine was built (heartbeats report it as `oom_sheds`)."""
-        return self._restart_total
 
     def _oom_evidence(self, exc: BaseException) -> str | None:
         """What says `exc` (a failed start or batch) was vLLM running out of memory: its chain or a child's log."""
@@ -211,7 +206,7 @@ class VllmRestarts:
         before = self._settings
         self._settings = self._policy.next(before, phase, self._restart_total, "vLLM", evidence, HINT)
         apply_settings(self._settings, self._kwargs)
-        self._restart_total += 1
+        self._count_restart()
         M.ROLLOUT_OOM_SHED.inc()
         kv_tokens = self._started.kv_budget_tokens
         if self._settings.memory_knob == "kv_cache_memory_bytes":  # vLLM keeps one block back
@@ -227,7 +222,7 @@ class VllmRestarts:
 
     def _record(self, failure: Failure, before: EngineSettings, seconds: float, started: bool) -> None:
         phase, evidence, reissued = failure
-        self._restarts.append(OomRestart(time.time(), phase, before, self._settings, seconds, reissued, evidence))
+        self._record_restart(OomRestart(time.time(), phase, before, self._settings, seconds, reissued, evidence))
         if started:
             _LOG.warning("vLLM restarted after running out of memory in %.1f s with %s; re-issuing %d request(s)",
                          seconds, self._settings.describe(), reissued)

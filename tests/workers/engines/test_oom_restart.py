@@ -99,3 +99,23 @@ def test_vllm_knobs_are_chosen_and_written_back(monkeypatch: pytest.MonkeyPatch)
     assert (settings.memory_knob, settings.memory, policy.min_memory) == (CPU_KV_ENV, 4.0, 1)
     apply_settings(policy.next(settings, OomPhase.START, 0, "vLLM", "e", "h"), kwargs)
     assert os.environ[CPU_KV_ENV] == "2"
+
+
+def test_an_engines_restart_record_counts_every_lowering_and_keeps_the_last_records() -> None:
+    """`RestartRecord`, what vLLM and SGLang report: a lowering counts at once (a start that failed again
+    too), the finished restarts are kept, oldest first, up to `RECORDS`."""
+    from earl_stream.workers.engines.oom_restart import EngineSettings, OomPhase, OomRestart, RestartRecord
+
+    class Engine(RestartRecord):
+        RECORDS = 2
+
+    engine = Engine()
+    engine._init_restart_record()
+    assert engine.oom_restarts == () and engine.oom_shed_total == 0
+    settings = EngineSettings(8, 1.0, "max_num_seqs", "kv_cache_memory_bytes")
+    for k in range(3):
+        engine._count_restart()
+        engine._record_restart(OomRestart(float(k), OomPhase.GENERATE, settings, settings, 0.1, k, "MemoryError"))
+    engine._count_restart()  # lowered, not yet restarted
+    assert engine.oom_shed_total == 4
+    assert [r.reissued for r in engine.oom_restarts] == [1, 2]
