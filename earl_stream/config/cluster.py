@@ -58,6 +58,9 @@ class SelectorConfig:
                             "a CPU process's resident high-water mark, which also holds the interpreter's and the "
                             "allocator's own growth; always = from either; never = the constant reserve_bytes only",
                             choices=("auto", "always", "never"))
+    memory_model_scale: float = _f(1.0, "a debugging knob: the trainer selector's memory predictions are multiplied "
+                                   "by this (< 1: a model that under-predicts on purpose, to exercise the recovery "
+                                   "from allocation failures; trainer.oom_recovery); leave it at 1", minimum=0)
     cost_model_path: str = _f("", "JSON of a step cost-model calibration to start from (StepCostModel.to_dict(), "
                               "or a file with it under \"cost_model\" like bench/results/selector.json); empty = defaults")
     cost_model_min_steps: int = _f(8, "refit the cost model from the trainer's measured step times after this many "

@@ -188,7 +188,7 @@ class Planner:
             allow_fsdp=pool and s.allow_fsdp, allow_ep=pool and s.allow_ep,
             step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
             pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes,
-            only=[name for name in s.plans.split("|") if name])
+            only=[name for name in s.plans.split("|") if name], model_scale=s.memory_model_scale)
         self.rollout = self._rollout_selector(cfg, shape, thresholds)
         for selector in (self.trainer, self.rollout):
             result = selector.initial(s.initial_seq_len)

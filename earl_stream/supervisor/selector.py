@@ -109,8 +109,17 @@ class TrainerSelector(PoolSelector[PlanDecision]):
                  allow_sp: bool = True, allow_fsdp: bool = True, allow_ep: bool = False,
                  max_micro_batch_tokens: int = 1 << 16,
                  step_sequences: int = 1, pad_aware: bool = False, prior_fill: float = 0.75,
-                 reshard_bucket_bytes: int = 64 * MIB, only: Sequence[str] = ()) -> None:
+                 reshard_bucket_bytes: int = 64 * MIB, only: Sequence[str] = (), model_scale: float = 1.0) -> None:
+        if not 0 < model_scale <= 1e3:
+            raise ConfigError(f"selector.memory_model_scale={model_scale} must be within (0, 1000]")
+        if model_scale != 1.0:  # a debugging knob: the fit checks see every prediction x model_scale
+            usable = max(1, int((budget.memory_bytes_per_device - budget.reserve_bytes) / model_scale))
+            budget = dataclasses.replace(budget, memory_bytes_per_device=budget.reserve_bytes + usable)
+            logger.warning("%s: selector.memory_model_scale=%g: every memory prediction is scaled x%g (a deliberately "
+                           "wrong memory model, for tests and benchmarks of allocation failures)", pool, model_scale,
+                           model_scale)
         super().__init__(budget, thresholds, pool)
+        self.model_scale = model_scale
         if Recompute.SELECTIVE in recomputes or not recomputes:
             raise ConfigError(f"recomputes={[r.value for r in recomputes]}: choose from none/full (selective "
                               "recomputation of the attention core cannot run on Hugging Face models)")
@@ -144,7 +153,7 @@ class TrainerSelector(PoolSelector[PlanDecision]):
         the fit checks see by that factor. Once; returns the scale in force."""
         if self.memory_scale != 1.0 or predicted_bytes < 1 or measured_bytes < 1:
             return self.memory_scale
-        self.memory_scale = max(1.0, measured_bytes / predicted_bytes)
+        self.memory_scale = max(1.0, measured_bytes / (predicted_bytes * self.model_scale))
         b = self.budget
         usable = max(1, int((b.memory_bytes_per_device - b.reserve_bytes) / self.memory_scale))
         self.budget = dataclasses.replace(b, memory_bytes_per_device=b.reserve_bytes + usable)
@@ -171,7 +180,7 @@ class TrainerSelector(PoolSelector[PlanDecision]):
         `predicted_bytes` for its largest micro-batch: the layout's reserve learns the excess over the prediction
         as its fit checks see it (calibration and allocation-failure factors applied). Returns the reserve."""
         name = layout_name(layout)
-        factor = self.memory_scale * max(1.0, self.memory_corrections.get(name, 1.0))
+        factor = self.model_scale * self.memory_scale * max(1.0, self.memory_corrections.get(name, 1.0))
         reserve = self.reserves.observe(name, math.ceil(predicted_bytes * factor), measured_bytes)
         if reserve > self.budget.reserve_bytes:
             logger.info("%s: layout %s peaked at %d bytes, %d predicted: its reserve is %d bytes", self.pool, name,
@@ -185,8 +194,9 @@ class TrainerSelector(PoolSelector[PlanDecision]):
         factor, reserve = max(1.0, self.memory_corrections.get(name, 1.0)), self.reserves.bytes(name)
         if factor == 1.0 and reserve == b.reserve_bytes:
             return b
-        # the learnt part is in real bytes; the pool's budget is already divided by the calibration scale
-        extra = (reserve - b.reserve_bytes) / self.memory_scale
+        # the learnt part is in real bytes; the pool's budget is already divided by the calibration scale (and
+        # the debugging knob's)
+        extra = (reserve - b.reserve_bytes) / (self.memory_scale * self.model_scale)
         usable = max(1, int((b.memory_bytes_per_device - b.reserve_bytes - extra) / factor))
         return dataclasses.replace(b, memory_bytes_per_device=reserve + usable, reserve_bytes=reserve)
 

@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import load_config
+from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, table_from_ipc, table_to_metas
 from earl_stream.supervisor.memory_model import check_fit
 from earl_stream.supervisor.selector import layout_name
@@ -228,3 +231,21 @@ def test_the_selector_off_retries_nothing(tmp_path: Path) -> None:
 def _claimed_off(sup: Supervisor) -> tuple[str, None]:
     trainer = _wire(sup, P.Register(role=P.Role.TRAINER, host="h", pid=2, rank=0)).worker_id
     return trainer, None
+
+
+def test_a_memory_model_scaled_below_one_adopts_a_plan_the_true_model_says_does_not_fit(tmp_path: Path) -> None:
+    """`selector.memory_model_scale` (a debugging knob for benchmarks of allocation failures): the fit checks
+    see every prediction x the scale, so a scale < 1 adopts a larger micro-batch than the honest model would,
+    one that the honest model says overflows the budget; the learnt reserve compares peaks against the scaled
+    prediction (what the fit checks saw)."""
+    honest = _sup(tmp_path / "honest").planner
+    wrong = _sup(tmp_path / "wrong", "selector.memory_model_scale=0.5").planner
+    assert honest.trainer_plan is not None and wrong.trainer_plan is not None and wrong.trainer is not None
+    assert wrong.trainer_plan.micro_batch_tokens > honest.trainer_plan.micro_batch_tokens
+    bound = dataclasses.replace(wrong.trainer_plan.plan, micro_batch=1, seq_len=wrong.trainer_plan.micro_batch_tokens)
+    assert not check_fit(wrong.trainer.shape, bound, 4096 * MIB, reserve_bytes=0).fits
+    predicted = 1000 * MIB
+    reserve = wrong.trainer.observe_peak(bound, predicted, predicted)  # measured = the honest prediction
+    assert reserve >= predicted // 2 - MIB  # the excess over the scaled prediction (500 MiB) is kept free
+    with pytest.raises(ConfigError, match="memory_model_scale"):
+        _sup(tmp_path / "zero", "selector.memory_model_scale=0")
