@@ -19,14 +19,14 @@ import msgspec
 from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_to_json
-from earl_stream.env.seeds import SEED_SPLIT
 from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SampleMeta, metas_to_table, table_from_ipc, table_to_ipc
 from earl_stream.store.weight_route import WeightRoute, weight_route
+from earl_stream.supervisor import status_report
 from earl_stream.supervisor.envs import EnvEntry, EnvRegistry
-from earl_stream.supervisor.episode_window import Finished, outcome_rate, outcome_rate_stderr, window_stats
+from earl_stream.supervisor.episode_window import Finished
 from earl_stream.supervisor.eval_rounds import EvalRounds
-from earl_stream.supervisor.ledger import Ledger, PromptState, outcome_of
+from earl_stream.supervisor.ledger import Ledger, outcome_of
 from earl_stream.supervisor.metrics_log import MetricsLog, replanned_at, staleness_histogram
 from earl_stream.supervisor.planning import Planner, PlannerState
 from earl_stream.supervisor.pools import Member, decide, order_of
@@ -232,7 +232,7 @@ class Supervisor:
         c = self.ledger.counters
         log.info("resume: %d samples recovered from %s, %d refused there (no longer wanted); so far %d recovered, "
                  "%d re-played (lost%s, their prompts re-issued)", len(accepted), msg.source or "-", len(refused),
-                 c.samples_recovered, self._replayed(), " since the resume" if self.lost_before_resume >= 0 else "")
+                 c.samples_recovered, self.replayed(), " since the resume" if self.lost_before_resume >= 0 else "")
         return P.Recovered(accepted=accepted, refused=refused)
 
     def _on_claim(self, msg: P.Claim, now: float) -> P.Msg:
@@ -328,9 +328,9 @@ class Supervisor:
         return self._on_envlist(P.EnvList(), now)
 
     def _on_envlist(self, msg: P.EnvList, now: float) -> P.Msg:
-        return P.EnvListReply(envs_json=json.dumps(self._describe_envs()))
+        return P.EnvListReply(envs_json=json.dumps(self.describe_envs()))
 
-    def _describe_envs(self) -> list[dict[str, Any]]:
+    def describe_envs(self) -> list[dict[str, Any]]:
         loaded = {w.worker_id: w.envs_version for w in self.workers.values() if w.alive and w.role == P.Role.ROLLOUT}
         return self.envs.describe(loaded, self.env_episodes)
 
@@ -409,7 +409,7 @@ class Supervisor:
                 self.declare_dead(w, why)
                 self.expired.append((w.worker_id, why))
 
-    def _replayed(self) -> int:
+    def replayed(self) -> int:
         """Samples lost (their prompts played again) since `up --resume`, else in the whole run."""
         return self.ledger.counters.samples_lost - max(0, self.lost_before_resume)
 
@@ -435,86 +435,8 @@ class Supervisor:
     # -- status -------------------------------------------------------------------------------
 
     def status(self, now: float) -> dict[str, Any]:
-        c = self.ledger.counters
-        stats = window_stats(self.recent)
-        wall = max(time.time() - self.started, 1e-9)
-        held: dict[str, int] = {}
-        for g in self.ledger.groups.values():
-            if g.state == PromptState.INFLIGHT:
-                held[g.worker_id] = held.get(g.worker_id, 0) + 1
-        return {
-            "address": self.address,
-            "metrics_address": self.metrics_address,
-            "policy_version": self.policy_version,
-            "finished": self.finished,
-            "wall_seconds": wall,
-            **dataclasses.asdict(c),
-            "samples_in_store": self.ledger.samples_waiting(),
-            "samples_claimed": self.ledger.samples_claimed(),
-            "samples_uncheckpointed": self.ledger.samples_uncheckpointed(),
-            # episodes kept as several samples (rollout.non_append=split); segments_split and episodes_produced above
-            "samples_per_episode": round(c.samples_produced / c.episodes_produced, 4) if c.episodes_produced else None,
-            # after `up --resume`: samples lost with the earlier run's workers (or since) and played again;
-            # None without a resume (samples_lost counts the whole run)
-            "samples_replayed_since_resume": self._replayed() if self.lost_before_resume >= 0 else None,
-            "mean_reward_last": stats.mean_reward,
-            "win_rate_last": outcome_rate(self.recent, "win"),
-            # clustered by group (a group's games share a prompt, and may share a seed): the window's real uncertainty
-            "win_rate_stderr_last": outcome_rate_stderr(self.recent, "win"),
-            "groups_last": len({e.group for e in self.recent}),
-            # every outcome the environments report (win, correct, truncated, ...) over the statistics window
-            "outcomes_last": stats.outcomes,
-            "draw_rate_last": outcome_rate(self.recent, "draw"),
-            "tokens_per_second": c.tokens_produced / wall,
-            "context_length": stats.context_length,
-            "plans": self.planner.status(),
-            "pools": {"rollout": self._rollout_pool()},
-            # each attached environment with its part of the window: episodes_window, mean_reward,
-            # mean_context_tokens, outcomes (e.g. one environment's win rate where several are attached)
-            "envs": {e["name"]: {**e, **({"episodes_window": w.episodes, "mean_reward": w.mean_reward,
-                                          "mean_context_tokens": w.mean_context_tokens, "outcomes": w.outcomes}
-                                         if (w := stats.envs.get(e["name"])) else {})}
-                     for e in self._describe_envs()},
-            "trainer": self.trainer_metrics,
-            # evaluation during training (eval.every): env -> latest round's version and value (success), pass@k,
-            # mean reward, history; {} when off
-            "eval": self.evals.status() if self.evals.enabled else {},
-            # the seed space, split once: training resets environments with seeds in "train", evaluation of an
-            # environment without held-out items plays seeds in "eval" ([start, stop) each; env/seeds.py)
-            "seed_split": SEED_SPLIT,
-            "workers": [{"id": w.worker_id, "role": w.role.value, "alive": w.alive, "pid": w.pid, "host": w.host,
-                         "ray_node_id": w.ray_node_id,
-                         "rank": w.rank, "last_seen_s": round(now - w.last_seen, 2), "stats": w.stats,
-                         "groups_held": held.get(w.worker_id, 0), "draining": w.draining, "drained": w.drained,
-                         "shard_address": w.shard_address, "metrics_address": w.metrics_address,
-                         "openai_url": w.openai_url}
-                        for w in self.workers.values() if w.role != P.Role.CLIENT],
-        }
-
-    def _rollout_pool(self) -> dict[str, Any]:
-        """The elastic pool: `desired` (None until `scale` sets it), live `active` and `draining` workers."""
-        live = [w for w in self.workers.values() if w.role == P.Role.ROLLOUT and w.alive]
-        return {"desired": self.rollout_replicas if self.rollout_replicas >= 0 else None,
-                "active": sum(not w.draining for w in live), "draining": sum(w.draining for w in live),
-                "drained": sum(w.drained for w in self.workers.values() if w.role == P.Role.ROLLOUT)}
+        """The run's status (`earl-stream status`, the dashboards' JSON): `status_report.status`."""
+        return status_report.status(self, now)
 
     def export_metrics(self, now: float) -> None:
-        c = self.ledger.counters
-        for kind in ("samples_produced", "samples_consumed", "samples_lost", "samples_stale", "samples_filtered",
-                     "samples_recovered", "samples_too_long", "prompts_reissued", "duplicates_detected"):
-            M.SUP_SAMPLES.labels(kind).set(getattr(c, kind))
-        M.SUP_SAMPLES.labels("in_store").set(self.ledger.samples_waiting())
-        for role in (P.Role.ROLLOUT, P.Role.TRAINER):
-            ws = [w for w in self.workers.values() if w.role == role]
-            M.SUP_WORKERS.labels(role.value, "alive").set(sum(w.alive for w in ws))
-            M.SUP_WORKERS.labels(role.value, "dead").set(sum(not w.alive and not w.drained for w in ws))
-            M.SUP_WORKERS.labels(role.value, "draining").set(sum(w.alive and w.draining for w in ws))
-            M.SUP_WORKERS.labels(role.value, "drained").set(sum(w.drained for w in ws))
-        self.evals.export_metrics()
-        stats = window_stats(self.recent)
-        if stats.mean_reward is not None:
-            M.SUP_REWARD.set(stats.mean_reward)
-            for label, tokens in stats.context_length.items():
-                M.SUP_CONTEXT.labels(label).set(tokens)
-            for env, w in stats.envs.items():
-                M.SUP_ENV_REWARD.labels(env).set(w.mean_reward)
+        status_report.export_metrics(self)
