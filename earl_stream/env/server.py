@@ -2,10 +2,11 @@
 environment a rollout worker plays in its place.
 
 `earl-stream env serve SPEC --bind HOST:PORT` runs `EnvServer`: a ZMQ ROUTER speaking the control
-plane's framing (msgspec messages signed with the cluster secret, `earl_stream.security`). Each episode
-is one environment instance on the server, opened by `EnvOpen` (reset), driven by `EnvStep`, closed by
-`EnvClose` or when it is done; instances idle for `idle_s` are dropped (their worker died). Requests
-run concurrently, so a slow episode does not hold the others up.
+plane's framing (msgspec messages signed with the cluster secret, `earl_stream.security`) around an
+`EnvHost` (`earl_stream.env.host`): each episode is one environment instance on the server, opened by
+`EnvOpen` (reset), driven by `EnvStep`, closed by `EnvClose` or when it is done; instances idle for
+`idle_s` are dropped (their worker died). Requests run concurrently, so a slow episode does not hold the
+others up.
 
 `RemoteEnv` (registry name `remote`, params {address, timeout_s}) is the worker's side: every call has
 a timeout, so a server that dies or hangs fails only the episodes it serves (EnvError, which the agent
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from typing import Any
 
@@ -27,8 +27,8 @@ import zmq
 import zmq.asyncio
 
 from earl_stream import metrics as M
-from earl_stream.env import Environment, StepResult, env_options, env_reset, env_step, make_env
-from earl_stream.env.tools import with_tools
+from earl_stream.env import StepResult
+from earl_stream.env.host import EnvClose, EnvClosed, EnvFailed, EnvHost, EnvOpen, EnvOpened, EnvStep, EnvStepped, failure
 from earl_stream.errors import EnvError
 from earl_stream.protocol import Msg, normalize_address
 from earl_stream.security import encryption
@@ -39,42 +39,6 @@ __all__ = ["EnvServer", "RemoteEnv"]
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
-
-
-class EnvOpen(Msg, tag="env_open", frozen=True):
-    episode: str = ""
-    seed: int = 0
-
-
-class EnvOpened(Msg, tag="env_opened", frozen=True):
-    observation: str = ""
-    system_prompt: str | None = None
-    max_turn_tokens: int = 32
-    max_episode_tokens: int | None = None
-
-
-class EnvStep(Msg, tag="env_step", frozen=True):
-    episode: str = ""
-    action: str = ""
-
-
-class EnvStepped(Msg, tag="env_stepped", frozen=True):
-    observation: str = ""
-    reward: float = 0.0
-    done: bool = False
-    info_json: str = "{}"
-
-
-class EnvClose(Msg, tag="env_close", frozen=True):
-    episode: str = ""
-
-
-class EnvClosed(Msg, tag="env_closed", frozen=True):
-    pass
-
-
-class EnvFailed(Msg, tag="env_failed", frozen=True):
-    message: str = ""
 
 
 _Any = EnvOpen | EnvOpened | EnvStep | EnvStepped | EnvClose | EnvClosed | EnvFailed
@@ -88,7 +52,7 @@ class EnvServer:
     def __init__(self, spec: str, params: dict[str, Any] | None = None, *, bind: str = "127.0.0.1:0",
                  secret: bytes | None = None, idle_s: float = 600.0, encrypt: bool | None = None) -> None:
         self.spec, self.params = spec, dict(params or {})
-        make_env(spec, self.params)  # fail now, at start, if it cannot be built
+        self.host = EnvHost(spec, self.params, idle_s=idle_s)  # fails now, at start, if it cannot be built
         self.secret = secret
         self.guard = ReplayGuard()  # a replayed or stale request is refused like an unsigned one
         self.idle_s = idle_s
@@ -104,7 +68,6 @@ class EnvServer:
         else:
             self._sock.bind(endpoint)
         self.address = endpoint.split("://", 1)[1]
-        self._envs: dict[str, tuple[Environment, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
@@ -114,7 +77,7 @@ class EnvServer:
         try:
             while not stop.is_set():
                 if not await self._sock.poll(500):
-                    self._reap()
+                    self.host.reap()
                     continue
                 frames = await self._sock.recv_multipart()
                 task = asyncio.create_task(self._answer(frames[0], frames[-1]))
@@ -126,12 +89,6 @@ class EnvServer:
             self._sock.close(0)
             self._ctx.term()
 
-    def _reap(self) -> None:
-        now = time.monotonic()
-        for key in [k for k, (_, seen) in self._envs.items() if now - seen > self.idle_s]:
-            del self._envs[key]
-            log.info("dropped idle episode %s", key)
-
     async def _answer(self, ident: bytes, frame: bytes) -> None:
         payload = check(self.secret, frame, self.guard)
         if isinstance(payload, Refusal):
@@ -140,38 +97,10 @@ class EnvServer:
             await self._sock.send_multipart([ident, b"", _encoder.encode(reply)])
             return
         try:
-            msg = _decoder.decode(payload)
-            reply = await self._handle(msg)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            reply = EnvFailed(message=f"not an environment-server message: {exc}")
-        except EnvError as exc:
-            reply = EnvFailed(message=str(exc))
+            reply = await self.host.handle(_decoder.decode(payload))
         except Exception as exc:  # the environment is user code: its failure is the episode's, not the server's
-            reply = EnvFailed(message=f"{type(exc).__name__}: {exc}")
+            reply = failure(exc)
         await self._sock.send_multipart([ident, b"", sign(self.secret, _encoder.encode(reply))])
-
-    async def _handle(self, msg: Any) -> Msg:
-        if isinstance(msg, EnvOpen):
-            env = with_tools(make_env(self.spec, self.params))
-            options = env_options(env)
-            observation = await env_reset(env, msg.seed)
-            self._envs[msg.episode] = (env, time.monotonic())
-            return EnvOpened(observation=observation, system_prompt=options.system_prompt,
-                             max_turn_tokens=options.max_turn_tokens, max_episode_tokens=options.max_episode_tokens)
-        if isinstance(msg, EnvStep):
-            held = self._envs.get(msg.episode)
-            if held is None:
-                raise EnvError(f"episode {msg.episode!r} is not open on this server (dropped as idle, or never opened)")
-            self._envs[msg.episode] = (held[0], time.monotonic())
-            result = await env_step(held[0], msg.action)
-            if result.done:
-                self._envs.pop(msg.episode, None)
-            return EnvStepped(observation=result.observation, reward=float(result.reward), done=result.done,
-                              info_json=json.dumps(result.info, default=str))
-        if isinstance(msg, EnvClose):
-            self._envs.pop(msg.episode, None)
-            return EnvClosed()
-        raise EnvError(f"unexpected message {type(msg).__name__}")
 
 
 class RemoteEnv:

@@ -19,7 +19,8 @@ network: it reaches the endpoint through a Unix socket (`AgentJob.uds`). Before 
 to what it used plus `sandbox.cpu_seconds`; a child that goes past a limit fails its episodes with
 `sandbox_limit: <limit>` (`breach_text`).
 
-Frames: a 4-byte big-endian length, then a msgpack-encoded message.
+Frames: a 4-byte big-endian length, then a msgpack-encoded message; starting and ending the child is
+`earl_stream.workers.child_process`'s, shared with the environment runner (`env_runner`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import logging
 import os
 import shutil
 import socket
-import struct
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -43,10 +43,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from earl_stream import metrics as M
-from earl_stream.sandbox import Breach, Launch, SandboxSpec, prepare, sandbox_environment
-from earl_stream.security.secret import SECRET_ENV
+from earl_stream.sandbox import Launch, SandboxSpec
 from earl_stream.workers.agent_loop import EpisodeFailed
 from earl_stream.workers.agent_sandbox import EnvSource, agent_sandbox, env_sandbox
+from earl_stream.workers.child_process import GRACE_S, breach_text, child_environment, end_child, read_frame, start_child
+from earl_stream.workers.child_process import frame as _frame
 
 if TYPE_CHECKING:
     from earl_stream.config import RunConfig
@@ -54,14 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME = 16 * 1024 * 1024
-# the worker waits this much longer than the episode's own timeout (which the child enforces) before it
-# gives the episode up itself, so that a child that hangs cannot hold an episode for ever
-GRACE_S = 5.0
-# how long a new child may take to say it is ready (Python, the environments' registry and openai imported: ~4 s
-# on a quiet core, several times that on a busy host); its start-up never counts against an episode's timeout
-START_TIMEOUT_S = 120.0
-START_CPU_S = 30.0  # CPU seconds a sandboxed child may spend starting (imports), besides its episodes' budgets
+__all__ = ["GRACE_S", "AgentRunner", "AgentRunners", "breach_text", "open_agent_runners", "run_agent"]
 
 
 class AgentJob(msgspec.Struct, tag="job", frozen=True):
@@ -92,30 +86,20 @@ class AgentReady(msgspec.Struct, tag="ready", frozen=True):
     pid: int
 
 
-_encoder = msgspec.msgpack.Encoder()
 _to_child = msgspec.msgpack.Decoder(AgentJob | AgentCancel)
 _to_worker = msgspec.msgpack.Decoder(AgentDone | AgentReady)
 
 
-def _frame(msg: msgspec.Struct) -> bytes:
-    body = _encoder.encode(msg)
-    return struct.pack(">I", len(body)) + body
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
-    (size,) = struct.unpack(">I", await reader.readexactly(4))
-    if size > MAX_FRAME:
-        raise ConnectionError(f"agent runner frame of {size} bytes")
-    return await reader.readexactly(size)
-
-
 def agent_environment() -> dict[str, str]:
-    """The agent process's environment: the worker's, less the variables that name the cluster secret's file
-    and the TLS key's. Its programs get each episode's agent key instead (openai_api/auth.py). (Outside a bwrap
-    sandbox they run where the worker's files are: a program that goes looking can read what its user can.)"""
-    from earl_stream.security.tls import TLS_KEY_ENV
+    """The agent process's environment: the worker's, less the cluster secret's and the TLS key's variables
+    (`child_process.child_environment`). Its programs get each episode's agent key instead (openai_api/auth.py)."""
+    return child_environment()
 
-    return {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, TLS_KEY_ENV)}
+
+def _check_ready(body: bytes) -> None:
+    ready = _to_worker.decode(body)
+    if not isinstance(ready, AgentReady):
+        raise ConnectionError(f"its first frame was {type(ready).__name__}, not ready")
 
 
 class AgentRunner:
@@ -143,60 +127,21 @@ class AgentRunner:
         async with self._start_lock:
             if self._alive:
                 return
-            parent, child = socket.socketpair()
-            argv = [sys.executable, "-m", "earl_stream.workers.agent_runner", "--fd", str(child.fileno()),
-                    "--name", self.name]
-            launch = None
-            if self.sandbox is not None:  # its start-up's CPU on top of the first episode's budget (`allow_cpu`)
-                limits = dataclasses.replace(self.sandbox.limits, cpu_seconds=self.sandbox.limits.cpu_seconds + START_CPU_S)
-                launch = prepare(argv, dataclasses.replace(self.sandbox, limits=limits), env=self._sandbox_environment())
-            try:
-                if launch is None:
-                    proc = await asyncio.create_subprocess_exec(*argv, pass_fds=(child.fileno(),),
-                                                                env=agent_environment())
-                else:
-                    proc = await asyncio.create_subprocess_exec(*launch.command, pass_fds=(child.fileno(),),
-                                                                env=launch.env, cwd=launch.cwd,
-                                                                preexec_fn=launch.preexec)
-            except BaseException:
-                if launch is not None:
-                    launch.cleanup()
-                raise
-            finally:
-                child.close()
-            reader, writer = await asyncio.open_connection(sock=parent)
-            try:  # its imports done before any episode's clock starts (a busy host must not time episodes out)
-                ready = _to_worker.decode(await asyncio.wait_for(_read_frame(reader), START_TIMEOUT_S))
-                if not isinstance(ready, AgentReady):
-                    raise ConnectionError(f"its first frame was {type(ready).__name__}, not ready")
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as exc:
-                writer.close()
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-                why = f"not ready within {START_TIMEOUT_S:.0f}s" if isinstance(exc, asyncio.TimeoutError) else (
-                    f"exited with code {proc.returncode} before it was ready"
-                    if isinstance(exc, asyncio.IncompleteReadError) else str(exc))
-                if launch is not None:
-                    launch.cleanup()
-                raise OSError(f"{self.name} (pid {proc.pid}): {why}") from None
-            self._proc, self._writer, self._alive, self._launch = proc, writer, True, launch
+            child = await start_child("earl_stream.workers.agent_runner", ["--name", self.name], name=self.name,
+                                      env=agent_environment(), sandbox=self.sandbox, python_path=self.python_path,
+                                      check=_check_ready)
+            self._proc, self._writer, self._alive, self._launch = child.proc, child.writer, True, child.launch
             self.starts += 1
-            self._reader_task = asyncio.create_task(self._read(reader, proc, launch), name=f"{self.name}-reader")
-            log.info("%s started (pid %d%s)", self.name, proc.pid,
+            self._reader_task = asyncio.create_task(self._read(child.reader, child.proc, child.launch),
+                                                    name=f"{self.name}-reader")
+            log.info("%s started (pid %d%s)", self.name, child.proc.pid,
                      f", sandbox {self.sandbox.mode.value}" if self.sandbox is not None else "")
-
-    def _sandbox_environment(self) -> dict[str, str]:
-        env = sandbox_environment(agent_environment())
-        if self.python_path:
-            env["PYTHONPATH"] = os.pathsep.join([*self.python_path, *filter(None, [env.get("PYTHONPATH")])])
-        return env
 
     async def _read(self, reader: asyncio.StreamReader, proc: asyncio.subprocess.Process,
                     launch: Launch | None) -> None:
         try:
             while True:
-                done = _to_worker.decode(await _read_frame(reader))
+                done = _to_worker.decode(await read_frame(reader))
                 if isinstance(done, AgentReady):
                     continue
                 future = self._pending.get(done.job)
@@ -206,17 +151,8 @@ class AgentRunner:
             eof, why = isinstance(exc, asyncio.IncompleteReadError), f" ({exc})"
         self._alive = False  # from here on, new episodes go to a new child
         failed = [f for f in self._pending.values() if not f.done()]  # this child's, taken before any await
-        try:  # at the end of its socket the child is exiting: its own exit code, not a kill's
-            code = await asyncio.wait_for(proc.wait(), GRACE_S if eof else 0.0)
-            why = "" if eof else why
-        except asyncio.TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()  # a child that sent garbage, or hangs past its socket, is not trusted again
-            code = await proc.wait()
-        breach = launch.breach(code) if launch is not None else None
-        if launch is not None:
-            launch.kill(proc.pid)  # what it left running in its sandbox
-            launch.cleanup()
+        code, breach = await end_child(proc, launch, eof)
+        why = "" if eof else why
         if breach is not None:
             M.ROLLOUT_SANDBOX_BREACHES.labels(self.worker, breach.value).inc()
             why = f"{why}: {breach_text(breach, self.sandbox)}"
@@ -341,16 +277,6 @@ async def open_agent_runners(cfg: RunConfig, worker_id: str, endpoint: OpenAIEnd
     return AgentRunners(cfg.rollout.agent_processes, worker_id, sandbox, path)
 
 
-def breach_text(breach: Breach, spec: SandboxSpec | None) -> str:
-    """`sandbox_limit: <limit> (...)`: the reason an episode failed for, its limit's setting named."""
-    limits = spec.limits if spec is not None else None
-    said = {Breach.CPU: f"more than sandbox.cpu_seconds={limits.cpu_seconds:g} CPU seconds" if limits else "",
-            Breach.MEMORY: f"more than sandbox.memory_bytes={limits.memory_bytes} bytes" if limits else "",
-            Breach.PROCESSES: f"more than sandbox.processes={limits.processes} processes" if limits else "",
-            Breach.WALL: "past its wall-clock limit"}[breach]
-    return f"sandbox_limit: {breach.value} ({said})"
-
-
 # --- the child ---------------------------------------------------------------------------------------------
 
 
@@ -433,7 +359,7 @@ async def _serve(fd: int) -> None:
     try:
         while True:
             try:
-                msg = _to_child.decode(await _read_frame(reader))
+                msg = _to_child.decode(await read_frame(reader))
             except (asyncio.IncompleteReadError, ConnectionError):
                 return  # the worker went away (or stopped us)
             if isinstance(msg, AgentCancel):

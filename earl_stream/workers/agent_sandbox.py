@@ -30,14 +30,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def agent_sandbox(cfg: RunConfig) -> SandboxSpec | None:
-    """The spec of the worker's agent processes (their wall time is each episode's timeout, not a limit here)."""
+def agent_sandbox(cfg: RunConfig, what: str = "agent programs") -> SandboxSpec | None:
+    """The spec of the worker's agent processes (their wall time is each episode's timeout, not a limit here);
+    `what` runs in them, for the warning under `sandbox.mode=none` (the environment runners' spec starts here too)."""
     s = cfg.sandbox
     mode, warning = resolve_mode(s.mode)
     if warning:
         log.warning("%s", warning)
     if mode is SandboxMode.NONE:
-        log.warning("sandbox.mode=none: agent programs run without limits, as this worker's user")
+        log.warning("sandbox.mode=none: %s run without limits, as this worker's user", what)
         return None
     limits = Limits(cpu_seconds=s.cpu_seconds, wall_seconds=365 * 86400.0, memory_bytes=s.memory_bytes,
                     processes=s.processes)

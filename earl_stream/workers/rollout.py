@@ -56,6 +56,7 @@ from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.memory import EngineMemory, engine_memory
 from earl_stream.workers.engines.registry import make_engine
 from earl_stream.workers.engines.weight_swap import SwapMode, SwapTally, swap_weights
+from earl_stream.workers.env_runner import EnvRunners, open_env_runners
 
 if TYPE_CHECKING:
     from earl_stream.algo.distill import TeacherScorer
@@ -225,6 +226,9 @@ class RolloutWorker:
         self._tasks = [*slots, asyncio.create_task(self._engine_control())]
         self.endpoint: openai_api.OpenAIEndpoint | None = None
         self.agent_runners: AgentRunners | None = None
+        self.env_runners: EnvRunners | None = open_env_runners(self.cfg, self.worker_id)  # other projects' envs
+        if self.env_runners is not None:
+            self.env_runners.attach(self.envs.values())  # their sandboxes started ahead of their first episode
         if self.openai_sock is not None:
             r = self.cfg.rollout
             self.endpoint = openai_api.OpenAIEndpoint(
@@ -245,6 +249,8 @@ class RolloutWorker:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             if self.agent_runners is not None:
                 await self.agent_runners.aclose()
+            if self.env_runners is not None:
+                await self.env_runners.aclose()
             self.batcher.close()
 
     async def _heartbeat_loop(self) -> None:
@@ -359,6 +365,8 @@ class RolloutWorker:
                 continue
             self.env_errors.pop(name, None)
             self.envs[name] = spec
+            if self.env_runners is not None:
+                self.env_runners.attach([spec])
             log.info("environment %s (%s) is ready", name, spec.spec)
         self.envs_version = version
 
@@ -447,7 +455,10 @@ class RolloutWorker:
             return None
         sampling = Sampling(self.cfg.rollout.temperature, self.cfg.rollout.top_p, self.cfg.rollout.top_k)
         try:
-            envs = [with_tools(make_env(spec.spec, spec.params)) for _ in range(prompt.group_size)]
+            if self.env_runners is not None and self.env_runners.wants(spec):  # in a sandbox (env_runner)
+                envs: list[Any] = await self.env_runners.envs(spec, prompt.group_size)
+            else:
+                envs = [with_tools(make_env(spec.spec, spec.params)) for _ in range(prompt.group_size)]
         except EnvError as exc:
             log.warning("cannot create environment %s for %s: %s", spec.spec, prompt.group_id, exc)
             return None
