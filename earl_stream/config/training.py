@@ -59,6 +59,13 @@ class TrainerConfig:
     micro_batch_tokens: int = _f(8192, "token budget of one micro-batch", minimum=1)
     packing: bool = _f(True, "pack a micro-batch's rows into one sequence (position ids restarting per row, attention "
                        "within each row) instead of right-padding them to the longest")
+    dynamic_sp_tokens: int = _f(0, "dynamic sequence parallelism per micro-batch (as verl's dynamic context "
+                                "parallelism): under a plan of N > 1 data ranks and sp=1 (dpN, fsdpN), a row of more "
+                                "than this many tokens is trained by all N ranks together, in a micro-batch of its "
+                                "own, with Ulysses sp=N (each rank a contiguous 1/N of its tokens; N must divide the "
+                                "model's attention heads), while the step's other rows stay at sp=1 on their own "
+                                "ranks; only the degrees 1 and N are chosen; off under a plan with sp > 1, refused "
+                                "under tensor parallel; 0 = off", minimum=0)
     threads: int = _f(1, "torch threads per trainer rank", minimum=1)
     cpus: str = _f("", "CPU ids each trainer rank is pinned to, e.g. '1' or '0-1' (torch threads = their count); "
                    "empty = no pinning")

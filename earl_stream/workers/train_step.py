@@ -15,13 +15,18 @@ of the loss; they stay in the context. The math of the loss is `earl_stream.algo
 With `trainer.packing` a micro-batch is one packed sequence [1, n] (`workers.batches`), run with
 per-row attention (`workers.packed_attention`); the loss sees each of its tokens as a row of one
 token with its own row's advantage and weight, so the sums are those of the padded layout.
+
+With `trainer.dynamic_sp_tokens` (`workers.dynamic_sp`) an update's rows longer than that run first,
+one shared micro-batch each, on all N data ranks at Ulysses sp = N (each rank its slice of the row);
+the other rows are partitioned and run at sp = 1 as above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +43,7 @@ from earl_stream.store.experience import Puller, SamplesUnavailable, pull_sample
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta, episode_key
 from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, packed_local_batch, rank_windows
+from earl_stream.workers.dynamic_sp import DynamicSp
 from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
 from earl_stream.workers.routing_replay import RoutingReplay
@@ -86,6 +92,12 @@ class _Mini:
     passes: int  # micro-batch passes this rank runs (lockstep plans: the most any data rank has)
     weights: dict[int, float]  # every row of the update (all ranks'): its per-token loss weight
     packed: bool = False  # micro-batches are packed sequences (windows from `packed_windows`)
+    shared: int = 0  # the first `shared` micro-batches run on every data rank at sp `shared_sp` (dynamic sp)
+    shared_sp: tuple[int, int] = (1, 0)  # (sp degree, this rank's sp rank) of the shared micro-batches
+
+    def sp(self, k: int, layout: Layout) -> tuple[int, int]:
+        """(sp degree, sp rank) of micro-batch k on this rank."""
+        return self.shared_sp if k < self.shared else (layout.cp_size, layout.cp_rank)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: Sequence[SampleMeta], layout: Layout,
@@ -105,14 +117,15 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     if sp_state() != (layout.cp_size, layout.cp_rank):
         raise ConfigError(f"layout has sp={layout.cp_size} (rank {layout.cp_rank}) but the model runs sp={sp_state()}: "
                           "apply the plan (workers.sharding / workers.ulysses.set_sequence_parallel) first")
-    minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo, packed=cfg.packing)
+    dynamic = DynamicSp.of(cfg.dynamic_sp_tokens, placement, model.config)
+    minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo, packed=cfg.packing, dynamic=dynamic)
     fields: tuple[str, ...] = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
     replay = RoutingReplay.of(model, algo.routing_replay)  # MoE models: routed experts (workers.routing_replay)
     fields += replay.fields(metas) if replay is not None else ()
     if algo.distill.enabled and algo.distill.mode == "loss":
         fields += (distill.FIELD,)
     pull_start = time.monotonic()
-    ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} if layout.cp_size > 1 else None
+    ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} or None  # sp'd rows: their slice
     pulled, lost = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields)
     if placement.world > 1:
         # Before any forward pass every rank drops the groups any rank lost: an sp or tp group's ranks
@@ -129,7 +142,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         return StepResult(loss=0.0, grad_norm=0.0, mismatch=0.0, clip_frac=0.0, entropy=0.0, mean_reward=mean_reward,
                           samples=0, tokens=0, step_seconds=time.monotonic() - start, pull_seconds=pull_seconds,
                           pull_bytes=pull_bytes, lost_sample_ids=lost)
-    run = _MicroBatchRunner(model, ref_model, algo, placement, temperature)
+    run = _MicroBatchRunner(model, ref_model, algo, placement, temperature, dynamic)
     lengths = [m.total_tokens for m in metas]
     batches = {(u, k): _batch(mini, k, pulled, layout, min_version, lengths) for u, mini in enumerate(minis)
                for k in range(mini.passes)}
@@ -199,31 +212,43 @@ def _advantages(metas: Sequence[SampleMeta], rewards: np.ndarray, lost: set[str]
 
 
 def _plan(metas: Sequence[SampleMeta], layout: Layout, placement: Placement, micro_batch_tokens: int,
-          algo: AlgoConfig, *, packed: bool = True) -> list[_Mini]:
+          algo: AlgoConfig, *, packed: bool = True, dynamic: DynamicSp | None = None) -> list[_Mini]:
     """The step's updates: its groups, in prompt order, cut into `algo.mini_batches` contiguous parts,
     each partitioned over the pool like a claim of its own. (Prompt order, not claim order: a claim
-    lists groups as they completed, which varies from run to run.)"""
+    lists groups as they completed, which varies from run to run.) Under `dynamic` sp an update's rows
+    longer than its threshold come first, one shared micro-batch each, the same on every rank."""
     groups = [g for _, g in sorted({(m.prompt_ordinal, m.group_id) for m in metas})]
     k = max(1, min(algo.mini_batches, len(groups)))
     parts = [set(groups[len(groups) * j // k: len(groups) * (j + 1) // k]) for j in range(k)]
+    dynamic = dynamic or DynamicSp()
     out = []
     for part in parts:
         idx = [i for i, m in enumerate(metas) if m.group_id in part]
         lengths = [metas[i].total_tokens for i in idx]
-        p = partition(lengths, layout, micro_batch_tokens=micro_batch_tokens, packed=packed)
-        windows, ranges = rank_windows(p.micro_batches, lengths, layout.cp_size, layout.cp_rank, packed=packed)
+        shared = dynamic.micro_batches(lengths, packed=packed)
+        taken = set(shared.rows)
+        own = [j for j in range(len(idx)) if j not in taken]  # positions in idx
+        p = partition([lengths[j] for j in own], layout, micro_batch_tokens=micro_batch_tokens, packed=packed)
+        mbs = [[own[j] for j in mb] for mb in p.micro_batches]
+        windows, ranges = rank_windows(mbs, lengths, layout.cp_size, layout.cp_rank, packed=packed)
+        if shared.rows:  # own rows whole (ranges None) or sliced (cp > 1); shared rows sliced
+            ranges = {**(ranges or {}), **shared.ranges}
         weights = row_weights([metas[i].response_tokens for i in idx], algo.loss_agg)
-        out.append(_Mini(rows=[idx[j] for j in p.rows], micro_batches=[[idx[j] for j in mb] for mb in p.micro_batches],
-                         windows=windows, ranges=None if ranges is None else {idx[j]: r for j, r in ranges.items()},
-                         passes=p.max_micro_batches if placement.lockstep else len(p.micro_batches),
-                         weights=dict(zip(idx, weights)), packed=packed))
+        passes = p.max_micro_batches if placement.lockstep else len(p.micro_batches)
+        out.append(_Mini(rows=[idx[j] for j in shared.rows + [own[j] for j in p.rows]],
+                         micro_batches=[[idx[j] for j in mb] for mb in shared.micro_batches + mbs],
+                         windows=shared.windows + windows,
+                         ranges=None if ranges is None else {idx[j]: r for j, r in ranges.items()},
+                         passes=len(shared.micro_batches) + passes, weights=dict(zip(idx, weights)), packed=packed,
+                         shared=len(shared.micro_batches), shared_sp=(dynamic.degree, dynamic.rank)))
     return out
 
 
 def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout: Layout, min_version: int,
            lengths: Sequence[int]) -> dict[str, Any]:
     """Pass k's micro-batch of this rank (a zero-loss dummy when it has no rows there but must take
-    part), with `rows`, `weights` and the too-stale tokens taken out of `loss_mask` (`stale`).
+    part), with `rows`, `weights`, the too-stale tokens taken out of `loss_mask` (`stale`) and its sp
+    degree `sp` (dynamic sp: > 1 on a shared micro-batch; the placement's own sp is in force otherwise).
 
     Padded: tensors [B, n], `weights` [B] per row. Packed: tensors [1, n], `segments`, and per token
     `token_rows` [n] (its claim row, -1 where it scores nothing) and `weights` [n]."""
@@ -233,9 +258,10 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
         batch: dict[str, Any] = dict(dummy_batch(layout.cp_rank))
         batch.update(rows=[], weights=torch.zeros(1), stale=0.0)
         return batch
+    sp = mini.sp(k, layout)[0]
     if mini.packed:
         batch = packed_local_batch([pulled.get(i) for i in mb], [lengths[i] for i in mb], mini.windows[k],
-                                   layout.cp_size, fill={VERSION: min_version})
+                                   sp, fill={VERSION: min_version})
         j = batch["token_rows"]
         valid = j >= 0
         batch["token_rows"] = torch.where(valid, torch.tensor(mb, dtype=torch.int64)[j.clamp(min=0)], -1)
@@ -260,7 +286,7 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
         old = (versions < min_version) & (batch["loss_mask"] > 0)
         stale = float(old.sum())
         batch["loss_mask"] = batch["loss_mask"] * (~old).float()
-    batch.update(rows=rows, weights=weights, stale=stale)
+    batch.update(rows=rows, weights=weights, stale=stale, sp=sp if k < mini.shared else 1)
     return batch
 
 
@@ -272,8 +298,9 @@ class _MicroBatchRunner:
     shard under tp, under autocast for bf16), accumulating the loss statistics."""
 
     def __init__(self, model: torch.nn.Module, ref_model: torch.nn.Module | None, algo: AlgoConfig,
-                 placement: Placement, temperature: float = 1.0) -> None:
+                 placement: Placement, temperature: float = 1.0, dynamic: DynamicSp | None = None) -> None:
         self.model, self.ref_model, self.algo, self.placement = model, ref_model, algo, placement
+        self.dynamic = dynamic or DynamicSp()
         config: Any = model.config
         self.vocab = {"group": placement.tp_group, "vocab_start": placement.vocab_start(int(config.vocab_size)),
                       "temperature": temperature}
@@ -286,13 +313,18 @@ class _MicroBatchRunner:
         if self.ref_replay is not None:
             self.ref_replay.take_mismatch()  # its counts are not reported (the metric is the policy's)
 
-    def _packed(self, batch: dict[str, Any]) -> Any:
-        """Per-row attention for a packed micro-batch, over its forward and backward (a no-op padded), and
-        the routers (policy and reference) set to the batch's recorded routing."""
-        inner = packed_segments([m for m in (self.model, self.ref_model) if m is not None], batch.get("segments"))
+    @contextlib.contextmanager
+    def _packed(self, batch: dict[str, Any]) -> Iterator[None]:
+        """Per-row attention for a packed micro-batch, over its forward and backward (a no-op padded), the
+        routers (policy and reference) set to the batch's recorded routing, and a shared micro-batch's
+        Ulysses degree (dynamic sp; entered first: `packed_segments` keeps Ulysses)."""
+        models = [m for m in (self.model, self.ref_model) if m is not None]
+        inner = packed_segments(models, batch.get("segments"))
         if self.ref_replay is not None:
             inner = self.ref_replay.around(inner, batch)
-        return inner if self.replay is None else self.replay.around(inner, batch)
+        inner = inner if self.replay is None else self.replay.around(inner, batch)
+        with self.dynamic.around(models, batch.get("sp", 1)), inner:
+            yield
 
     def _forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.placement.autocast_dtype
@@ -375,20 +407,36 @@ def _loss_rows(batch: dict[str, Any], advantages: np.ndarray) -> tuple[torch.Ten
 def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
           ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...]
           ) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
-    """Pull this rank's rows (only `ranges[row]` of each when given); rows whose producer is gone are
-    dropped with their whole group."""
-    mine = [metas[i] for i in rows]
-
-    def of(keep: Sequence[int]) -> dict[int, list[tuple[int, int]]] | None:
-        return None if ranges is None else {pos: ranges[i] for pos, i in enumerate(keep)}
-
-    try:
-        data = pull_samples(client, mine, fields, of(rows))
-        return dict(zip(rows, data)), []
-    except SamplesUnavailable as exc:
-        missing = set(exc.sample_ids)
-    lost_groups = {m.group_id for m in mine if m.sample_id in missing}
+    """Pull this rank's rows (only `ranges[row]` of a row that has an entry; the others whole); rows whose
+    producer is gone are dropped with their whole group."""
+    data, errors = _pull_rows(client, metas, rows, ranges, fields)
+    if not errors:
+        return data, []
+    missing = {sid for exc in errors for sid in exc.sample_ids}
+    lost_groups = {metas[i].group_id for i in rows if metas[i].sample_id in missing}
     keep = [i for i in rows if metas[i].group_id not in lost_groups]
-    data = pull_samples(client, [metas[i] for i in keep], fields, of(keep))
-    lost = [m.sample_id for m in metas if m.group_id in lost_groups]
-    return dict(zip(keep, data)), lost
+    data, errors = _pull_rows(client, metas, keep, ranges, fields)
+    if errors:
+        raise errors[0]
+    return data, [m.sample_id for m in metas if m.group_id in lost_groups]
+
+
+def _pull_rows(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
+               ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...]
+               ) -> tuple[dict[int, dict[str, np.ndarray]], list[SamplesUnavailable]]:
+    """(the rows pulled, what could not be): whole rows in one pull (checked against their checksums),
+    ranged rows in another."""
+    out: dict[int, dict[str, np.ndarray]] = {}
+    errors: list[SamplesUnavailable] = []
+    whole = [i for i in rows if ranges is None or i not in ranges]
+    ranged = [i for i in rows if ranges is not None and i in ranges]
+    for part, of in ((whole, None), (ranged, ranges)):
+        if not part:
+            continue
+        try:
+            got = pull_samples(client, [metas[i] for i in part], fields,
+                               None if of is None else {pos: of[i] for pos, i in enumerate(part)})
+            out.update(zip(part, got))
+        except SamplesUnavailable as exc:
+            errors.append(exc)
+    return out, errors
