@@ -168,7 +168,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         base, _ = load_model(model_dir)
         claim = _claim(base)
         assert [m.total_tokens for m in claim[0]] == LENGTHS
-        results: dict[str, Any] = {"init": base.state_dict()}
+        results: dict[Any, Any] = {"init": base.state_dict()}
         for name, dp, fsdp, recompute, packing, tokens in PLANS:
             placement = mesh.placement(RankPlan(dp=dp, fsdp=fsdp, recompute=recompute, micro_batch_tokens=tokens))
             cfg = TrainerConfig(micro_batch_tokens=tokens, packing=packing, dynamic_sp_tokens=THRESHOLD)
