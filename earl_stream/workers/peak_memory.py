@@ -43,13 +43,15 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
+        before = _status_bytes("VmRSS")
         try:
             _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident size
         except OSError:
             self.resets = False  # not Linux, or not allowed
             return
-        # a kernel that accepts the write but keeps the old mark (seen in CI sandboxes) leaves VmHWM above VmRSS
-        hwm, rss = _status_bytes("VmHWM"), _status_bytes("VmRSS")
+        # a kernel that accepts the write but keeps the old mark (seen in CI sandboxes) leaves VmHWM above the
+        # resident size; the larger of the sizes before and after, since other threads may free or touch pages
+        hwm, rss = _status_bytes("VmHWM"), max(before, _status_bytes("VmRSS"))
         self.resets = bool(hwm) and hwm <= rss + (1 << 20)
         if not self.resets:
             log.debug("VmHWM %d stayed above VmRSS %d after clear_refs: CPU step peaks are unknown", hwm, rss)
