@@ -98,11 +98,14 @@ class Hostile:
 
 COUNTER = '''
 from earl_stream.env import StepResult
+from earl_stream.env.tools import Tool
 
 
 class Counter:
     system_prompt = "Count with me."
     max_turn_tokens = 4
+    tools = [Tool("double", "twice x", {"type": "object", "properties": {"x": {"type": "integer"}}},
+                  lambda x: 2 * x)]  # (run in the child, by the ToolEnv that wraps it there)
 
     def __init__(self, turns=3):
         self.turns = turns
@@ -212,8 +215,10 @@ def test_a_file_environment_plays_the_same_sandboxed_as_in_process(tmp_path: Pat
             local, boxed = with_tools(make_env(spec.spec, spec.params)), (await runners.envs(spec, 1))[0]
             for env in (local, boxed):  # a scripted episode, step by step
                 assert await env.reset(5) == "Start at 5."
-            for action in ("a", "bb", "ccc"):
+            call = '<tool>{"name": "double", "arguments": {"x": 21}}</tool>'
+            for action in (call, "a", "bb", "ccc"):
                 assert await local.step(action) == await boxed.step(action)
+            assert boxed.system_prompt == local.system_prompt and "double" in str(boxed.system_prompt)
             records = []
             for env in (local, (await runners.envs(spec, 1))[0]):  # and played by the agent loop
                 records.append(await play_episode(env, None, ChatFormat(tokenizer), batcher, env_name="count", seed=3,
