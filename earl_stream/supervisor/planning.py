@@ -177,6 +177,13 @@ class Planner:
         # the trainer runs each plan on a mesh of its ranks: data parallel replicas or FSDP2 shards, tensor
         # and Ulysses sequence parallel, recomputation on/off, in trainer.dtype
         pool = cfg.trainer.nproc > 1
+        # trainer.dynamic_sp_tokens keeps the model's sharding fixed (dp or FSDP over every rank) and chooses
+        # the sp degree per micro-batch in the trainer: no tp, sp or expert-parallel plan is offered
+        dynamic_sp = pool and cfg.trainer.dynamic_sp_tokens > 0
+        if dynamic_sp and shape.num_heads % cfg.trainer.nproc:
+            raise ConfigError(f"trainer.dynamic_sp_tokens={cfg.trainer.dynamic_sp_tokens} runs long rows at sequence "
+                              f"parallelism {cfg.trainer.nproc} (trainer.nproc), which must divide the model's "
+                              f"{shape.num_heads} attention heads")
         lora = cfg.model.lora
         self.trainer = TrainerSelector(
             shape, PoolBudget(cfg.trainer.nproc, memory, s.reserve_bytes),
@@ -184,8 +191,9 @@ class Planner:
                            precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL,
                            lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0,
                            published_versions=WEIGHT_VERSIONS_KEPT),
-            thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp, allow_sp=pool and s.allow_sp,
-            allow_fsdp=pool and s.allow_fsdp, allow_ep=pool and s.allow_ep,
+            thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp and not dynamic_sp,
+            allow_sp=pool and s.allow_sp and not dynamic_sp, allow_fsdp=pool and s.allow_fsdp,
+            allow_ep=pool and s.allow_ep and not dynamic_sp,
             step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
             pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes,
             only=[name for name in s.plans.split("|") if name], model_scale=s.memory_model_scale)

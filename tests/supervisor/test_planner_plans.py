@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 
 from earl_stream import protocol as P
 from earl_stream.config import load_config
+from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta
 from earl_stream.supervisor.memory_model import Precision
 from earl_stream.supervisor.planning import Planner
+from earl_stream.supervisor.selector import layout_name
 from earl_stream.supervisor.server import Supervisor
 
 MIB = 1 << 20
@@ -70,6 +73,18 @@ def test_the_config_decides_what_the_selector_may_use(tmp_path: Path) -> None:
     assert bf16.trainer is not None and bf16.trainer.base.precision is Precision.AUTOCAST_BF16
     assert bf16.trainer_wire is not None and bf16.trainer_wire.dtype == "bf16"
 
+
+
+def test_dynamic_sp_keeps_the_sharding_to_dp_and_fsdp_and_checks_the_heads_at_start(tmp_path: Path) -> None:
+    """`trainer.dynamic_sp_tokens`: the trainer picks the sp degree per micro-batch, so the selector offers no
+    tp or sp plan (a mid-run switch to one would stop the run); a model whose heads the pool does not divide is
+    refused when the run starts, not at its first long row."""
+    dyn = Planner(_cfg(tmp_path, "trainer.dynamic_sp_tokens=1024")).trainer
+    assert dyn is not None and dyn.allow_fsdp and not (dyn.allow_tp or dyn.allow_sp or dyn.allow_ep)
+    assert {layout_name(p) for p in dyn.layouts(4096)} <= {"dp2", "dp2+rc", "fsdp2", "fsdp2+rc"}
+    (tmp_path / "smollm2").mkdir()
+    with pytest.raises(ConfigError, match=r"dynamic_sp_tokens.*9 attention heads"):
+        Planner(_cfg(tmp_path / "smollm2", "trainer.dynamic_sp_tokens=1024", model=SMOLLM2))
 
 def test_refused_layouts_are_in_the_status(tmp_path: Path) -> None:
     status = Planner(_cfg(tmp_path, f"selector.trainer_memory_bytes={4096 * MIB}", model=SMOLLM2)).status()
