@@ -156,17 +156,23 @@ class SecurityConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SandboxConfig:
-    mode: str = _f("bwrap", "where agent programs run (earl_stream/sandbox): bwrap = bubblewrap, a filesystem of only "
-                   "the interpreter, the installed packages and the environment's own files (no run directory, "
-                   "secret, keys or checkpoints), uid 65534, no network but a socket to the worker's OpenAI "
-                   "endpoint; falls back to process, with a warning, where bwrap is missing or cannot make its "
-                   "namespaces (scripts/install-sandbox.sh installs it); process = a child under the limits below, "
-                   "seeing this host's files and network; none = no limits (debugging)",
+    mode: str = _f("bwrap", "where untrusted code runs (earl_stream/sandbox): agent programs, and environments from "
+                   "outside this project (a file, another package's module or entry point; reset and step run in a "
+                   "child of the rollout worker): bwrap = bubblewrap, a filesystem of only the interpreter, the "
+                   "installed packages and the environment's own files (no run directory, secret, keys or "
+                   "checkpoints), uid 65534, no network (agent programs: a socket to the worker's OpenAI endpoint); "
+                   "falls back to process, with a warning, where bwrap is missing or cannot make its namespaces "
+                   "(scripts/install-sandbox.sh installs it); process = a child under the limits below, seeing this "
+                   "host's files and network; none = in the worker, no limits (debugging)",
                    choices=("none", "process", "bwrap"))
-    cpu_seconds: float = _f(120.0, "CPU seconds an agent process may use past the start of its latest episode; "
-                            "past it the process is killed and the episodes running in it fail with "
-                            "sandbox_limit: cpu", minimum=1)
-    memory_bytes: int = _f(4 << 30, "memory an agent process may hold (all the episodes it runs at once); past it "
+    cpu_seconds: float = _f(120.0, "CPU seconds a sandboxed process may use past the start of its latest episode "
+                            "(environments: of its latest reset or step); past it the process is killed and the "
+                            "episodes running in it fail with sandbox_limit: cpu", minimum=1)
+    memory_bytes: int = _f(4 << 30, "memory a sandboxed process may hold (all the episodes it runs at once); past it "
                            "the kernel kills it and its episodes fail with sandbox_limit: memory", minimum=64 << 20)
-    processes: int = _f(256, "processes and threads an agent process may have at once; a fork past it fails (counted "
-                        "as sandbox_limit: processes when its episode fails)", minimum=8)
+    processes: int = _f(256, "processes and threads a sandboxed process may have at once; a fork past it fails "
+                        "(counted as sandbox_limit: processes when its episode fails)", minimum=8)
+    wall_seconds: float = _f(20.0, "seconds one reset or step of a sandboxed environment may run; past it its process "
+                             "is killed and the episodes it serves fail with sandbox_limit: wall (keep it below the "
+                             "agent loop's 30 s step timeout; agent programs have their episode's timeout instead)",
+                             minimum=1)

@@ -66,7 +66,7 @@ _LAYOUT_NAME = re.compile(rf"(dp1|{_AXIS}(_{_AXIS})*)(\+rc)?")
 def _sandbox_problems(cfg: RunConfig) -> list[str]:
     """Each environment's sandbox `limits` (names of sandbox.*'s limits, positive) and `network` (host:port)."""
     out: list[str] = []
-    known = ("cpu_seconds", "memory_bytes", "processes")
+    known = ("cpu_seconds", "memory_bytes", "processes", "wall_seconds")
     for env in cfg.envs:
         for key, value in env.limits.items():
             if key not in known:

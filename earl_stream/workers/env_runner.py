@@ -14,7 +14,7 @@ unless the environment declares one; no secret in its environment), reads `HostL
 `EnvSource` resolves them inside), makes one instance to check it can (`EnvHost`) and answers `HostReady`; then
 it answers each `EnvCall` with an `EnvAnswer`.
 
-Limits (the environment's `limits` over `sandbox.*`): a reset or step that runs past `wall_seconds` (WALL_S) gets
+Limits (the environment's `limits` over `sandbox.*`): a reset or step that runs past `wall_seconds` (`sandbox.wall_seconds`, 20 s) gets
 the child killed; a child killed for CPU (`cpu_seconds`, counted from the start of the latest call: before each
 call the limit moves to what the child used plus `cpu_seconds`), memory (its memory group's OOM kill, or an
 allocation an address-space limit refused) or processes (a fork its pids group refused) fails every episode it
@@ -70,13 +70,12 @@ from earl_stream.workers.child_process import Child, breach_text, child_environm
 if TYPE_CHECKING:
     from earl_stream.config import EnvSpec, RunConfig
 
-__all__ = ["WALL_S", "EnvRunner", "EnvRunners", "SandboxedEnv", "open_env_runners", "runs_sandboxed"]
+__all__ = ["EnvRunner", "EnvRunners", "SandboxedEnv", "open_env_runners", "runs_sandboxed"]
 
 log = logging.getLogger(__name__)
 
 # the wall-clock limit of one reset or step: below the agent loop's 30 s step timeout, so that the runner, which can
 # stop the child, acts first
-WALL_S = 20.0
 IDLE_S = 600.0  # an instance whose episode saw no call for this long is dropped in the child (its driver is gone)
 _OURS = ("earl_stream", "earl_stream_envs")
 
@@ -371,7 +370,8 @@ def open_env_runners(cfg: RunConfig, worker_id: str) -> EnvRunners | None:
     base = agent_sandbox(cfg, "environments from outside this project")
     if base is None:
         return None
-    return EnvRunners(worker_id, dataclasses.replace(base, limits=dataclasses.replace(base.limits, wall_seconds=WALL_S)))
+    wall = cfg.sandbox.wall_seconds
+    return EnvRunners(worker_id, dataclasses.replace(base, limits=dataclasses.replace(base.limits, wall_seconds=wall)))
 
 
 # --- the child ---------------------------------------------------------------------------------------------
