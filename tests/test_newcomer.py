@@ -201,7 +201,7 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
     assert "MALLOC_MMAP_THRESHOLD_=65536" in readme  # the setting the memory model's figure needs
 
 
-CONFIG_SECTIONS = ("trainer", "rollout", "store", "supervisor", "selector", "model", "envs")
+CONFIG_SECTIONS = ("trainer", "rollout", "store", "supervisor", "selector", "model", "envs", "sandbox")
 FILE_SUFFIXES = ("py", "md", "json", "jsonl", "state", "yml", "png")
 
 

@@ -4,6 +4,8 @@
 - `registry`: `register_env`, `resolve_env`, `make_env` (names, entry points, `module:Class`, `file.py:Class`);
 - `agent`: `AgentFunction` and `EnvAsAgent`, episodes played through the OpenAI API;
 - `tools`: tool calls inside a text environment (`Tool`, `ToolEnv`, `with_tools`);
+- `host`: the instances of one environment by episode, answering open/step/close messages (`EnvHost`), which the
+  env server and the rollout worker's sandboxed children (`workers.env_runner`) both serve;
 - `server`: an environment served by a process of its own (`EnvServer`, `RemoteEnv`).
 
 The names below are the API's face: `from earl_stream.env import StepResult, make_env`.
