@@ -116,15 +116,30 @@ def relayout(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, pl
     return Relaid(new, new_optimizer, buckets)
 
 
+def reset_fsdp(model: torch.nn.Module) -> None:
+    """FSDP2's state after a step that failed inside a forward or backward: its per-iteration state cleared and
+    every parameter group resharded (local: the sharded copy is kept), so that the model's parameters are its
+    shards again. A plain `reshard()` is not enough: a group the failure left in its forward (the root's,
+    which holds the embeddings and the LM head, failing in the logits) keeps its parameters unsharded.
+    `FSDPModule.reset_iter_state` on the root does it (torch >= 2.13); else each module is resharded."""
+    if isinstance(model, FSDPModule) and hasattr(model, "reset_iter_state"):
+        try:
+            model.reset_iter_state()
+            return
+        except RuntimeError as exc:  # not the root of its FSDP tree, or a wait on an aborted group's work
+            log.warning("FSDP reset after the failed step: %s; resharding module by module", exc)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def rebind(model: PreTrainedModel, optimizer: torch.optim.Optimizer | None, placement: Placement,
            make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Relaid:
     """The same model and optimizer state under the same plan, on `placement`'s meshes: after the pool's
     process group was re-formed (`workers.pool_abort`) the DTensors still name the old, aborted groups.
     Every rank keeps the same coordinates, so each shard stays where it is: a local copy, no collective.
-    FSDP modules a failed step left unsharded are resharded first (local: the sharded copy is kept)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    FSDP modules a failed step left unsharded are resharded first (`reset_fsdp`)."""
+    reset_fsdp(model)
     hf: Any = model
     tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     new: Any = shard_model(meta_like(model), placement)

@@ -1,4 +1,7 @@
-"""One rank of tests/workers/test_pool_rebind.py: `python pool_rebind_rank.py RANK INIT PLAN OUT [one]`."""
+"""One rank of tests/workers/test_pool_rebind.py: `python pool_rebind_rank.py RANK INIT PLAN OUT [one|head]`.
+
+one: rank 0 fails after its forward while rank 1 goes on into the backward; head: both ranks fail inside the
+forward of the LM head (FSDP's root group, which holds the tied embedding, is then left unsharded)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 PLANS = {"fsdp2": (1, 2, 1, 1), "tp2": (1, 1, 2, 1)}
 ONE_RANK = False
+IN_HEAD = False
 ABORT_S = 1.5
 MESSAGE = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1073741824 bytes. Error code 12"
 
@@ -52,8 +56,8 @@ def _rank(rank: int, init: str, plan_name: str, out: str) -> None:
     guard = PoolGuard(rank, 2, backend="gloo", abort_seconds=ABORT_S, timeout=timeout)
     plan = RankPlan(*PLANS[plan_name])
     torch.manual_seed(0)
-    model: Any = shard_model(Qwen2ForCausalLM(Qwen2Config(**CONFIG)).train(), TrainerMesh(2, rank, torch.device("cpu"))
-                             .placement(plan))
+    config = Qwen2Config(**{**CONFIG, "tie_word_embeddings": IN_HEAD})
+    model: Any = shard_model(Qwen2ForCausalLM(config).train(), TrainerMesh(2, rank, torch.device("cpu")).placement(plan))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.arange(12).reshape(1, 12) * 7 % CONFIG["vocab_size"]
     _step(model, opt, ids)  # a completed step: the optimizer has state
@@ -65,6 +69,15 @@ def _rank(rank: int, init: str, plan_name: str, out: str) -> None:
             if rank == 1:
                 loss.backward()
                 opt.step()
+        if IN_HEAD:  # as a [s, V] logits allocation fails: inside the root group's forward
+            def fail(module: Any, args: Any) -> None:
+                raise RuntimeError(MESSAGE)
+
+            hook = model.lm_head.register_forward_pre_hook(fail)
+            try:
+                model(input_ids=ids)
+            finally:
+                hook.remove()
         raise RuntimeError(MESSAGE)  # else both ranks fail at the step's first op: nobody is in a collective
 
     started = time.monotonic()
@@ -83,7 +96,7 @@ def _rank(rank: int, init: str, plan_name: str, out: str) -> None:
     same = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
     _step(model, opt, ids)  # the next step trains on the new mesh ...
     torch.manual_seed(0)  # ... as a pool that never failed would: the same model, both steps on the new group
-    twin: Any = shard_model(Qwen2ForCausalLM(Qwen2Config(**CONFIG)).train(), placement)
+    twin: Any = shard_model(Qwen2ForCausalLM(config).train(), placement)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     _step(twin, twin_opt, ids)
     _step(twin, twin_opt, ids)
@@ -95,4 +108,5 @@ def _rank(rank: int, init: str, plan_name: str, out: str) -> None:
 
 if __name__ == "__main__":
     ONE_RANK = len(sys.argv) > 5 and sys.argv[5] == "one"
+    IN_HEAD = len(sys.argv) > 5 and sys.argv[5] == "head"
     _rank(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])

@@ -30,6 +30,16 @@ def test_a_sharded_model_is_rebound_to_the_reformed_group(tmp_path: Path, plan: 
         assert r["next_same"], r  # the next step trains as in a pool that never failed
 
 
+def test_a_failure_inside_fsdps_root_group_is_resharded_and_rebound(tmp_path: Path) -> None:
+    """A step that fails inside the LM head's forward (a [s, V] logits allocation, as seen with SmolLM2 after a
+    switch to fsdp2) leaves FSDP's root group, which holds the tied embedding, unsharded and in its forward
+    state; the re-bind resets FSDP's iteration state first (`sharding.reset_fsdp`), so each rank's shards are
+    what they were and the next step trains as in a pool that never failed."""
+    ranks = _pool(tmp_path, "fsdp2", str(tmp_path), "head")
+    for r in ranks:
+        assert r["same"] and r["keys"] > 0 and r["next_same"], r
+
+
 def test_fsdp_one_rank_failing_while_the_other_is_in_a_collective_is_not_retried(tmp_path: Path) -> None:
     """The known limit under FSDP2 on gloo: the failing rank's abort does not close the connections a peer
     blocked in an FSDP collective waits on (something of the failed step still holds the mesh's groups; the
