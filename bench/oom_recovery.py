@@ -112,10 +112,16 @@ def run_once(args: argparse.Namespace, k: int, out: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_minutes * 60)
     ended = {"seed": args.seed + k, "returncode": proc.returncode, "wall_seconds": round(time.monotonic() - t0, 1),
-             "output_tail": (proc.stdout + proc.stderr)[-800:]}
+             "output_tail": (proc.stdout + proc.stderr)[-800:], "commit": _head()}
     (run_dir / "bench_run.json").write_text(json.dumps(ended))
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1.6 GB of weights and AdamW state
     return collect(run_dir, ended, args.steps)
+
+
+def _head() -> str:
+    """The commit the run measured (a --reparse later may write the result at another)."""
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip()
 
 
 def collect(run_dir: Path, ended: dict[str, Any], wanted: int) -> dict[str, Any]:
@@ -130,7 +136,8 @@ def collect(run_dir: Path, ended: dict[str, Any], wanted: int) -> dict[str, Any]
     twice = sorted({s for s in parsed["trained"] if parsed["trained"].count(s) > ranks})
     crashed = ended["returncode"] != 0 or steps < wanted
     return {
-        "seed": ended["seed"], "wall_seconds": ended["wall_seconds"], "steps": steps, "crashed": crashed,
+        "seed": ended["seed"], "commit": ended.get("commit"), "wall_seconds": ended["wall_seconds"], "steps": steps,
+        "crashed": crashed,
         "crash_reason": ended["output_tail"] if crashed else "",
         "recoveries": recoveries, "lost": got.get("samples_lost", 0),
         "duplicated": got.get("duplicates_detected", 0) + len(twice), "steps_trained_twice": twice,
