@@ -148,7 +148,8 @@ def collect(run_dir: Path, ended: dict[str, Any], wanted: int) -> dict[str, Any]
 
 
 def aggregate(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    lost = [r["seconds_per_recovery"] for run in runs for r in run["seconds_lost"] for _ in range(r["recoveries"])]
+    # one figure per retried step (its lost seconds over the recoveries in it): the recoveries of one step share it
+    lost = [r["seconds_per_recovery"] for run in runs for r in run["seconds_lost"]]
     times = [r["step_times_per_recovery"] for run in runs for r in run["seconds_lost"]
              if r["step_times_per_recovery"] is not None]
     plans = [[f"{p['plan']}/{p['micro_batch_tokens']}" for p in run["plans"]] for run in runs]
