@@ -19,6 +19,7 @@ import torch
 log = logging.getLogger(__name__)
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+_RSS_SLACK = 32 << 20  # how far VmRSS/VmHWM may read from the truth (per-CPU counters, batched per CPU)
 
 
 def _status_bytes(key: str) -> int:
@@ -50,9 +51,10 @@ class PeakMemory:
             self.resets = False  # not Linux, or not allowed
             return
         # a kernel that accepts the write but keeps the old mark (seen in CI sandboxes) leaves VmHWM above the
-        # resident size; the larger of the sizes before and after, since other threads may free or touch pages
+        # resident size; the larger of the sizes before and after, since other threads may free or touch pages,
+        # and a slack for the kernel's per-CPU RSS counters, which /proc reads approximately on a host of many CPUs
         hwm, rss = _status_bytes("VmHWM"), max(before, _status_bytes("VmRSS"))
-        self.resets = bool(hwm) and hwm <= rss + (1 << 20)
+        self.resets = bool(hwm) and hwm <= rss + _RSS_SLACK
         if not self.resets:
             log.debug("VmHWM %d stayed above VmRSS %d after clear_refs: CPU step peaks are unknown", hwm, rss)
 
