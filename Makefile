@@ -2,8 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# torch is pinned first: 2.13.0 is a CPU build on local disk; an unpinned torch would pull a CUDA build.
-TORCH := torch==2.13.0
+# torch is pinned and installed first, in the build that fits the machine (scripts/install-torch.sh): CUDA where
+# an NVIDIA driver answers, else CPU; TORCH_INDEX=cpu|cuda|URL chooses instead.
+TORCH_VERSION := 2.13.0
+TORCH_INDEX ?= auto
 TRANSFORMERS := transformers==5.19.*
 
 .PHONY: help run test test-live test-faults install lint docs docs-reference bench bench-report clean clean-venv test-wheel test-vllm test-ray test-slurm \
@@ -17,12 +19,12 @@ help: ## list the targets, one line each
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH)
+	PIP=$(PIP) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX=$(TORCH_INDEX) bash scripts/install-torch.sh
 	$(PIP) install -q "$(TRANSFORMERS)" -e ".[test,trackers]"
 	touch $@
 
 # trackers: TensorBoard, W&B, MLflow and trackio, whose round trips tests/tracking/ runs (~27 s more to install)
-install: $(VENV)/.installed ## create .venv: CPU torch pinned first, then the project with the test and trackers extras
+install: $(VENV)/.installed ## create .venv: torch pinned first (CPU or CUDA build: TORCH_INDEX), then the project with the test and trackers extras
 
 # eval.every=20: the demo shows an evaluation curve (64 greedy games on seeds training never issues, every 20
 # steps); the config's own default stays 0 so that the tests' runs of `up` play no evaluation rounds.
@@ -79,7 +81,7 @@ BPY := $(BENCH_VENV)/bin/python
 $(BENCH_VENV)/.installed: pyproject.toml
 	test -x $(BPY) || python3 -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q --upgrade pip
-	$(BENCH_VENV)/bin/pip install -q $(TORCH)
+	PIP=$(BENCH_VENV)/bin/pip TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX=$(TORCH_INDEX) bash scripts/install-torch.sh
 	$(BENCH_VENV)/bin/pip install -q "$(TRANSFORMERS)" -e ".[bench,real-model,envs]"
 	touch $@
 
