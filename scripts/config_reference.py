@@ -53,13 +53,15 @@ def _type_name(hint: Any) -> str:
         return "mapping"
     if origin is typing.Union or type(hint).__name__ == "UnionType":
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _type_name(args[0])
+        return _type_name(args[0]) + (" or auto" if type(None) in typing.get_args(hint) else "")
     return getattr(hint, "__name__", str(hint))
 
 
 def _value(value: Any) -> str:
     """A default or choice as it would be written in YAML, in a code span."""
-    if isinstance(value, bool):
+    if value is None:  # an optional field left to its resolution from the rest of the config
+        text = "auto"
+    elif isinstance(value, bool):
         text = "true" if value else "false"
     elif isinstance(value, str):
         text = value if value else '""'

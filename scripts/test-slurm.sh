@@ -170,7 +170,7 @@ deadline=$(( $(date +%s) + TIMEOUT ))
 steps_done() {  # the run's policy version, from its supervisor (0 until it answers)
     local ready=$WORK/run2/supervisor-$JOB.json
     [[ -s $ready ]] || { echo 0; return; }
-    "$BIN/earl-stream" status --secret-file "$WORK/run2/secret" --json --supervisor \
+    "$BIN/earl-stream" status --secret-file "$WORK/run2/secret" --encrypt --json --supervisor \
         "tcp://127.0.0.1:$(grep -o '"address": *"[^"]*"' "$ready" | sed -E 's/.*:([0-9]+)"$/\1/')" 2>/dev/null \
         | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["policy_version"])' 2>/dev/null || echo 0
 }

@@ -139,3 +139,39 @@ def test_up_trains_with_both_planes_encrypted(tmp_path: Path, tiny_model_dir: Pa
     assert summary["policy_version"] >= 2 and summary["samples_trained"] >= 2 * 2 * 4
     assert "--encrypt" in done.stdout + done.stderr  # the printed worker command carries it
     assert "encrypt: true" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(("launcher", "given", "expected"), [
+    ("local", [], False), ("slurm", [], True), ("ray", [], True), ("slurm", ["security.encrypt=auto"], True),
+    ("slurm", ["security.encrypt=false"], False), ("local", ["security.encrypt=true"], True)])
+def test_encryption_is_on_by_default_exactly_when_the_launcher_spans_hosts(launcher: str, given: list[str],
+                                                                           expected: bool) -> None:
+    from earl_stream.config import config_from_dict, config_to_dict, load_config
+
+    cfg = load_config(None, [f"launcher.kind={launcher}", *given])
+    assert cfg.security.encrypt is expected and cfg.security.tls_on is expected
+    assert config_from_dict(config_to_dict(cfg)).security.encrypt is expected  # what workers get stays resolved
+
+
+def test_an_explicit_ucx_transport_names_the_conflict_with_default_encryption() -> None:
+    from earl_stream.config import load_config
+    from earl_stream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="security.encrypt=false to use UCX"):
+        load_config(None, ["launcher.kind=slurm", "store.transport=ucx"])
+    assert load_config(None, ["launcher.kind=slurm", "store.transport=ucx", "security.encrypt=false"]).security.encrypt \
+        is False
+    assert load_config(None, ["store.transport=ucx"]).security.encrypt is False
+
+
+def test_up_logs_which_path_the_planes_take() -> None:
+    from earl_stream.cli.up import encryption_line
+    from earl_stream.config import load_config
+
+    assert "encrypted (launcher slurm places processes on other hosts)" in \
+        encryption_line(load_config(None, ["launcher.kind=slurm"]), "0.0.0.0:5555")
+    assert "encrypted (security.encrypt=true)" in encryption_line(load_config(None, ["security.encrypt=true"]), "")
+    local = load_config(None, [])
+    assert encryption_line(local, "127.0.0.1:0") == \
+        "local run: planes not encrypted (the fast path: shared memory, UCX, plain HTTP)"
+    assert "workers joining from others travel unencrypted" in encryption_line(local, "0.0.0.0:5555")

@@ -75,7 +75,7 @@ def test_rendered_objects_and_references(render: Any) -> None:
             assert d["metadata"]["namespace"] == "earl-stream"
     assert {"earl-stream-supervisor", "earl-stream-rollout"} <= by_kind["Deployment"]
     assert {"earl-stream-supervisor", "earl-stream-trainer"} <= by_kind["Service"]
-    assert by_kind["Job"] == {"earl-stream-trainer"} and by_kind["Secret"] == {"earl-stream-secret"}
+    assert by_kind["Job"] == {"earl-stream-trainer"} and by_kind["Secret"] == {"earl-stream-secret", "earl-stream-worker-key"}
     assert {"earl-stream-config", "earl-stream-grafana-dashboard"} <= by_kind["ConfigMap"]
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     job = next(d for d in docs if d["kind"] == "Job")
@@ -94,6 +94,9 @@ def test_rendered_objects_and_references(render: Any) -> None:
             assert env["EARL_STREAM_METRICS_PORT"] == annotations["prometheus.io/port"], name
             assert env["EARL_STREAM_SECRET_FILE"].startswith(
                 next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "secret"))
+        # only the supervisor holds the cluster secret; workers get the worker key (security/keys.py)
+        secrets = {v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
+        assert secrets == ({"earl-stream-secret"} if "supervisor" in name else {"earl-stream-worker-key"}), name
     for svc in (d for d in docs if d["kind"] == "Service"):
         selector = svc["spec"]["selector"]
         assert any(selector.items() <= pod["metadata"]["labels"].items() for pod in pods.values()), svc["metadata"]

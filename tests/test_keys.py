@@ -39,6 +39,20 @@ def test_role_keys_are_derived_distinct_and_parse_back() -> None:
         role_token(SECRET, KeyRole.AGENT)
 
 
+def test_every_message_the_supervisor_handles_belongs_to_a_role() -> None:
+    """Workers sign with the worker key, not the cluster secret: a message the supervisor handles (`_on_<name>`)
+    that no role may send would be refused from every worker (an allocation failure's `TrainerOom` once was)."""
+    from earl_stream.supervisor import access
+    from earl_stream.supervisor.server import Supervisor
+
+    classes = {c.__name__.lower(): c for c in vars(P).values() if isinstance(c, type)}
+    handled = [classes[n.removeprefix("_on_")] for n in dir(Supervisor) if n.startswith("_on_")]
+    assert P.TrainerOom in handled and P.Heartbeat in handled
+    roles = access._ALLOWED.values()
+    assert [c.__name__ for c in handled if not any(issubclass(c, allowed) for allowed in roles)] == []
+    assert issubclass(P.TrainerOom, access._ALLOWED[KeyRole.WORKER])
+
+
 def test_agent_keys_hold_for_their_episode_until_they_expire() -> None:
     key = agent_key(SECRET, "g1-e1", ttl_s=10, now=1000.0)
     assert role_of(key.encode()) is KeyRole.AGENT

@@ -1,9 +1,12 @@
-"""`earl-stream keys show|derive ROLE`: the scoped keys derived from a run's cluster secret (earl_stream/security/keys.py).
+"""`earl-stream keys show|derive ROLE|revoke ROLE|WORKER_ID`: the scoped keys derived from a run's cluster secret
+(earl_stream/security/keys.py).
 
 `show` lists every role's key and what it allows; `derive ROLE` prints one (or writes it to a file only this
-user can read), for a dashboard, an operator or an agent program that should not hold the cluster secret.
-The secret is found as every command finds it (`--secret-file`, $EARL_STREAM_SECRET_FILE, or the run in this
-directory whose ready file names `--supervisor`).
+user can read), for a worker, a dashboard, an operator or an agent program that should not hold the cluster
+secret; both derive the current generation of the run whose RUN_DIR/keys/revoked.json they find. `revoke`
+asks the supervisor (operator key or secret) to revoke a role's key or one worker id. The secret is found as
+every command finds it (`--secret-file`, $EARL_STREAM_SECRET_FILE, or the run in this directory whose ready
+file names `--supervisor`).
 """
 
 from __future__ import annotations
@@ -13,15 +16,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from earl_stream import protocol as P
 from earl_stream.cli.local_run import RUN_DIR_HELP
 from earl_stream.errors import ConfigError
-from earl_stream.security.keys import ROLE_KEYS, KeyRole, agent_key, role_of, role_token
-from earl_stream.security.secret import load_secret
+from earl_stream.security.keys import ROLE_KEYS, KeyRole, agent_key, key_for, role_of, role_token, write_key_file
+from earl_stream.security.secret import SECRET_ENV, load_secret
+from earl_stream.supervisor.revocation import generations_in
 
 WHAT = {
-    KeyRole.WORKER: "registers rollout workers and trainer ranks and sends their messages (a worker also needs "
-                    "the cluster secret for the data plane)",
-    KeyRole.OPERATOR: "scale, env attach|detach, stopping the run; and what the read-only key may do",
+    KeyRole.WORKER: "what rollout workers and trainer ranks need: their control messages, the data plane, "
+                    "environment servers, agent keys (never scale, env attach|detach, stop or keys revoke)",
+    KeyRole.OPERATOR: "scale, env attach|detach, stopping the run, keys revoke; and what the read-only key may do",
     KeyRole.READONLY: "status, env list, episodes tail|export (metadata), metrics scraping (the bearer token)",
     KeyRole.AGENT: "one episode's requests to the OpenAI endpoint until it expires (keys derive agent --episode ID)",
 }
@@ -29,11 +34,12 @@ ROLE_CHOICES = [r.value for r in ROLE_KEYS] + [KeyRole.AGENT.value]
 
 
 def add_parser(sub: Any, add_secret_arg: Any) -> None:
-    p = sub.add_parser("keys", help="print the scoped keys derived from the cluster secret",
+    p = sub.add_parser("keys", help="print the scoped keys derived from the cluster secret; revoke one",
                        description="Keys derived from the run's cluster secret, each allowing only its role: worker, "
                                    "operator, readonly (status, episodes, metrics) and agent (one episode's requests "
                                    "to the OpenAI endpoint). Give a role key to a command with --secret-file: it "
-                                   "signs with it, and the supervisor refuses what that role may not do.")
+                                   "signs with it, and the supervisor refuses what that role may not do. `keys revoke` "
+                                   "retires a role's key or one worker.")
     ksub = p.add_subparsers(dest="keys_command", required=True)
     show = ksub.add_parser("show", help="print every role's key and what it allows")
     derive = ksub.add_parser("derive", help="print (or write) one role's key",
@@ -43,7 +49,13 @@ def add_parser(sub: Any, add_secret_arg: Any) -> None:
     derive.add_argument("--out", metavar="PATH", help="write the key here (readable only by you) instead of printing it")
     derive.add_argument("--episode", metavar="ID", help="agent only: the episode id its requests carry (X-Episode-Id)")
     derive.add_argument("--ttl", type=float, default=3600.0, metavar="SECONDS", help="agent only: lifetime (default 3600)")
-    for q in (show, derive):
+    revoke = ksub.add_parser("revoke", help="revoke a role's key or one worker (operator key or cluster secret)",
+                             description="Revoke ROLE's key (worker, operator: the supervisor refuses the old one from "
+                                         "its next message on; workers `up` started take the new worker key from "
+                                         "RUN_DIR/keys/worker) or one WORKER_ID (refused and evicted like a dead "
+                                         "worker; its prompts are re-issued).")
+    revoke.add_argument("target", metavar="ROLE|WORKER_ID", help="worker, operator, or a worker id from `status`")
+    for q in (show, derive, revoke):
         q.add_argument("--supervisor", metavar="tcp://HOST:PORT",
                        help="find the secret of the run in this directory whose ready file names this address")
         q.add_argument("--run-dir", metavar="RUN_DIR", help="the run whose secret to derive from (default, when no "
@@ -63,21 +75,37 @@ def _secret() -> bytes:
     return secret
 
 
-def write_key(path: Path, key: bytes) -> Path:
-    """`key` in a new file readable only by this user."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key + b"\n")
-    return path
+write_key = write_key_file  # `key` in a new file readable only by this user
+
+
+def _generations(args: argparse.Namespace) -> dict[KeyRole, int]:
+    """The key generations of the run these keys are for: its RUN_DIR (found by --run-dir or --supervisor, else the
+    directory of the secret file, which `up` keeps in RUN_DIR) holds them (supervisor/revocation.py)."""
+    local = getattr(args, "local_run", None)
+    run_dir = local.run_dir if local is not None else Path(os.environ.get(SECRET_ENV, ".")).parent
+    return generations_in(Path(run_dir))
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    if not args.supervisor:
+        raise ConfigError("keys revoke asks the run's supervisor: pass --supervisor ADDR (or --run-dir)")
+    client = P.ControlClient(args.supervisor, timeout_s=10, secret=key_for(load_secret(), KeyRole.OPERATOR))
+    try:
+        reply = client.call(P.RevokeKey(target=args.target))
+    finally:
+        client.close()
+    print(reply.message)
+    return 0
 
 
 def run_keys_command(args: argparse.Namespace) -> int:
+    if args.keys_command == "revoke":
+        return _revoke(args)
     secret = _secret()
+    generations = _generations(args)
     if args.keys_command == "show":
         for role in ROLE_KEYS:
-            print(f"{role.value:9s} {role_token(secret, role).decode()}\n          {WHAT[role]}")
+            print(f"{role.value:9s} {role_token(secret, role, generations.get(role, 0)).decode()}\n          {WHAT[role]}")
         print(f"{'agent':9s} (per episode: earl-stream keys derive agent --episode ID)\n          {WHAT[KeyRole.AGENT]}")
         return 0
     role = KeyRole(args.role)
@@ -86,7 +114,7 @@ def run_keys_command(args: argparse.Namespace) -> int:
             raise ConfigError("an agent key is for one episode: pass --episode ID")
         key = agent_key(secret, args.episode, args.ttl).encode()
     else:
-        key = role_token(secret, role)
+        key = role_token(secret, role, generations.get(role, 0))
     if args.out:
         print(f"wrote the {role.value} key to {write_key(Path(args.out), key)}")
     else:

@@ -203,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname).1s %(processName)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars in our logs
-    from earl_stream.security.secret import is_secret_refusal, secret_refusal_hint, use_secret
+    from earl_stream.security.keys import WORKER_KEY_FILE
+    from earl_stream.security.secret import SECRET_ENV, is_secret_refusal, secret_refusal_hint, use_secret
 
     try:
         args.local_run = _local_run(args)
@@ -212,7 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     address = getattr(args, "supervisor", None)
     run = use_secret(getattr(args, "secret_file", None), address)
-    if run is not None:
+    if run is not None and args.command == "worker" and (run.run_dir / WORKER_KEY_FILE).is_file():
+        os.environ[SECRET_ENV] = str(run.run_dir / WORKER_KEY_FILE)  # a worker needs the worker key, not the secret
+        log.info("using the worker key of the run in %s (its ready file names %s)", run.run_dir, address)
+    elif run is not None:
         log.info("using the cluster secret of the run in %s (its ready file names %s)", run.run_dir, address)
     run_dir = run.run_dir if run is not None else args.local_run.run_dir if args.local_run is not None else None
     if getattr(args, "encrypt", False) or (run_dir is not None and _run_encrypts(run_dir)):
@@ -286,7 +290,7 @@ def _run_encrypts(run_dir: Path) -> bool:
     from earl_stream.config import load_config
 
     try:
-        return load_config(str(run_dir / "config.yaml"), []).security.encrypt
+        return bool(load_config(str(run_dir / "config.yaml"), []).security.encrypt)
     except (OSError, EarlError):
         return False
 

@@ -4,7 +4,8 @@ Component 0 runs the supervisor, component 1 the rollout pool (one worker per ta
 trainer pool (`srun` starts one `torchrun` per node, which starts the node's ranks; rank 0's node is
 the rendezvous). Addresses come from the job's node lists (`scontrol show hostnames`), so nothing is
 known before the job starts. The run's directory must be on a filesystem every node sees: it holds
-the config, the cluster secret, the supervisor's ready file and state, logs and checkpoints.
+the config, the cluster secret (the supervisor's) and the worker key (keys/worker, the workers'), the
+supervisor's ready file and state, logs and checkpoints.
 Stopping (the time limit's `--signal=B:TERM@...`, or `scancel --batch --signal=TERM`) reaches the batch
 shell alone, which stops the trainer first, as `up` does; a plain scancel kills after KillWait.
 
@@ -31,7 +32,10 @@ from earl_stream.config import RunConfig, apply_run_override, config_from_dict, 
 from earl_stream.config.fields import apply_override, build
 from earl_stream.config.fields import field as _f
 from earl_stream.errors import ConfigError, SlurmError
-from earl_stream.security.secret import create_secret_file
+from earl_stream.security.encryption import ENCRYPT_ENV
+from earl_stream.security.secret import create_secret_file, load_secret
+from earl_stream.security.tls import tls_env
+from earl_stream.supervisor.revocation import write_worker_key
 
 SCRIPT_NAME = "earl-stream.sbatch"
 SECTION = "slurm"  # the config file's section (and the overrides' prefix) read by this module
@@ -88,6 +92,9 @@ def load(config: str | None, overrides: list[str]) -> tuple[RunConfig, SlurmConf
         errors.append(f"{SECTION}.time: quote it, e.g. '2:00:00' (YAML reads an unquoted 2:00:00 as the number 7200)")
         slurm_raw[SECTION].pop("time")
     slurm = build(SlurmConfig, slurm_raw[SECTION], SECTION + ".", errors)
+    security = raw.setdefault("security", {})
+    if isinstance(security, dict) and security.get("encrypt", "auto") == "auto":
+        security["encrypt"] = True  # the job's components run on different nodes: both planes encrypted by default
     try:
         cfg = config_from_dict(raw)
     except ConfigError as exc:
@@ -95,6 +102,15 @@ def load(config: str | None, overrides: list[str]) -> tuple[RunConfig, SlurmConf
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return cfg, slurm
+
+
+def _encryption_exports(cfg: RunConfig) -> str:
+    """The lines of the job script that make every process of the job encrypt its planes and serve TLS (or
+    not), as `up`'s launchers pass it on, and say which in the job's output."""
+    env = {ENCRYPT_ENV: "1" if cfg.security.encrypt else "0", **tls_env(cfg.security)}
+    said = ("control plane, data plane and HTTP endpoints encrypted (security.encrypt)" if cfg.security.encrypt
+            else "planes not encrypted (security.encrypt=false)")
+    return "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + f"\necho {shlex.quote(said)}"
 
 
 def render(cfg: RunConfig, slurm: SlurmConfig, config_file: Path) -> str:
@@ -133,6 +149,7 @@ set -uo pipefail
 {slurm.setup}
 RUN_DIR={q(str(run_dir))}
 export EARL_STREAM_SECRET_FILE="$RUN_DIR/secret"
+{_encryption_exports(cfg)}
 [ -r "$EARL_STREAM_SECRET_FILE" ] || {{
     echo "no cluster secret at $EARL_STREAM_SECRET_FILE (earl-stream slurm submit writes one)"; exit 2; }}
 # a component's first node, by its address (NodeAddr; the node's name where the two are the same)
@@ -151,6 +168,7 @@ for _ in $(seq {slurm.ready_timeout_s * 10}); do [ -s "$READY" ] && break; kill 
 PORT=$(grep -o '"address": *"[^"]*"' "$READY" | sed -E 's/.*:([0-9]+)"$/\\1/')
 export ADDR="tcp://$SUP_HOST:$PORT" TRAIN_HOST
 echo "supervisor at $ADDR; trainer rendezvous at $TRAIN_HOST:{slurm.master_port}"
+export EARL_STREAM_SECRET_FILE="$RUN_DIR/keys/worker"  # the workers get the worker key, never the cluster secret
 srun --het-group=1 --disable-status --output="$RUN_DIR/logs/rollout-%j-%t.log" \
     bash -c 'exec {earl} worker --role rollout --supervisor $ADDR --advertise $(hostname)' &
 ROLL_PID=$!
@@ -169,7 +187,8 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={grace}  # torchrun's wait for its stoppin
 srun --het-group=2 --disable-status --output="$RUN_DIR/logs/trainer-%j-%t.log" bash -c {q(torchrun)} &
 TRAIN_PID=$!
 while :; do wait $TRAIN_PID; RC=$?; kill -0 $TRAIN_PID 2>/dev/null || break; done  # a trapped signal ends a wait
-{earl} status --supervisor "$ADDR" --json > "$RUN_DIR/summary-$SLURM_JOB_ID.json" || RC=${{RC:-4}}
+EARL_STREAM_SECRET_FILE="$RUN_DIR/secret" {earl} status --supervisor "$ADDR" --json \\
+    > "$RUN_DIR/summary-$SLURM_JOB_ID.json" || RC=${{RC:-4}}  # status is not the worker key's to read
 # the rollout workers stop by themselves once the run is finished; stopped early, they are told to
 [ -z "$STOPPING" ] || kill -INT $ROLL_PID 2>/dev/null
 for _ in $(seq 300); do kill -0 $ROLL_PID 2>/dev/null || break; sleep 0.1; done
@@ -194,10 +213,13 @@ def write(cfg: RunConfig, slurm: SlurmConfig, out_dir: Path | None = None) -> Pa
 
 
 def submit(script: Path, cfg: RunConfig, sbatch: str = "sbatch") -> int:
-    """Submit `script` with the run's secret in place; the job id. A refusal raises SlurmError."""
+    """Submit `script` with the run's secret and worker key in place; the job id. A refusal raises SlurmError."""
     secret = Path(cfg.run_dir).resolve() / "secret"
     if not secret.is_file():
         create_secret_file(secret)
+    key = load_secret(str(secret))
+    assert key is not None
+    write_worker_key(secret.parent, key)  # the workers' key: only the supervisor gets the secret
     if shutil.which(sbatch) is None:
         raise SlurmError(f"cannot submit: `{sbatch}` is not on PATH (is this a Slurm login node?); the script is "
                          f"at {script}")

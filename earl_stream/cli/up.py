@@ -28,12 +28,13 @@ from earl_stream.cli.run_files import plot_learning_curve, step_summary
 from earl_stream.config import RunConfig, config_to_yaml, load_config, replace
 from earl_stream.errors import ChildProcessFailed, EarlError
 from earl_stream.security.encryption import export_encrypt
-from earl_stream.security.keys import KeyRole, role_token
+from earl_stream.security.keys import WORKER_KEY_FILE, KeyRole, role_token
 from earl_stream.security.secret import RUN_SECRET, SECRET_ENV, create_secret_file, find_run_secret, load_secret
 from earl_stream.security.tls import CA_FILE, READONLY_KEY_FILE, tls_env, write_run_ca
 from earl_stream.store.durable import EXPERIENCE_DIR
 from earl_stream.supervisor.metrics_log import FILE_NAME as METRICS_FILE
 from earl_stream.supervisor.metrics_log import read_records
+from earl_stream.supervisor.revocation import Revocations, write_worker_key
 from earl_stream.tracking import check_installed
 from earl_stream.tracking.feed import TrackerFeed
 
@@ -96,26 +97,52 @@ def _run_secret(run_dir: Path) -> bytes:
     return secret
 
 
-def worker_commands(address: str, secret_file: str, encrypt: bool = False, tls: bool = False) -> list[str]:
+def _worker_key(run_dir: Path, secret: bytes, resume: bool) -> Path:
+    """RUN_DIR/keys/worker: the worker key at the run's current generation, what the launchers give every worker
+    instead of the secret (security/keys.py). A fresh run forgets the worker ids revoked in an earlier one (ids
+    start again at 0); revoked key generations stay."""
+    revoked = Revocations.load(run_dir)
+    if not resume and revoked.workers:
+        revoked.forget_workers()
+    return write_worker_key(run_dir, secret).resolve()
+
+
+def worker_commands(address: str, worker_key_file: str, encrypt: bool = False, tls: bool = False) -> list[str]:
     """What `up` prints so that a rollout worker can be added by pasting one line: from this directory
-    (where the CLI finds the run's secret by the address), and from anywhere else (with --secret-file;
-    and --encrypt when the run encrypts its planes, --tls when it serves its endpoints over TLS)."""
+    (where the CLI finds the run's worker key by the address), and from anywhere else (with --secret-file
+    naming the worker key, never the cluster secret; and --encrypt when the run encrypts its planes, --tls
+    when it serves its endpoints over TLS)."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
     base = f"earl-stream worker --role rollout --supervisor {address}" + (" --encrypt" if encrypt else "") \
         + (" --tls" if tls and not encrypt else "")
-    full = f"{base} --secret-file {Path(secret_file).resolve()}"
+    full = f"{base} --secret-file {Path(worker_key_file).resolve()}"
     run = find_run_secret(address)
-    here = base if run is not None and run.secret_file.resolve() == Path(secret_file).resolve() else full
+    here = base if run is not None and (run.run_dir / WORKER_KEY_FILE).resolve() == Path(worker_key_file).resolve() \
+        else full
+    copy = "copy the worker key file there (or `earl-stream keys derive worker --out PATH`; never the cluster secret)"
     if host in ("0.0.0.0", "*", "::"):
         full = full.replace(address, f"tcp://{socket.gethostname()}:{port}")
-        note = "(on another host: copy the secret file there and add --advertise ITS_ADDRESS)"
+        note = f"(on another host: {copy} and add --advertise ITS_ADDRESS)"
     elif host == "localhost" or host.startswith("127."):
-        note = ("(another host also needs a copy of the secret file, --advertise ITS_ADDRESS, and a supervisor it "
-                "can reach: this one listens on loopback only; start `up --bind 0.0.0.0:PORT` for that)")
+        note = (f"(another host: {copy}, add --advertise ITS_ADDRESS, and needs a supervisor it can reach: this one "
+                "listens on loopback only; start `up --bind 0.0.0.0:PORT` for that)")
     else:
-        note = "(on another host: copy the secret file there and add --advertise ITS_ADDRESS)"
+        note = f"(on another host: {copy} and add --advertise ITS_ADDRESS)"
     return [f"supervisor at {address} — add a rollout worker from this directory with: {here}",
             f"from another directory or host: {full}", note]
+
+
+def encryption_line(cfg: RunConfig, bind: str) -> str:
+    """Which path the run's planes take, for `up`'s log: encrypted (and why) or the local fast path."""
+    if cfg.security.encrypt:
+        why = (f"launcher {cfg.launcher.kind} places processes on other hosts" if cfg.launcher.kind != "local"
+               else "security.encrypt=true")
+        return (f"control plane, data plane and HTTP endpoints encrypted ({why}): CURVE, ChaCha20 frames, TLS; "
+                "no UCX")
+    host = bind.rpartition(":")[0]
+    reach = ("; it listens beyond this host: workers joining from others travel unencrypted unless "
+             "security.encrypt=true" if host not in ("", "localhost") and not host.startswith("127.") else "")
+    return f"local run: planes not encrypted (the fast path: shared memory, UCX, plain HTTP){reach}"
 
 
 def endpoint_settings(cfg: RunConfig, run_dir: Path, secret: bytes) -> list[str]:
@@ -155,8 +182,9 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
         (run_dir / "trained.jsonl").unlink(missing_ok=True)
         shutil.rmtree(run_dir / EXPERIENCE_DIR, ignore_errors=True)  # and the samples it had persisted
     secret = _run_secret(run_dir)
-    export_encrypt(cfg.security.encrypt)  # for this process's own clients; the launcher passes it on
-    endpoint_lines = endpoint_settings(cfg, run_dir, secret)
+    launcher_key = _worker_key(run_dir, secret, resume)
+    export_encrypt(bool(cfg.security.encrypt))  # for this process's own clients; the launcher passes it on
+    endpoint_lines = [encryption_line(cfg, bind)] + endpoint_settings(cfg, run_dir, secret)
     launcher = make_launcher(RunSpec(cfg, config_file, Path(os.environ[SECRET_ENV]), bind, resume, restart))
     trackers = TrackerFeed.open(cfg, resume=resume)  # logging.backends, fed from metrics.jsonl (tracking/feed.py)
     stopping: list[str] = []
@@ -168,7 +196,7 @@ def up(cfg: RunConfig, *, bind: str = "127.0.0.1:0", summary_path: str | None = 
     view = LiveView(cfg)
     try:
         sup, address = launcher.start_supervisor()
-        for line in worker_commands(address, os.environ[SECRET_ENV], encrypt=cfg.security.encrypt,
+        for line in worker_commands(address, str(launcher_key), encrypt=bool(cfg.security.encrypt),
                                     tls=cfg.security.tls) + endpoint_lines:
             view.message(line)
         rollout = [launcher.start_rollout_worker(i, address) for i in range(cfg.rollout.workers)]

@@ -128,10 +128,13 @@ class LauncherConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SecurityConfig:
-    encrypt: bool = _f(False, "encrypt both planes with keys derived from the cluster secret: the control plane with "
-                       "ZMQ CURVE, data-plane frames with ChaCha20 under their MACs (earl_stream/security/encryption.py); "
-                       "shared memory and UCX bytes are not encrypted, so UCX is not used. Workers started by "
-                       "hand then need `--encrypt`")
+    encrypt: bool | None = _f(None, "encrypt both planes with keys derived from the cluster secret: the control plane "
+                              "with ZMQ CURVE, data-plane frames with ChaCha20 under their MACs "
+                              "(earl_stream/security/encryption.py), and the HTTP endpoints with TLS; shared memory "
+                              "and UCX bytes are not encrypted, so UCX is not used. auto (the default) = on when "
+                              "the launcher places processes on other hosts (ray, slurm, any launcher but local), "
+                              "off for a local run (the fast path; `up` logs which). Workers started by hand then "
+                              "need `--encrypt`")
     tls: bool = _f(False, "serve the OpenAI and metrics endpoints over HTTPS (on whenever encrypt is): certificates "
                    "from a run CA derived from the cluster secret, whose certificate `up` writes to RUN_DIR/tls/ca.pem "
                    "for clients to trust (earl_stream/security/tls.py), or the files below")
@@ -146,7 +149,7 @@ class SecurityConfig:
     @property
     def tls_on(self) -> bool:
         """Whether the HTTP endpoints serve TLS."""
-        return self.tls or self.encrypt
+        return self.tls or bool(self.encrypt)
 
     @property
     def metrics_auth_on(self) -> bool:

@@ -150,6 +150,8 @@ def _convert(hint: Any, value: Any, name: str, meta: Any, errors: list[str], mov
             return {}
         return dict(value)
     if origin in (typing.Union, types.UnionType):
+        if value is None or value == "auto":  # an optional field left to its resolution (`auto`)
+            return None
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if hint in (int, float) and isinstance(value, str):
         try:  # YAML 1.1 reads "3e-4" as a string

@@ -6,6 +6,7 @@ effective config of a run to every worker that registers as that dict.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing
 from pathlib import Path
@@ -44,20 +45,34 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     errors: list[str] = []
     for item in overrides:
         apply_run_override(raw, item, errors)
-    cfg = build(RunConfig, raw, "", errors, _MOVED)
+    return _checked(build(RunConfig, raw, "", errors, _MOVED), errors)
+
+
+def _checked(cfg: RunConfig, errors: list[str]) -> RunConfig:
+    """`cfg` with the fields left to `auto` resolved, once every problem is known (ConfigError when any)."""
     errors.extend(cross_field_problems(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    return resolve_auto(cfg)
+
+
+def resolve_auto(cfg: RunConfig) -> RunConfig:
+    """The fields whose default depends on the rest of the config, resolved: `security.encrypt` unset (or
+    `auto`) is on when the launcher places processes on other hosts (any launcher but local) and off for a
+    local run, which keeps the fast path (shared memory, UCX, plain HTTP)."""
+    if cfg.security.encrypt is None:
+        encrypt = cfg.launcher.kind != "local"
+        if encrypt and cfg.store.transport == "ucx":
+            raise ConfigError(f"invalid configuration:\n  store.transport=ucx sends unencrypted bytes, and launcher "
+                              f"{cfg.launcher.kind} encrypts by default (security.encrypt=auto, the pools span hosts): "
+                              "set security.encrypt=false to use UCX between hosts, or store.transport=auto")
+        cfg = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, encrypt=encrypt))
     return cfg
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     errors: list[str] = []
-    cfg = build(RunConfig, raw, "", errors, _MOVED)
-    errors.extend(cross_field_problems(cfg))
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    return cfg
+    return _checked(build(RunConfig, raw, "", errors, _MOVED), errors)
 
 
 def field_help(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str]]:

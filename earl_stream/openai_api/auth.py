@@ -1,7 +1,8 @@
 """Who may call the OpenAI endpoint: the bearer token of each request (earl_stream/security/keys.py says who holds which key).
 
 - No cluster secret (an open run): anyone.
-- The cluster secret: any request, in any episode or none (a user's own agent program, as before).
+- The cluster secret: any request, in any episode or none (a user's own agent program, as before). A worker
+  holding only the worker key checks it without holding it (`keys.is_cluster_secret`).
 - An agent key (`keys.agent_key`): the requests of its own episode until the key expires; a request naming
   another episode is refused (403), one naming none is filed under the key's episode, and `GET /v1/models`
   is allowed (agent frameworks ask it first). A key this worker made for an episode it runs is refused as
@@ -15,11 +16,10 @@ its `api_key`; the agent never sees the cluster secret.
 
 from __future__ import annotations
 
-import hmac
 import time
 from dataclasses import dataclass
 
-from earl_stream.security.keys import AGENT_PREFIX, AgentKeyError, agent_key, check_agent_key, role_of
+from earl_stream.security.keys import AGENT_PREFIX, AgentKeyError, agent_key, check_agent_key, is_cluster_secret, role_of
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class Denied(Exception):
 
 
 class EndpointAuth:
-    """Checks bearer tokens against the cluster secret; remembers the agent keys it made until they expire."""
+    """Checks bearer tokens against the worker's credential (the cluster secret or the worker key); remembers the
+    agent keys it made until they expire."""
 
     def __init__(self, secret: bytes | None) -> None:
         self._secret = secret
@@ -74,7 +75,7 @@ class EndpointAuth:
         if scheme.lower() != "bearer" or not token:
             raise Denied(401, "missing API key: pass this episode's agent key (or the cluster secret) as the bearer "
                          "token", "invalid_api_key")
-        if hmac.compare_digest(token.encode(), self._secret):
+        if is_cluster_secret(self._secret, token.encode()):
             return Grant()
         if token.startswith(AGENT_PREFIX):
             try:

@@ -1,4 +1,5 @@
-"""Optional encryption of both planes: `security.encrypt=true` (off by default).
+"""Encryption of both planes: `security.encrypt`, on by default when the pools span hosts (any launcher but
+local, and the job `slurm submit` renders: `config.load.resolve_auto`), off for a local run.
 
 - Control plane (the supervisor and environment servers, ZMQ): CURVE. The server's key pair is derived
   from the cluster secret (HMAC-SHA256 under a fixed context), so every process holding the secret

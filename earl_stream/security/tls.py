@@ -7,10 +7,10 @@ config: $EARL_STREAM_TLS=1, and optionally $EARL_STREAM_TLS_CERT / _KEY / _CA, f
 (`security.tls_cert_file` ...; the certificate must name every host it is served from).
 
 Without files, the certificates come from the **run CA**, derived from the cluster secret like every other key
-(an ECDSA P-256 key from HMAC-SHA256 of the secret under a fixed context): every process that holds the secret
-issues itself a certificate for its own addresses, and nothing has to be copied. The CA's certificate is public:
-`up` writes it to RUN_DIR/tls/ca.pem for agent programs, Prometheus and browsers to trust, and every process
-can write it again (`run_ca_pem`).
+(an ECDSA P-256 key from HMAC-SHA256 of the worker-plane key under a fixed context, keys.py): every process that
+holds the secret or the worker key issues itself a certificate for its own addresses, and nothing has to be copied.
+The CA's certificate is public: `up` writes it to RUN_DIR/tls/ca.pem for agent programs, Prometheus and browsers
+to trust, and every process can write it again (`run_ca_pem`).
 
 Metrics token: with `security.metrics_auth=true` (on whenever TLS is), each metrics endpoint answers only a
 request whose bearer token is the run's read-only key (keys.py), and counts the others
@@ -66,8 +66,11 @@ def metrics_auth_enabled() -> bool:
 
 
 def run_ca(secret: bytes) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    """The run CA's key and certificate, the same on every host holding `secret`."""
-    seed = hmac.new(secret, _CA_CONTEXT, hashlib.sha256).digest()
+    """The run CA's key and certificate, the same on every host holding `secret` (the cluster secret or a worker
+    key: its seed derives from the worker-plane key, `security.keys.plane_key`, since workers serve HTTPS)."""
+    from earl_stream.security.keys import Plane, plane_key
+
+    seed = hmac.new(plane_key(secret, Plane.TLS_CA), _CA_CONTEXT, hashlib.sha256).digest()
     order = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551  # of P-256
     key = ec.derive_private_key(int.from_bytes(seed, "big") % (order - 1) + 1, ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"earl_stream run CA {seed[:4].hex()}")])
@@ -134,13 +137,14 @@ def issue(secret: bytes, hosts: list[str]) -> tuple[bytes, bytes]:
 
 
 def _cluster_secret() -> bytes:
+    """This process's credential that derives the run CA: the cluster secret or the worker key."""
     from earl_stream.security.keys import KeyRole, role_of
     from earl_stream.security.secret import load_secret
 
     secret = load_secret()
-    if secret is None or role_of(secret) is not KeyRole.CLUSTER:
-        raise ConfigError("TLS with the run CA needs the cluster secret (its CA key is derived from it): pass "
-                          "--secret-file, or give security.tls_cert_file, tls_key_file and tls_ca_file")
+    if secret is None or role_of(secret) not in (KeyRole.CLUSTER, KeyRole.WORKER):
+        raise ConfigError("TLS with the run CA needs the cluster secret or the worker key (its CA key is derived "
+                          "from them): pass --secret-file, or give security.tls_cert_file, tls_key_file and tls_ca_file")
     return secret
 
 

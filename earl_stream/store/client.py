@@ -72,7 +72,8 @@ def split_address(address: str) -> tuple[str, int]:
 class ShardClient:
     """Pulls element ranges of arrays from shard nodes. Thread-safe; one connection per peer.
 
-    `secret`: cluster secret for nodes that require one; `timeout_s`: default bound on one whole
+    `secret`: the cluster secret or a worker key, for nodes that require one
+    (either gives the data-plane key, `security.keys.plane_key`); `timeout_s`: default bound on one whole
     request (connect, send, and the complete reply); `max_payload`: largest reply accepted, in bytes;
     `shm`: use shared memory with peers on this host (TCP stays the fallback for every other peer);
     `recv_pool_bytes`: idle receive buffers kept for reuse (each is reused once the arrays viewing it
@@ -102,7 +103,7 @@ class ShardClient:
             raise StoreError("transport 'ucx' was asked for under security.encrypt, but UCX bytes are not encrypted; "
                              "use transport auto, shm or tcp")
         self._transport = ucx_transport.check_transport(transport or ("auto" if shm else "tcp"))
-        self._secret = secret
+        self._secret = wire.data_key(secret)
         self._maps = SegmentCache() if shm and self._transport in ("auto", "shm") else None
         self._buffers = BufferPool(recv_pool_bytes)
         self._ctx = PullContext(self._buffers, max_payload, self._maps)

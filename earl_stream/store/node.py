@@ -41,18 +41,18 @@ Handler = Callable[[Any], msgspec.Struct]
 class ShardNode:
     """Holds tensor shards of this process and serves them to pulling peers.
 
-    `host`/`port`: where to listen (port 0 picks a free one); `secret`: if set, peers must prove it
-    (HMAC) before any request, shared-memory offers included; `max_bytes`: capacity, `put` blocks up
-    to `put_timeout_s` for room; `max_payload`: largest reply in bytes; `frame_timeout_s`: how long a
-    started frame may take to arrive (or a reply to drain); `advertise_host`: host part of `.address`
-    when listening on 0.0.0.0. `shm`: keep shards in pooled /dev/shm segments that same-host peers
-    copy out of directly (None: wherever /dev/shm is usable); `shm_max_bytes`: cap of the pool
-    (default: `max_bytes`, else 1 GiB; arrays that do not fit stay private and travel inline);
-    `shm_segment_bytes`: largest segment (and largest array placed in shared memory);
-    `handlers`: extra request kinds, header type -> function returning the reply header. `ucx`: offer
-    the UCX transport to peers that ask (None: when `ucxx` imports and peers must prove `secret`, since
-    UCX aborts the process on a malformed worker address; its worker starts on first use). `encrypt`:
-    encrypt the frames after the handshake (None: $EARL_STREAM_ENCRYPT; needs `secret`; no UCX then).
+    `host`/`port`: where to listen (port 0 picks a free one); `secret`: if set (the cluster secret or a worker
+    key: both give the data-plane key, `security.keys.plane_key`), peers must prove it (HMAC) before any
+    request, shared-memory offers included; `max_bytes`: capacity, `put` blocks up to `put_timeout_s` for room;
+    `max_payload`: largest reply in bytes; `frame_timeout_s`: how long a started frame may take to arrive (or a
+    reply to drain); `advertise_host`: host part of `.address` when listening on 0.0.0.0. `shm`: keep shards in
+    pooled /dev/shm segments that same-host peers copy out of directly (None: wherever /dev/shm is usable);
+    `shm_max_bytes`: cap of the pool (default: `max_bytes`, else 1 GiB; arrays that do not fit stay private and
+    travel inline); `shm_segment_bytes`: largest segment (and largest array placed in shared memory);
+    `handlers`: extra request kinds, header type -> function returning the reply header. `ucx`: offer the UCX
+    transport to peers that ask (None: when `ucxx` imports and peers must prove `secret`, since UCX aborts the
+    process on a malformed worker address; its worker starts on first use). `encrypt`: encrypt the frames after
+    the handshake (None: $EARL_STREAM_ENCRYPT; needs `secret`; no UCX then).
     """
 
     def __init__(
@@ -87,7 +87,7 @@ class ShardNode:
             raise StoreError("an encrypting shard node (security.encrypt) needs the cluster secret: its keys come from it")
         # UCX bytes are not encrypted: an encrypting node never offers UCX
         self._ucx = False if self._encrypt else (ucx_transport.ucx_available() and secret is not None) if ucx is None else ucx
-        self._secret = secret
+        self._secret = wire.data_key(secret)
         self._max_payload = max_payload
         self._frame_timeout_s = frame_timeout_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -45,6 +45,7 @@ import msgspec
 import numpy as np
 
 from earl_stream.errors import ProtocolError
+from earl_stream.security.keys import Plane, plane_key
 
 MAGIC = b"ESTR"
 PROTOCOL_VERSION = 1
@@ -347,6 +348,12 @@ def decode_header(kind: int, raw: bytes | bytearray | memoryview) -> Any:
         return decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError(ErrorCode.MALFORMED, f"malformed {Kind(kind).name} header: {exc}", fatal=False) from exc
+
+
+def data_key(credential: bytes | None) -> bytes | None:
+    """The data-plane key a node or client proves, from the cluster secret or a worker key (the same from both:
+    `security.keys.plane_key`); None: an open plane."""
+    return None if credential is None else plane_key(credential, Plane.DATA)
 
 
 def auth_mac(secret: bytes, nonce: bytes) -> bytes:

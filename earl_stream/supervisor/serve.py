@@ -5,6 +5,11 @@ cluster secret, its nonce and time: security/secret.py), hands it to the state m
 state-changing ones (supervisor/wal.py), makes the log durable with one fsync for the whole batch and
 only then sends the batch's replies. Leases are checked and metrics exported between turns; a worker
 declared dead for a missed lease is logged too, so that a restarted supervisor replays the same story.
+
+Keys: a message verifies under one role's current key (the generations of `revocation.py`), that role must
+be allowed to send it (`access.py`), and its worker id must not be revoked. `RevokeKey` is answered here, not
+by the state machine: it changes which keys verify from the next message on, and evicts a revoked worker
+like a dead one (logged as such).
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from earl_stream.errors import ConfigError, ProtocolError
 from earl_stream.files import write_durably
 from earl_stream.model.hub import pin_model
 from earl_stream.security import encryption
-from earl_stream.security.keys import KeyRole, keyring, role_of
+from earl_stream.security.keys import KeyRole, role_of
 from earl_stream.security.secret import Refusal, ReplayGuard, check_keys, refusal_text, sign
 from earl_stream.supervisor import access
 from earl_stream.supervisor.metrics_log import MetricsLog
+from earl_stream.supervisor.revocation import Revocations
 from earl_stream.supervisor.server import Supervisor
 from earl_stream.supervisor.wal import StateLog, WalStats
 
@@ -42,7 +48,9 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
           state_dir: str | None = None, forget_workers: bool = False) -> None:
     """Run the supervisor until SIGTERM/SIGINT. `bind` is host:port (port 0 = pick a free one)."""
     cfg = pin_model(cfg)  # a Hub model of a supervisor started by hand: pinned before any worker registers
-    keys = _keyring(secret)
+    _check_secret(secret)
+    revoked = Revocations.load(Path(state_dir or cfg.run_dir))
+    keys = revoked.keyring(secret) if secret is not None else None
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -60,6 +68,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
         raise ProtocolError(f"cannot bind the supervisor to {bind}: {exc.strerror}") from None
     address = f"tcp://{host or '127.0.0.1'}:{bound}"
     sup = Supervisor(cfg, address=address)
+    sup.revoked_workers = revoked.workers  # for `status`
     state = StateLog(Path(state_dir or cfg.run_dir))
     journal_path = state.dir / "trained.jsonl"
     restored = state.state_path.exists() or state.log_path.exists()
@@ -90,7 +99,7 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
             replies: list[list[bytes]] = []
             while len(replies) < BATCH and sock.poll(0):
                 frames = sock.recv_multipart()
-                replies.append([frames[0], b"", _answer(sup, state, guard, keys, frames)])
+                replies.append([frames[0], b"", _answer(sup, state, guard, keys, revoked, frames)])
             _write_journal(sup, journal_path)
             state.commit()  # write-ahead: durable before any peer of the batch hears back
             for reply in replies:
@@ -113,19 +122,17 @@ def serve(cfg: RunConfig, bind: str, *, ready_file: str | None = None, secret: b
     log.info("supervisor stopped")
 
 
-def _keyring(secret: bytes | None) -> dict[KeyRole, bytes] | None:
-    """Every role's key that messages may be signed with (security/keys.py, supervisor/access.py); None: an open run."""
+def _check_secret(secret: bytes | None) -> None:
     held = role_of(secret)
     if held is not None and held is not KeyRole.CLUSTER:
         raise ConfigError(f"the supervisor needs the cluster secret; it was given the {held.value} key "
                           "(a derived key is for clients: status, scale, env, episodes)")
-    return keyring(secret) if secret is not None else None
 
 
 def _answer(sup: Supervisor, state: StateLog, guard: ReplayGuard, keys: dict[KeyRole, bytes] | None,
-            frames: list[bytes]) -> bytes:
+            revoked: Revocations, frames: list[bytes]) -> bytes:
     """The reply (signed with the key the message was signed with) to one message, which is logged if it
-    changed the state. `keys`: every role's key (keys.keyring); None: an open run."""
+    changed the state. `keys`: every role's current key (keys.keyring); None: an open run."""
     role, payload = KeyRole.CLUSTER, frames[-1]
     if keys is not None:
         checked = check_keys(keys, frames[-1], guard)
@@ -137,18 +144,48 @@ def _answer(sup: Supervisor, state: StateLog, guard: ReplayGuard, keys: dict[Key
     key = keys[role] if keys is not None else None
     try:
         msg = P.decode(payload)
-        refused = access.refusal(role, msg)
+        refused = access.refusal(role, msg, lambda wid: _is_trainer(sup, wid))
         if refused is not None:  # nothing of it is handled or logged
             M.SECURITY_REFUSED.labels("control", "role").inc()
             log.warning("refused %s from peer %s: signed with the %s key", type(msg).__name__, frames[0].hex()[:16],
                         role.value)
             return sign(key, P.encode(P.ErrorReply(message=refused)))
+        if isinstance(msg, P.RevokeKey):
+            return sign(key, P.encode(_revoke(sup, state, revoked, keys, msg)))
+        if getattr(msg, "worker_id", "") in revoked.workers:
+            M.SECURITY_REFUSED.labels("control", "revoked").inc()
+            log.warning("refused %s from revoked worker %s", type(msg).__name__, msg.worker_id)
+            return sign(key, P.encode(P.ErrorReply(message=f"worker {msg.worker_id} is revoked (keys revoke): its "
+                                                            "messages are refused")))
         reply = sup.handle(msg, time.monotonic())
         state.append_message(msg, payload)
     except ProtocolError as exc:
         log.warning("bad control message from peer %s: %s", frames[0].hex()[:16], exc)
         reply = P.ErrorReply(message=str(exc))
     return sign(key, P.encode(reply))
+
+
+def _is_trainer(sup: Supervisor, worker_id: str) -> bool:
+    w = sup.workers.get(worker_id)
+    return w is not None and w.alive and w.role == P.Role.TRAINER
+
+
+def _revoke(sup: Supervisor, state: StateLog, revoked: Revocations, keys: dict[KeyRole, bytes] | None,
+            msg: P.RevokeKey) -> P.Msg:
+    """Revoke a role's key (the keyring changes now) or a worker id (evicted like a dead worker, and logged so)."""
+    if keys is None:
+        return P.ErrorReply(message="an open run (no cluster secret) has no keys to revoke")
+    try:
+        what = revoked.revoke(msg.target, keys[KeyRole.CLUSTER], set(sup.workers))
+    except ConfigError as exc:
+        return P.ErrorReply(message=str(exc))
+    keys.update(revoked.keyring(keys[KeyRole.CLUSTER]))
+    worker = sup.workers.get(msg.target)
+    if msg.target in revoked.workers and worker is not None and worker.alive:
+        why = "its key was revoked (keys revoke)"
+        sup.declare_dead(worker, why)
+        state.append_lease_expired(worker.worker_id, why)
+    return P.RevokeReply(message=what)
 
 
 def _write_journal(sup: Supervisor, path: Path) -> None:

@@ -107,6 +107,7 @@ class Supervisor:
         self._route_pool: tuple[int, list[tuple[str, str]], int] | None = None
         self._ids = 0
         self.metrics_log: MetricsLog | None = None  # RUN_DIR/metrics.jsonl, one line per step (set by serve())
+        self.revoked_workers: set[str] = set()  # worker ids `keys revoke` refused (revocation.py; set by serve())
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -419,11 +420,17 @@ class Supervisor:
         for w in self.workers.values():
             if w.alive and w.role != P.Role.CLIENT:
                 self.declare_dead(w, "belongs to the earlier run")
+            elif w.role != P.Role.CLIENT and not self.finished:  # left a finished run: what it held is gone now
+                self.ledger.worker_lost(w.worker_id, w.shard_address)
 
     def declare_dead(self, w: Worker, why: str) -> None:
+        """`w` is gone. Before the run finished its prompts are played again and the samples only it held are lost;
+        after, nothing is played again and the samples it holds stay counted in the store (a worker persists them
+        as it stops), so a run's summary does not depend on how long its workers took to leave."""
         w.alive = False
         self._membership += 1
-        result = self.ledger.worker_lost(w.worker_id, w.shard_address)
+        result = self.ledger.worker_lost(w.worker_id, w.shard_address) if not self.finished else \
+            {"samples_lost": 0, "prompts_reissued": 0}
         self.evals.worker_lost(w.worker_id)
         self.pending_free.pop(w.shard_address, None)
         log.log(logging.INFO if self.finished else logging.WARNING,

@@ -32,6 +32,7 @@ def status(sup: Supervisor, now: float) -> dict[str, Any]:
         "metrics_address": sup.metrics_address,
         "policy_version": sup.policy_version,
         "finished": sup.finished,
+        "revoked_workers": sorted(sup.revoked_workers),  # refused since `keys revoke WORKER_ID`
         "wall_seconds": wall,
         **dataclasses.asdict(c),
         "samples_in_store": sup.ledger.samples_waiting(),

@@ -66,7 +66,8 @@ def test_launcher_contract(kind: str, tmp_path: Path, tiny_model_dir: Path, requ
         sup, address = launcher.start_supervisor()
         placed.append(sup)
         assert isinstance(sup, Placed) and address.startswith("tcp://") and sup.poll() is None
-        client = P.ControlClient(address, timeout_s=10, secret=load_secret(str(spec.secret_file)))
+        client = P.ControlClient(address, timeout_s=10, secret=load_secret(str(spec.secret_file)),
+                                 encrypt=spec.cfg.security.encrypt)  # on by default for ray and slurm
         worker = launcher.start_rollout_worker(0, address)
         pool = launcher.start_trainer_pool(address)
         placed += [worker, pool]

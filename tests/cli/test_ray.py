@@ -23,6 +23,7 @@ from cluster import wait_for
 from ray_cluster import PLACEMENT, node_ids
 
 from earl_stream import protocol as P
+from earl_stream.config import load_config
 from earl_stream.security.secret import load_secret
 from earl_stream.workers import checkpoint as ckpt
 
@@ -45,7 +46,8 @@ def _status(run: Path) -> dict[str, Any] | None:
     ready = run / "supervisor.json"
     if not ready.exists():
         return None
-    client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=5, secret=load_secret(str(run / "secret")))
+    client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=5, secret=load_secret(str(run / "secret")),
+                             encrypt=load_config(str(run / "config.yaml")).security.encrypt)  # on across hosts
     try:
         return json.loads(client.call(P.StatusRequest()).status_json)
     finally:
@@ -123,7 +125,7 @@ def test_up_places_the_pools_on_different_ray_nodes_and_trains(tmp_path: Path, t
 def _scale(run: Path, replicas: int) -> str:
     address = json.loads((run / "supervisor.json").read_text())["address"]
     done = subprocess.run([sys.executable, "-m", "earl_stream", "scale", "--role", "rollout", "--replicas", str(replicas),
-                           "--supervisor", address, "--secret-file", str(run / "secret")],
+                           "--supervisor", address, "--secret-file", str(run / "secret"), "--encrypt"],  # as the run
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

@@ -23,6 +23,7 @@ from cluster import wait_for
 from ray_cluster import GPU_NODE
 
 from earl_stream import protocol as P
+from earl_stream.config import load_config
 from earl_stream.security.secret import load_secret
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -50,7 +51,8 @@ def _status(run: Path) -> dict[str, Any]:
     ready = run / "supervisor.json"
     if not ready.exists():
         return {}
-    client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=5, secret=load_secret(str(run / "secret")))
+    client = P.ControlClient(json.loads(ready.read_text())["address"], timeout_s=5, secret=load_secret(str(run / "secret")),
+                             encrypt=load_config(str(run / "config.yaml")).security.encrypt)  # on across hosts
     try:
         return json.loads(client.call(P.StatusRequest()).status_json)
     finally:

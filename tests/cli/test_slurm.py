@@ -14,6 +14,7 @@ import yaml
 
 from earl_stream.cli import slurm as S
 from earl_stream.errors import ConfigError, SlurmError
+from earl_stream.security.keys import KeyRole, role_of
 
 
 def _config(tmp_path: Path) -> Path:
@@ -49,6 +50,19 @@ def test_render_one_component_per_pool(tmp_path: Path) -> None:
     subprocess.run(["bash", "-n", str(script)], check=True)  # valid bash
 
 
+@pytest.mark.parametrize(("given", "encrypted"), [([], True), (["security.encrypt=auto"], True),
+                                                   (["security.encrypt=false"], False)])
+def test_the_job_encrypts_its_planes_by_default(tmp_path: Path, given: list[str], encrypted: bool) -> None:
+    """The job's components run on different nodes: every process of it encrypts unless the user says not to."""
+    cfg, slurm = S.load(str(_config(tmp_path)), given)
+    text = S.write(cfg, slurm).read_text()
+    written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert cfg.security.encrypt is encrypted and written["security"]["encrypt"] is encrypted  # the supervisor's
+    export = next(ln for ln in text.splitlines() if ln.startswith("export EARL_STREAM_ENCRYPT="))  # the workers'
+    assert f"EARL_STREAM_ENCRYPT={int(encrypted)}" in export and f"EARL_STREAM_TLS={int(encrypted)}" in export
+    assert ("HTTP endpoints encrypted" if encrypted else "not encrypted") in text
+
+
 def test_bad_knobs_are_reported_together(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         S.load(str(_config(tmp_path)), ["slurm.rollout_nodes=0", "slurm.colour=red", "trainer.lr=fast"])
@@ -64,7 +78,11 @@ def test_submit_reports_sbatch_refusal_and_absence(tmp_path: Path) -> None:
     fake.chmod(0o755)
     with pytest.raises(SlurmError, match="sbatch refused .*invalid partition specified: gpu"):
         S.submit(script, cfg, sbatch=str(fake))
-    assert (tmp_path / "run" / "secret").is_file()  # the job's processes find the run's secret there
+    assert (tmp_path / "run" / "secret").is_file()  # the job's supervisor finds the run's secret there
+    worker_key = (tmp_path / "run" / "keys" / "worker").read_bytes().strip()  # and its workers their key
+    assert role_of(worker_key) is KeyRole.WORKER and (tmp_path / "run" / "secret").read_bytes() not in worker_key
+    text = script.read_text()
+    assert text.index('export EARL_STREAM_SECRET_FILE="$RUN_DIR/keys/worker"') < text.index("--het-group=1")
     fake.write_text("#!/bin/sh\necho '4242;cluster'\n")
     assert S.submit(script, cfg, sbatch=str(fake)) == 4242
     with pytest.raises(SlurmError, match="not on PATH"):
@@ -85,3 +103,14 @@ def test_cli_render_and_clear_error(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines()[-1].startswith("earl-stream slurm: error: sbatch refused")
     fields = subprocess.run([*cmd, "fields"], capture_output=True, text=True, check=True).stdout
     assert "slurm.partition" in fields and "slurm.gpus_per_node" in fields
+
+
+def test_the_jobs_summary_is_read_with_the_secret_not_the_worker_key(tmp_path: Path) -> None:
+    """The workers run under the worker key, which may not read the run's status: the batch shell's summary asks
+    with the cluster secret."""
+    cfg, slurm = S.load(str(_config(tmp_path)), [])
+    lines = S.write(cfg, slurm).read_text().splitlines()
+    status = next(i for i, ln in enumerate(lines) if " status --supervisor " in ln)
+    assert lines[status].startswith('EARL_STREAM_SECRET_FILE="$RUN_DIR/secret" ')
+    workers = next(i for i, ln in enumerate(lines) if ln.startswith('export EARL_STREAM_SECRET_FILE="$RUN_DIR/keys/worker"'))
+    assert workers < status

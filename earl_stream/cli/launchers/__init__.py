@@ -47,10 +47,24 @@ class RunSpec:
 
     cfg: RunConfig
     config_file: Path  # the run's effective config (YAML), written by `up` in run_dir on this host
-    secret_file: Path  # the cluster secret on this host; a launcher copies its bytes where processes run
+    secret_file: Path  # the cluster secret on this host: the supervisor's only (a launcher copies it where that runs)
     bind: str = "127.0.0.1:0"  # the supervisor's HOST:PORT as asked for (port 0 = any free one)
     resume: bool = False  # every process of an earlier `up` of this run_dir is gone: don't wait for them
     restart: int = 0  # times a dead trainer pool (from its checkpoint), rollout worker or supervisor restarts
+
+    def worker_key_file(self) -> Path:
+        """What every worker gets instead of the secret: the worker key at the run's current generation in
+        RUN_DIR/keys/worker (`up` writes it, a launcher used without `up` here; the supervisor rewrites it on
+        `keys revoke worker`: security/keys.py)."""
+        from earl_stream.security.keys import WORKER_KEY_FILE
+        from earl_stream.security.secret import load_secret
+        from earl_stream.supervisor.revocation import write_worker_key
+
+        path = Path(self.cfg.run_dir) / WORKER_KEY_FILE
+        secret = load_secret(str(self.secret_file))
+        if not path.is_file() and secret is not None:
+            write_worker_key(Path(self.cfg.run_dir), secret)
+        return path
 
     def encrypt_env(self) -> dict[str, str]:
         """In every process's environment: whether it encrypts its planes (security.encrypt) and serves its HTTP

@@ -40,7 +40,7 @@ class LocalLauncher:
 
     def start_rollout_worker(self, index: int, address: str) -> Placed:
         return self.group.start(f"rollout worker {index}", ["worker", "--role", "rollout", "--supervisor", address],
-                                env={**self._env(), **self.gpus.rollout_env(index)},
+                                env={**self._env(worker=True), **self.gpus.rollout_env(index)},
                                 log_path=str(self.logs / f"rollout-{index}.log"))
 
     def start_trainer_pool(self, address: str) -> Placed:
@@ -50,7 +50,8 @@ class LocalLauncher:
         return self.group.start("trainer", ["worker", "--role", "trainer", "--supervisor", address, "--nproc",
                                             str(self.run.cfg.trainer.nproc), "--restart", str(self.run.restart),
                                             "--stop-grace", str(grace)],
-                                env={**self._env(), **self.gpus.trainer_env()}, log_path=str(self.logs / "trainer.log"),
+                                env={**self._env(worker=True), **self.gpus.trainer_env()},
+                                log_path=str(self.logs / "trainer.log"),
                                 stop_grace_s=grace + STOP_GRACE_S)
 
     def revive(self, placed: Placed, address: str) -> None:
@@ -71,10 +72,12 @@ class LocalLauncher:
     def stop(self) -> None:
         self.group.stop()
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, worker: bool = False) -> dict[str, str]:
+        """A process's environment: the cluster secret for the supervisor, the worker key for workers."""
         from earl_stream.security.secret import SECRET_ENV
 
-        return {SECRET_ENV: str(self.run.secret_file), **self.run.encrypt_env()}
+        key = self.run.worker_key_file() if worker else self.run.secret_file
+        return {SECRET_ENV: str(key), **self.run.encrypt_env()}
 
 
 def wait_ready(child: Child, ready: Path, timeout_s: float) -> dict[str, Any]:

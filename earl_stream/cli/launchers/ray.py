@@ -164,7 +164,8 @@ class RayLauncher:
         except ConfigError:
             self._disconnect()
             raise
-        self.secret = run.secret_file.read_bytes()
+        self.secret = run.secret_file.read_bytes()  # the supervisor's; workers get the worker key (security/keys.py)
+        self.worker_key = run.worker_key_file().read_bytes()
         self.processes: list[RayProcess] = []
         self.pools: list[RayTrainerPool] = []
 
@@ -254,8 +255,9 @@ class RayLauncher:
             options["resources"] = {k: float(v) for k, v in spec.resources.items()}
         if strategy is not None:
             options["scheduling_strategy"] = strategy
+        key = self.secret if role == "supervisor" else self.worker_key
         actor = ray.remote(ProcessHost).options(**options).remote(
-            self.secret, files or {}, os.getcwd(), start, exit_with_child=max_restarts != 0, env=self.run.encrypt_env())
+            key, files or {}, os.getcwd(), start, exit_with_child=max_restarts != 0, env=self.run.encrypt_env())
         proc = RayProcess(name, actor, restartable=max_restarts != 0)
         self.processes.append(proc)
         try:

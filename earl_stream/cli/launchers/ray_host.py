@@ -1,9 +1,9 @@
 """The Ray actor of the `ray` launcher: it holds one `earl-stream` process of the run on its Ray node.
 
 The actor reserves the role's declared resources (launcher.ray.<role>.*) for as long as the process
-runs, writes the cluster secret it was handed to a private file on its node, and starts the same
-command `up` starts locally (a child that dies with the actor, cli/procs.py). It adds
-EARL_STREAM_RAY_NODE_ID to the child's environment, which a worker reports when it registers. An
+runs, writes the key it was handed (the cluster secret for the supervisor, the worker key for workers) to
+a private file on its node, and starts the same command `up` starts locally (a child that dies with the
+actor, cli/procs.py). It adds EARL_STREAM_RAY_NODE_ID to the child's environment, which a worker reports when it registers. An
 actor made with `exit_with_child` leaves when its process fails, so that Ray restarts it (the
 `max_restarts` it was created with) and the new process re-registers: how a rollout worker rejoins.
 Arguments may hold `{dir}` (the actor's private directory) and `{ip}` (its node's address).

@@ -123,8 +123,9 @@ class SlurmLauncher:
                env: dict[str, str] | None = None) -> Child:
         self.placement[name] = node if isinstance(node, str) else ",".join(node)
         print(f"slurm: {name} on {self.placement[name]}", flush=True)
-        return self.group.start(name, args, env={SECRET_ENV: str(self.run.secret_file), **self.run.encrypt_env(),
-                                                 **(env or {})},
+        # the cluster secret for the supervisor only; workers get the worker key (security/keys.py)
+        key = self.run.secret_file if name == "supervisor" else self.run.worker_key_file()
+        return self.group.start(name, args, env={SECRET_ENV: str(key), **self.run.encrypt_env(), **(env or {})},
                                 log_path=str(self.logs / log), prefix=prefix)
 
     def start_supervisor(self) -> tuple[Placed, str]:
