@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from earl_stream.env import Environment, env_options, env_reset, env_step, make_env
+from earl_stream.env.api import DEFAULT_AGENT_TIMEOUT_S, is_agent_env
 from earl_stream.env.tools import with_tools
 from earl_stream.errors import EnvError
 from earl_stream.protocol import Msg
@@ -88,13 +89,17 @@ def out_of_memory(exc: BaseException) -> bool:
 
 class EnvHost:
     """The instances of environment `spec` (built with `params`), one per open episode; an instance not used for
-    `idle_s` is dropped by `reap` (its driver died). Requests may be handled concurrently."""
+    `idle_s` is dropped by `reap` (its driver died). Requests may be handled concurrently. An agent environment
+    (`agent`; its `timeout_s`) is made once, to check it; its episodes are played elsewhere (`agent_runner`)."""
 
     def __init__(self, spec: str, params: dict[str, Any] | None = None, *, idle_s: float = 600.0) -> None:
         self.spec, self.params, self.idle_s = spec, dict(params or {}), idle_s
         probe = make_env(spec, self.params)  # fail now, at start, if it cannot be built
         flag = getattr(probe, "seed_per_episode", False)
         self.seed_per_episode = flag if isinstance(flag, bool) else False  # (what a driver's proxy can show)
+        self.agent = is_agent_env(probe)
+        timeout = getattr(probe, "timeout_s", DEFAULT_AGENT_TIMEOUT_S)
+        self.timeout_s = float(timeout) if isinstance(timeout, (int, float)) else DEFAULT_AGENT_TIMEOUT_S
         self._envs: dict[str, tuple[Environment, float]] = {}
 
     @property

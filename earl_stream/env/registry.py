@@ -35,6 +35,7 @@ from earl_stream.errors import EnvError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "is_registered",
     "known_envs",
     "make_env",
     "register_env",
@@ -99,6 +100,12 @@ def unregister_env(name: str) -> None:
     with _registry_lock:
         if _registry.pop(name, None) is None:
             raise EnvError(f"environment {name!r} is not registered in this process")
+
+
+def is_registered(name: str) -> bool:
+    """Whether `name` is registered in this process (`register_env`); imports nothing."""
+    with _registry_lock:
+        return name.strip() in _registry
 
 
 _ENTRY_POINTS_TTL_S = 10.0

@@ -2,7 +2,8 @@
 environment a rollout worker plays in its place.
 
 `earl-stream env serve SPEC --bind HOST:PORT` runs `EnvServer`: a ZMQ ROUTER speaking the control
-plane's framing (msgspec messages signed with the cluster secret, `earl_stream.security`) around an
+plane's framing (msgspec messages signed with the environment servers' key, `env_key`: derived from the
+cluster secret or a worker key alike, `earl_stream.security.keys`) around an
 `EnvHost` (`earl_stream.env.host`): each episode is one environment instance on the server, opened by
 `EnvOpen` (reset), driven by `EnvStep`, closed by `EnvClose` or when it is done; instances idle for
 `idle_s` are dropped (their worker died). Requests run concurrently, so a slow episode does not hold the
@@ -32,6 +33,7 @@ from earl_stream.env.host import EnvClose, EnvClosed, EnvFailed, EnvHost, EnvOpe
 from earl_stream.errors import EnvError
 from earl_stream.protocol import Msg, normalize_address
 from earl_stream.security import encryption
+from earl_stream.security.keys import Plane, plane_key
 from earl_stream.security.secret import Refusal, ReplayGuard, check, load_secret, refusal_text, sign, verify
 
 __all__ = ["EnvServer", "RemoteEnv"]
@@ -46,6 +48,12 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Any)
 
 
+def env_key(credential: bytes | None) -> bytes | None:
+    """The key environment servers and their clients sign with, from the cluster secret or a worker key (the
+    same from both: `security.keys.plane_key`); None: an open server."""
+    return None if credential is None else plane_key(credential, Plane.ENV)
+
+
 class EnvServer:
     """Serves environment `spec` (built with `params`) on `bind` ("HOST:PORT")."""
 
@@ -53,7 +61,7 @@ class EnvServer:
                  secret: bytes | None = None, idle_s: float = 600.0, encrypt: bool | None = None) -> None:
         self.spec, self.params = spec, dict(params or {})
         self.host = EnvHost(spec, self.params, idle_s=idle_s)  # fails now, at start, if it cannot be built
-        self.secret = secret
+        self.secret = env_key(secret)
         self.guard = ReplayGuard()  # a replayed or stale request is refused like an unsigned one
         self.idle_s = idle_s
         self._ctx = zmq.asyncio.Context()
@@ -114,7 +122,8 @@ class RemoteEnv:
             raise EnvError(f"remote environment needs address HOST:PORT, got {address!r}")
         self.address = normalize_address(address)
         self.timeout_s = float(timeout_s)
-        self.secret = load_secret()
+        self.credential = load_secret()  # the cluster secret or a worker key: CURVE's server key comes from it
+        self.secret = env_key(self.credential)
         self.episode = uuid.uuid4().hex
         self.system_prompt: str | None = None
         self.max_turn_tokens = 32
@@ -126,7 +135,7 @@ class RemoteEnv:
         sock.setsockopt(zmq.LINGER, 0)
         try:
             if encryption.encrypt_enabled():
-                encryption.curve_client(sock, self.secret)
+                encryption.curve_client(sock, self.credential)
             sock.connect(self.address)
             await sock.send_multipart([b"", sign(self.secret, _encoder.encode(msg))])
             if not await sock.poll(int(self.timeout_s * 1000)):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from earl_stream.env import make_env
@@ -44,11 +44,14 @@ class ItemSpec:
 
 async def play_item(it: ItemSpec, batcher: AsyncBatcher, chat: ChatFormat, decode: Callable[[list[int]], object], *,
                     policy_version: Callable[[], int] = lambda: 0, max_episode_tokens: Callable[[], int] | None = None,
-                    step_timeout_s: float = 120.0) -> tuple[EpisodeOutcome, str]:
-    """One evaluation episode: its outcome and the model's reply text (its own tokens, decoded)."""
+                    step_timeout_s: float = 120.0,
+                    make: Callable[[ItemSpec], Awaitable[Any]] | None = None) -> tuple[EpisodeOutcome, str]:
+    """One evaluation episode: its outcome and the model's reply text (its own tokens, decoded). `make` builds the
+    item's environment (a rollout worker's: in its sandbox where the code comes from outside this project); by
+    default it is made in this process."""
     sample_seed = None if it.temperature <= 0 else episode_sample_seed(it.seed, it.sample)
     try:
-        env = with_tools(make_env(it.spec, it.params))
+        env = await make(it) if make is not None else with_tools(make_env(it.spec, it.params))
         record = await play_episode(env, None, chat, batcher, env_name=it.name, seed=it.seed,
                                     prompt_ordinal=-1, group_id=f"eval-{it.name}-{it.item}",
                                     sampling=Sampling(temperature=it.temperature), policy_version=policy_version,

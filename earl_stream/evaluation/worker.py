@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from earl_stream import metrics as M
 from earl_stream import protocol as P
@@ -18,14 +19,16 @@ from earl_stream.workers.engines.batcher import AsyncBatcher
 
 async def play_eval_tasks(tasks: list[P.EvalTask], batcher: AsyncBatcher, chat: ChatFormat,
                           decode: Callable[[list[int]], object], *, worker_id: str, policy_version: Callable[[], int],
-                          max_episode_tokens: Callable[[], int]) -> list[P.EvalResult]:
-    """Play `tasks` concurrently (batched with the worker's training episodes) and return their results."""
+                          max_episode_tokens: Callable[[], int],
+                          make: Callable[[ItemSpec], Awaitable[Any]] | None = None) -> list[P.EvalResult]:
+    """Play `tasks` concurrently (batched with the worker's training episodes) and return their results. `make`
+    builds an item's environment (`runner.play_item`)."""
 
     async def one(t: P.EvalTask) -> P.EvalResult:
         it = ItemSpec(t.spec, json.loads(t.params_json), t.item, t.seed, t.sample, t.temperature,
                       tuple(t.success_outcomes), t.env)
         e, _ = await play_item(it, batcher, chat, decode, policy_version=policy_version,
-                               max_episode_tokens=max_episode_tokens)
+                               max_episode_tokens=max_episode_tokens, make=make)
         M.EVAL_EPISODES.labels(worker_id, t.env, e.outcome).inc()
         return P.EvalResult(task_id=t.task_id, reward=e.reward, success=e.success, outcome=e.outcome,
                             tokens=e.tokens, policy_version=e.policy_version)

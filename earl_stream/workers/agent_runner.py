@@ -37,7 +37,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -46,7 +46,7 @@ from earl_stream import metrics as M
 from earl_stream.sandbox import Launch, SandboxSpec
 from earl_stream.workers.agent_loop import EpisodeFailed
 from earl_stream.workers.agent_sandbox import EnvSource, agent_sandbox, env_sandbox
-from earl_stream.workers.child_process import GRACE_S, breach_text, child_environment, end_child, read_frame, start_child
+from earl_stream.workers.child_process import GRACE_S, breach_text, child_environment, end_child, read_frame, serve_frames, start_child
 from earl_stream.workers.child_process import frame as _frame
 
 if TYPE_CHECKING:
@@ -344,10 +344,6 @@ async def _episode(job: AgentJob, writer: asyncio.StreamWriter) -> None:
     writer.write(_frame(done))
 
 
-def _forget(running: dict[int, asyncio.Task[None]], job: int) -> Any:
-    return lambda _task: running.pop(job, None)
-
-
 async def _serve(fd: int) -> None:
     reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
     import earl_stream.env  # noqa: F401  (what every episode needs, imported before the worker is told ready)
@@ -355,25 +351,19 @@ async def _serve(fd: int) -> None:
         import openai  # noqa: F401
     writer.write(_frame(AgentReady(os.getpid())))
     await writer.drain()
-    running: dict[int, asyncio.Task[None]] = {}
-    try:
-        while True:
-            try:
-                msg = _to_child.decode(await read_frame(reader))
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return  # the worker went away (or stopped us)
-            if isinstance(msg, AgentCancel):
-                task = running.get(msg.job)
-                if task is not None:
-                    task.cancel()
-                continue
-            task = asyncio.create_task(_episode(msg, writer))
-            running[msg.job] = task
-            task.add_done_callback(_forget(running, msg.job))
-    finally:
-        for task in list(running.values()):
+    running: dict[Hashable, asyncio.Task[None]] = {}
+
+    def dispatch(msg: AgentJob | AgentCancel) -> tuple[int, Coroutine[Any, Any, None]] | None:
+        if isinstance(msg, AgentJob):
+            return msg.job, _episode(msg, writer)
+        task = running.get(msg.job)
+        if task is not None:
             task.cancel()
-        await asyncio.gather(*running.values(), return_exceptions=True)
+        return None
+
+    try:
+        await serve_frames(reader, _to_child.decode, dispatch, running)
+    finally:
         for client in _clients.values():
             with contextlib.suppress(Exception):
                 await client.close()

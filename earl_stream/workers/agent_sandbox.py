@@ -8,19 +8,22 @@ inside (a `file.py:attr` named relative to the worker's folder made absolute), t
 folder, the folder of a module that is not installed, e.g. one importable from the worker's working directory)
 and the import path that finds them, and each file a parameter names (made absolute). An installed package or
 entry point needs nothing: the sandbox shows the interpreter's packages. Folders named in parameters are not shown:
-the process works in its own empty folder.
+the process works in its own empty folder. `runs_sandboxed(spec, params)`: whether an environment is code from
+outside this project, told from its spec without importing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from earl_stream.env.registry import ENTRY_POINT_GROUP, is_registered
 from earl_stream.sandbox import Limits, SandboxMode, SandboxSpec, resolve_mode
 from earl_stream.sandbox.launch import visible_roots
 
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
     from earl_stream.config import RunConfig
 
 log = logging.getLogger(__name__)
+
+_OURS = ("earl_stream", "earl_stream_envs")
 
 
 def agent_sandbox(cfg: RunConfig, what: str = "agent programs") -> SandboxSpec | None:
@@ -123,3 +128,47 @@ def _reference(text: str, seen: list[str], python_path: list[str]) -> str:
 def _visible(path: str) -> bool:
     real = os.path.realpath(path)
     return real.startswith("/usr/") or any(real == root or real.startswith(root + "/") for root in visible_roots())
+
+
+def runs_sandboxed(spec: str, params: Mapping[str, Any] | None = None) -> bool:
+    """Whether environment `spec` (`params`) is code from outside this project, told from its spec alone (nothing is
+    imported here): a file (`path.py:Class`), a module of another package (`module:Class`), another package's entry
+    point, or one of this project's environments whose `params` name such code (`agent`'s `run: file.py:run`,
+    `env_agent`'s `env`). Not names registered in this process (`register_env`: a child could not make them)."""
+    spec = spec.strip()
+    if not spec or is_registered(spec):
+        return False
+    return _outside(spec) or any(_outside(text, in_params=True) for text in _strings(params or {}))
+
+
+def _outside(text: str, *, in_params: bool = False) -> bool:
+    target, colon, attr = text.rpartition(":")
+    if not colon:
+        if in_params:
+            return False
+        found = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == text]
+        return bool(found) and found[0].module.split(".")[0] not in _OURS
+    if not target or not attr.isidentifier():
+        return False  # not code (an address, a URL)
+    if target.endswith(".py") or (not in_params and ("/" in target or "\\" in target)):
+        return True  # a file (in a parameter, only `file.py:attr` names code: `org/model:tag` does not)
+    top = target.split(".")[0]
+    if not all(part.isidentifier() for part in target.split(".")) or top in _OURS:
+        return False
+    if not in_params:
+        return True
+    try:  # a parameter only names code where its package exists (finding it runs none of it)
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)

@@ -4,8 +4,9 @@ frames cross its socket, and how its end is read back (its exit code, the sandbo
 What the children run and the messages they speak are their modules'; this one owns only the plumbing they
 share: `start_child` (a socket pair, the child's environment without the cluster secret, its first frame
 awaited before any episode's clock starts), `end_child` (its exit awaited, what it left in its sandbox killed,
-the sandbox freed), `frame`/`read_frame` (a 4-byte big-endian length, then a msgpack-encoded message) and
-`breach_text` (the `sandbox_limit: <limit>` reason episodes fail with).
+the sandbox freed), `frame`/`read_frame` (a 4-byte big-endian length, then a msgpack-encoded message),
+`serve_frames` (the child's side: each message from the worker run as a task of its own) and `breach_text` (the
+`sandbox_limit: <limit>` reason episodes fail with).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Hashable, Mapping
+from typing import Any
 
 import msgspec
 
@@ -25,7 +28,7 @@ from earl_stream.sandbox import Breach, Launch, SandboxSpec, prepare, sandbox_en
 from earl_stream.security.secret import SECRET_ENV
 
 __all__ = ["GRACE_S", "MAX_FRAME", "START_CPU_S", "START_TIMEOUT_S", "Child", "breach_text", "child_environment",
-           "end_child", "frame", "read_frame", "start_child"]
+           "end_child", "frame", "read_frame", "serve_frames", "start_child"]
 
 MAX_FRAME = 16 * 1024 * 1024
 # how long a child may take to end once its socket closed before it is killed; also what the worker waits past an
@@ -51,6 +54,34 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
     if size > MAX_FRAME:
         raise ConnectionError(f"child process frame of {size} bytes")
     return await reader.readexactly(size)
+
+
+async def serve_frames(reader: asyncio.StreamReader, decode: Callable[[bytes], Any],
+                       dispatch: Callable[[Any], tuple[Hashable, Coroutine[Any, Any, None]] | None],
+                       running: dict[Hashable, asyncio.Task[None]]) -> None:
+    """A child's loop: each frame from the worker decoded and given to `dispatch`, whose work (a key, a coroutine)
+    runs as a task, under its key in `running` until it ends (None: nothing to run). Returns when the worker's end
+    of the socket closes, the tasks still running cancelled."""
+    try:
+        while True:
+            try:
+                msg = decode(await read_frame(reader))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the worker went away (or stopped us)
+            work = dispatch(msg)
+            if work is not None:
+                key, coro = work
+                task = running[key] = asyncio.create_task(coro)
+                task.add_done_callback(functools.partial(_drop, running, key))
+    finally:
+        tasks = list(running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _drop(running: dict[Hashable, asyncio.Task[None]], key: Hashable, _task: asyncio.Task[None]) -> None:
+    running.pop(key, None)
 
 
 def child_environment() -> dict[str, str]:

@@ -1,12 +1,17 @@
-"""Environments from outside this project in sandboxed children of the rollout worker: their `reset`/`step` (and
-the tools they run) never share the worker's process, memory, files or cluster secret.
+"""Environments from outside this project in sandboxed children of the rollout worker: their module's top-level
+code, their `reset`/`step` (and the tools they run) never share the worker's process, memory, files or cluster
+secret. The worker never imports them.
 
-The worker's side: `EnvRunners` (one per worker, `open_env_runners`) keeps an `EnvRunner` for each environment
-that `runs_sandboxed` picks out (a file, a module or an entry point of another package), and hands the agent loop
-`SandboxedEnv`s: plain `Environment`s whose `reset`/`step` go to that runner's child as `EnvCall`s carrying the
-messages of `earl_stream.env.host` (no pickles), so the agent loop needs no change. Its child is started ahead
-of need (when the worker starts, or when an environment is attached) and serves all the episodes of its
-environment, concurrently, until it dies or goes past a limit; the next episode then gets a new one.
+The worker's side: `EnvRunners` (one per worker, `open_env_runners`; the sandbox mode resolved, and a bwrap fallback
+warned of, when the first environment needs it) keeps an `EnvRunner` for each environment that `runs_sandboxed`
+picks out from its spec alone (a file, a module or an entry point of another package, or this project's agent
+environments whose parameters name such code). Its child loads the environment and says whether it could
+(`HostReady.error`: `EnvRunners.check`, at attach time) and whether it is an agent environment. A plain one's
+episodes get `SandboxedEnv`s: `Environment`s whose `reset`/`step` go to that child as `EnvCall`s carrying the
+messages of `earl_stream.env.host` (no pickles), so the agent loop needs no change; the child serves all the
+episodes of its environment, concurrently, until it dies or goes past a limit (the next episode then gets a new
+one). An agent environment's child is stopped once it answered: its episodes get `SandboxedAgent`s (its timeout and
+seeding as the child reported them) and are made and played in the agent processes (`agent_runner`).
 
 The child (`python -m earl_stream.workers.env_runner --fd N`), started by `child_process.start_child` in a sandbox
 of `sandbox.*` (bwrap: only the interpreter, the packages and the environment's own files, read-only; no network
@@ -32,8 +37,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import importlib.metadata
-import inspect
 import itertools
 import json
 import logging
@@ -41,13 +44,14 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from earl_stream import metrics as M
-from earl_stream.env.api import DEFAULT_MAX_TURN_TOKENS, StepResult, is_agent_env
+from earl_stream.env import make_env
+from earl_stream.env.api import DEFAULT_MAX_TURN_TOKENS, StepResult
 from earl_stream.env.host import (
     EnvClose,
     EnvFailed,
@@ -61,23 +65,23 @@ from earl_stream.env.host import (
     failure,
     out_of_memory,
 )
-from earl_stream.env.registry import ENTRY_POINT_GROUP, resolve_env
+from earl_stream.env.tools import with_tools
 from earl_stream.errors import EnvError
-from earl_stream.sandbox import Breach, SandboxSpec
-from earl_stream.workers.agent_sandbox import EnvSource, agent_sandbox, env_sandbox
-from earl_stream.workers.child_process import Child, breach_text, child_environment, end_child, frame, read_frame, start_child
+from earl_stream.sandbox import Breach, SandboxMode, SandboxSpec
+from earl_stream.workers.agent_sandbox import EnvSource, agent_sandbox, env_sandbox, runs_sandboxed
+from earl_stream.workers.child_process import Child, breach_text, child_environment, end_child, frame, read_frame, serve_frames, start_child
 
 if TYPE_CHECKING:
     from earl_stream.config import EnvSpec, RunConfig
 
-__all__ = ["EnvRunner", "EnvRunners", "SandboxedEnv", "open_env_runners", "runs_sandboxed"]
+__all__ = ["EnvRunner", "EnvRunners", "SandboxedAgent", "SandboxedEnv", "episode_envs", "open_env_runners",
+           "runs_sandboxed"]
 
 log = logging.getLogger(__name__)
 
 # the wall-clock limit of one reset or step: below the agent loop's 30 s step timeout, so that the runner, which can
 # stop the child, acts first
 IDLE_S = 600.0  # an instance whose episode saw no call for this long is dropped in the child (its driver is gone)
-_OURS = ("earl_stream", "earl_stream_envs")
 
 
 class HostLoad(msgspec.Struct, tag="load", frozen=True):
@@ -88,10 +92,13 @@ class HostLoad(msgspec.Struct, tag="load", frozen=True):
 
 
 class HostReady(msgspec.Struct, tag="ready", frozen=True):
-    """The child's first frame, once its imports are done and an instance was made (else `error` says why)."""
+    """The child's first frame, once its imports are done and an instance was made (else `error` says why, as
+    loading it in the worker would have); `agent`: it is an agent environment (`timeout_s`: its episodes')."""
     pid: int
     seed_per_episode: bool = False
     error: str = ""
+    agent: bool = False
+    timeout_s: float = 0.0
 
 
 class EnvCall(msgspec.Struct, tag="call", frozen=True):
@@ -107,23 +114,6 @@ class EnvAnswer(msgspec.Struct, tag="answer", frozen=True):
 
 _to_child = msgspec.msgpack.Decoder(HostLoad | EnvCall)
 _to_worker = msgspec.msgpack.Decoder(HostReady | EnvAnswer)
-
-
-def runs_sandboxed(spec: str) -> bool:
-    """Whether environment `spec` is code from outside this project: a file (`path.py:Class`), a module of another
-    package (`module:Class`) or another package's entry point. Not this project's own environments, names
-    registered in this process (`register_env`: a child could not make them), agent environments (their programs
-    have sandboxed processes of their own, `agent_runner`), nor what does not resolve (the caller says why)."""
-    try:
-        factory = resolve_env(spec)
-    except EnvError:
-        return False
-    if inspect.isclass(factory) and is_agent_env(factory):
-        return False
-    if str(getattr(factory, "__module__", "") or "").split(".")[0] in _OURS:
-        return False
-    spec = spec.strip()
-    return ":" in spec or spec in {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
 @dataclasses.dataclass
@@ -142,7 +132,9 @@ class EnvRunner:
     def __init__(self, source: EnvSource, sandbox: SandboxSpec, *, name: str = "env-runner", worker: str = "") -> None:
         self.source, self.sandbox, self.name, self.worker = source, sandbox, name, worker or name
         self.seed_per_episode = False  # the environment's, known once a child is ready
-        self.starts = 0
+        self.agent: SandboxedAgent | None = None  # an agent environment's stand-in, once a child said it is one
+        self.load_error = ""  # what loading it said when the latest child could not (said again without a new one)
+        self.starts = 0  # children started (those that could not load the environment too)
         self._session: _Session | None = None
         self._ids = itertools.count()
         self._start_lock = asyncio.Lock()
@@ -157,21 +149,35 @@ class EnvRunner:
         """Calls the child is serving now."""
         return len(self._session.pending) if self._session is not None else 0
 
-    async def start(self) -> None:
-        """Start a child unless one is alive (EnvError when it cannot start or cannot make the environment)."""
+    async def start(self, *, retry: bool = False) -> None:
+        """Start a child unless one is alive, or the environment was found to be an agent environment (`agent`: the
+        child that found it is stopped). EnvError when it cannot start, or cannot load or make the environment
+        (then with what loading it said: `load_error`, said again without a new child unless `retry`)."""
         async with self._start_lock:
-            if self.alive:
+            if self.alive or self.agent is not None:
                 return
+            if self.load_error and not retry:
+                raise EnvError(self.load_error)
+            self.starts += 1
             hello = frame(HostLoad(self.source.spec, self.source.params))
+            refused: list[str] = []
             try:
                 child = await start_child("earl_stream.workers.env_runner", ["--name", self.name], name=self.name,
                                           env=child_environment(), sandbox=self.sandbox,
-                                          python_path=self.source.python_path, hello=hello, check=_check_ready)
+                                          python_path=self.source.python_path, hello=hello,
+                                          check=lambda body: _check_ready(body, refused))
             except OSError as exc:
-                raise EnvError(f"could not start the environment process: {exc}") from None
+                self.load_error = refused[0] if refused else ""
+                raise EnvError(self.load_error or f"could not start the environment process: {exc}") from None
             ready = _to_worker.decode(child.ready)
             assert isinstance(ready, HostReady)
-            self.seed_per_episode, self.starts = ready.seed_per_episode, self.starts + 1
+            self.seed_per_episode, self.load_error = ready.seed_per_episode, ""
+            if ready.agent:  # played by the agent processes, which make it in their own sandboxes
+                self.agent = SandboxedAgent(ready.timeout_s, ready.seed_per_episode)
+                child.writer.close()
+                await end_child(child.proc, child.launch, True)
+                log.info("%s: %s is an agent environment (checked in pid %d)", self.name, self.source.spec, ready.pid)
+                return
             session = self._session = _Session(child)
             session.reader = asyncio.create_task(self._read(session), name=f"{self.name}-reader")
             log.info("%s started (pid %d, sandbox %s)", self.name, child.proc.pid, self.sandbox.mode.value)
@@ -256,11 +262,12 @@ async def _send(child: Child, call: EnvCall, answered: asyncio.Future[EnvAnswer]
     return await asyncio.shield(answered)
 
 
-def _check_ready(body: bytes) -> None:
+def _check_ready(body: bytes, refused: list[str]) -> None:
     ready = _to_worker.decode(body)
     if not isinstance(ready, HostReady):
         raise ConnectionError(f"its first frame was {type(ready).__name__}, not ready")
     if ready.error:
+        refused.append(ready.error)
         raise ConnectionError(f"the environment could not be made there: {ready.error}")
 
 
@@ -300,22 +307,47 @@ class SandboxedEnv:
             await self.runner.call(EnvClose(episode=self.episode))
 
 
+class SandboxedAgent:
+    """An agent environment from outside this project as the worker holds it: its episodes' `timeout_s` and
+    `seed_per_episode`, as its sandboxed child reported them. It is made and run by an agent process
+    (`AgentRunners.run`, from its spec), never here: `task` and `run` refuse."""
+
+    def __init__(self, timeout_s: float, seed_per_episode: bool) -> None:
+        self.timeout_s, self.seed_per_episode = timeout_s, seed_per_episode
+
+    def task(self, seed: int) -> Any:
+        raise EnvError("an agent environment from outside this project runs only in an agent process: set "
+                       "rollout.agent_processes >= 1")
+
+    async def run(self, client: Any, task: Any) -> float:
+        return self.task(0)
+
+
 class EnvRunners:
     """A worker's environment runners: one per environment (spec, params, limits, network), each in `sandbox` with
-    the environment's own limits and network (`env_sandbox`) and its own files shown (`EnvSource`)."""
+    the environment's own limits and network (`env_sandbox`) and its own files shown (`EnvSource`). `sandbox` is
+    made by `make_sandbox` when first needed: the mode is resolved (and a fallback warned of) only once an
+    environment runs sandboxed."""
 
-    def __init__(self, worker_id: str, sandbox: SandboxSpec) -> None:
-        self.worker_id, self.sandbox = worker_id, sandbox
+    def __init__(self, worker_id: str, make_sandbox: Callable[[], SandboxSpec]) -> None:
+        self.worker_id, self._make_sandbox = worker_id, make_sandbox
         self.runners: dict[str, EnvRunner] = {}
+        self._sandbox: SandboxSpec | None = None
         self._sandboxed: dict[str, bool] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._starting: set[asyncio.Task[None]] = set()
 
+    @property
+    def sandbox(self) -> SandboxSpec:
+        if self._sandbox is None:
+            self._sandbox = self._make_sandbox()
+        return self._sandbox
+
     def wants(self, spec: EnvSpec) -> bool:
-        """Whether `spec`'s episodes run in a runner (`runs_sandboxed`, remembered per spec)."""
-        if spec.spec not in self._sandboxed:
-            self._sandboxed[spec.spec] = runs_sandboxed(spec.spec)
-        return self._sandboxed[spec.spec]
+        """Whether `spec`'s episodes run in a runner (`runs_sandboxed`, remembered per spec and params)."""
+        key = json.dumps([spec.spec, spec.params], sort_keys=True, default=str)
+        if key not in self._sandboxed:
+            self._sandboxed[key] = runs_sandboxed(spec.spec, spec.params)
+        return self._sandboxed[key]
 
     def runner(self, spec: EnvSpec) -> EnvRunner:
         key = json.dumps([spec.spec, spec.params, sorted(spec.limits.items()), list(spec.network)], sort_keys=True,
@@ -328,23 +360,24 @@ class EnvRunners:
                                           worker=self.worker_id)
         return self.runners[key]
 
-    async def envs(self, spec: EnvSpec, n: int) -> list[SandboxedEnv]:
-        """`n` episodes' environments of `spec`, their child started (EnvError when it cannot be)."""
+    async def check(self, spec: EnvSpec) -> None:
+        """Load `spec` in its sandbox (its child started, kept for its episodes): EnvError with what loading said
+        when it cannot be loaded or made (tried again here, e.g. when it is attached again; its episodes are
+        refused with that error meanwhile, without a new child each)."""
+        await self.runner(spec).start(retry=True)
+
+    async def envs(self, spec: EnvSpec, n: int) -> list[SandboxedEnv] | list[SandboxedAgent]:
+        """`n` episodes' environments of `spec`, their child started (EnvError when it cannot be); an agent
+        environment's stand-ins (`SandboxedAgent`) for the agent processes."""
         runner = self.runner(spec)
         await runner.start()
+        if runner.agent is not None:
+            return [runner.agent] * n
         return [SandboxedEnv(runner) for _ in range(n)]
 
     def attach(self, specs: Iterable[EnvSpec]) -> None:
-        """Start the children of `specs` (those that run sandboxed) in the background, ahead of their first episode;
-        from any thread once the worker's loop has called it once (a failure is logged, and said again by the
-        first episode)."""
-        try:
-            self._loop = asyncio.get_running_loop()
-        except RuntimeError:
-            if self._loop is None:
-                return
-            self._loop.call_soon_threadsafe(self.attach, list(specs))
-            return
+        """Start the children of `specs` (those that run sandboxed) in the background, ahead of their first episode,
+        from the worker's loop (a failure is logged, and said again by the first episode)."""
         for spec in specs:
             if self.wants(spec):
                 task = asyncio.create_task(self._start(self.runner(spec)))
@@ -364,14 +397,30 @@ class EnvRunners:
         await asyncio.gather(*(r.aclose() for r in self.runners.values()), return_exceptions=True)
 
 
+async def episode_envs(runners: EnvRunners | None, spec: EnvSpec, n: int) -> list[Any]:
+    """`n` episodes' environments of `spec`, wherever its code may run: in its sandbox when it comes from outside this
+    project (`runners.wants`), else made here (the training episodes, evaluation and the synchronous loop all take
+    theirs from here, so none imports another project's code in-process). EnvError when they cannot be made."""
+    if runners is not None and runners.wants(spec):
+        return list(await runners.envs(spec, n))
+    return [with_tools(make_env(spec.spec, spec.params)) for _ in range(n)]
+
+
 def open_env_runners(cfg: RunConfig, worker_id: str) -> EnvRunners | None:
     """The worker's environment runners, in sandboxes per `sandbox.*` (None under `sandbox.mode=none`: environments
-    then run in the worker's process)."""
-    base = agent_sandbox(cfg, "environments from outside this project")
-    if base is None:
+    then run in the worker's process). Where bwrap cannot run, the fallback is warned of when the first sandboxed
+    environment is opened, not before."""
+    if SandboxMode(cfg.sandbox.mode) is SandboxMode.NONE:
+        agent_sandbox(cfg, "environments from outside this project")  # (says so)
         return None
-    wall = cfg.sandbox.wall_seconds
-    return EnvRunners(worker_id, dataclasses.replace(base, limits=dataclasses.replace(base.limits, wall_seconds=wall)))
+
+    def make_sandbox() -> SandboxSpec:
+        base = agent_sandbox(cfg, "environments from outside this project")
+        assert base is not None, "not under sandbox.mode=none"
+        limits = dataclasses.replace(base.limits, wall_seconds=cfg.sandbox.wall_seconds)
+        return dataclasses.replace(base, limits=limits)
+
+    return EnvRunners(worker_id, make_sandbox)
 
 
 # --- the child ---------------------------------------------------------------------------------------------
@@ -402,22 +451,17 @@ async def _serve(fd: int) -> None:
         writer.write(frame(HostReady(os.getpid(), error=failure(exc).message)))
         await writer.drain()
         return
-    writer.write(frame(HostReady(os.getpid(), seed_per_episode=host.seed_per_episode)))
-    running: set[asyncio.Task[None]] = {asyncio.create_task(_reap(host))}
+    writer.write(frame(HostReady(os.getpid(), seed_per_episode=host.seed_per_episode, agent=host.agent,
+                                 timeout_s=host.timeout_s)))
+    reaper = asyncio.create_task(_reap(host))
+
+    def dispatch(msg: HostLoad | EnvCall) -> tuple[int, Coroutine[Any, Any, None]] | None:
+        return (msg.call, _answer(host, msg, writer)) if isinstance(msg, EnvCall) else None
+
     try:
-        while True:
-            try:
-                msg = _to_child.decode(await read_frame(reader))
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return  # the worker went away (or stopped us)
-            if isinstance(msg, EnvCall):
-                task = asyncio.create_task(_answer(host, msg, writer))
-                running.add(task)
-                task.add_done_callback(running.discard)
+        await serve_frames(reader, _to_child.decode, dispatch, {})
     finally:
-        for task in list(running):
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        reaper.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

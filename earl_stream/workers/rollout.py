@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -29,16 +30,15 @@ from earl_stream import openai_api
 from earl_stream import protocol as P
 from earl_stream.config import EnvSpec
 from earl_stream.devices import resolve_device
-from earl_stream.env import make_env, resolve_env, seeds_per_episode
+from earl_stream.env import resolve_env, seeds_per_episode
 from earl_stream.env.api import is_agent_env
-from earl_stream.env.tools import with_tools
 from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
+from earl_stream.evaluation.runner import ItemSpec
 from earl_stream.evaluation.worker import play_eval_tasks
 from earl_stream.model.chat import ChatFormat
 from earl_stream.model.loading import load_model, load_tokenizer, torch_dtype
 from earl_stream.openai_api.http import bind_socket
 from earl_stream.records import TRANSCRIPTS_KEPT, SampleRecord, transcript_key
-from earl_stream.security.secret import load_secret
 from earl_stream.security.tls import tls_enabled
 from earl_stream.store.client import ShardClient
 from earl_stream.store.experience import ExperienceWriter
@@ -49,14 +49,14 @@ from earl_stream.supervisor.rollout_selector import engine_kv_capacity
 from earl_stream.workers.agent_episode import play_agent_episode
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, episode_env_seed, episode_sample_seed, play_episode
 from earl_stream.workers.agent_runner import AgentRunners, open_agent_runners
-from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register
+from earl_stream.workers.common import StopFlag, model_path, pin_to_cpus, register, worker_key
 from earl_stream.workers.durable import DurableSamples
 from earl_stream.workers.engines.base import Engine, EngineCapacity
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.memory import EngineMemory, engine_memory
 from earl_stream.workers.engines.registry import make_engine
 from earl_stream.workers.engines.weight_swap import SwapMode, SwapTally, swap_weights
-from earl_stream.workers.env_runner import EnvRunners, open_env_runners
+from earl_stream.workers.env_runner import EnvRunners, SandboxedAgent, episode_envs, open_env_runners
 
 if TYPE_CHECKING:
     from earl_stream.algo.distill import TeacherScorer
@@ -68,9 +68,10 @@ class RolloutWorker:
     def __init__(self, supervisor: str, *, host: str = "127.0.0.1", drain_on_term: bool = False) -> None:
         self.host = host
         self.stop = StopFlag(drain_on_term=drain_on_term)
-        secret = self.secret = load_secret()
-        self.client = P.ControlClient(supervisor, secret=secret)
-        self.hb_client = P.ControlClient(supervisor, secret=secret)  # heartbeats never wait behind other calls
+        secret, key_file = worker_key()  # the worker key (or the cluster secret): security/keys.py
+        self.secret = secret
+        self.client = P.ControlClient(supervisor, secret=secret, key_file=key_file)
+        self.hb_client = P.ControlClient(supervisor, secret=secret, key_file=key_file)  # never waits behind other calls
         self.node = ShardNode(host, secret=secret)
         self.metrics_address = M.start_metrics_server(host)
         reg, self.cfg = register(self.client, P.Role.ROLLOUT, host=host, shard_address=self.node.address,
@@ -224,6 +225,8 @@ class RolloutWorker:
         self._pending_weights: tuple[int, str, WeightRoute] | None = None
         self._control_wake = asyncio.Event()
         self._tasks = [*slots, asyncio.create_task(self._engine_control())]
+        self._envs_update: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # (_update_envs)
+        self._envs_update.set_result(None)
         self.endpoint: openai_api.OpenAIEndpoint | None = None
         self.agent_runners: AgentRunners | None = None
         self.env_runners: EnvRunners | None = open_env_runners(self.cfg, self.worker_id)  # other projects' envs
@@ -244,9 +247,9 @@ class RolloutWorker:
         finally:
             if self.endpoint is not None:
                 await self.endpoint.close()
-            for task in self._tasks:
+            for task in [*self._tasks, self._envs_update]:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, self._envs_update, return_exceptions=True)
             if self.agent_runners is not None:
                 await self.agent_runners.aclose()
             if self.env_runners is not None:
@@ -258,7 +261,7 @@ class RolloutWorker:
         self._persisting: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._persisting.set_result(None)
         while not self.stop:
-            for task in self._tasks:
+            for task in [*self._tasks, self._envs_update]:
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
             stats: dict[str, float] = {"episodes": self.episodes_done, "tokens": self.tokens_generated, "inflight": self.inflight,
@@ -285,8 +288,9 @@ class RolloutWorker:
                 continue
             if reply.plan is not None:
                 self._pending_plan = reply.plan
-            if reply.envs_json:
-                await asyncio.to_thread(self._update_envs, reply.envs_json, reply.envs_version)
+            if reply.envs_json and self._envs_update.done():  # (in the background: a sandbox may take seconds to
+                # start; meanwhile the replies repeat the set, until its version is adopted)
+                self._envs_update = asyncio.ensure_future(self._update_envs(reply.envs_json, reply.envs_version))
             if reply.free_sample_ids:
                 self.writer.free(reply.free_sample_ids)
             if self.durable is not None and reply.checkpoint_version > self.durable.version and self._persisting.done():
@@ -350,23 +354,26 @@ class RolloutWorker:
         while len(self.transcripts) > TRANSCRIPTS_KEPT:
             self.node.drop([self.transcripts.popleft()])
 
-    def _update_envs(self, envs_json: str, version: int) -> None:
-        """Adopt the supervisor's environment set; import new ones now so failures are reported."""
+    async def _update_envs(self, envs_json: str, version: int) -> None:
+        """Adopt the supervisor's environment set, each new environment loaded first so that failures are reported:
+        one from outside this project in its sandbox (`EnvRunners.check`; never imported here), any other here. The
+        version is adopted once all are loaded (`env attach` waits for it, then reads the errors)."""
         for raw in json.loads(envs_json):
             spec = EnvSpec(**raw)
             name = spec.display_name
             if name in self.envs and self.envs[name] == spec:
                 continue
             try:
-                resolve_env(spec.spec)
+                if self.env_runners is not None and self.env_runners.wants(spec):
+                    await self.env_runners.check(spec)
+                else:
+                    await asyncio.to_thread(resolve_env, spec.spec)
             except EnvError as exc:
                 self.env_errors[name] = str(exc)
                 log.warning("cannot load environment %s (%s): %s", name, spec.spec, exc)
                 continue
             self.env_errors.pop(name, None)
             self.envs[name] = spec
-            if self.env_runners is not None:
-                self.env_runners.attach([spec])
             log.info("environment %s (%s) is ready", name, spec.spec)
         self.envs_version = version
 
@@ -441,8 +448,19 @@ class RolloutWorker:
             return  # the tasks go back to the queue when this worker is gone
         results = await play_eval_tasks(tasks, self.batcher, self.chat, self.tokenizer.decode, worker_id=self.worker_id,
                                         policy_version=lambda: self.engine.policy_version,
-                                        max_episode_tokens=lambda: self.max_episode_tokens)
+                                        max_episode_tokens=lambda: self.max_episode_tokens, make=self._eval_env)
         await self._call(P.PutEval(worker_id=self.worker_id, results=results))
+
+    async def _eval_env(self, it: ItemSpec) -> Any:
+        """An evaluation item's environment, sandboxed as its training episodes are (`episode_envs`)."""
+        known = self.envs.get(it.name)
+        spec = EnvSpec(spec=it.spec, name=it.name, params=it.params) if known is None else \
+            dataclasses.replace(known, spec=it.spec, params=it.params)
+        (env,) = await episode_envs(self.env_runners, spec, 1)
+        if isinstance(env, SandboxedAgent):
+            raise EnvError(f"{it.name} is an agent environment from outside this project: its episodes run only in "
+                           "agent processes, and held-out evaluation plays text episodes")
+        return env
 
     async def _call(self, msg: P.Msg) -> Any:
         """A control call that waits out a supervisor restart (up to the lease of a few minutes)."""
@@ -455,10 +473,7 @@ class RolloutWorker:
             return None
         sampling = Sampling(self.cfg.rollout.temperature, self.cfg.rollout.top_p, self.cfg.rollout.top_k)
         try:
-            if self.env_runners is not None and self.env_runners.wants(spec):  # in a sandbox (env_runner)
-                envs: list[Any] = await self.env_runners.envs(spec, prompt.group_size)
-            else:
-                envs = [with_tools(make_env(spec.spec, spec.params)) for _ in range(prompt.group_size)]
+            envs = await episode_envs(self.env_runners, spec, prompt.group_size)  # sandboxed where they must be
         except EnvError as exc:
             log.warning("cannot create environment %s for %s: %s", spec.spec, prompt.group_id, exc)
             return None

@@ -18,8 +18,7 @@ import time
 import torch
 
 from earl_stream.config import RunConfig
-from earl_stream.env import env_options, make_env, seeds_per_episode
-from earl_stream.env.tools import with_tools
+from earl_stream.env import seeds_per_episode
 from earl_stream.errors import EarlError
 from earl_stream.model.chat import ChatFormat
 from earl_stream.model.loading import load_model, torch_dtype
@@ -35,6 +34,7 @@ from earl_stream.workers.agent_loop import Sampling, episode_env_seed, episode_s
 from earl_stream.workers.common import model_path
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.registry import make_engine
+from earl_stream.workers.env_runner import episode_envs, open_env_runners
 from earl_stream.workers.train_step import StepResult, train_step
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class SyncLoop:
         self.writer = ExperienceWriter(self.node, _WORKER)
         self.client = ShardClient()
         self.envs = {e.display_name: e for e in cfg.envs}
+        self.env_runners = open_env_runners(cfg, _WORKER)  # environments from outside this project run sandboxed
         self.sampling = Sampling(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
 
     def run(self, steps: int | None = None) -> list[SyncStep]:
@@ -137,13 +138,15 @@ class SyncLoop:
                          done - generated)
         finally:
             batcher.close()
+            if self.env_runners is not None:
+                await self.env_runners.aclose()
         return out
 
     async def _play_group(self, batcher: AsyncBatcher, prompt: Prompt) -> list[SampleRecord]:
         spec = self.envs[prompt.env]
-        envs = [with_tools(make_env(spec.spec, spec.params)) for _ in range(prompt.group_size)]
+        envs = await episode_envs(self.env_runners, spec, prompt.group_size)  # sandboxed where they must be
         return list(await asyncio.gather(*[
-            play_episode(env, env_options(env), self.chat, batcher, env_name=prompt.env,
+            play_episode(env, None, self.chat, batcher, env_name=prompt.env,  # options read after the reset
                          seed=episode_env_seed(prompt.seed, i, seeds_per_episode(spec.group_seed, env)),
                          prompt_ordinal=prompt.prompt_ordinal, group_id=prompt.group_id, sampling=self.sampling,
                          policy_version=lambda: self.engine.policy_version, decode=self.tokenizer.decode,

@@ -9,6 +9,8 @@ the same episodes sandboxed as in the worker's process."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import socket
 import sys
@@ -21,18 +23,19 @@ from prometheus_client import REGISTRY
 
 from earl_stream.config import EnvSpec
 from earl_stream.config.load import load_config
-from earl_stream.env import make_env
+from earl_stream.env import make_env, register_env, unregister_env
+from earl_stream.env.api import is_agent_env
 from earl_stream.env.tools import with_tools
 from earl_stream.errors import EnvError
 from earl_stream.model import load_model
 from earl_stream.model.chat import ChatFormat
-from earl_stream.sandbox import SandboxMode, bwrap_problem
+from earl_stream.sandbox import SandboxMode, bwrap_problem, launch
 from earl_stream.sandbox.launch import others_can_run
 from earl_stream.security.secret import SECRET_ENV
 from earl_stream.workers.agent_loop import Sampling, play_episode
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.torch_engine import TorchEngine
-from earl_stream.workers.env_runner import SandboxedEnv, open_env_runners, runs_sandboxed
+from earl_stream.workers.env_runner import SandboxedAgent, SandboxedEnv, open_env_runners, runs_sandboxed
 
 MODE = "bwrap" if bwrap_problem() is None else "process"
 
@@ -232,11 +235,153 @@ def test_a_file_environment_plays_the_same_sandboxed_as_in_process(tmp_path: Pat
     asyncio.run(go())
 
 
-def test_the_projects_own_and_agent_environments_stay_in_process(tmp_path: Path) -> None:
-    (tmp_path / "agentish.py").write_text("class A:\n    def task(self, seed):\n        return seed\n\n"
-                                          "    async def run(self, client, task):\n        return 1.0\n")
+def test_what_runs_sandboxed_is_told_from_the_spec_without_importing_it(tmp_path: Path) -> None:
+    (tmp_path / "loud.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
     assert not runs_sandboxed("tictactoe") and not runs_sandboxed("earl_stream_envs.calculator:Calculator")
-    assert not runs_sandboxed("remote") and not runs_sandboxed("agent")
-    assert not runs_sandboxed(f"{tmp_path}/agentish.py:A")  # an agent environment: its program has its own process
-    assert not runs_sandboxed(f"{tmp_path}/missing.py:Nothing")  # said by the worker, as before
+    assert not runs_sandboxed("remote", {"address": "127.0.0.1:5555"}) and not runs_sandboxed("agent")
+    assert not runs_sandboxed("agent", {"run": "earl_stream_envs.calculator_agent:run", "tasks": []})
+    assert runs_sandboxed(f"{tmp_path}/loud.py:A") and runs_sandboxed(f"{tmp_path}/missing.py:Nothing")
+    assert runs_sandboxed("agent", {"run": f"{tmp_path}/loud.py:run", "tasks": [{"q": 1}]})  # its code: a file
+    assert runs_sandboxed("env_agent", {"env": "json:JSONDecoder"})  # another package's module
+    assert not runs_sandboxed("tictactoe", {"model": "org/model:tag", "mode": "no_such_package:fast"})  # not code
+    assert runs_sandboxed("someones_package.envs:Game")  # (not installed: its child says so)
+    assert not (tmp_path / "imported").exists()
+    register_env("mine_here", lambda: None)
+    try:  # a name registered in this process: only this process can make it
+        assert not runs_sandboxed("mine_here")
+    finally:
+        unregister_env("mine_here")
     assert open_env_runners(load_config(None, ["sandbox.mode=none"]), "w") is None
+
+
+def test_the_sandbox_mode_is_resolved_when_the_first_environment_needs_it(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(launch, "bwrap_problem", lambda: "bubblewrap is not installed (a test)")
+    caplog.set_level(logging.WARNING)
+    runners = open_env_runners(load_config(None, ["sandbox.mode=bwrap"]), "lazy")
+    assert runners is not None and not runners.wants(EnvSpec(spec="tictactoe"))
+    assert "not available" not in caplog.text  # no environment needs a sandbox yet: nothing to warn of
+    runner = runners.runner(EnvSpec(spec=f"{tmp_path}/game.py:Game"))  # the first (nothing is started here)
+    assert runner.sandbox.mode is SandboxMode.PROCESS and caplog.text.count("sandbox.mode=bwrap is not available") == 1
+    runners.runner(EnvSpec(spec=f"{tmp_path}/other.py:Game"))
+    assert caplog.text.count("sandbox.mode=bwrap is not available") == 1
+
+
+SPY = '''
+import json, os
+from earl_stream.env import StepResult
+
+SEEN = {"pid": os.getpid(), "uid": os.getuid(), "secret_var": "SECRET_VAR" in os.environ}
+try:
+    SEEN["secret"] = open("SECRET_FILE").read()
+except OSError:
+    SEEN["secret"] = None
+try:  # a file on the worker's filesystem
+    with open("MARKER", "a") as f:
+        f.write(json.dumps(SEEN) + "\\n")
+except OSError:
+    pass
+
+
+class Spy:
+    max_turn_tokens = 4
+
+    def reset(self, seed):
+        return json.dumps(SEEN)
+
+    def step(self, action_text):
+        return StepResult("", float(len(action_text) % 2), True)
+
+
+class SpyAgent:
+    timeout_s = 7.0
+
+    def task(self, seed):
+        return seed
+
+    async def run(self, client, task):
+        return 1.0
+'''
+
+
+SPY_CLASS = "class Spy:\n    def reset(self, seed):\n        return ''\n\n    def step(self, action):\n        return None\n"
+
+
+def test_an_environment_file_is_loaded_only_in_its_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = tmp_path / "run" / "secret"
+    secret.parent.mkdir()
+    secret.write_text("s3cr3t")
+    secret.chmod(0o600)
+    monkeypatch.setenv(SECRET_ENV, str(secret))  # as in a rollout worker
+    marker = tmp_path / "marker"
+    code = SPY.replace("SECRET_VAR", SECRET_ENV).replace("SECRET_FILE", str(secret)).replace("MARKER", str(marker))
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "spy.py").write_text(code)
+    (tmp_path / "envs" / "broken.py").write_text('raise RuntimeError("this environment cannot even be imported")\n')
+    plain, agent = EnvSpec(spec=f"{tmp_path}/envs/spy.py:Spy"), EnvSpec(spec=f"{tmp_path}/envs/spy.py:SpyAgent")
+    broken = EnvSpec(spec=f"{tmp_path}/envs/broken.py:Spy", name="broken")
+
+    async def go() -> None:
+        runners = open_env_runners(load_config(None, [f"sandbox.mode={MODE}"]), "envload")
+        assert runners is not None and runners.wants(plain) and runners.wants(agent) and runners.wants(broken)
+        try:
+            with pytest.raises(EnvError) as err:  # what loading it in the worker said, word for word
+                await runners.check(broken)
+            said = (f"environment file {tmp_path}/envs/broken.py failed to import: RuntimeError: this environment "
+                    "cannot even be imported")
+            assert str(err.value) == said, str(err.value)
+            with pytest.raises(EnvError, match="cannot even be imported"):  # its episodes: no new child each
+                await runners.envs(broken, 1)
+            assert runners.runner(broken).starts == 1
+            (tmp_path / "envs" / "broken.py").write_text(SPY_CLASS)  # fixed, and attached again: loaded again
+            await runners.check(broken)
+            assert runners.runner(broken).starts == 2 and runners.runner(broken).alive
+            await runners.check(plain)
+            [env] = await runners.envs(plain, 1)
+            assert isinstance(env, SandboxedEnv)
+            seen = json.loads(await env.reset(0))
+            assert seen["pid"] != os.getpid() and seen["secret"] is None and not seen["secret_var"], seen
+            await runners.check(agent)  # an agent environment: found so in its child, which is then stopped
+            runner = runners.runner(agent)
+            assert runner.agent is not None and not runner.alive and runner.agent.timeout_s == 7.0
+            stand_ins = await runners.envs(agent, 2)
+            assert all(isinstance(e, SandboxedAgent) and is_agent_env(e) for e in stand_ins)
+            with pytest.raises(EnvError, match="agent_processes"):
+                stand_ins[0].task(0)
+        finally:
+            await runners.aclose()
+
+    asyncio.run(go())
+    assert not any("earl_stream_envfile_spy" in name for name in sys.modules)  # never imported here
+    lines = [json.loads(line) for line in marker.read_text().splitlines()] if marker.exists() else []
+    if MODE == "bwrap":  # the worker's files do not exist inside: its top-level code could not leave a trace
+        assert lines == []
+    else:  # two children loaded it (the plain one, the agent one); neither this process nor the secret
+        assert len(lines) == 2 and all(s["pid"] != os.getpid() and s["secret"] is None for s in lines), lines
+
+
+ECHO = '''
+import os
+from earl_stream.env import StepResult
+class Echo:
+    system_prompt = "Say anything."
+    def reset(self, seed):
+        return "Say anything."
+    def step(self, action):
+        return StepResult("", 1.0, True, {"outcome": "child" if os.getpid() != PARENT else "worker"})
+'''
+
+
+def test_the_synchronous_loop_plays_an_environment_file_in_its_sandbox(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Every place that makes episodes' environments takes them from `episode_envs`: the synchronous loop (like
+    evaluation and the training episodes) never imports another project's file in its own process."""
+    from earl_stream.workers.sync_loop import run_sync_loop
+
+    env_file = tmp_path / "echo_env.py"
+    env_file.write_text(ECHO.replace("PARENT", str(os.getpid())))
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", f"envs.0.spec={env_file}:Echo",
+                             f"sandbox.mode={MODE}", "trainer.groups_per_step=1", "trainer.group_size=2"])
+    [step] = run_sync_loop(cfg, steps=1)
+    assert step.outcomes == {"child": 2}, step.outcomes  # each episode's steps ran in another process
+    assert not any("echo_env" in name for name in sys.modules)  # never imported here
