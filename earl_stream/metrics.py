@@ -155,9 +155,9 @@ def start_metrics_server(host: str = "127.0.0.1", port: int = 0, *, tls: ssl.SSL
 
     tls = tls if tls is not None else T.server_context([host])
     if token is None and T.metrics_auth_enabled():
-        from earl_stream.security.keys import KeyRole, role_token
+        from earl_stream.security.keys import readonly_token
 
-        token = role_token(T._cluster_secret(), KeyRole.READONLY)
+        token = readonly_token(T._cluster_secret())  # a worker key gives it too (security/keys.py)
     if tls is None and token is None:
         server, _thread = start_http_server(port, addr=host)
     else:

@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from earl_stream.errors import ControlPlaneTimeout, ProtocolError
+from earl_stream.errors import ConfigError, ControlPlaneTimeout, ProtocolError
 from earl_stream.jitter import jitter
 from earl_stream.security import encryption
-from earl_stream.security.secret import ReplayGuard, sign, verify
+from earl_stream.security.secret import ReplayGuard, load_secret, sign, verify
 from earl_stream.store.schema import SampleMeta
 
 # 2: plans travel as typed structs (TrainerPlan with a claim, RolloutPlan with a heartbeat), PlanAdopted
@@ -390,6 +390,17 @@ class ScaleReply(Msg, tag="scale_reply", frozen=True):
     to_start: int = 0  # workers a launcher should start to reach `replicas`
 
 
+class RevokeKey(Msg, tag="revoke_key", frozen=True):
+    """Revoke a role's key (`worker`, `operator`: its generation is bumped) or one worker id (`keys revoke`;
+    security/keys.py says what each guards)."""
+
+    target: str = ""
+
+
+class RevokeReply(Msg, tag="revoke_reply", frozen=True):
+    message: str = ""
+
+
 class StatusRequest(Msg, tag="status", frozen=True):
     pass
 
@@ -410,7 +421,7 @@ AnyMsg = (
     Register | Registered | Heartbeat | HeartbeatReply | RequestPrompts | Prompts | PutMeta | Claim | Claimed
     | Release | PlanAdopted | PublishVersion | Finished | StatusRequest | StatusReply | Ack | ErrorReply | EnvAttach | EnvDetach
     | EnvList | EnvListReply | RecentEpisodes | RecentEpisodesReply | Scale | ScaleReply | RecoverSamples | Recovered
-    | PutEval | TrainerOom | OomReplanned
+    | PutEval | TrainerOom | OomReplanned | RevokeKey | RevokeReply
 )
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)
@@ -436,6 +447,10 @@ def normalize_address(address: str) -> str:
     return address if "://" in address else f"tcp://{address}"
 
 
+class KeyRefused(ProtocolError):
+    """The supervisor refused the key we signed with (not this run's, or revoked)."""
+
+
 class ControlClient:
     """Request/reply over a ZMQ DEALER socket, thread-safe, every call with a timeout.
 
@@ -444,10 +459,13 @@ class ControlClient:
     """
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, secret: bytes | None = None,
-                 encrypt: bool | None = None) -> None:
-        """`encrypt`: CURVE to the server (None: $EARL_STREAM_ENCRYPT; `earl_stream.security.encryption`)."""
+                 encrypt: bool | None = None, key_file: str | None = None) -> None:
+        """`encrypt`: CURVE to the server (None: $EARL_STREAM_ENCRYPT; `earl_stream.security.encryption`).
+        `key_file`: where `secret` came from; when the supervisor refuses our key, the file is read again and a
+        new key in it (the worker key after `keys revoke worker`, security/keys.py) is tried once."""
         self.address = normalize_address(address)
         self.secret = secret
+        self.key_file = key_file
         self.encrypt = encryption.encrypt_enabled(encrypt)
         self.timeout_s = timeout_s
         self._guard = ReplayGuard()  # a reply must be fresh and never seen before
@@ -466,6 +484,26 @@ class ControlClient:
         return self._sock
 
     def call(self, msg: Msg, *, timeout_s: float | None = None, what: str | None = None) -> Any:
+        try:
+            return self._call(msg, timeout_s, what)
+        except KeyRefused:
+            if not self._reload_key():
+                raise
+            log.warning("the supervisor at %s refused our key: using the new one in %s", self.address, self.key_file)
+            return self._call(msg, timeout_s, what)
+
+    def _reload_key(self) -> bool:
+        """Whether `key_file` now holds another key (then taken)."""
+        try:
+            key = load_secret(self.key_file) if self.key_file else None
+        except ConfigError:
+            return False
+        if key is None or key == self.secret:
+            return False
+        self.secret = key
+        return True
+
+    def _call(self, msg: Msg, timeout_s: float | None, what: str | None) -> Any:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         jitter()  # tests of timing independence only (EARL_STREAM_JITTER_MS)
         with self._lock:
@@ -487,8 +525,8 @@ class ControlClient:
             except ProtocolError:
                 refused = None
             if isinstance(refused, ErrorReply):
-                raise ProtocolError(f"the supervisor at {self.address} refused us: {refused.message} "
-                                    "(is the cluster secret the same?)")
+                raise KeyRefused(f"the supervisor at {self.address} refused us: {refused.message} "
+                                 "(is the cluster secret the same?)")
             raise ProtocolError(f"the reply from {self.address} is not signed with our cluster secret")
         reply = decode(payload)
         if isinstance(reply, ErrorReply):

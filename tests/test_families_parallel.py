@@ -18,14 +18,11 @@ families together, so process start and imports are paid once.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from earl_stream.model.tiny_families import FAMILIES
 
@@ -100,17 +97,12 @@ _RUNS: dict[tuple[tuple[str, ...], int], list[dict[Any, Any]]] = {}
 def _results(families: tuple[str, ...], root: Path, world: int = 2) -> list[dict[Any, Any]]:
     """Every rank's results for `families`, run once per session in one spawn of `world` processes."""
     if (families, world) not in _RUNS:
-        from test_parallel_equivalence import _free_port
+        from spawned_ranks import spawn_ranks
 
         from earl_stream.model.tiny_families import init_family_model
 
         dirs = {f: str(init_family_model(root / f, family=f)) for f in families}
-        out = str(root / "results")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the workers unpickle tests.<this module>
-        mp.start_processes(_worker, args=(world, _free_port(), dirs, out), nprocs=world, join=True,
-                           start_method="spawn")
-        _RUNS[families, world] = [torch.load(f"{out}.{r}") for r in range(world)]
+        _RUNS[families, world] = spawn_ranks(_worker, world, dirs, str(root / "results"))
     return _RUNS[families, world]
 
 

@@ -7,15 +7,13 @@ Same harness as `test_parallel_equivalence` (gloo processes running the real `tr
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_parallel_equivalence import REL_TOL, CountingPuller, _claim, _free_port
+from spawned_ranks import spawn_ranks
+from test_parallel_equivalence import REL_TOL, CountingPuller, _claim
 
 PLANS = {"dp2": (2, 1), "fsdp2": (1, 2)}
 SWITCHES = [("dp2", "fsdp2"), ("fsdp2", "dp2")]
@@ -120,11 +118,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
     out = str(tmp_path_factory.mktemp("lora2") / "results")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the spawned ranks import this module as tests.test_lora_parallel
-    mp.start_processes(_worker, args=(2, _free_port(), str(tiny_model_dir), out), nprocs=2, join=True,
-                       start_method="spawn")
-    return [{**torch.load(f"{out}.{r}"), "out": out} for r in range(2)]
+    return [{**results, "out": out} for results in spawn_ranks(_worker, 2, str(tiny_model_dir), out)]
 
 
 def test_lora_step_on_dp2_and_fsdp2_equals_the_single_process_step(two_ranks: list[dict[Any, Any]]) -> None:

@@ -113,14 +113,15 @@ def test_creating_a_secret_never_writes_through_a_link(tmp_path: Path) -> None:
 def test_up_prints_a_command_for_here_and_one_for_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = _run_dir(tmp_path, "latest", "tcp://127.0.0.1:5641")
     monkeypatch.chdir(tmp_path)
-    here, anywhere, note = worker_commands("tcp://127.0.0.1:5641", str(run / "secret"))
+    here, anywhere, note = worker_commands("tcp://127.0.0.1:5641", str(run / "keys" / "worker"))
     assert here.endswith(": earl-stream worker --role rollout --supervisor tcp://127.0.0.1:5641")
-    assert anywhere.endswith(f"--supervisor tcp://127.0.0.1:5641 --secret-file {run.resolve() / 'secret'}")
-    assert "loopback" in note
-    # a run directory this directory does not hold: both commands carry the secret file
-    here, _, _ = worker_commands("tcp://127.0.0.1:5642", "/somewhere/secret")
-    assert here.endswith("--secret-file /somewhere/secret")
-    _, anywhere, note = worker_commands("tcp://0.0.0.0:5643", "/somewhere/secret")
+    # the worker key, never the cluster secret (security/keys.py)
+    assert anywhere.endswith(f"--supervisor tcp://127.0.0.1:5641 --secret-file {run.resolve() / 'keys' / 'worker'}")
+    assert "loopback" in note and "worker key" in note and "never the cluster secret" in note
+    # a run directory this directory does not hold: both commands carry the key file
+    here, _, _ = worker_commands("tcp://127.0.0.1:5642", "/somewhere/keys/worker")
+    assert here.endswith("--secret-file /somewhere/keys/worker")
+    _, anywhere, note = worker_commands("tcp://0.0.0.0:5643", "/somewhere/keys/worker")
     assert "tcp://0.0.0.0" not in anywhere and "--advertise" in note
 
 
@@ -296,7 +297,8 @@ def test_the_printed_worker_commands_work_when_pasted(tmp_path: Path, tiny_model
         here, anywhere = wait_for(printed, 120, "up to print the worker commands")
         address = here.split("--supervisor ")[1].split()[0]
         secret = project.resolve() / "runs" / "latest" / "secret"
-        assert "--secret-file" not in here and anywhere == f"{here} --secret-file {secret}"
+        worker_key = secret.parent / "keys" / "worker"
+        assert "--secret-file" not in here and anywhere == f"{here} --secret-file {worker_key}"
         assert _rollout_workers(project, address) == 0
 
         # a second terminal in the same directory, and a terminal somewhere else (both start at once)
@@ -306,7 +308,7 @@ def test_the_printed_worker_commands_work_when_pasted(tmp_path: Path, tiny_model
         # a worker says it is ready just after the supervisor has counted it: wait for both lines
         wait_for(lambda: all(re.search(r"rollout-\d+ ready: shards at", (tmp_path / log).read_text())
                              for log in ("here.log", "anywhere.log")), 60, "both pasted workers to say they are ready")
-        assert f"using the cluster secret of the run in {secret.parent}" in (tmp_path / "here.log").read_text()
+        assert f"using the worker key of the run in {secret.parent}" in (tmp_path / "here.log").read_text()
 
         # the other commands of a run need no flag in its directory either
         listed = _run(f"earl-stream env list --supervisor {address}", project)

@@ -13,9 +13,6 @@ steps under A alone.
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned_ranks import free_port, spawn_ranks
 
 from earl_stream.store.experience import InProcessPuller
 
@@ -182,19 +179,12 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # what the other parallel tests import from here
 
 
 def _run(world: int, model_dir: Path, tmp_path: Path) -> list[dict[Any, Any]]:
     out = str(tmp_path / f"results{world}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    mp.start_processes(_worker, args=(world, _free_port(), str(model_dir), out), nprocs=world, join=True,
-                       start_method="spawn")
-    return [{**torch.load(f"{out}.{r}"), "out": out} for r in range(world)]
+    return [{**results, "out": out} for results in spawn_ranks(_worker, world, str(model_dir), out)]
 
 
 def _check(results: list[dict[Any, Any]], names: list[str], ref: tuple[float, dict[str, torch.Tensor]], *,

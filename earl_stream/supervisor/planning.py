@@ -196,7 +196,8 @@ class Planner:
             allow_ep=pool and s.allow_ep and not dynamic_sp,
             step_sequences=cfg.trainer.groups_per_step * cfg.trainer.group_size,
             pad_aware=not cfg.trainer.packing, reshard_bucket_bytes=cfg.trainer.reshard_bucket_bytes,
-            only=[name for name in s.plans.split("|") if name], model_scale=s.memory_model_scale)
+            only=[name for name in s.plans.split("|") if name], model_scale=s.memory_model_scale,
+            dynamic_sp_tokens=cfg.trainer.dynamic_sp_tokens if dynamic_sp else 0)
         self.rollout = self._rollout_selector(cfg, shape, thresholds)
         for selector in (self.trainer, self.rollout):
             result = selector.initial(s.initial_seq_len)

@@ -101,6 +101,11 @@ class TrainerSelector(PoolSelector[PlanDecision]):
     the start-up layout: replicated, optimizer without state) would not fit the budget is refused
     too (`switch_memory.switch_refusal`, parameters and AdamW state moved shard to shard in
     `reshard_bucket_bytes` buckets), with its reason in `refused` and the log.
+    `dynamic_sp_tokens` (trainer.dynamic_sp_tokens; the planner offers dp/FSDP layouts only then): rows longer
+    than it run shared over the data ranks at sp = dp (`workers.dynamic_sp`), so a layout holds a design length
+    that one rank cannot when the row fits split that way and every row up to the threshold fits one rank; the
+    decision's predicted peak is then the larger of its micro-batch budget's and the shared row's. The cost of a
+    shared row is counted as the layout's (its all-to-alls are not modelled).
     """
 
     def __init__(self, shape: ModelShape, budget: PoolBudget, *, base: TrainPlan, thresholds: Thresholds | None = None,
@@ -109,7 +114,8 @@ class TrainerSelector(PoolSelector[PlanDecision]):
                  allow_sp: bool = True, allow_fsdp: bool = True, allow_ep: bool = False,
                  max_micro_batch_tokens: int = 1 << 16,
                  step_sequences: int = 1, pad_aware: bool = False, prior_fill: float = 0.75,
-                 reshard_bucket_bytes: int = 64 * MIB, only: Sequence[str] = (), model_scale: float = 1.0) -> None:
+                 reshard_bucket_bytes: int = 64 * MIB, only: Sequence[str] = (), model_scale: float = 1.0,
+                 dynamic_sp_tokens: int = 0) -> None:
         if not 0 < model_scale <= 1e3:
             raise ConfigError(f"selector.memory_model_scale={model_scale} must be within (0, 1000]")
         if model_scale != 1.0:  # a debugging knob: the fit checks see every prediction x model_scale
@@ -137,6 +143,7 @@ class TrainerSelector(PoolSelector[PlanDecision]):
         self.refused: list[Refusal] = []
         self._logged: set[Refusal] = set()
         self.reshard_bucket_bytes = reshard_bucket_bytes
+        self.dynamic_sp_tokens = dynamic_sp_tokens  # rows past it run shared, at sp = the data ranks (0: off)
         self.only = frozenset(only)  # layout names (`layout_name`) the pool may run; empty = all
         self.running: TrainPlan | None = None  # the layout the pool holds now, when the planner knows it
         self.memory_scale = 1.0  # measured / predicted peak of the first measured step (shapes with quirks)
@@ -258,16 +265,22 @@ class TrainerSelector(PoolSelector[PlanDecision]):
         for layout in self.layouts(design):
             budget = self.budget_of(layout)
             largest = micro_batch_tokens(self.shape, layout, budget, max_tokens=cap)
-            # the longest design this layout holds, down to the floor (one packed sequence of it fits); rounding
-            # to the quantum never goes below a floor the layout holds (the longest row must stay held)
-            held = design if largest >= design else largest // DESIGN_QUANTUM * DESIGN_QUANTUM
-            if held < floor <= largest:
+            reach = self._reach(layout, largest, budget, cap)
+            # the longest design this layout holds, down to the floor (one packed sequence of it fits, or one
+            # shared row under dynamic SP); rounding to the quantum never goes below a floor the layout holds
+            # (the longest row must stay held)
+            held = design if reach >= design else reach // DESIGN_QUANTUM * DESIGN_QUANTUM
+            if held < floor <= reach:
                 held = floor
             if held < floor or held < 1 or not self._switch_fits(layout):
                 continue
             for tokens in self._budgets(largest, held):
                 rep = dataclasses.replace(layout, seq_len=held, micro_batch=self._rows(tokens // held, layout.dp))
                 fit = check_fit(self.shape, rep, budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes)
+                if held > largest:  # the design is a shared row: it fits as one (the cost stays the layout's)
+                    shared = check_fit(self.shape, dataclasses.replace(self._shared(layout), seq_len=held),
+                                       budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes)
+                    fit = dataclasses.replace(fit, breakdown=shared.breakdown)
                 # states sync (FSDP gathers, DDP all-reduce) is paid once per step, over its micro-batches
                 acc = max(1, math.ceil(self.step_sequences / (rep.dp * rep.micro_batch)))
                 r = rank_plans(self.shape, [fit], self.cost_model, accumulation_steps=acc)[0]
@@ -280,9 +293,28 @@ class TrainerSelector(PoolSelector[PlanDecision]):
             reason += f" ({layout_name(best.check.plan)} holds {held} of it, above the headroom's {floor})"
         bound = dataclasses.replace(best.check.plan, micro_batch=1, seq_len=tokens)
         peak = predict_train_memory(self.shape, bound).total_bytes
+        if self._shares(best.check.plan) and held > self.dynamic_sp_tokens:
+            row = dataclasses.replace(self._shared(best.check.plan), seq_len=held)
+            peak = max(peak, predict_train_memory(self.shape, row).total_bytes)
         return PlanDecision(version=self.version + 1, pool=self.pool, plan=best.check.plan, micro_batch_tokens=tokens,
                             design_seq_len=held, predicted_peak_bytes=peak,
                             predicted_tokens_per_s=score, reason=reason, step=step)
+
+    def _shares(self, layout: TrainPlan) -> bool:
+        """Whether `layout` runs rows past `dynamic_sp_tokens` shared over its data ranks (`workers.dynamic_sp`)."""
+        return self.dynamic_sp_tokens > 0 and layout.dp > 1 and layout.tp == layout.sp == 1
+
+    def _shared(self, layout: TrainPlan) -> TrainPlan:
+        """The plan one shared row runs under: `layout`'s sharding (FSDP over all its ranks, or replicas), the
+        row's tokens split over the data ranks by Ulysses sp."""
+        return dataclasses.replace(layout, dp=1, sp=layout.dp, micro_batch=1)
+
+    def _reach(self, layout: TrainPlan, largest: int, budget: PoolBudget, cap: int) -> int:
+        """The longest row `layout` holds: its largest micro-batch of one rank, or under dynamic SP the longest
+        shared row, when every row up to the threshold (trained on one rank) fits there."""
+        if not self._shares(layout) or largest < self.dynamic_sp_tokens:
+            return largest
+        return max(largest, micro_batch_tokens(self.shape, self._shared(layout), budget, max_tokens=cap))
 
     def _rows(self, fit_rows: int, data_ranks: int) -> int:
         """Rows a micro-batch really holds: what its budget fits, but no more than a step gives a data

@@ -15,6 +15,9 @@ from pathlib import Path
 
 from earl_stream import protocol as P
 from earl_stream.config import RunConfig, config_from_dict, parse_cpus
+from earl_stream.errors import ConfigError
+from earl_stream.security.keys import KeyRole, role_of
+from earl_stream.security.secret import SECRET_ENV, load_secret
 
 # A trainer pool's rendezvous when it is not torchrun's env:// (MASTER_ADDR/PORT): `worker --nproc N` sets
 # a file:// URL, so that the ranks of one host never race another process for a port.
@@ -24,6 +27,22 @@ RENDEZVOUS_ENV = "EARL_STREAM_RENDEZVOUS"
 SAME_STOP_S = 2.0
 
 log = logging.getLogger(__name__)
+
+
+def worker_key() -> tuple[bytes | None, str | None]:
+    """The credential a worker signs and serves with, and its file ($EARL_STREAM_SECRET_FILE; None: an open run).
+    The worker key is what a worker needs (security/keys.py); the cluster secret still works (older setups, a
+    worker started by hand), with a warning; any other role's key is a ConfigError."""
+    path = os.environ.get(SECRET_ENV)
+    credential = load_secret(path)
+    held = role_of(credential)
+    if held is KeyRole.CLUSTER:
+        log.warning("this worker holds the cluster secret, more than it needs: give workers the worker key "
+                    "(`earl-stream keys derive worker --out PATH`; `up`'s launchers do)")
+    elif held is not None and held is not KeyRole.WORKER:
+        raise ConfigError(f"a worker needs the worker key (or the cluster secret); {path} holds the {held.value} key: "
+                          "`earl-stream keys derive worker --out PATH` writes the worker key")
+    return credential, path
 
 
 def register(client: P.ControlClient, role: P.Role, *, host: str, rank: int = -1, shard_address: str = "",

@@ -88,6 +88,11 @@ class RankPlan:
         """e.g. `dp2`, `fsdp2`, `tp2`, `fsdp2_sp2`, `dp2_tp2`, `ep2`, `fsdp2_ep2`; `dp1` for a single rank."""
         return plan_name(self.dp, self.fsdp, self.tp, self.sp, self.ep)
 
+    @property
+    def label(self) -> str:
+        """The name with `+rc` under full recomputation, as the selector names its layouts (`fsdp2+rc`)."""
+        return self.name + ("+rc" if self.recompute else "")
+
     def layout(self, rank: int) -> Layout:
         return Layout.from_rank(rank, dp=self.data_ranks, tp=self.tp, cp=self.sp)
 

@@ -71,7 +71,7 @@ class OomRetry:
             failed, since = self.recovering
             M.TRAINER_OOM_RECOVERED.labels(failed).inc()
             log.warning("step %d: recovered from the allocation failure under %s: trained under plan %s, %.2fs lost "
-                        "to it", step, failed, tr.placement.plan.name, started - since)
+                        "to it", step, failed, tr.placement.plan.label, started - since)
             self.recovering = None
         return outcome
 
@@ -93,7 +93,7 @@ class OomRetry:
         under. Collective in a pool: every rank learns whether a plan came back."""
         tr = self.trainer
         lengths = [m.total_tokens for m in metas]
-        failed = tr.placement.plan.name
+        failed = tr.placement.plan.label
         peak = max_over_ranks(tr.peak_memory.step_peak(), tr.world_size)
         why = ""
         if tr.rank == 0:

@@ -38,7 +38,6 @@ from earl_stream.devices import resolve_device
 from earl_stream.errors import ConfigError, ControlPlaneTimeout, EarlError
 from earl_stream.model import load_model
 from earl_stream.model.lora import LoraSpec, adapter_state, apply_lora, state_bytes
-from earl_stream.security.secret import load_secret
 from earl_stream.store.central import CentralClient, start_dispatcher_process
 from earl_stream.store.client import ShardClient
 from earl_stream.store.node import ShardNode
@@ -46,7 +45,7 @@ from earl_stream.store.schema import table_from_ipc, table_to_metas
 from earl_stream.store.weights import drop_weights, publish_weights
 from earl_stream.workers import checkpoint as ckpt
 from earl_stream.workers.collectives import all_gather_flags, all_gather_str, any_rank, broadcast_bytes, broadcast_str, max_over_ranks
-from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register
+from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register, worker_key
 from earl_stream.workers.host_memory import free_unused_memory, set_malloc_mmap_threshold
 from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
 from earl_stream.workers.oom_retry import OomRetry
@@ -65,9 +64,9 @@ class TrainerRank:
         self.rank, self.world_size, self.host = rank, world_size, host
         self.stop = StopFlag(stopping="finishing the step in progress, then writing a checkpoint")
         self._closed = threading.Event()
-        secret = load_secret()
-        self.client = P.ControlClient(supervisor, secret=secret)
-        self.hb_client = P.ControlClient(supervisor, secret=secret)  # heartbeats never wait behind a long call
+        secret, key_file = worker_key()  # the worker key (or the cluster secret): security/keys.py
+        self.client = P.ControlClient(supervisor, secret=secret, key_file=key_file)
+        self.hb_client = P.ControlClient(supervisor, secret=secret, key_file=key_file)  # never waits behind a long call
         self.node = ShardNode(host, secret=secret)
         self.metrics_address = M.start_metrics_server(host)
         reg, self.cfg = register(self.client, P.Role.TRAINER, host=host, rank=rank, shard_address=self.node.address,

@@ -4,6 +4,7 @@ trained twice and the sample accounting adds up."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -188,3 +189,23 @@ def test_a_recovery_is_replayed_from_the_write_ahead_log(tmp_path: Path) -> None
     StateLog(tmp_path).recover(again, 1.0)
     assert again.run_id == sup.run_id and again.ledger.counters == sup.ledger.counters
     assert again.ledger.counters.samples_recovered == 4 and again.ledger.counters.samples_lost == 0
+
+
+def test_a_worker_leaving_a_finished_run_loses_nothing_until_the_run_is_extended() -> None:
+    """Once the run finished, a rollout worker that stops beating leaves: the samples it still holds stay counted
+    in the store (it persists them as it stops) and nothing is played again, however long its exit took. Resumed
+    for more steps, the relaunched run takes them as lost and plays their prompts again."""
+    cfg = replace(RunConfig(), "trainer.group_size=2", "trainer.groups_per_step=2", "steps=1")
+    sup, now = Supervisor(cfg), time.monotonic()
+    wid = sup.handle(P.Register(role=P.Role.ROLLOUT, shard_address=OLD), now).worker_id
+    prompts = sup.handle(P.RequestPrompts(worker_id=wid, max_groups=2, request_id="a"), now).prompts
+    sup.handle(P.PutMeta(worker_id=wid, rows=[r for p in prompts for r in _rows(p, OLD)]), now)
+    trainer = sup.handle(P.Register(role=P.Role.TRAINER, host="h", pid=7, rank=0), now).worker_id
+    sup.handle(P.Finished(worker_id=trainer, reason="1 steps done"), now)
+    sup.check_leases(now + 1e6)  # both exits outlasted a lease
+    c = sup.ledger.counters
+    assert not sup.workers[wid].alive and c.samples_lost == 0 and c.prompts_reissued == 0
+    assert json.loads(sup.handle(P.StatusRequest(), now).status_json)["samples_in_store"] == 4
+    sup.finished = False  # what a restored state computes when `up --resume` asks for more steps
+    sup.forget_workers()
+    assert sup.ledger.counters.samples_lost == 4 and sup.ledger.counters.prompts_reissued == 2

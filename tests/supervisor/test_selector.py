@@ -41,6 +41,7 @@ TINY = {"model_type": "qwen2", "hidden_size": 128, "num_hidden_layers": 4, "num_
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
 EAGER = TrainPlan(1, 1, attention=Attention.EAGER)
+FLASH = TrainPlan(1, 1)
 FAST = Thresholds(min_episodes=8, min_episodes_between=32)
 
 
@@ -363,3 +364,25 @@ def test_an_oom_replan_keeps_a_design_the_layout_holds_although_it_is_no_multipl
     d = sel.replan_after_oom(200, step=3, reason="oom")
     assert isinstance(d, PlanDecision), d
     assert d.design_seq_len == 200 and d.micro_batch_tokens >= 200
+
+
+def test_dynamic_sp_plans_hold_rows_as_shared_micro_batches(tiny: ModelShape) -> None:
+    """Under trainer.dynamic_sp_tokens a dp/FSDP layout holds a row that does not fit one rank, as long as it fits
+    split over the data ranks (sp = 2) and every row up to the threshold fits one rank; its predicted peak is the
+    shared row's when that is the larger."""
+    budget = PoolBudget(2, 60 * MIB)  # under flash attention, what one rank holds grows linearly with the row
+    only_dp = dict(allow_tp=False, allow_sp=False)
+    assert isinstance(TrainerSelector(tiny, budget, base=FLASH, **only_dp).initial(4096), Infeasible)
+    sel = TrainerSelector(tiny, budget, base=FLASH, dynamic_sp_tokens=512, **only_dp)
+    d = sel.initial(4096)
+    assert isinstance(d, PlanDecision) and d.design_seq_len == 4096
+    assert d.plan.sp == d.plan.tp == 1 and d.plan.dp == 2 and d.micro_batch_tokens < 4096
+    shared = dataclasses.replace(d.plan, dp=1, sp=2, micro_batch=1, seq_len=4096)
+    assert check_fit(tiny, shared, budget.memory_bytes_per_device).fits
+    bound = dataclasses.replace(d.plan, micro_batch=1, seq_len=d.micro_batch_tokens)
+    assert d.predicted_peak_bytes == max(predict_train_memory(tiny, p).total_bytes for p in (shared, bound))
+    one_rank = dataclasses.replace(d.plan, micro_batch=1, seq_len=512)  # the longest row trained on one rank
+    assert check_fit(tiny, one_rank, budget.memory_bytes_per_device).fits
+    # a threshold above what one rank holds: the rows between would not fit there, so nothing is shared
+    too_high = TrainerSelector(tiny, budget, base=FLASH, dynamic_sp_tokens=3000, **only_dp)
+    assert isinstance(too_high.initial(4096), Infeasible)

@@ -11,15 +11,12 @@ that cannot run it are refused with a ConfigError before the step. The harness (
 
 from __future__ import annotations
 
-import os
-import sys
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from earl_stream.config import AlgoConfig, TrainerConfig
 from earl_stream.errors import ConfigError
@@ -184,14 +181,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 
 def test_a_step_mixing_sp_2_and_sp_1_micro_batches_equals_the_single_process_step(tiny_model_dir: Path,
                                                                                   tmp_path: Path) -> None:
-    from test_parallel_equivalence import _free_port
+    from spawned_ranks import spawn_ranks
 
-    out = str(tmp_path / "dynamic_sp")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # spawned ranks import this module by name
-    mp.start_processes(_worker, args=(2, _free_port(), str(tiny_model_dir), out), nprocs=2, join=True,
-                       start_method="spawn")
-    results = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    results = spawn_ranks(_worker, 2, str(tiny_model_dir), str(tmp_path / "dynamic_sp"))
     init = results[0]["init"]
     short = sum(n for n in LENGTHS if n <= THRESHOLD)
     for name, _, _, recompute, packing, _ in PLANS:

@@ -121,3 +121,11 @@ def test_a_real_allocation_failure_under_an_address_space_cap() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["cap"] > 0 and "allocate" in got["error"] and got["attempted"] == 1 << 30 and got["small"] == 65536.0
+
+
+def test_logs_name_a_plan_with_its_recomputation() -> None:
+    """The retry and recovery lines name plans as the selector does, so `dp2` and `dp2+rc` are told apart."""
+    from earl_stream.workers.mesh import RankPlan
+
+    assert RankPlan(dp=2).label == "dp2" and RankPlan(dp=2, recompute=True).label == "dp2+rc"
+    assert RankPlan(fsdp=2, recompute=True).label == "fsdp2+rc"

@@ -8,13 +8,11 @@ Puller) is `tests/test_parallel_equivalence.py`'s.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 REL_TOL = 1e-5
 # (name, dp, fsdp, tp, sp, recompute, micro-batch tokens per rank)
@@ -99,13 +97,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 
 
 def test_packed_step_equals_padded_step_on_dp_fsdp_tp_and_sp(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from test_parallel_equivalence import _free_port
+    from spawned_ranks import spawn_ranks
 
-    out = str(tmp_path / "packing")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    mp.start_processes(_worker, args=(2, _free_port(), str(tiny_model_dir), out), nprocs=2, join=True,
-                       start_method="spawn")
-    for rank in range(2):
-        results = torch.load(f"{out}.{rank}")
+    for rank, results in enumerate(spawn_ranks(_worker, 2, str(tiny_model_dir), str(tmp_path / "packing"))):
         for name, *_ in PLANS:
             _same(*results[name], results["init"], f"{name} rank {rank}")
