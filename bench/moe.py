@@ -1,22 +1,23 @@
-"""Mixture of experts: routing replay (R3) on a tiny MoE learning Tic-Tac-Toe, and trainer plans' tokens/s.
+"""Mixture of experts: routing replay (R3) where only routing differs, in learning, and trainer plans' tokens/s.
 
-    python bench/moe.py --minutes 15 --json bench/results/moe.json [--quick]
+    python bench/moe.py --minutes 3 --json bench/results/moe.json [--skip-plans] [--quick]
 
-What it measures:
-- A tiny Qwen3-MoE (8 experts, top-2, hidden 64, 2 layers; `model.tiny_moe.init_moe_model`) warm-started
-  briefly on synthetic legal Tic-Tac-Toe play (`model.warm_start`), then trained by `earl-stream up` on 2
-  trainer ranks for `--minutes` each, with `algo.routing_replay=rollout` and with `none`. Every `--every`
-  seconds the supervisor's status gives the last step's trainer metrics (rank 0's StepResult, the values of
-  its `earl_trainer_logprob_mismatch` and `earl_trainer_routing_mismatch` gauges) and the win rate over the
-  last games (the learning curve). `routing_mismatch` / `logprob_mismatch`: their means over the steps.
-  The routing mismatch is the trainer's own routers against the rollout's recorded choices, so it is the
-  same kind of number with and without replay (replay does not change what the router would choose; it
-  makes the forward use the rollout's choices): the log-prob mismatch is what replay should shrink.
+What it measures (a tiny Qwen3-MoE, 8 experts, top-2, hidden 64, 4 layers: `moe_replay.MODEL`):
+- Equal weights (`moe_replay`): engine and trainer log-probs of tokens sampled by the same weights in bf16, with
+  and without replay, `--equal-seeds` repeats: the routing decisions that differ and KL(engine || trainer).
+  No policy lag, so what differs between the arms is routing alone.
+- Learning: the MoE warm-started briefly on synthetic legal Tic-Tac-Toe play (`model.warm_start`), then trained
+  by `earl-stream up` on 2 trainer ranks for `--minutes` per run, both sides bf16, `trainer.max_staleness=
+  --staleness`, with `algo.routing_replay=rollout` and `none`, `--seeds` runs each (seeds outer, arms inner, the
+  arm order alternating). Every `--every` seconds the supervisor's status gives the last step's trainer
+  metrics and the mean reward and win rate over the last games (the curve); the summary is the final reward
+  (mean of the last 3 points) and the collapses (`moe_replay.learning_summary`).
 - Tokens/s of one training step (forward, backward, AdamW; packed micro-batches) of the same MoE under
   dp2, fsdp2 and ep2 (experts split over the 2 ranks, tokens dispatched by all-to-all) on 2 gloo ranks, at
-  two context lengths (same tokens per step), median over the steps after
-  the first of `--rounds` launches per plan taken in turn, and the parallelism selector's choice for a
-  2-rank pool at each length (`supervisor.planning`).
+  two context lengths (same tokens per step), median over the steps after the first of `--rounds` launches
+  per plan taken in turn, and the parallelism selector's choice for a 2-rank pool at each length
+  (`supervisor.planning`). `--skip-plans` keeps the previous result's figures, marked with the run they
+  come from.
 """
 
 from __future__ import annotations
@@ -34,21 +35,25 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moe_replay import ARMS, MODEL, definitions, equal_weights_repeat, learning_summary, summarise_equal  # noqa: E402
 from pipeline_rates import start_up  # noqa: E402
 from provenance import write_result  # noqa: E402
 from ranks import join, launch, rank_plan  # noqa: E402
 
 log = logging.getLogger("bench.moe")
-MOE = {"family": "qwen3_moe", "experts": 8, "top_k": 2, "hidden_size": 64, "num_layers": 2, "expert_size": 96}
+MOE = MODEL
+PLAN_KEYS = ("plans_tokens_per_s", "selector_choice", "throughput")
 PLANS = ("dp2", "fsdp2", "ep2")
 DEPENDS_ON = ["earl_stream/model/moe.py", "earl_stream/model/moe_config.py", "earl_stream/model/tiny_moe.py",
               "earl_stream/workers/routing_replay.py", "earl_stream/workers/engines/routing.py",
               "earl_stream/workers/train_step.py", "earl_stream/workers/sharding.py", "earl_stream/supervisor",
-              "earl_stream/workers/expert_parallel.py", "earl_stream/workers/engines", "bench/moe.py"]
+              "earl_stream/workers/expert_parallel.py", "earl_stream/workers/engines", "bench/moe.py",
+              "bench/moe_replay.py"]
 
 
-def make_model(out: Path, warm_seconds: float) -> Path:
-    """The tiny MoE, warm-started on Tic-Tac-Toe for `warm_seconds` (it then knows the format)."""
+def make_model(out: Path, warm_steps: int, warm_seconds: float) -> tuple[Path, int]:
+    """The tiny MoE, warm-started on Tic-Tac-Toe for `warm_steps` steps (it then knows the format; at most
+    `warm_seconds`: a count of steps, not a time, so the machine's load does not change the start)."""
     import torch
 
     from earl_stream.model import warm_start
@@ -56,20 +61,25 @@ def make_model(out: Path, warm_seconds: float) -> Path:
 
     model_dir = init_moe_model(out, **MOE)  # type: ignore[arg-type]
     torch.set_num_threads(2)
-    report = warm_start(model_dir, "tictactoe", seconds=warm_seconds, eval_games=0)
+    report = warm_start(model_dir, "tictactoe", seconds=warm_seconds, max_steps=warm_steps, eval_games=0)
     log.info("warm start: %s", report)
-    return model_dir
+    return model_dir, report.steps
 
 
-def learning_run(model_dir: Path, replay: str, minutes: float, every: float, run_dir: Path) -> list[dict]:
-    """`earl-stream up` on 2 trainer ranks for `minutes`: one point per `every` seconds with a new step."""
+def learning_run(model_dir: Path, replay: str, minutes: float, every: float, run_dir: Path, seed: int,
+                 staleness: int) -> dict[str, Any]:
+    """`earl-stream up` on 2 trainer ranks for `minutes` (both sides bf16, `trainer.max_staleness=staleness`):
+    {"seed", "curve": one point per `every` seconds with a new step, "exit_code": None unless the run
+    stopped on its own}."""
     from earl_stream import protocol as P
     from earl_stream.errors import EarlError
 
-    cmd = [sys.executable, "-m", "earl_stream", "up", f"run_dir={run_dir}", f"model.path={model_dir}",
-           "trainer.nproc=2", f"algo.routing_replay={replay}", "supervisor.stats_window=256"]
+    cmd = [sys.executable, "-m", "earl_stream", "up", f"run_dir={run_dir}", f"model.path={model_dir}", f"seed={seed}",
+           "trainer.nproc=2", f"algo.routing_replay={replay}", "supervisor.stats_window=256", "rollout.dtype=bf16",
+           "trainer.dtype=bf16", f"trainer.max_staleness={staleness}"]
     proc, client = start_up(cmd, run_dir, what=f"routing_replay={replay}", wait_s=0.5)
     curve: list[dict] = []
+    exit_code = None
     try:
         start = time.monotonic()
         while time.monotonic() - start < minutes * 60 and proc.poll() is None:
@@ -87,16 +97,12 @@ def learning_run(model_dir: Path, replay: str, minutes: float, every: float, run
                      "episodes": s.get("samples_produced")}
             curve.append(point)
             log.info("%s: %s", replay, json.dumps(point))
+        exit_code = proc.poll()
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
-    return curve
-
-
-def _mean(curve: list[dict], key: str) -> float | None:
-    vals = [p[key] for p in curve if p.get(key) is not None]
-    return round(statistics.mean(vals), 6) if vals else None
+    return {"seed": seed, "curve": curve, "exit_code": exit_code}
 
 
 # --- tokens/s of a plan (one process per rank, `--rank` mode) -----------------------------------------
@@ -196,12 +202,44 @@ def selector_choice(model_dir: Path, seq_len: int, tmp: Path) -> dict[str, Any]:
     return {"plan": layout_name(decision.plan), "micro_batch_tokens": decision.micro_batch_tokens, "refused": refused}
 
 
+def measure_plans(model_dir: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The plans' tokens/s at both lengths, and the selector's choice against the faster measured plan."""
+    tokens: dict[str, dict[str, float]] = {
+        str(n): plans_tokens_per_s(model_dir, n, args.step_tokens, args.steps, args.rounds) for n in args.lengths}
+    choice = {str(n): selector_choice(model_dir, n, tmp) for n in args.lengths}
+    for n in map(str, args.lengths):
+        faster = max(PLANS, key=lambda p: tokens[n][p] or 0.0)
+        choice[n]["faster_measured"] = faster
+        choice[n]["matches_faster"] = (choice[n].get("plan") or "").split("+")[0] == faster
+    return {"plans_tokens_per_s": tokens, "selector_choice": choice,
+            "throughput": {"step_tokens": args.step_tokens, "steps": args.steps, "rounds": args.rounds,
+                           "packing": True, "threads_per_rank": 1, "model": MOE}}
+
+
+def carried_plans(path: Path) -> dict[str, Any]:
+    """The plan figures of the result at `path` (`--skip-plans`), marked with the run that measured them."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if not all(k in old for k in PLAN_KEYS):
+        raise SystemExit(f"--skip-plans: {path} holds no plan figures to keep; run without it")
+    prov = old.get("provenance", {})
+    throughput = old["throughput"]
+    throughput.setdefault("model", old.get("model"))
+    throughput["measured_by"] = {"when": prov.get("when"), "commit": prov.get("commit")}
+    return {k: old[k] for k in PLAN_KEYS}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="bench/results/moe.json")
-    ap.add_argument("--minutes", type=float, default=15.0, help="training minutes of each learning run (replay, none)")
-    ap.add_argument("--quick", action="store_true", help="2-minute learning runs, 3 throughput steps")
-    ap.add_argument("--warm-seconds", type=float, default=60.0, help="supervised warm start of the tiny MoE")
+    ap.add_argument("--equal-seeds", type=int, default=5, help="repeats (seeds) of the equal-weights comparison")
+    ap.add_argument("--requests", type=int, default=32, help="engine requests per equal-weights repeat")
+    ap.add_argument("--seeds", type=int, default=3, help="learning runs per arm (replay, none)")
+    ap.add_argument("--minutes", type=float, default=3.0, help="training minutes of each learning run")
+    ap.add_argument("--staleness", type=int, default=2, help="trainer.max_staleness of the learning runs")
+    ap.add_argument("--quick", action="store_true", help="2 repeats of each part, 1-minute runs, 3 throughput steps")
+    ap.add_argument("--skip-plans", action="store_true", help="keep the plan figures of the previous --json")
+    ap.add_argument("--warm-steps", type=int, default=300, help="supervised warm-start steps of the tiny MoE")
+    ap.add_argument("--warm-seconds", type=float, default=600.0, help="at most this long for the warm start")
     ap.add_argument("--every", type=float, default=5.0, help="seconds between status polls")
     ap.add_argument("--lengths", type=int, nargs=2, default=[256, 2048], help="two context lengths (tokens/s)")
     ap.add_argument("--step-tokens", type=int, default=4096, help="tokens per throughput step (both lengths)")
@@ -217,35 +255,45 @@ def main() -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.quick:
-        args.minutes, args.steps, args.rounds = min(args.minutes, 2.0), min(args.steps, 3), 1
+        args.equal_seeds, args.seeds, args.minutes, args.steps, args.rounds = 2, 2, min(args.minutes, 1.0), 3, 1
+    import torch
+
+    torch.set_num_threads(2)
+    plans = carried_plans(Path(args.json)) if args.skip_plans else None
     with tempfile.TemporaryDirectory(prefix="earl-moe-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = make_model(tmp / "moe", args.warm_seconds)
-        tokens: dict[str, dict[str, float | None]] = {
-            str(n): dict(plans_tokens_per_s(model_dir, n, args.step_tokens, args.steps, args.rounds))
-            for n in args.lengths}
-        choice = {str(n): selector_choice(model_dir, n, tmp) for n in args.lengths}
-        curves = {name: learning_run(model_dir, mode, args.minutes, args.every, tmp / f"run-{mode}")
-                  for name, mode in (("replay", "rollout"), ("no_replay", "none"))}
-    for n in map(str, args.lengths):
-        faster = max(PLANS, key=lambda p: tokens[n][p] or 0.0)
-        choice[n]["faster_measured"] = faster
-        choice[n]["matches_faster"] = (choice[n].get("plan") or "").split("+")[0] == faster
+        equal = []
+        for seed in range(args.equal_seeds):
+            equal.append(equal_weights_repeat(tmp, seed, args.requests))
+            log.info("equal weights: %s", json.dumps(equal[-1]))
+        model_dir, warm_steps = make_model(tmp / "moe", args.warm_steps, args.warm_seconds)
+        runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+        for seed in range(args.seeds):
+            for arm in (list(ARMS) if seed % 2 == 0 else list(ARMS)[::-1]):
+                runs[arm].append(learning_run(model_dir, ARMS[arm], args.minutes, args.every,
+                                              tmp / f"run-{arm}-{seed}", seed, args.staleness))
+        plans = plans or measure_plans(model_dir, args, tmp)
+    summary = summarise_equal(equal)
+    learning = learning_summary(runs)
     result = {
-        "model": {**MOE, "warm_start_seconds": args.warm_seconds},
-        "minutes_per_run": args.minutes, "trainer_ranks": 2,
-        "routing_mismatch": {k: _mean(c, "routing_mismatch") for k, c in curves.items()},
-        "logprob_mismatch": {k: _mean(c, "logprob_mismatch") for k, c in curves.items()},
-        "final_win_rate": {k: (c[-1]["win"] if c else None) for k, c in curves.items()},
-        "steps": {k: (c[-1]["step"] if c else 0) for k, c in curves.items()},
-        "plans_tokens_per_s": tokens, "selector_choice": choice,
-        "throughput": {"step_tokens": args.step_tokens, "steps": args.steps, "rounds": args.rounds, "packing": True,
-                       "threads_per_rank": 1},
-        "notes": "Mismatches are rank 0's per-step values (supervisor status), averaged over the steps seen.",
-        "curves": curves,
+        "model": {**MOE, "warm_start_steps": warm_steps},
+        "routing_mismatch_equal_weights": {arm: summary["routing_mismatch"][arm] for arm in ARMS},
+        "logprob_kl_equal_weights": {arm: summary["kl_k3"][arm] for arm in ARMS},
+        "logprob_abs_diff_equal_weights": {arm: summary["mean_abs_logprob_diff"][arm] for arm in ARMS},
+        "kl_ratio_replay_over_no_replay": summary["kl_ratio_replay_over_no_replay"],
+        "goal": "KL at equal weights with replay <= 0.5x without (upper end of the ratio's 95% interval)",
+        "goal_met": summary["goal_met"],
+        "learning": learning,
+        "definitions": definitions(),
+        "equal_weights": {"repeats": equal, "requests": args.requests, "engine": "torch, bf16 weights, continuous "
+                          "batching (8 rows), KV-cache decode, temperature 1", "trainer": "fp32 master weights (the "
+                          "same bf16-rounded values), bf16 autocast, packed micro-batches of <= 1024 tokens"},
+        "learning_runs": {"minutes_per_run": args.minutes, "max_staleness": args.staleness, "trainer_ranks": 2,
+                          "dtype": "bf16 (rollout and trainer)", "runs": runs},
+        **plans,
     }
     write_result(Path(args.json), result, depends_on=DEPENDS_ON)
-    print(json.dumps({k: v for k, v in result.items() if k != "curves"}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("equal_weights", "learning_runs")}, indent=2))
     return 0
 
 

@@ -1,49 +1,72 @@
-"""Issue 32's experiment: SmolLM2-135M on episodes that grow 8x, a trainer pool of ranks under a real memory
-cap, the adaptive selector side by side with every static plan and a dynamic sequence-parallel policy.
+"""SmolLM2-135M trained by GRPO on episodes whose context grows 8.6x, a trainer pool of 2 ranks under a real
+per-rank memory cap: the adaptive selector side by side with every static plan a user would configure (each
+with its token cap tuned until it fits) and the trainer's per-micro-batch dynamic sequence parallelism.
 
-    python bench/real_scale.py --grow-every 2 --json bench/results/real_scale.json   # full lengths, 2 steps/phase (~60 min)
-    python bench/real_scale.py --quick --json /tmp/real_scale_quick.json [--only adaptive,static:fsdp2+rc]   # a check
+    python bench/real_scale.py --json bench/results/real_scale.json                   # smollm2 setting (~4.2 h)
+    python bench/real_scale.py --setting heads8 --json bench/results/real_scale_heads8.json   # (~8.5 h)
+    python bench/real_scale.py --quick --json /tmp/real_scale_quick.json [--only adaptive,static:fsdp2+rc]
 
-Every strategy is one `earl-stream up` (configs/smollm2_real_scale.yaml: `make real-model` first) on the same
-seeds, environment, steps and cap:
-- adaptive: the selector on (it re-plans dp/FSDP2/tp/sp, recomputation and the micro-batch budget as the
-  context percentiles cross its thresholds);
-- static:<plan>: what a system without a memory model runs: one layout for the whole run (dp2, fsdp2, tp2,
-  sp2 and each with full recomputation `+rc`) and no length limit below the run's longest episode (as verl
-  asks `ppo_max_token_len_per_gpu` to hold prompt + response). The selector is told no memory cap
-  (`selector.trainer_memory_bytes` of 1 TiB: its micro-batch budget is its 65,536-token maximum, and a step
-  gives each rank one sequence), so nothing is refused for its length; the rank's real cap still holds, and
-  a plan that outgrows it meets a real allocation failure (a crash). A plan that the pool or the model
-  cannot run "does not start" and its reason is recorded (SmolLM2 has 9 attention heads: no tp2 or sp2 on 2
-  ranks);
-- dynamic_sp: verl-style dynamic context parallelism: the model's sharding never changes (FSDP, as verl's
-  workers shard) and the sequence-parallel degree follows the longest sequence (fsdp<N> while one sequence fits
-  a rank, sp<N> when it does not; SmolLM2's 9 heads rule sp2 out on 2 ranks, so here it stays fsdp2). The
-  trainer has no per-micro-batch sp degree, so this is emulated per step: the selector restricted to
-  {fsdp<N>, sp<N>} without recomputation and, as verl, with no memory model (1 TiB), re-planned at every step
-  boundary from the window's longest episode (`--dynamic-sp-hook` names what the trainer would need).
-The environment (envs/long_recall.py with filler) starts at <= 512 tokens per episode and ends at >= 4,096
-(full run; --quick: ~220 -> ~1,270). Each trainer rank is capped before it imports torch (bench/real_scale_site:
-a memory cgroup of its own, or setrlimit with --cap-mode rlimit) at --cap-gib; the selector's budget is the
-same cap less --reserve-gib (the adaptive run only). Past the cap the kernel kills the rank (or torch raises): a
-crash. A run that ends early without one (e.g. `up` gave up) is `stopped`, with its reason, never a crash.
-The curriculum stops growing at its last level (`max_filler_words`), so episodes drawn ahead of training are no
-longer than the last phase's.
-Recorded per strategy from the trainer's log and the supervisor's status: crashes (and the allocation error),
-refused or truncated samples, trained tokens per training second per context phase (and per rank-CPU-second,
-from /proc: the strategies run one after another on a machine others share), the plans adopted, each
-re-layout's measured peak (the rank's resident memory sampled every 50 ms during the switch) and each rank's
-peak. JSON keys: adaptive_crashed, adaptive_truncated, static (per plan), vs_best_static_min, vs_dynamic_sp,
-plans_used, switch_peak_bytes, context_growth, runs (everything measured, first repeat), settings.
+The workload (configs/smollm2_real_scale.yaml, envs/long_recall.py with `facts_last`): a document of filler words,
+then two facts and the question for one of them, one reply of up to 8 tokens, reward 1 for the right value. The
+facts sit next to the question, so SmolLM2-135M-Instruct earns reward at every length: before training, greedy, 24
+items per length, 0.46 +- 0.10 (standard error) at ~118 tokens, 0.46 +- 0.10 at ~200, 0.38 +- 0.10 at ~420 and 0.67
++- 0.10 at ~1,015; sampled at the rollout's temperature 0.7, 0.21 +- 0.06 of 48 episodes at ~118 (at 1.0, 0.13: a
+phase would often see no reward). A step trains 8 sequences (2 prompt groups x GRPO groups of 4); the document
+grows x2.7 per level over 4 levels, 3 steps each (`level_groups`): ~118, ~200, ~420 and ~1,015 tokens per episode,
+so 9 of the 12 steps are at the short and middle lengths and the last 3 are the tail at the longest. At 8 x 1,015
+tokens a step, under the 5 GiB cap, micro-batch size, recomputation and sharding are meant to change the step time
+(a replica with AdamW holds 2.2 GiB, the fp32 logits ~0.6 GiB per 1,024 micro-batch tokens; the token-cap probes
+measure where each plan stops fitting; in --quick at 4.4 GiB, dp2 was OOM-killed in its longest phase). Held-out
+success (greedy, --heldout-problems items spread over the 4 lengths, evaluation seeds no run trains on) of the base
+model (`heldout_before`) and of the adaptive run's last checkpoint (`heldout_after`), each with its standard error;
+rewards per phase from the trainer's step log (`reward_per_phase`).
 
-Repeats (--repeats, default 3): a first pass runs every strategy once; static plans that crashed in it are not
+Two model settings (--setting):
+- smollm2: the real weights (`make real-model`), learning; its 9 attention heads allow dp/FSDP and
+  recomputation only. Arms: adaptive, static dp2, dp2+rc, fsdp2, fsdp2+rc.
+- heads8: SmolLM2's size (hidden 576, 30 layers, its vocabulary and tokenizer) with 8 attention and 4 KV heads,
+  random weights, built once under ~/.cache/earl_stream/models/ and loaded from there (systems only: rewards
+  are ~0). Arms: adaptive, dynamic_sp, static dp2, fsdp2, tp2, sp2, each with and without recomputation.
+
+Every arm is one `earl-stream up` on the same seeds, environment, steps and cap:
+- adaptive: the selector on (it re-plans dp/FSDP2/tp/sp, recomputation and the micro-batch budget as the context
+  percentiles cross its thresholds), told the cap less --reserve-gib;
+- static:<plan>: one layout for the whole run, no memory model (the selector is told 1 TiB), and verl-style
+  dynamic batching: micro-batches filled up to a token cap (bench/real_scale_site sets the selector's largest
+  micro-batch). The cap is what a user tunes until the plan fits: before the plan's first run the benchmark
+  probes it (--probe-steps steps with every episode at the longest length), from the whole step on one rank down
+  to the longest episode, halving, and keeps the largest that survives (`token_caps`, with every probe). A plan
+  that survives no cap runs at the smallest and meets its crash; one the pool or the model cannot run "does not
+  start", with its reason;
+- dynamic_sp (heads8): verl's dynamic context parallelism as the trainer runs it (`trainer.dynamic_sp_tokens`):
+  the sharding fixed at fsdp2 with fsdp2's token cap, and a row longer than midway between the last two phases'
+  lengths trained by both ranks at Ulysses sp=2 in a micro-batch of its own (`dynamic_sp_real`: true).
+Each trainer rank is capped before it imports torch (bench/real_scale_site: a memory cgroup of its own, or
+setrlimit with --cap-mode rlimit) at --cap-gib. Past the cap the kernel kills the rank (or torch raises): a crash.
+A run that ends early without one (e.g. `up` gave up) is `stopped`, with its reason, never a crash.
+
+Recorded per run from the trainer's log and the supervisor's status: crashes (and the allocation error), refused
+or truncated samples, trained tokens per training second per context phase (and per rank-CPU-second, from /proc),
+the plans adopted, each re-layout's measured peak and each rank's peak.
+
+Repeats (--repeats, default 3): a first pass runs every arm once; static plans that crashed in it are not
 repeated; then the others run again, interleaved (adaptive, dynamic_sp, static:a, ..., adaptive, ...), so load
 drifts hit every arm alike. From all repeats (bench/real_scale_summary.py): repeats, end_to_end_seconds (first
 step's start to last step's end: re-plans, switches and idle waits included), vs_best_static_end_to_end (the best
-crash-free static plan's mean over adaptive's, with ci95), per_phase (plan and tokens/s with ci95),
+crash-free static plan's mean over adaptive's, with ci95), per_phase (plans and tokens/s with ci95),
 phase_vs_fastest_static and same_plan_phases (a phase where both sides ran the same plan is never a speedup or a
-loss), vs_fastest_static_min_differing, reward_per_phase, dynamic_sp_real (false: emulated per step), and
-repeat_runs (the repeats after the first).
+loss), vs_fastest_static_min_differing, reward_per_phase, dynamic_sp_real, heldout_before, heldout_after,
+token_caps, and repeat_runs (the repeats after the first).
+
+Budget. The sizes are the smallest the comparison allows: 8 sequences a step, 3 steps a phase, 4 phases growing
+8.6x; a run then trains ~42,500 tokens, ~13 minutes here at ~60 trained tokens/s (2 cores) with start-up. The
+smollm2 setting (5 arms x 3 repeats, 8 probes) is ~4.2 h and heads8 (10 arms x 3, 18 probes) ~8.5 h less the
+crashed static plans' repeats: over the 3 hours the comparison should take on this machine, because SmolLM2 at
+~60 tokens/s on 2 cores cannot train 15 x 3 runs of this size in 3 hours; each setting runs as its own campaign,
+and the printed estimate (--rate: the tokens/s to plan with) says what a run will take before it starts.
+--quick (3 phases of one step, ~94 -> ~220 tokens, a 4.4 GiB cap, one repeat, at most 2 probes per plan, 15
+held-out items) checks the whole pipeline in ~35 minutes of the smollm2 setting on an idle machine (the estimate
+printed says 34); under a load of 10-20 on the 2 cores it trained ~8-14 tokens/s and took over an hour.
 """
 
 from __future__ import annotations
@@ -55,6 +78,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -71,8 +95,12 @@ from bench.provenance import write_result  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smollm2_real_scale.yaml"
 SITE = ROOT / "bench" / "real_scale_site"
+MODELS = Path.home() / ".cache" / "earl_stream" / "models"
+SMOLLM2_DIR = MODELS / "smollm2-135m-instruct"
+HEADS8_DIR = MODELS / "smollm2-shape-8h4kv-random"
 GIB = 1 << 30
-BASE_TOKENS = 66  # an episode's tokens besides the filler (system prompt, chat template, facts, question, replies)
+BASE_TOKENS = 70  # an episode's tokens besides the filler (system prompt, chat template, facts, question, reply)
+RUN_OVERHEAD_S = 100.0  # one `up` on this machine before its first step and after its last (estimate only)
 NO_MEMORY_MODEL = 1 << 40  # the selector budget of the static and dynamic-SP runs: no plan is refused for memory
 _STEP = re.compile(r"^(\S+ \S+) .*step (\d+): loss \S+ grad-norm \S+ reward (\S+) \((\d+) samples, (\d+) tokens\) "
                    r"in ([\d.]+)s")
@@ -82,41 +110,88 @@ _ADOPT = re.compile(r"^(\S+ \S+) .*step (\d+): adopted trainer plan v(\d+): (\S+
 _ALLOC = re.compile(r"can't allocate memory|MemoryError|out of memory|Killed|SIGKILL", re.I)
 
 
-def strategies(nproc: int) -> list[str]:
-    static = [f"static:{p}{rc}" for p in (f"dp{nproc}", f"fsdp{nproc}", f"tp{nproc}", f"sp{nproc}") for rc in ("", "+rc")]
-    return ["adaptive", "dynamic_sp", *static]
+def strategies(nproc: int, setting: str) -> list[str]:
+    """The arms of a model setting: SmolLM2's 9 heads allow dp/FSDP (and recomputation) only; the 8-head shape
+    adds tp and sp and the per-micro-batch dynamic sequence-parallel policy."""
+    layouts = (f"dp{nproc}", f"fsdp{nproc}") if setting == "smollm2" else \
+        (f"dp{nproc}", f"fsdp{nproc}", f"tp{nproc}", f"sp{nproc}")
+    static = [f"static:{p}{rc}" for p in layouts for rc in ("", "+rc")]
+    return ["adaptive", *(["dynamic_sp"] if setting == "heads8" else []), *static]
 
 
-def env_params(args: argparse.Namespace) -> dict[str, Any]:
-    return {"turns": 1, "max_turns": 1, "facts_per_turn": 2, "filler_words": args.filler_words,
-            "filler_factor": args.filler_factor, "grow_every": args.grow_every,
-            "max_filler_words": round(args.filler_words * args.filler_factor ** (args.levels - 1))}
+def build_heads8_model(out: Path = HEADS8_DIR) -> Path:
+    """SmolLM2-135M's size (hidden 576, 30 layers, its vocabulary and tokenizer) with 8 attention heads and 4 KV
+    heads, random weights (seed 0): a shape that tp2 and sp2 can split. Built once, then loaded from `out`."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from real_scale_single import SMOLLM2_135M
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SMOLLM2_135M, "num_attention_heads": 8, "num_key_value_heads": 4},
+                         max_position_embeddings=8192)
+    LlamaForCausalLM(config).save_pretrained(tmp)
+    for f in SMOLLM2_DIR.iterdir():  # the tokenizer and chat template of the real model
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return out
+
+
+def level_words(args: argparse.Namespace) -> list[int]:
+    """Filler words per episode at each context phase (level)."""
+    return [round(args.filler_words * args.filler_factor ** k) for k in range(args.levels)]
+
+
+def env_params(args: argparse.Namespace, longest_only: bool = False) -> dict[str, Any]:
+    """The recall task with its facts next to the question; a phase of --steps-per-phase steps per level
+    (`level_groups`: prompt groups per level). `longest_only`: every episode at the last level (a token-cap probe)."""
+    words = level_words(args)
+    base = {"turns": 1, "max_turns": 1, "facts_per_turn": 2, "facts_last": True, "max_filler_words": words[-1]}
+    if longest_only:
+        return {**base, "filler_words": words[-1], "filler_factor": 1.0}
+    return {**base, "filler_words": args.filler_words, "filler_factor": args.filler_factor,
+            "level_groups": [args.steps_per_phase * args.groups_per_step] * args.levels}
 
 
 def phase_lengths(args: argparse.Namespace) -> list[int]:
     """Expected tokens per episode at each curriculum level (what a step's samples are binned by)."""
-    return [BASE_TOKENS + round(args.filler_words * args.filler_factor ** k) for k in range(args.levels)]
+    return [BASE_TOKENS + w for w in level_words(args)]
 
 
-def setup(kind: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """`up` overrides and the bench hooks' environment of one strategy."""
+def setup(kind: str, args: argparse.Namespace, token_cap: int = 0, probe: bool = False) -> tuple[list[str], dict[str, str]]:
+    """`up` overrides and the bench hooks' environment of one strategy. `token_cap`: the largest micro-batch
+    (verl-style dynamic batching) of a static plan or of the dynamic-SP arm's fixed plan; `probe`: every episode
+    at the longest phase's length (the token-cap search)."""
     cap = int(args.cap_gib * GIB)
-    params = json.dumps(env_params(args)).replace('"', "")
-    over = [f"seed={args.seed}", f"trainer.nproc={args.nproc}", f"envs.0.params={params}",
+    params = json.dumps(env_params(args, longest_only=probe)).replace('"', "")
+    over = [f"seed={args.seed}", f"trainer.nproc={args.nproc}", f"envs.0.params={params}", f"model.path={args.model_dir}",
+            f"trainer.groups_per_step={args.groups_per_step}", f"trainer.group_size={args.group_size}",
             f"selector.trainer_memory_bytes={cap}", f"selector.reserve_bytes={int(args.reserve_gib * GIB)}",
-            f"selector.initial_seq_len={args.initial_len}", "selector.min_episodes=2", *args.set]
+            f"selector.initial_seq_len={args.initial_len}", f"selector.min_episodes={args.group_size}", *args.set]
     if args.cost_model:
         over.append(f"selector.cost_model_path={Path(args.cost_model).resolve()}")
     env = {"EARL_BENCH_RANK_CAP_BYTES": str(cap), "EARL_BENCH_CAP_MODE": args.cap_mode,
            "EARL_BENCH_CAP_TAG": kind.replace(":", "_").replace("+", "_"), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    if token_cap:
+        env["EARL_BENCH_MAX_MICRO_BATCH_TOKENS"] = str(token_cap)
     unbounded = [f"selector.trainer_memory_bytes={NO_MEMORY_MODEL}", "selector.reserve_bytes=0"]
     if kind.startswith("static:"):  # later overrides win: no memory model, one plan
         over += [*unbounded, f"selector.plans={kind.split(':', 1)[1]}", "selector.upper_factor=1000", "selector.lower_factor=0.001"]
-    elif kind == "dynamic_sp":
-        n = args.nproc
-        over += [*unbounded, f"selector.plans=fsdp{n}|sp{n}", "selector.percentile=max", "selector.headroom=1.0",
-                 "selector.upper_factor=1.0", "selector.min_episodes_between=0"]
+    elif kind == "dynamic_sp":  # the trainer's own per-micro-batch sp degree under one fixed FSDP plan
+        over += [*unbounded, f"selector.plans=fsdp{args.nproc}", f"trainer.dynamic_sp_tokens={dynamic_sp_tokens(args)}",
+                 "selector.upper_factor=1000", "selector.lower_factor=0.001"]
     return over, env
+
+
+def dynamic_sp_tokens(args: argparse.Namespace) -> int:
+    """The dynamic-SP arm's threshold: rows longer than midway between the last two phases' lengths (the
+    longest phase's rows) run at sp=nproc, the rest at sp=1."""
+    lengths = phase_lengths(args)
+    return (lengths[-2] + lengths[-1]) // 2 if len(lengths) > 1 else lengths[0] // 2
 
 
 class RssSampler(threading.Thread):
@@ -198,15 +273,19 @@ def _remove_cgroups(kind: str) -> None:
                 pass
 
 
-def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    over, env = setup(kind, args)
-    run_dir = out_dir / f"real_scale_{kind.replace(':', '_').replace('+', '_')}_run"
+def run(kind: str, args: argparse.Namespace, out_dir: Path, token_cap: int = 0, probe: bool = False,
+        evaluate: bool = False) -> dict[str, Any]:
+    """One `up` of strategy `kind` (a probe: --probe-steps steps at the longest length); `evaluate`: the held-out
+    success of its last checkpoint (`heldout`) before the checkpoints are removed."""
+    over, env = setup(kind, args, token_cap, probe)
+    steps = args.probe_steps if probe else args.steps
+    run_dir = out_dir / f"real_scale_{kind.replace(':', '_').replace('+', '_')}{'_probe' if probe else ''}_run"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs" / "trainer.log").unlink(missing_ok=True)
     saved = {k: os.environ.get(k) for k in [*env, "PYTHONPATH"]}
     os.environ.update(env, PYTHONPATH=f"{SITE}:{ROOT}")  # LiveUp's child (and its children) inherit them
     try:
-        up = LiveUp(run_dir, "--config", str(CONFIG), "--steps", str(args.steps), *over, log=run_dir / "up.log")
+        up = LiveUp(run_dir, "--config", str(CONFIG), "--steps", str(steps), *over, log=run_dir / "up.log")
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -230,7 +309,7 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                     if w["pid"]:
                         sampler.pids.add(w["pid"])
                         groups.setdefault(w["pid"], _cgroup(kind, w["pid"]))
-                if s.get("policy_version", 0) >= args.steps:
+                if s.get("policy_version", 0) >= steps:
                     continue  # done: the ranks leave before `up` does
                 dead = [w["id"] for w in trainers if not w["alive"]]
                 kills = sum(_cgroup_info(g).get("oom_kills", 0) for g in groups.values())
@@ -243,9 +322,65 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         up.stop()
         sampler.done.set()
         _remove_cgroups(kind)
-    result = summarize(kind, args, run_dir, last, ended, timed_out, time.monotonic() - start, sampler, cg)
+    result = summarize(kind, args, run_dir, last, ended, timed_out, time.monotonic() - start, sampler, cg, steps)
+    result["token_cap"] = token_cap or None
+    if evaluate and not result["crashed"] and not result["stopped"] and result["started"]:
+        result["heldout"] = heldout(run_dir, args)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1.6 GB of weights and AdamW state per run
     return result
+
+
+def heldout(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Greedy success (and its standard error) of `model` (a model or run directory: its last checkpoint) on
+    --heldout-problems evaluation items of the task, spread over every phase's length (`earl-stream eval`)."""
+    out = Path(args.json).parent / f"heldout_{model.name}.json"
+    params = json.dumps(env_params(args))
+    cmd = [sys.executable, "-m", "earl_stream", "eval", "--model", str(model), "--env", "long_recall", "--config",
+           str(CONFIG), "--params", params, "--problems", str(args.heldout_problems), "--temperature", "0",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0 or not out.exists():
+        return {"error": (proc.stderr or proc.stdout)[-400:]}
+    r = json.loads(out.read_text())
+    return {"success": r["success"], "stderr": r["stderr"], "problems": r["problems"], "outcomes": r["outcomes"],
+            "seconds": r["seconds"]}
+
+
+def find_token_cap(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """The largest micro-batch token cap at which static plan `kind` trains --probe-steps steps of the longest
+    phase under the rank's cap, as a user tunes verl's `ppo_max_token_len_per_gpu`: candidates from the whole
+    step on one rank (its share of every sequence) down to the longest sequence, halving, the first that
+    survives wins. None where none does (the plan crashes at any cap) or the plan does not start."""
+    longest = phase_lengths(args)[-1] + 32  # the longest episode and some of its spread
+    data_ranks = args.nproc if kind.split(":", 1)[1].startswith(("dp", "fsdp")) else 1  # tp and sp ranks see every row
+    share = args.groups_per_step * args.group_size * longest // data_ranks
+    top = 1 << math.ceil(math.log2(share))
+    candidates = ([c for c in (top >> k for k in range(8)) if c >= longest] or [top])[:args.max_probes]
+    probes = []
+    for c in candidates:
+        r = run(kind, args, out_dir, token_cap=c, probe=True)
+        probes.append({"tokens": c, "started": r["started"], "survived": r["started"] and not r["crashed"]
+                       and not r["stopped"], "crashed": r["crashed"], "reason": r["crash_reason"] or r["start_error"][-200:],
+                       "wall_seconds": r["wall_seconds"]})
+        print(f"   probe {kind} micro-batch {c} tokens: {probes[-1]}", flush=True)
+        if probes[-1]["survived"] or not r["started"]:
+            break
+    found = next((p["tokens"] for p in probes if p["survived"]), None)
+    return {"tokens": found, "probes": probes, "longest_episode_tokens": longest}
+
+
+def estimate_seconds(args: argparse.Namespace, kinds: list[str], rate: float) -> dict[str, float]:
+    """What the benchmark should take on this machine: every run's tokens at `rate` trained tokens/s plus a
+    start-up per run; the token-cap probes (two per static plan, a guess) at the longest length."""
+    lengths = phase_lengths(args)
+    per_step = args.groups_per_step * args.group_size
+    run_s = RUN_OVERHEAD_S + sum(per_step * args.steps_per_phase * n for n in lengths) / rate
+    probe_s = RUN_OVERHEAD_S + args.probe_steps * per_step * lengths[-1] / rate
+    statics = sum(k.startswith("static:") for k in kinds)
+    probes = 2 * (statics + ("dynamic_sp" in kinds))
+    total = len(kinds) * args.repeats * run_s + probes * probe_s
+    return {"per_run_s": round(run_s), "per_probe_s": round(probe_s), "probes": probes,
+            "runs": len(kinds) * args.repeats, "total_s": round(total)}
 
 
 def _ts(stamp: str) -> float:
@@ -299,12 +434,13 @@ def end_of_run(started: bool, steps: int, wanted: int, ended: str, timed_out: bo
 
 
 def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[str, Any] | None, ended: str,
-              timed_out: bool, wall: float, sampler: RssSampler, cgroups: dict[int, dict[str, int]]) -> dict[str, Any]:
+              timed_out: bool, wall: float, sampler: RssSampler, cgroups: dict[int, dict[str, int]],
+              steps: int) -> dict[str, Any]:
     log = parse_trainer_log(run_dir / "logs" / "trainer.log")
     started = bool(log["adopted"]) or bool(log["steps"])
     start_error = "" if started else start_reason(run_dir)
     kills = sum(c.get("oom_kills", 0) for c in cgroups.values())
-    crashed, why = end_of_run(started, len(log["steps"]), args.steps, ended, timed_out, kills, log["alloc_errors"])
+    crashed, why = end_of_run(started, len(log["steps"]), steps, ended, timed_out, kills, log["alloc_errors"])
     lengths = phase_lengths(args)
     phases: list[dict[str, Any]] = [{"phase": k, "expected_tokens": n, "steps": 0, "tokens": 0, "seconds": 0.0,
                                      "cpu_seconds": 0.0, "episode_tokens": []} for k, n in enumerate(lengths)]
@@ -436,85 +572,117 @@ def table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
                     f"{' -> '.join(r['plans_used']) or r['start_error'][-80:]}")
     keys = ("adaptive_crashed", "adaptive_truncated", "vs_best_static_min", "vs_best_static_min_cpu", "vs_dynamic_sp",
             "plans_used", "switch_peak_bytes", "context_growth", "static_crashed_any", "repeats", "end_to_end_seconds",
-            "vs_best_static_end_to_end", "same_plan_phases", "vs_fastest_static_min_differing", "reward_per_phase")
+            "vs_best_static_end_to_end", "same_plan_phases", "vs_fastest_static_min_differing", "reward_per_phase",
+            "dynamic_sp_real", "heldout_before", "heldout_after", "token_caps")
     return "\n".join(rows + [f"{k}: {result[k]}" for k in keys])
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default="bench/results/real_scale.json", help="results file (also the runs' parent dir)")
+    ap.add_argument("--setting", choices=("smollm2", "heads8"), default="smollm2",
+                    help="smollm2: the real SmolLM2-135M-Instruct weights (learning; dp/FSDP/recomputation arms); "
+                         "heads8: its size with 8 attention and 4 KV heads, random weights (systems only; adds tp, sp "
+                         "and the dynamic sequence-parallel arm)")
+    ap.add_argument("--json", default="", help="results file, also the runs' parent dir (default: "
+                    "bench/results/real_scale.json, or real_scale_heads8.json)")
     ap.add_argument("--quick", action="store_true",
-                    help="the same experiment, smaller: ~220 -> ~1,270 tokens per episode (5.9x), one step per phase, a "
-                         "4.4 GiB cap (~5 minutes per strategy that trains to the end on an idle machine)")
+                    help="the same experiment, smaller: 3 phases of one step, ~94 -> ~220 tokens per episode, one "
+                         "repeat, at most 2 probes per plan (~35 minutes for the smollm2 setting on an idle machine)")
     ap.add_argument("--only", default="", help="comma-separated strategies to run (adaptive, dynamic_sp, "
                     "static:dp2, static:fsdp2+rc, ...); their results replace those in an existing --json")
     ap.add_argument("--runs-dir", default="", help="where each strategy's run directory goes (default: beside --json)")
     ap.add_argument("--nproc", type=int, default=2, help="trainer ranks")
-    ap.add_argument("--cap-gib", type=float, default=7.8, help="memory cap of each trainer rank, all of its memory")
+    ap.add_argument("--cap-gib", type=float, default=5.0, help="memory cap of each trainer rank, all of its memory")
     ap.add_argument("--reserve-gib", type=float, default=0.7,
                     help="of the cap, what the selector keeps for what the memory model does not count: the runtime "
-                         "(~0.5 GiB: Python, torch, gloo) and the allocator's slack (the policy versions a rank keeps "
-                         "published, ~0.25 GiB each, are in the memory model)")
+                         "(~0.5 GiB: Python, torch, gloo) and the allocator's slack")
     ap.add_argument("--cap-mode", choices=("cgroup", "rlimit"), default="cgroup",
                     help="cgroup: a memory cgroup per rank (root, resident memory, OOM kill); rlimit: RLIMIT_DATA")
-    ap.add_argument("--filler-words", type=int, default=430, help="filler words per episode at level 0")
-    ap.add_argument("--filler-factor", type=float, default=2.12, help="filler growth per level")
+    ap.add_argument("--filler-words", type=int, default=48, help="filler words per episode at level 0")
+    ap.add_argument("--filler-factor", type=float, default=2.7, help="filler growth per level")
     ap.add_argument("--levels", type=int, default=4, help="context phases (curriculum levels)")
-    ap.add_argument("--grow-every", type=int, default=3, help="prompt groups (= training steps) per level")
-    ap.add_argument("--initial-len", type=int, default=512, help="design length of the first plan (every strategy)")
+    ap.add_argument("--steps-per-phase", type=int, default=3, help="training steps per context phase")
+    ap.add_argument("--groups-per-step", type=int, default=2, help="prompt groups per step")
+    ap.add_argument("--group-size", type=int, default=4, help="episodes per prompt group (GRPO)")
+    ap.add_argument("--probe-steps", type=int, default=2,
+                    help="steps of a token-cap probe at the longest length (2: the second step's peak holds AdamW's "
+                         "state, which the first allocates only after its backward pass; a one-step probe passed "
+                         "dp2 at a cap where its run was then OOM-killed)")
+    ap.add_argument("--max-probes", type=int, default=3, help="token caps tried per plan, largest first")
+    ap.add_argument("--token-caps", default="", help="JSON {plan: tokens} that skips the probes of those plans")
+    ap.add_argument("--heldout-problems", type=int, default=48, help="held-out items (spread over the phases)")
+    ap.add_argument("--rate", type=float, default=60.0, help="trained tokens/s this machine gives (the estimate)")
+    ap.add_argument("--initial-len", type=int, default=128, help="design length of the first plan (every strategy)")
     ap.add_argument("--cost-model", default=str(ROOT / "bench" / "results" / "selector.json"),
                     help="the selector's starting cost model (selector.cost_model_path) for every run: by default the "
-                         "calibration measured on these CPUs (bench/selector.py); '' = the library's GPU-like defaults, "
-                         "which rank FSDP2 with recomputation fastest even where a replica fits")
+                         "calibration measured on these CPUs (bench/selector.py); '' = the library's GPU-like defaults")
     ap.add_argument("--run-minutes", type=float, default=40.0, help="wall-clock limit of one strategy's run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", action="append", default=[], help="one more `up` override for every run (repeatable), "
-                    "e.g. trainer.packing=true once packing is merged")
-    ap.add_argument("--dynamic-sp-hook", action="store_true",
-                    help="print what a per-micro-batch sp degree needs from the trainer, and exit")
+    ap.add_argument("--set", action="append", default=[], help="one more `up` override for every run (repeatable)")
     ap.add_argument("--rebuild", action="store_true", help="recompute the summary keys of --json from its runs")
     ap.add_argument("--repeats", type=int, default=0,
                     help="runs per strategy (default 3; --quick: 1). A first pass runs every strategy once; static plans "
                          "that crashed or stopped in it are not repeated; the other repeats interleave the rest "
                          "(adaptive, dynamic_sp, static:a, adaptive, ...) so load drifts hit every arm alike")
-    args = ap.parse_args()
-    if args.dynamic_sp_hook:
-        print(DYNAMIC_SP_HOOK)
-        return 0
+    args = ap.parse_args(argv)
     if args.quick:
-        args.cap_gib, args.filler_words, args.filler_factor, args.grow_every, args.initial_len = 4.4, 150, 2.0, 1, 256
+        args.cap_gib, args.filler_words, args.filler_factor, args.levels = 4.4, 24, 2.5, 3
+        args.steps_per_phase, args.heldout_problems, args.max_probes = 1, 15, 2
         args.run_minutes = min(args.run_minutes, 15.0)
-    args.steps = args.levels * args.grow_every
+    args.steps = args.levels * args.steps_per_phase
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.json = args.json or f"bench/results/real_scale{'_heads8' if args.setting == 'heads8' else ''}.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.model_dir = str(SMOLLM2_DIR if args.setting == "smollm2" else build_heads8_model())
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
+    runs_dir = Path(args.runs_dir) if args.runs_dir else out.parent
     previous = json.loads(out.read_text()) if out.exists() and (args.only or args.rebuild) else {}
     runs: dict[str, dict[str, Any]] = dict(previous.get("runs", {}))  # each strategy's first repeat
     later: dict[str, list[dict[str, Any]]] = dict(previous.get("repeat_runs", {}))  # its repeats after the first
+    caps: dict[str, Any] = dict(previous.get("token_caps", {}))
+    caps.update({k: {"tokens": v, "probes": [], "given": True} for k, v in json.loads(args.token_caps or "{}").items()})
+    extra: dict[str, Any] = {"heldout_before": previous.get("heldout_before")}
+    kinds = args.only.split(",") if args.only else strategies(args.nproc, args.setting)
 
     def result_now() -> dict[str, Any]:
         every = {kind: [r, *later.get(kind, [])] for kind, r in runs.items()}
-        return {**aggregate(runs, args), **summarize_repeats(every, args.levels),
+        after = (runs.get("adaptive") or {}).get("heldout")
+        dyn = runs.get("dynamic_sp")
+        return {**aggregate(runs, args),
+                **summarize_repeats(every, args.levels, dynamic_sp_real=bool(dyn and dyn["started"])),
+                "heldout_before": extra["heldout_before"], "heldout_after": after, "token_caps": caps,
+                "phase_episode_tokens": phase_lengths(args), "estimate": extra.get("estimate"),
                 "settings": {k: v for k, v in vars(args).items() if k != "json"}, "runs": runs, "repeat_runs": later}
 
     if args.rebuild:
-        for kind, r in runs.items():  # reasons read again from the run directories where they are still there
-            run_dir = Path(args.runs_dir or out.parent) / f"real_scale_{kind.replace(':', '_').replace('+', '_')}_run"
-            if not r["started"] and run_dir.exists():
-                r["start_error"] = start_reason(run_dir)
-        result = result_now()
-        write_result(out, result, indent=1)
-        print(table(result, runs))
+        write_result(out, result_now(), indent=1)
+        print(table(result_now(), runs))
         return 0
+    extra["estimate"] = estimate_seconds(args, kinds, args.rate)
+    print(f"estimate ({args.setting}, {args.rate:g} trained tokens/s): {extra['estimate']}", flush=True)
+    if args.setting == "smollm2" and extra["heldout_before"] is None:
+        extra["heldout_before"] = heldout(SMOLLM2_DIR, args)
+        print(f"   held-out before training: {extra['heldout_before']}", flush=True)
 
     def measure(kind: str, repeat: int) -> dict[str, Any]:
         print(f"== {kind} (repeat {repeat + 1} of {args.repeats})", flush=True)
-        r = run(kind, args, Path(args.runs_dir) if args.runs_dir else out.parent)
+        plan = kind.split(":", 1)[1] if kind.startswith("static:") else f"fsdp{args.nproc}" if kind == "dynamic_sp" else ""
+        if plan and plan not in caps:  # the token cap a user tunes until the plan fits the longest phase
+            caps[plan] = find_token_cap(f"static:{plan}", args, runs_dir)
+        cap = (caps.get(plan) or {}).get("tokens") or 0
+        if plan and not cap:  # no cap fits: the plan runs at its smallest probed cap and meets its crash (or fails to start)
+            cap = min(p["tokens"] for p in caps[plan]["probes"]) if caps[plan]["probes"] else 0
+        r = run(kind, args, runs_dir, token_cap=cap, evaluate=kind == "adaptive" and repeat == 0
+                and args.setting == "smollm2")
         print(f"   started {r['started']} crashed {r['crashed']} ({r['crash_reason']}) steps {r['steps']} "
               f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
         return r
 
-    kinds = args.only.split(",") if args.only else strategies(args.nproc)
     for kind in kinds:
         runs[kind], later[kind] = measure(kind, 0), []
         write_result(out, result_now(), indent=1)  # after every run: a killed benchmark keeps what it measured
@@ -525,23 +693,8 @@ def main() -> int:
         for kind in again:  # interleaved: A B C A B C
             later[kind].append(measure(kind, repeat))
             write_result(out, result_now(), indent=1)
-    result = result_now()
-    print(table(result, runs))
+    print(table(result_now(), runs))
     return 0
-
-
-DYNAMIC_SP_HOOK = """\
-A per-micro-batch sequence-parallel degree (verl's dynamic context parallelism) needs, in the trainer:
-1. workers/train_step._plan: cut each micro-batch with its own sp degree d in {1, ..., N} chosen from its
-   longest row (the smallest d whose per-rank share fits micro_batch_tokens), and group micro-batches so
-   that the N ranks run N/d of them side by side (a Layout per micro-batch: dp = N/d, cp = d);
-2. workers/ulysses: switch the attention between plain and Ulysses per micro-batch (sp_state is per plan
-   today: set_sequence_parallel(model, group) once per adoption), with the sub-groups of every d built once;
-3. workers/mesh.Placement: one sp_group per degree; gradients all-reduced over the whole pool as today
-   (the model's sharding never changes, so nothing is re-laid);
-4. the memory model and selector: a plan whose sp is "dynamic" (its micro_batch_tokens bound per rank).
-bench/real_scale.py's dynamic_sp run emulates it per step instead: the selector restricted to {fsdpN, spN}, no
-recomputation and no memory model, re-planned at every step boundary from the window's longest episode."""
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""bench/real_scale.py's comparison across repeats (issue 45): end-to-end wall time, per-phase rates with 95%
+"""bench/real_scale.py's comparison across repeats: end-to-end wall time, per-phase rates with 95%
 intervals, and which phases ran the same plan on both sides.
 
 Pure arithmetic over the runs `real_scale.summarize` recorded (one dict per strategy and repeat); it starts
@@ -59,7 +59,7 @@ def _survived(run: Run, phase: int) -> bool:
     return bool(run.get("started")) and run["phases"][phase]["steps"] > 0 and run.get("crash_phase") != phase
 
 
-def summarize_repeats(repeats: dict[str, list[Run]], levels: int) -> dict[str, Any]:
+def summarize_repeats(repeats: dict[str, list[Run]], levels: int, dynamic_sp_real: bool = False) -> dict[str, Any]:
     """The issue's keys over every strategy's repeats (`repeats`: strategy -> its runs, first repeat first).
 
     `vs_best_static_end_to_end`: the best crash-free static plan's mean end-to-end seconds over the adaptive
@@ -117,8 +117,7 @@ def summarize_repeats(repeats: dict[str, list[Run]], levels: int) -> dict[str, A
         # the worst phase where the plans differ (None: every compared phase ran the same plan)
         "vs_fastest_static_min_differing": min(differing) if differing else None,
         "reward_per_phase": rewards,
-        # the dynamic-SP baseline is emulated per step (the selector restricted to {fsdpN, spN}), not per micro-batch
-        "dynamic_sp_real": False,
+        "dynamic_sp_real": dynamic_sp_real,
     }
 
 

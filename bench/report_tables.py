@@ -88,6 +88,40 @@ def render_lora_sync(d: dict[str, Any]) -> list[str]:
     return out + _said(d)
 
 
+def render_moe(d: dict[str, Any]) -> list[str]:
+    """bench/moe.py: routing replay at equal weights and in learning runs (mean [95% interval], n per arm), then
+    the plans' tokens/s and the selector's choice."""
+    def ci(x: Any) -> str:
+        return (f"{fmt(x.get('mean'))} [{fmt(x.get('low'))}, {fmt(x.get('high'))}], n={fmt(x.get('n'))}"
+                if isinstance(x, dict) else "—")
+
+    arms = ("replay", "no_replay")
+    learning = d.get("learning", {})
+    rows = [[arm, ci(d.get("routing_mismatch_equal_weights", {}).get(arm)),
+             ci(d.get("logprob_kl_equal_weights", {}).get(arm)), ci(d.get("logprob_abs_diff_equal_weights", {}).get(arm)),
+             ci(learning.get(arm, {}).get("final_reward")),
+             f"{fmt(learning.get(arm, {}).get('collapses'))} of {fmt(learning.get(arm, {}).get('runs'))}"] for arm in arms]
+    out = _table(["arm", "routing decisions differing (equal weights)", "KL engine||trainer, nats/token (k3)",
+                  "mean abs log-prob diff", "learning: final reward", "collapses"], rows)
+    r = d.get("kl_ratio_replay_over_no_replay", {})
+    runs = d.get("learning_runs", {})
+    out += [f"KL with replay over without, at equal weights: **{fmt(r.get('ratio'))}x** [95% {fmt(r.get('low'))}, "
+            f"{fmt(r.get('high'))}] (goal <= 0.5: {fmt(d.get('goal_met'))}). Learning runs: "
+            f"{fmt(runs.get('minutes_per_run'))} minutes each, max_staleness {fmt(runs.get('max_staleness'))}, "
+            f"{fmt(runs.get('dtype'))}.", ""]
+    out += [f"- {k}: {v}" for k, v in d.get("definitions", {}).items()] + [""]
+    t = d.get("throughput", {})
+    by = t.get("measured_by") or {}
+    origin = (f" (kept from the run of {str(by.get('when'))[:10]} at `{str(by.get('commit'))[:7]}`, on a "
+              f"{fmt((t.get('model') or {}).get('num_layers'))}-layer MoE)" if by else "")
+    for n, plans in d.get("plans_tokens_per_s", {}).items():
+        choice = d.get("selector_choice", {}).get(n, {})
+        out += [f"Tokens/s at {n} tokens per sequence{origin}: " + ", ".join(f"{p} {fmt(v)}" for p, v in plans.items())
+                + f"; the selector chose {fmt(choice.get('plan'))} (faster measured: {fmt(choice.get('faster_measured'))}).",
+                ""]
+    return out + _said(d)
+
+
 def render_dispatch(d: dict[str, Any]) -> list[str]:
     rows = []
     for name, r in d.get("layouts", {}).items():
@@ -302,6 +336,25 @@ def render_openai_endpoint(d: dict[str, Any]) -> list[str]:
                   "goal >= 0.8", "prefix mismatches"], rows)
     return out + [f"{d.get('episodes')} concurrent episodes, medians of {d.get('reps')} alternating repetitions, "
                   f"{d.get('agent_processes', 1)} agent process(es), {d.get('threads')} torch thread(s).", ""] + _said(d)
+
+
+def render_sandbox(d: dict[str, Any]) -> list[str]:
+    """bench/sandbox.py: episodes/s per mode (mean [95% interval]) in each arm, and each arm's ratios to none."""
+    def ci(x: Any, key: str = "mean") -> str:
+        return f"{fmt(x.get(key))} [{fmt(x.get('low'))}, {fmt(x.get('high'))}]" if isinstance(x, dict) else "—"
+
+    env = d.get("env_arm", {})
+    arms = [("environment from a file, children reused", env, env.get("bwrap_vs_none"), env),
+            ("agent programs, processes started each round", d, d.get("agent_bwrap_vs_none"), d)]
+    rows = [[name, *(ci(a.get("episodes_per_s", {}).get(m)) for m in ("none", "process", "bwrap")),
+             ci(a.get("process_vs_none"), "ratio"), ci(bwrap, "ratio"), f"{fmt(n.get('reps'))} x {fmt(n.get('episodes'))}"]
+            for name, a, bwrap, n in arms]
+    out = _table(["arm", "none episodes/s", "process", "bwrap", "process / none", "bwrap / none", "rounds x episodes"],
+                 rows)
+    load = ", ".join(fmt(x, 2) for x in (d.get("load_average_at_start") or [])[:1] + (d.get("load_average_at_end") or [])[:1])
+    out += [f"Goal ({d.get('goal', 'bwrap >= 0.8 x none')}): **{'met' if d.get('goal_met') else 'missed'}** "
+            f"(mean ratio). Load average (1 min) at start and end: {load}.", ""]
+    return out + _said(d)
 
 
 def render_context_growth(d: dict[str, Any]) -> list[str]:

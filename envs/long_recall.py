@@ -22,18 +22,34 @@ grows geometrically with the level while the number of turns (and of model repli
 SmolLM2-135M's tokenizer a filler word is ~1.0 token: `turns=1, max_turns=1, facts_per_turn=2,
 filler_words=440, filler_factor=2.1` gives ~500 tokens per episode at level 0 and ~4,200 at level 3
 (bench/real_scale.py, tests/envs/test_long_recall.py).
+
+Facts near the question (`facts_last=True`, needs filler): a page is the filler document first, then its
+facts ("Notes: <filler>.\nFacts: Q7=3 B2=8"), so the facts sit next to the question however long the
+document grows, and the question comes with the last page ("What is the value of B2? Reply with the digit
+only."), answered in one reply of up to 8 tokens (a key's own digit in the reply is not an answer): a model
+that reads the end of its context can answer at every length (SmolLM2-135M-Instruct earns reward at every
+level this way; with the facts first and 3-token replies it never answers with a value).
+
+A schedule of levels (`level_groups`, e.g. "8,8,6,6"): the number of prompt groups (distinct seeds) at
+each level, in order; past their sum the last level stays. It replaces `grow_every` (a fixed number of
+groups per level) where a run should spend most of its steps at short and middle lengths and a tail at the
+longest. `held_out` gives evaluation items at every level of the schedule (seed i of the set at level
+i mod levels), from the evaluation seeds no run issues for training, without touching the curriculum.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import re
 import string
+from typing import Any
 
 from earl_stream_envs.curriculum import CURRICULUM
 
 from earl_stream.env import StepResult
+from earl_stream.env.seeds import eval_seeds
 from earl_stream.errors import EnvError
 
 __all__ = ["LongRecall"]
@@ -58,7 +74,8 @@ class LongRecall:
 
     def __init__(self, turns: int = 2, max_turns: int = 24, facts_per_turn: int = 4, grow_every: int = 0,
                  max_episode_tokens: int | None = None, filler_words: int = 0, filler_factor: float = 1.0,
-                 max_filler_words: int = 20000) -> None:
+                 max_filler_words: int = 20000, facts_last: bool = False, level_groups: str | list[int] = "",
+                 fixed_levels: int = 0) -> None:
         # int() because `env attach --param k=v` may pass strings
         turns, max_turns, facts, grow_every = int(turns), int(max_turns), int(facts_per_turn), int(grow_every)
         filler_words, filler_factor, max_filler = int(filler_words), float(filler_factor), int(max_filler_words)
@@ -66,6 +83,14 @@ class LongRecall:
             raise EnvError(f"LongRecall needs filler_words ({filler_words}) >= 0, filler_factor ({filler_factor}) >= 1 "
                            f"and max_filler_words ({max_filler}) >= filler_words")
         self.filler_words, self.filler_factor, self.max_filler_words = filler_words, filler_factor, max_filler
+        self.facts_last = facts_last if isinstance(facts_last, bool) else str(facts_last).lower() in ("1", "true")
+        self.level_groups = _parse_groups(level_groups)
+        self.fixed_levels = int(fixed_levels)
+        if self.facts_last:  # room for "The value of B2 is 8"
+            self.max_turn_tokens = 8
+        if self.fixed_levels < 0 or (self.facts_last and not filler_words):
+            raise EnvError(f"LongRecall needs fixed_levels ({self.fixed_levels}) >= 0 and filler_words > 0 with "
+                           "facts_last")
         if max_episode_tokens is not None:  # a hard context limit: longer episodes end "truncated", reward 0
             if int(max_episode_tokens) < 1:
                 raise EnvError(f"LongRecall max_episode_tokens must be >= 1 or None, got {max_episode_tokens!r}")
@@ -94,11 +119,28 @@ class LongRecall:
             return self.max_filler_words
         return min(self.max_filler_words, round(self.filler_words * self.filler_factor ** level))
 
-    async def reset(self, seed: int) -> str:
-        """Draw the facts and the question of `seed` at the seed's curriculum level; show the first facts."""
+    @classmethod
+    def held_out(cls, params: dict[str, Any], problems: int) -> tuple[dict[str, Any], list[int]]:
+        """Params and seeds of `problems` evaluation items (`earl_stream.evaluation.heldout`): the evaluation
+        seeds (never issued for training), item i at level i mod the schedule's levels (its `level_groups`,
+        else one level: 0), with the curriculum left alone."""
+        levels = len(_parse_groups(params.get("level_groups", ""))) or 1
+        return {**params, "level_groups": "", "grow_every": 0, "fixed_levels": levels}, eval_seeds(problems)
+
+    def _level_of(self, seed: int) -> int:
+        if self.fixed_levels:
+            return (seed - eval_seeds(1)[0]) % self.fixed_levels
         key = (self.turns, self.grow_every) if not self.filler_words else \
             (self.turns, self.grow_every, self.filler_words, self.filler_factor)
-        self._level = CURRICULUM.level(seed, self.grow_every, key)
+        if not self.level_groups:
+            return CURRICULUM.level(seed, self.grow_every, key)
+        ordinal = CURRICULUM.level(seed, 1, (*key, tuple(self.level_groups)))  # distinct seeds seen before
+        ends = list(itertools.accumulate(self.level_groups))
+        return next((k for k, end in enumerate(ends) if ordinal < end), len(ends) - 1)
+
+    async def reset(self, seed: int) -> str:
+        """Draw the facts and the question of `seed` at the seed's curriculum level; show the first facts."""
+        self._level = self._level_of(seed)
         n = self.episode_turns(self._level)
         rng = random.Random(seed)
         keys = rng.sample(_KEYS, n * self.facts_per_turn)
@@ -107,11 +149,19 @@ class LongRecall:
         self._pages = [" ".join(facts[i:i + self.facts_per_turn]) for i in range(0, len(facts), self.facts_per_turn)]
         if self.filler_words:
             words = self.page_filler_words(self._level)
-            self._pages = [f"{page}\nNotes: " + " ".join(rng.choices(_FILLER, k=words)) + "." for page in self._pages]
+            notes = [" ".join(rng.choices(_FILLER, k=words)) for _ in self._pages]
+            self._pages = [f"Notes: {n}.\nFacts: {page}" if self.facts_last else f"{page}\nNotes: {n}."
+                           for page, n in zip(self._pages, notes)]
         ask = rng.randrange(len(keys))
         self._key, self._value = keys[ask], values[ask]
         self._shown, self._done = 1, False
-        return f"Facts: {self._pages[0]}"
+        return self._show(0)
+
+    def _show(self, i: int) -> str:
+        if not self.facts_last:
+            return f"Facts: {self._pages[i]}"
+        last = i == len(self._pages) - 1  # the question comes with the last page: it is answered in one reply
+        return self._pages[i] + (f"\nWhat is the value of {self._key}? Reply with the digit only." if last else "")
 
     async def step(self, action_text: str) -> StepResult:
         """Show the next facts, or the question after the last of them, or score the answer."""
@@ -119,12 +169,23 @@ class LongRecall:
             raise EnvError("LongRecall.step() called on a finished episode; call reset(seed) first")
         if self._shown < len(self._pages):
             self._shown += 1
-            return StepResult(f"Facts: {self._pages[self._shown - 1]}", 0.0, False)
-        if self._shown == len(self._pages):
+            return StepResult(self._show(self._shown - 1), 0.0, False)
+        if self._shown == len(self._pages) and not self.facts_last:
             self._shown += 1
             return StepResult(f"What is {self._key}?", 0.0, False)
         self._done = True
-        match = _DIGIT.search(action_text)
+        match = _DIGIT.search(action_text.replace(self._key, ""))  # "B2 is 8": the key's own digit is no answer
         outcome = "no_answer" if match is None else "correct" if int(match.group()) == self._value else "wrong"
         info = {"outcome": outcome, "expected": self._value, "turns": len(self._pages), "level": self._level}
         return StepResult("", 1.0 if outcome == "correct" else 0.0, True, info)
+
+
+def _parse_groups(value: str | list[int] | tuple[int, ...]) -> list[int]:
+    """ "8,8,6,6" (or "8|8|6|6", or a list) -> [8, 8, 6, 6]; "" -> []."""
+    if isinstance(value, (list, tuple)):
+        groups = [int(v) for v in value]
+    else:
+        groups = [int(v) for v in re.split(r"[,|]", str(value)) if v.strip()]
+    if any(g < 1 for g in groups):
+        raise EnvError(f"LongRecall level_groups needs counts >= 1, got {value!r}")
+    return groups

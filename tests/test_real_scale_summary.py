@@ -66,3 +66,27 @@ def test_differing_plans_are_compared_with_intervals_over_repeats() -> None:
     assert s["per_phase"]["adaptive"][3]["tokens_per_s"]["n"] == 3 and "low" in s["per_phase"]["adaptive"][3]["tokens_per_s"]
     assert s["vs_fastest_static_min_differing"] is not None
     assert all(end_to_end_seconds(r) for r in repeats["adaptive"])
+
+
+def test_an_arm_identical_to_a_static_plan_is_never_a_speedup_and_same_plan_phases_never_count() -> None:
+    runs, levels = _recorded()
+    static = runs["static:fsdp2+rc"]
+    plan = phase_plans(static, levels)[0]
+    # the adaptive arm ran exactly what the static plan ran, as fast, over 3 repeats each
+    repeats = {"adaptive": [_shifted(static, f) for f in (0.99, 1.0, 1.01)],
+               "static:fsdp2+rc": [_shifted(static, f) for f in (1.01, 1.0, 0.99)]}
+    s = summarize_repeats(repeats, levels, dynamic_sp_real=True)
+    assert s["same_plan_phases"] == list(range(levels)) and plan
+    assert s["vs_fastest_static_min_differing"] is None
+    e2e = s["vs_best_static_end_to_end"]
+    assert e2e["ratio"] == pytest.approx(1.0, abs=1e-3) and e2e["ci95"][0] < 1.0 < e2e["ci95"][1]
+    assert s["dynamic_sp_real"] is True and s["repeats"] == {"adaptive": 3, "static:fsdp2+rc": 3}
+    # one phase where the adaptive arm ran another plan: only that phase is compared
+    faster = [_shifted(static, f) for f in (0.5, 0.51, 0.49)]
+    for r in faster:
+        r["adopted"] = [*r["adopted"], {"step": r["step_log"][-1]["step"] - 1, "version": 99, "plan": "dp2+rc",
+                                        "micro_batch_tokens": 4096}]
+    s = summarize_repeats({"adaptive": faster, "static:fsdp2+rc": repeats["static:fsdp2+rc"]}, levels)
+    last = s["phase_vs_fastest_static"][levels - 1]
+    assert not last["same_plan"] and levels - 1 not in s["same_plan_phases"]
+    assert s["vs_fastest_static_min_differing"] == last["ratio"]

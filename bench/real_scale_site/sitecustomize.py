@@ -7,6 +7,11 @@ the harness starts (it puts this directory first on PYTHONPATH). It does nothing
   kernel OOM-kills the rank. EARL_BENCH_CAP_MODE=rlimit: setrlimit(RLIMIT_DATA) (a private writable address
   space cap: torch raises "can't allocate memory", the rank exits with the error).
 
+- EARL_BENCH_MAX_MICRO_BATCH_TOKENS: every process but the trainer ranks (the supervisor is the one that plans)
+  gives the trainer selector this largest micro-batch (`TrainerSelector(max_micro_batch_tokens=...)`, which no
+  config field sets): the token cap of verl-style dynamic batching, micro-batches filled up to it, that the
+  harness found for a static plan (or for the dynamic sequence-parallel arm's fixed plan).
+
 Forcing a static plan and the selector's minimum of episodes are config fields (`selector.plans`,
 `selector.min_episodes`), which the harness sets.
 """
@@ -40,5 +45,21 @@ def _cap_rank(cap: int) -> None:
     (group / "cgroup.procs").write_text(str(pid))
 
 
+def _cap_micro_batches(tokens: int) -> None:
+    import functools
+
+    from earl_stream.supervisor import selector
+
+    init = selector.TrainerSelector.__init__
+
+    @functools.wraps(init)
+    def capped(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **{**kwargs, "max_micro_batch_tokens": tokens})
+
+    selector.TrainerSelector.__init__ = capped  # type: ignore[method-assign]
+
+
 if _CAP and os.environ.get("RANK") is not None:
     _cap_rank(int(_CAP))
+if os.environ.get("EARL_BENCH_MAX_MICRO_BATCH_TOKENS") and os.environ.get("RANK") is None:
+    _cap_micro_batches(int(os.environ["EARL_BENCH_MAX_MICRO_BATCH_TOKENS"]))

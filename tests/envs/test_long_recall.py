@@ -137,10 +137,56 @@ def test_filler_grows_geometrically_with_the_level_and_keeps_the_facts() -> None
             LongRecall(**bad)
 
 
+def test_facts_last_puts_the_question_with_the_facts_after_the_document() -> None:
+    async def go() -> None:
+        env = LongRecall(turns=1, max_turns=1, facts_per_turn=2, filler_words=30, facts_last="true")
+        assert env_options(env).max_turn_tokens == 8
+        page = await env_reset(env, 12)
+        notes, facts, question = page.split("\n")
+        assert notes.startswith("Notes: ") and len(notes.split()) == 31
+        assert re.fullmatch(r"Facts: [A-Z]\d=\d [A-Z]\d=\d", facts)
+        key = re.fullmatch(r"What is the value of (\w+)\? Reply with the digit only\.", question).group(1)
+        value = dict(f.split("=") for f in facts.removeprefix("Facts: ").split())[key]
+        final = await env_step(env, f"The value of {key} is {value}")  # one reply; the key's digit is no answer
+        assert final.done and final.reward == 1.0
+        await env_reset(env, 12)
+        assert (await env_step(env, f"{key} is")).info["outcome"] == "no_answer"
+
+    asyncio.run(go())
+    with pytest.raises(EnvError, match="facts_last"):
+        LongRecall(facts_last=True)
+
+
+def test_level_groups_schedule_and_held_out_items_at_every_level() -> None:
+    async def go() -> None:
+        params = {"turns": 1, "max_turns": 1, "facts_per_turn": 2, "filler_words": 10, "filler_factor": 2,
+                  "facts_last": True, "level_groups": [3, 2, 1]}
+        levels = []
+        for seed in range(8800, 8808):
+            env = LongRecall(**params)
+            await env_reset(env, seed)
+            await env_reset(env, seed)  # a group member: same seed, same level, not counted again
+            levels.append((await env_step(env, "1")).info["level"])
+        assert levels == [0, 0, 0, 1, 1, 2, 2, 2]  # past the schedule the last level stays
+        held, seeds = LongRecall.held_out(params, 6)
+        assert seeds == [(1 << 30) + i for i in range(6)] and held["fixed_levels"] == 3
+        env = LongRecall(**held)
+        got = []
+        for seed in seeds:
+            await env_reset(env, seed)
+            got.append((await env_step(env, "1")).info["level"])
+        assert got == [0, 1, 2, 0, 1, 2]
+
+    asyncio.run(go())
+    with pytest.raises(EnvError, match="level_groups"):
+        LongRecall(level_groups="3|0")
+
+
 @pytest.mark.real_model
-def test_real_scale_episodes_grow_from_at_most_512_to_at_least_4096_smollm2_tokens() -> None:
+def test_real_scale_episodes_grow_at_least_8x_in_smollm2_tokens() -> None:
     """The environment of configs/smollm2_real_scale.yaml (bench/real_scale.py's full run), with SmolLM2-135M's
-    tokenizer and chat template, replies of the most tokens the environment allows."""
+    tokenizer and chat template and a reply of the most tokens the environment allows, at its first and
+    last level."""
     from pathlib import Path
 
     from earl_stream.config import load_config
@@ -151,19 +197,16 @@ def test_real_scale_episodes_grow_from_at_most_512_to_at_least_4096_smollm2_toke
         pytest.skip("SmolLM2-135M-Instruct not imported (make real-model)")
     tok = load_tokenizer(str(model_dir))
     config = Path(__file__).resolve().parents[2] / "configs" / "smollm2_real_scale.yaml"
-    FULL_ENV = dict(load_config(config).envs[0].params)
+    params = dict(load_config(config).envs[0].params)
+    held, seeds = LongRecall.held_out(params, 4)  # seed i at level i
 
     async def tokens(level: int) -> int:
-        env = LongRecall(**{**FULL_ENV, "grow_every": 1})
-        pages = []
-        for seed in range(9100, 9101 + level):  # the level-th new seed of this configuration
-            pages = [await env_reset(env, seed)]
-        pages.append((await env_step(env, "ok ok ok")).observation)
-        msgs = [{"role": "system", "content": env.system_prompt}]
-        for page in pages:
-            msgs += [{"role": "user", "content": page}, {"role": "assistant", "content": "7 7 7"}]
+        env = LongRecall(**held)
+        page = await env_reset(env, seeds[level])
+        msgs = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": page},
+                {"role": "assistant", "content": "The value of A1 is 7"}]
         ids = tok.apply_chat_template(msgs, tokenize=True)
         return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     first, last = asyncio.run(tokens(0)), asyncio.run(tokens(3))
-    assert first <= 512 and last >= 4096 and last / first >= 8, (first, last)
+    assert first <= 128 and last >= 1000 and last / first >= 8, (first, last)
