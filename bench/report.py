@@ -62,9 +62,10 @@ def _git(*args: str) -> tuple[int, str]:
 def measured_at(data: dict[str, Any], path: Path) -> tuple[str, str]:
     """(commit, date) a result was measured at: its own provenance when it names a clean checkout, else
     the commit that first committed the file after its measurement (a later commit that only scrubs a path in
-    it does not make it current), else the one that last wrote it; ("", "") while the file is not committed."""
+    it does not make it current), else the one that last wrote it; ("", "") while the file is not committed.
+    A provenance commit this history lacks (work re-committed after a rewrite) counts as a dirty checkout."""
     prov = data.get("provenance") or {}
-    if prov.get("commit") and not prov.get("dirty"):
+    if prov.get("commit") and not prov.get("dirty") and _git("cat-file", "-e", f"{prov['commit']}^{{commit}}")[0] == 0:
         return prov["commit"], str(prov.get("when", ""))[:10]
     rel = str(path.resolve().relative_to(ROOT))
     if prov.get("when"):
