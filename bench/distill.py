@@ -1,36 +1,111 @@
-"""On-policy distillation vs plain GRPO on the embedded Tic-Tac-Toe task, same budget.
+"""On-policy distillation with a teacher worth learning from, against GRPO alone (issue 49, item 2).
 
-    python bench/distill.py [--steps 20] [--student-steps 150] [--every 5] [--eval-games 100]
-                            [--coef 0.1] [--mode reward] [--out bench/results/distill.json]
+    python bench/distill.py [--seeds 3] [--minutes 5] [--teacher-minutes 10] [--teacher DIR] [--window 256]
+                            [--target 0.9] [--coef 0.1] [--quick] [--out bench/results/distill.json]
 
-The student is the embedded tiny model warm-started for only --student-steps supervised steps; the
-teacher is the fully warm-started embedded model (`ensure_default_model`, 1,350 steps). Both arms run
-`earl-stream up` from the student for --steps training steps with the same seed and knobs, one with
-`algo.distill.teacher=<teacher>`. Win rate over training: each checkpoint (every --every steps, step 0
-being the student) plays --eval-games games at temperature 1.0 (`warmstart.evaluate_game`). Longer runs:
---steps 200 --every 25.
+The teacher is the embedded default after a full learning run: `earl-stream up` on the default for
+--teacher-minutes, its last checkpoint (or --teacher DIR, a model directory). The student is the default's
+warm start (`ensure_default_model`, ~0.59 win rate). Three arms, each `earl-stream up` from the student for
+--minutes of wall time, all else equal:
+
+- `grpo`: the default algorithm alone;
+- `distill_reward`: + `algo.distill` in reward mode (the episode's summed reverse KL to the teacher
+  subtracted from its reward);
+- `distill_loss`: + `algo.distill` in loss mode (coef x k2 per loss token in the policy loss).
+
+Arms are interleaved by seed (grpo, reward, loss, grpo, ...), so load drifts hit all alike. The win rate is
+the run's own over its last --window games against the random opponent (the supervisor's
+`win_rate_last`, sampled every 5 s); a run reaches the target at the first full window at or above it.
+Reported per seed: the policy version (steps) and seconds at the target, and the final window's win rate
+at the end of the budget. `best_distill_vs_grpo_steps` is the distillation arm with the lower mean of the
+per-seed ratios steps(distill) / steps(grpo), over the seeds where both reached the target, with its 95%
+interval (goal: <= 0.5). The teacher and the student are also scored by `warmstart.evaluate_game` (temperature
+1.0, --eval-games games). Runs ~1 hour with the defaults (3 seeds x 3 arms x 5 minutes, a 10-minute teacher).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
+import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.provenance import write_result  # noqa: E402
+from learning import run_curve  # noqa: E402
+from provenance import write_result  # noqa: E402
+from stats import mean_ci95  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("grpo", "distill_reward", "distill_loss")
+DEPENDS_ON = ["bench/distill.py", "earl_stream/algo/distill.py", "earl_stream/workers/train_step.py",
+              "earl_stream/workers/rollout.py", "earl_stream/model/default.py"]
+
+
+def arm_overrides(arm: str, teacher: str, coef: float) -> list[str]:
+    """What `earl-stream up` gets beside the shared settings for `arm`."""
+    if arm == "grpo":
+        return []
+    mode = arm.removeprefix("distill_")
+    return [f"algo.distill.teacher={teacher}", f"algo.distill.coef={coef}", f"algo.distill.mode={mode}"]
+
+
+def reached(curve: list[dict], target: float) -> dict[str, Any] | None:
+    """The first point of `curve` whose window is full and at or above `target`."""
+    return next((p for p in curve if p.get("full", True) and p["win"] >= target), None)
+
+
+def run_figures(curve: list[dict], target: float) -> dict[str, Any]:
+    """One run's figures: steps and seconds to `target` (None if never), final win rate, steps in all."""
+    hit = reached(curve, target)
+    full = [p for p in curve if p.get("full", True)]
+    return {"steps_to_target": hit["step"] if hit else None, "seconds_to_target": hit["t"] if hit else None,
+            "final_win_rate": full[-1]["win"] if full else None, "steps": curve[-1]["step"] if curve else 0,
+            "seconds": curve[-1]["t"] if curve else 0.0}
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The benchmark's keys from its runs (each {"arm", "seed", "overrides", figures of `run_figures`}).
+
+    ValueError if a distillation arm ran the same configuration as GRPO (no comparison between identical
+    arms is a speedup)."""
+    by_arm: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in runs:
+        by_arm.setdefault(r["arm"], {})[r["seed"]] = r
+    seeds = sorted({r["seed"] for r in runs})
+    grpo = by_arm.get("grpo", {})
+    out: dict[str, Any] = {
+        key: {arm: [by_arm[arm][s][key] if s in by_arm[arm] else None for s in seeds] for arm in by_arm}
+        for key in ("steps_to_target", "seconds_to_target", "final_win_rate")}
+    out["seeds"] = seeds
+    out["final_win_rate_mean"] = {arm: _mean_or_none(v) for arm, v in out["final_win_rate"].items()}
+    ratios: dict[str, Any] = {}
+    for arm, per_seed in by_arm.items():
+        if arm == "grpo":
+            continue
+        for s, run in per_seed.items():
+            if s in grpo and sorted(run["overrides"]) == sorted(grpo[s]["overrides"]):
+                raise ValueError(f"{arm} ran the same configuration as grpo (seed {s}): not a comparison")
+        pairs = [per_seed[s]["steps_to_target"] / grpo[s]["steps_to_target"] for s in seeds
+                 if s in per_seed and s in grpo and per_seed[s]["steps_to_target"] and grpo[s]["steps_to_target"]]
+        ratios[arm] = {"per_seed": pairs, **(mean_ci95(pairs) if len(pairs) >= 2
+                                             else {"mean": pairs[0] if pairs else None, "n": len(pairs)})}
+    out["distill_vs_grpo_steps"] = ratios
+    ranked = sorted((r["mean"], arm) for arm, r in ratios.items() if r.get("mean") is not None)
+    out["best_distill_vs_grpo_steps"] = ({"arm": ranked[0][1], **ratios[ranked[0][1]]} if ranked else None)
+    return out
+
+
+def _mean_or_none(values: list[Any]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
 
 
 def evaluate(model_dir: Path, games: int) -> dict[str, float]:
+    """Win, draw and legal rates of `model_dir` against the random opponent at temperature 1.0."""
     from earl_stream.model.loading import load_model
     from earl_stream.model.warmstart import evaluate_game, resolve_game
 
@@ -39,58 +114,68 @@ def evaluate(model_dir: Path, games: int) -> dict[str, float]:
     return {"legal_rate": legal, "win_rate": win, "draw_rate": draw}
 
 
-def arm(name: str, student: Path, tmp: Path, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
-    run_dir = tmp / name
-    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", str(args.steps), "--summary", str(tmp / f"{name}.json"),
-           f"model.path={student}", f"run_dir={run_dir}", f"trainer.checkpoint_every={args.every}",
-           "rollout.workers=1", f"seed={args.seed}", *extra]
-    start = time.monotonic()
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                                         "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.monotonic() - start
-    curve = [{"step": 0, **evaluate(student, args.eval_games)}]
-    for ckpt in sorted((run_dir / "checkpoints").glob("step_*")):
-        curve.append({"step": int(ckpt.name.split("_")[1]), **evaluate(ckpt, args.eval_games)})
-    summary = json.loads((tmp / f"{name}.json").read_text())
-    return {"wall_seconds": round(wall, 1), "curve": curve, "win_rate_last_window": summary.get("win_rate_last"),
-            "extra_overrides": extra}
+def train_teacher(tmp: Path, minutes: float, window: int) -> tuple[Path, list[dict]]:
+    """The default after `minutes` of its own learning run: its last checkpoint."""
+    run_dir = tmp / "teacher"
+    curve = run_curve(["seed=1000", "trainer.checkpoint_every=25"], minutes=minutes, window=window, every=10.0,
+                      run_dir=run_dir)
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not checkpoints:
+        raise SystemExit(f"the teacher's run left no checkpoint in {run_dir / 'checkpoints'}")
+    return checkpoints[-1], curve
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--student-steps", type=int, default=150)
-    ap.add_argument("--every", type=int, default=5)
-    ap.add_argument("--eval-games", type=int, default=100)
-    ap.add_argument("--coef", type=float, default=0.1)
-    ap.add_argument("--mode", default="reward", choices=("reward", "loss"))
-    ap.add_argument("--seed", type=int, default=0)
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=3, help="repeats per arm (seeds 0..N-1), interleaved")
+    ap.add_argument("--minutes", type=float, default=5.0, help="wall-time budget of each arm's run")
+    ap.add_argument("--teacher-minutes", type=float, default=10.0, help="the teacher's learning run")
+    ap.add_argument("--teacher", default="", help="a teacher model directory instead of a learning run")
+    ap.add_argument("--window", type=int, default=256, help="games in the win-rate window")
+    ap.add_argument("--target", type=float, default=0.9, help="win rate whose steps and seconds are reported")
+    ap.add_argument("--coef", type=float, default=0.1, help="algo.distill.coef of both distillation arms")
+    ap.add_argument("--eval-games", type=int, default=512, help="games scoring the teacher and the student")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 1-minute arms, a 2-minute teacher (a check)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/distill.json"))
     args = ap.parse_args()
-    import torch
-
+    if args.quick:
+        args.seeds, args.minutes, args.teacher_minutes, args.eval_games = 1, 1.0, 2.0, 64
     from earl_stream.model import ensure_default_model
-    from earl_stream.model.tiny import init_model
-    from earl_stream.model.warmstart import warm_start
+    from earl_stream.progress import progress
 
-    torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench-distill-"))
-    teacher = ensure_default_model()
-    student = tmp / "student"
-    init_model(student, seed=args.seed)
-    warm = warm_start(student, "tictactoe", seconds=1e9, max_steps=args.student_steps, eval_games=0, seed=args.seed)
-    result: dict[str, Any] = {"steps": args.steps, "student_warm_start_steps": args.student_steps,
-                              "teacher": str(teacher), "teacher_eval": evaluate(teacher, args.eval_games),
-                              "student_warm_start_seconds": warm.train_seconds, "coef": args.coef, "mode": args.mode,
-                              "eval_games": args.eval_games}
-    result["grpo"] = arm("grpo", student, tmp, args, [])
-    result["distill"] = arm("distill", student, tmp, args, [f"algo.distill.teacher={teacher}",
-                                                             f"algo.distill.coef={args.coef}",
-                                                             f"algo.distill.mode={args.mode}"])
-    print(json.dumps(result, indent=2))
-    write_result(args.out, result, depends_on=["earl_stream/algo/distill.py", "earl_stream/workers/train_step.py",
-                                               "earl_stream/workers/rollout.py"])
+    student = ensure_default_model()
+    teacher_curve: list[dict] = []
+    if args.teacher:
+        teacher = Path(args.teacher)
+    else:
+        teacher, teacher_curve = train_teacher(tmp, args.teacher_minutes, args.window)
+    result: dict[str, Any] = {
+        "teacher": str(teacher), "teacher_run_minutes": None if args.teacher else args.teacher_minutes,
+        "teacher_run_final_win_rate": teacher_curve[-1]["win"] if teacher_curve else None,
+        "teacher_eval": evaluate(teacher, args.eval_games), "student": str(student),
+        "student_eval": evaluate(student, args.eval_games), "minutes_per_run": args.minutes,
+        "window_games": args.window, "target_win_rate": args.target, "coef": args.coef, "eval_games": args.eval_games,
+        "unit": "steps (policy versions) and seconds of wall time to the target; win rate over the last window"}
+    result["teacher_win_rate"] = result["teacher_eval"]["win_rate"]
+    runs: list[dict[str, Any]] = []
+    plan = [(seed, arm) for seed in range(args.seeds) for arm in ARMS]
+    with progress(f"distill ({args.minutes:g} min a run)", len(plan), "runs") as bar:
+        for seed, arm in plan:
+            bar.update(bar.done, note=f"{arm} seed {seed}")
+            overrides = [f"seed={seed}", *arm_overrides(arm, str(teacher), args.coef)]
+            curve = run_curve(overrides, minutes=args.minutes, window=args.window, every=5.0,
+                              run_dir=tmp / f"{arm}_{seed}")
+            runs.append({"arm": arm, "seed": seed, "overrides": overrides, **run_figures(curve, args.target),
+                         "curve": [{k: p[k] for k in ("t", "step", "win", "full")} for p in curve]})
+            bar.advance(note=f"{arm} seed {seed}: {runs[-1]['steps_to_target']} steps to the target")
+    result.update(summarise(runs))
+    result["runs"] = runs
+    write_result(args.out, result, depends_on=DEPENDS_ON)
+    print({k: result[k] for k in ("teacher_win_rate", "steps_to_target", "final_win_rate_mean",
+                                  "best_distill_vs_grpo_steps")})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -72,6 +72,21 @@ def render_lora(d: dict[str, Any]) -> list[str]:
     return out + _said(d)
 
 
+def render_distill(d: dict[str, Any]) -> list[str]:
+    """bench/distill.py: steps and seconds to the target per arm and seed, the final win rates, then the best
+    distillation arm's steps over GRPO's (mean of the per-seed ratios, 95% interval)."""
+    steps, secs, final = d.get("steps_to_target", {}), d.get("seconds_to_target", {}), d.get("final_win_rate", {})
+    rows = [[arm, ", ".join(fmt(v) for v in steps.get(arm, [])), ", ".join(fmt(v) for v in secs.get(arm, [])),
+             ", ".join(fmt(v) for v in final.get(arm, []))] for arm in steps]
+    out = _table(["arm", "steps to target (per seed)", "seconds to target", "final win rate"], rows)
+    best = d.get("best_distill_vs_grpo_steps") or {}
+    out += [f"Teacher win rate {fmt(d.get('teacher_win_rate'))} (student {fmt((d.get('student_eval') or {}).get('win_rate'))}), "
+            f"target {fmt(d.get('target_win_rate'))}, {fmt(d.get('minutes_per_run'))} minutes a run. Best distillation "
+            f"arm `{best.get('arm')}`: **{fmt(best.get('mean'))}x** GRPO's steps [{fmt(best.get('low'))}, "
+            f"{fmt(best.get('high'))}] over {best.get('n')} paired seeds (goal <= 0.5).", ""]
+    return out + _said(d)
+
+
 def render_lora_sync(d: dict[str, Any]) -> list[str]:
     """bench/lora_sync.py: bytes and seconds (mean [95% interval]) of one version per arm, then full over LoRA."""
     def ci(x: Any) -> str:
