@@ -17,6 +17,16 @@ from earl_stream.errors import EarlError
 from earl_stream.security.secret import SECRET_ENV, create_secret_file, load_secret
 
 
+def control_call(address: str, key: bytes, msg: P.Msg, key_file: Path | None = None) -> P.Msg:
+    """One control-plane call to the supervisor at `address` signed with `key` (a role key, or the secret),
+    re-read from `key_file` when given (as workers `up` started do)."""
+    client = P.ControlClient(address, timeout_s=10, secret=key, key_file=str(key_file) if key_file else None)
+    try:
+        return client.call(msg)  # type: ignore[no-any-return]
+    finally:
+        client.close()
+
+
 class Cluster:
     """Processes started the way a user starts them by hand: `earl-stream supervisor` / `worker`."""
 
@@ -50,11 +60,17 @@ class Cluster:
         return self.start(name, "worker", "--role", role, "--supervisor", self.address, *args, prefix=prefix)
 
     def status(self) -> dict[str, Any]:
-        client = P.ControlClient(self.address, timeout_s=5, secret=load_secret(str(self.secret_file)))
-        try:
-            return json.loads(client.call(P.StatusRequest()).status_json)
-        finally:
-            client.close()
+        secret = load_secret(str(self.secret_file))
+        assert secret is not None
+        return json.loads(self.call(secret, P.StatusRequest()).status_json)  # type: ignore[attr-defined]
+
+    def call(self, key: bytes, msg: P.Msg, key_file: Path | None = None) -> P.Msg:
+        return control_call(self.address, key, msg, key_file)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`earl-stream ARGS` with this cluster's secret in the environment, its output captured."""
+        return subprocess.run([sys.executable, "-m", "earl_stream", *args], env=self.env, capture_output=True,
+                              text=True, timeout=120)
 
     def stop(self) -> None:
         for proc in self.procs.values():

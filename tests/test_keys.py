@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -68,19 +66,6 @@ def test_agent_keys_hold_for_their_episode_until_they_expire() -> None:
         check_agent_key(SECRET, "earl-agent-x", now=1005.0)
 
 
-def _call(address: str, key: bytes, msg: P.Msg) -> P.Msg:
-    client = P.ControlClient(address, timeout_s=10, secret=key)
-    try:
-        return client.call(msg)  # type: ignore[no-any-return]
-    finally:
-        client.close()
-
-
-def _cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "earl_stream", *args], env=cluster.env, capture_output=True,
-                          text=True, timeout=120)
-
-
 @pytest.mark.slow
 def test_each_role_is_allowed_only_its_messages(tmp_path: Path, tiny_model_dir: Path) -> None:
     cluster = Cluster(tmp_path, tiny_model_dir)
@@ -91,27 +76,27 @@ def test_each_role_is_allowed_only_its_messages(tmp_path: Path, tiny_model_dir: 
         readonly, operator, worker = (role_token(secret, r) for r in (KeyRole.READONLY, KeyRole.OPERATOR, KeyRole.WORKER))
         attach = P.EnvAttach(spec="tictactoe", name="t2")
         # read-only: status and the episode window, nothing that changes the run
-        assert isinstance(_call(cluster.address, readonly, P.StatusRequest()), P.StatusReply)
-        assert isinstance(_call(cluster.address, readonly, P.RecentEpisodes()), P.RecentEpisodesReply)
+        assert isinstance(cluster.call(readonly, P.StatusRequest()), P.StatusReply)
+        assert isinstance(cluster.call(readonly, P.RecentEpisodes()), P.RecentEpisodesReply)
         for msg in (P.Scale(replicas=3), attach, P.EnvDetach(name="tictactoe"), P.Finished(reason="x"),
                     P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:1")):
             with pytest.raises(ProtocolError, match="not allowed with the readonly key: it needs the (operator|worker) key"):
-                _call(cluster.address, readonly, msg)
+                cluster.call(readonly, msg)
         # the worker key registers workers, never operates the run
-        assert isinstance(_call(cluster.address, worker, P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:1")),
+        assert isinstance(cluster.call(worker, P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:1")),
                           P.Registered)
         for msg in (P.Scale(replicas=3), attach, P.StatusRequest()):
             with pytest.raises(ProtocolError, match="not allowed with the worker key"):
-                _call(cluster.address, worker, msg)
+                cluster.call(worker, msg)
         # the operator key operates, but registers no worker
         with pytest.raises(ProtocolError, match="it needs the worker key"):
-            _call(cluster.address, operator, P.Register(role=P.Role.TRAINER, shard_address="127.0.0.1:2"))
+            cluster.call(operator, P.Register(role=P.Role.TRAINER, shard_address="127.0.0.1:2"))
         status = cluster.status()
         assert [w["role"] for w in status["workers"]] == ["rollout"]  # refused messages changed nothing
         assert status["pools"]["rollout"]["desired"] is None and len(status["envs"]) == 1
-        reply = _call(cluster.address, operator, P.Scale(replicas=2))
+        reply = cluster.call(operator, P.Scale(replicas=2))
         assert isinstance(reply, P.ScaleReply) and reply.replicas == 2
-        assert "t2" in json.loads(_call(cluster.address, operator, attach).envs_json)[-1]["name"]  # type: ignore[attr-defined]
+        assert "t2" in json.loads(cluster.call(operator, attach).envs_json)[-1]["name"]  # type: ignore[attr-defined]
         ready = json.loads((tmp_path / "ready.json").read_text())
         text = urllib.request.urlopen(f"http://{ready['metrics_address']}/metrics", timeout=10).read().decode()
         counts = dict(re.findall(r'earl_security_refused_total\{plane="control",reason="(\w+)"\} (\S+)', text))
@@ -127,23 +112,23 @@ def test_commands_sign_with_the_key_of_their_role(tmp_path: Path, tiny_model_dir
     cluster = Cluster(tmp_path, tiny_model_dir)
     try:
         cluster.start_supervisor()
-        out = _cli(cluster, "keys", "derive", "readonly", "--out", str(tmp_path / "ro.key"))
+        out = cluster.cli("keys", "derive", "readonly", "--out", str(tmp_path / "ro.key"))
         assert out.returncode == 0, out.stderr
         assert (tmp_path / "ro.key").stat().st_mode & 0o777 == 0o600
-        shown = _cli(cluster, "keys", "show")
+        shown = cluster.cli("keys", "show")
         assert shown.returncode == 0 and "operator " in shown.stdout and "readonly " in shown.stdout
         ro = ["--supervisor", cluster.address, "--secret-file", str(tmp_path / "ro.key")]
-        status = _cli(cluster, "status", "--json", *ro)
+        status = cluster.cli("status", "--json", *ro)
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["address"] == cluster.address
         for args in (["scale", "--replicas", "2"], ["env", "attach", "tictactoe", "--name", "t3", "--wait", "0"]):
-            refused = _cli(cluster, *args, *ro)
+            refused = cluster.cli(*args, *ro)
             assert refused.returncode == 2 and "Traceback" not in refused.stderr
             assert "needs the operator key" in refused.stderr, refused.stderr
-        exported = _cli(cluster, "episodes", "export", str(tmp_path / "eps.parquet"), *ro)  # metadata: read-only
+        exported = cluster.cli("episodes", "export", str(tmp_path / "eps.parquet"), *ro)  # metadata: read-only
         assert exported.returncode == 0 and "wrote 0 episodes" in exported.stdout, exported.stderr
         # with the cluster secret a command derives its role's key: scale signs as the operator
-        assert _cli(cluster, "scale", "--replicas", "1", "--supervisor", cluster.address).returncode == 0
+        assert cluster.cli("scale", "--replicas", "1", "--supervisor", cluster.address).returncode == 0
         assert cluster.status()["pools"]["rollout"]["desired"] == 1
     finally:
         cluster.stop()
@@ -157,7 +142,7 @@ def test_a_command_given_an_agent_key_is_told_what_it_is(tmp_path: Path, tiny_mo
         secret = load_secret(str(cluster.secret_file))
         assert secret is not None
         (tmp_path / "agent.key").write_text(agent_key(secret, "g-1", 60))
-        out = _cli(cluster, "status", "--supervisor", cluster.address, "--secret-file", str(tmp_path / "agent.key"))
+        out = cluster.cli("status", "--supervisor", cluster.address, "--secret-file", str(tmp_path / "agent.key"))
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert "authentication failed" in out.stderr and "holds an agent key" in out.stderr, out.stderr
     finally:

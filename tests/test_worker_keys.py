@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster import Cluster
+from cluster import Cluster, control_call
 
 from earl_stream import protocol as P
 from earl_stream.env.server import EnvServer, RemoteEnv
@@ -101,19 +101,6 @@ def test_an_environment_server_takes_the_worker_key_and_refuses_a_wrong_one(
     asyncio.run(go())
 
 
-def _call(address: str, key: bytes, msg: P.Msg, key_file: Path | None = None) -> P.Msg:
-    client = P.ControlClient(address, timeout_s=10, secret=key, key_file=str(key_file) if key_file else None)
-    try:
-        return client.call(msg)  # type: ignore[no-any-return]
-    finally:
-        client.close()
-
-
-def _cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "earl_stream", *args], env=cluster.env, capture_output=True,
-                          text=True, timeout=120)
-
-
 @pytest.mark.slow
 def test_a_rollout_workers_key_cannot_scale_stop_attach_or_revoke(tmp_path: Path, tiny_model_dir: Path) -> None:
     cluster = Cluster(tmp_path, tiny_model_dir)
@@ -122,28 +109,28 @@ def test_a_rollout_workers_key_cannot_scale_stop_attach_or_revoke(tmp_path: Path
         secret = load_secret(str(cluster.secret_file))
         assert secret is not None
         worker, operator = role_token(secret, KeyRole.WORKER), role_token(secret, KeyRole.OPERATOR)
-        rollout = _call(cluster.address, worker, P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:1"))
+        rollout = cluster.call(worker, P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:1"))
         assert isinstance(rollout, P.Registered)
         for msg in (P.Scale(replicas=3), P.EnvAttach(spec="tictactoe", name="t2"), P.EnvDetach(name="tictactoe"),
                     P.RevokeKey(target="worker"), P.RevokeKey(target=rollout.worker_id)):
             with pytest.raises(ProtocolError, match="not allowed with the worker key"):
-                _call(cluster.address, worker, msg)
+                cluster.call(worker, msg)
         # stop: an operator's (no worker id) or one claimed for a rollout worker is refused with the worker key
         for who in ("", rollout.worker_id, "trainer-99"):
             with pytest.raises(ProtocolError, match="stopping the run needs the operator key"):
-                _call(cluster.address, worker, P.Finished(worker_id=who, reason="x"))
-        keys = _cli(cluster, "keys", "revoke", "worker", "--supervisor", cluster.address, "--secret-file",
+                cluster.call(worker, P.Finished(worker_id=who, reason="x"))
+        keys = cluster.cli("keys", "revoke", "worker", "--supervisor", cluster.address, "--secret-file",
                     str(_write(tmp_path / "w.key", worker)))
         assert keys.returncode == 2 and "needs the operator key" in keys.stderr, keys.stderr
         status = cluster.status()
         assert not status["finished"] and status["pools"]["rollout"]["desired"] is None and len(status["envs"]) == 1
         assert status["revoked_workers"] == [] and not (tmp_path / "state" / "keys" / "revoked.json").exists()
         # the trainer's end of the run after its last step: a live trainer rank's Finished, with the worker key
-        trainer = _call(cluster.address, worker, P.Register(role=P.Role.TRAINER, rank=0, shard_address="127.0.0.1:2"))
-        assert isinstance(_call(cluster.address, worker, P.Finished(worker_id=trainer.worker_id, reason="done")),  # type: ignore[attr-defined]
+        trainer = cluster.call(worker, P.Register(role=P.Role.TRAINER, rank=0, shard_address="127.0.0.1:2"))
+        assert isinstance(cluster.call(worker, P.Finished(worker_id=trainer.worker_id, reason="done")),  # type: ignore[attr-defined]
                           P.Ack)
         assert cluster.status()["finished"]
-        assert isinstance(_call(cluster.address, operator, P.Finished(reason="stop")), P.Ack)  # the operator stops
+        assert isinstance(cluster.call(operator, P.Finished(reason="stop")), P.Ack)  # the operator stops
     finally:
         cluster.stop()
 
@@ -164,13 +151,13 @@ def test_a_revoked_worker_key_is_refused_at_its_next_message(tmp_path: Path, tin
         assert secret is not None
         old = role_token(secret, KeyRole.WORKER)
         key_file = _write(tmp_path / "state" / "keys" / "worker", old)  # where `up`'s launchers point workers
-        reg = _call(cluster.address, old, P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:1"))
+        reg = cluster.call(old, P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:1"))
         beat = P.Heartbeat(worker_id=reg.worker_id)  # type: ignore[attr-defined]
         stale = P.ControlClient(cluster.address, timeout_s=10, secret=old)  # a leaked copy of the old key
         reloading = P.ControlClient(cluster.address, timeout_s=10, secret=old, key_file=str(key_file))  # up's worker
         try:
             assert isinstance(stale.call(beat), P.HeartbeatReply)
-            out = _cli(cluster, "keys", "revoke", "worker", "--supervisor", cluster.address, "--secret-file",
+            out = cluster.cli("keys", "revoke", "worker", "--supervisor", cluster.address, "--secret-file",
                        str(_write(tmp_path / "op.key", role_token(secret, KeyRole.OPERATOR))))
             assert out.returncode == 0 and "generation 1" in out.stdout, out.stderr
             with pytest.raises(ProtocolError, match="authentication failed"):
@@ -178,13 +165,13 @@ def test_a_revoked_worker_key_is_refused_at_its_next_message(tmp_path: Path, tin
             new = role_token(secret, KeyRole.WORKER, 1)
             assert key_file.read_bytes().strip() == new and key_file.stat().st_mode & 0o777 == 0o600
             assert isinstance(reloading.call(beat), P.HeartbeatReply) and reloading.secret == new
-            assert isinstance(_call(cluster.address, new, beat), P.HeartbeatReply)
+            assert isinstance(cluster.call(new, beat), P.HeartbeatReply)
         finally:
             stale.close()
             reloading.close()
         # `keys derive` with the secret of a run's directory (RUN_DIR/secret, as `up` keeps it) derives the current
         # generation
-        derived = _cli(cluster, "keys", "derive", "worker", "--secret-file",
+        derived = cluster.cli("keys", "derive", "worker", "--secret-file",
                        str(_write(tmp_path / "state" / "secret", secret)))
         assert derived.returncode == 0 and derived.stdout.strip() == new.decode(), derived.stderr
         # a restarted supervisor keeps refusing the old key
@@ -193,8 +180,8 @@ def test_a_revoked_worker_key_is_refused_at_its_next_message(tmp_path: Path, tin
         sup.wait(30)
         cluster.start_supervisor()
         with pytest.raises(ProtocolError, match="authentication failed"):
-            _call(cluster.address, old, beat)
-        assert isinstance(_call(cluster.address, new, P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:3")),
+            cluster.call(old, beat)
+        assert isinstance(cluster.call(new, P.Register(role=P.Role.ROLLOUT, shard_address="127.0.0.1:3")),
                           P.Registered)
     finally:
         cluster.stop()
@@ -208,20 +195,20 @@ def test_a_revoked_worker_id_is_evicted_and_refused(tmp_path: Path, tiny_model_d
         secret = load_secret(str(cluster.secret_file))
         assert secret is not None
         worker, operator = role_token(secret, KeyRole.WORKER), role_token(secret, KeyRole.OPERATOR)
-        ids = [_call(cluster.address, worker, P.Register(role=P.Role.ROLLOUT, shard_address=f"127.0.0.1:{i + 1}"))
+        ids = [cluster.call(worker, P.Register(role=P.Role.ROLLOUT, shard_address=f"127.0.0.1:{i + 1}"))
                .worker_id for i in range(2)]  # type: ignore[attr-defined]
-        reply = _call(cluster.address, operator, P.RevokeKey(target=ids[0]))
+        reply = cluster.call(operator, P.RevokeKey(target=ids[0]))
         assert isinstance(reply, P.RevokeReply) and "evicted" in reply.message
         for msg in (P.Heartbeat(worker_id=ids[0]), P.Register(role=P.Role.ROLLOUT, worker_id=ids[0]),
                     P.RequestPrompts(worker_id=ids[0])):
             with pytest.raises(ProtocolError, match=f"worker {ids[0]} is revoked"):
-                _call(cluster.address, worker, msg)
-        assert isinstance(_call(cluster.address, worker, P.Heartbeat(worker_id=ids[1])), P.HeartbeatReply)
+                cluster.call(worker, msg)
+        assert isinstance(cluster.call(worker, P.Heartbeat(worker_id=ids[1])), P.HeartbeatReply)
         status = cluster.status()
         assert status["revoked_workers"] == [ids[0]]
         assert {w["id"]: w["alive"] for w in status["workers"]}[ids[0]] is False
         with pytest.raises(ProtocolError, match="nothing to revoke named 'rollout-77'"):
-            _call(cluster.address, operator, P.RevokeKey(target="rollout-77"))
+            cluster.call(operator, P.RevokeKey(target="rollout-77"))
         assert "worker " + ids[0] + " is revoked" in (tmp_path / "supervisor.log").read_text()
     finally:
         cluster.stop()
@@ -292,7 +279,7 @@ def test_up_trains_on_through_a_revoked_worker_key(tmp_path: Path, tiny_model_di
                                   before["address"]], env=env, capture_output=True, text=True, timeout=60)
         assert revoked.returncode == 0 and "generation 1" in revoked.stdout, revoked.stderr
         with pytest.raises(ProtocolError, match="authentication failed"):
-            _call(before["address"], old, P.Heartbeat(worker_id="rollout-0"))
+            control_call(before["address"], old, P.Heartbeat(worker_id="rollout-0"))
         after = wait_for(lambda: (s := status()) and s["policy_version"] >= before["policy_version"] + 2 and s, 300,
                          "two more training steps after the revocation")
         assert all(w["alive"] for w in after["workers"]) and len(after["workers"]) == len(before["workers"])
