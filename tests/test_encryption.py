@@ -7,6 +7,7 @@ run from its directory finds out by itself that it must encrypt."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import pytest
 
 from earl_stream import protocol as P
 from earl_stream.errors import ControlPlaneTimeout, StoreError
+from earl_stream.security.encryption import ENCRYPT_ENV
+from earl_stream.security.secret import SECRET_ENV
 from earl_stream.store import ShardClient, ShardNode
 
 SECRET = b"cluster-secret-0123456789"
@@ -120,6 +123,26 @@ def test_the_control_plane_speaks_curve(tmp_path: Path) -> None:
         with pytest.raises(ControlPlaneTimeout, match="pass --encrypt"):
             plain.call(P.StatusRequest())
         plain.close()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_a_command_given_the_runs_secret_file_encrypts_as_the_run_does(tmp_path: Path) -> None:
+    """`status --supervisor ADDR --secret-file RUN/secret` reads RUN/config.yaml, as `--supervisor` alone
+    does through the run's ready file: no `--encrypt` needed against a run that encrypts."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "secret").write_bytes(SECRET)
+    (run / "config.yaml").write_text("security:\n  encrypt: true\n")  # as `up` writes the run's config
+    proc, address = _supervisor(tmp_path, run / "secret")
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, ENCRYPT_ENV)}
+        out = subprocess.run([sys.executable, "-m", "earl_stream", "status", "--json", "--supervisor", address,
+                              "--secret-file", str(run / "secret")], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert json.loads(out.stdout)["policy_version"] == 0
     finally:
         proc.terminate()
         proc.wait(20)

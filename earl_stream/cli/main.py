@@ -219,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif run is not None:
         log.info("using the cluster secret of the run in %s (its ready file names %s)", run.run_dir, address)
     run_dir = run.run_dir if run is not None else args.local_run.run_dir if args.local_run is not None else None
+    run_dir = run_dir or _run_dir_of_secret(os.environ.get(SECRET_ENV))
     if getattr(args, "encrypt", False) or (run_dir is not None and _run_encrypts(run_dir)):
         from earl_stream.security.encryption import export_encrypt
 
@@ -283,6 +284,16 @@ def _agent_key_hint() -> str:
     return ("; the file given holds an agent key, which only the OpenAI endpoint takes (for its episode's "
             "requests): commands need the cluster secret or a role key (`earl-stream keys derive ROLE`)"
             if held is KeyRole.AGENT else "")
+
+
+def _run_dir_of_secret(secret_file: str | None) -> Path | None:
+    """The run directory a secret or key file belongs to (`RUN/secret`, `RUN/keys/worker`): the nearest of
+    its parent and grandparent that holds the run's config.yaml, so that `--secret-file RUN/secret` learns
+    whether the run encrypts as `--supervisor` alone does."""
+    if not secret_file:
+        return None
+    parent = Path(secret_file).resolve().parent
+    return next((d for d in (parent, parent.parent) if (d / "config.yaml").is_file()), None)
 
 
 def _run_encrypts(run_dir: Path) -> bool:
