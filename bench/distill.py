@@ -1,10 +1,12 @@
 """On-policy distillation with a teacher worth learning from, against GRPO alone (issue 49, item 2).
 
-    python bench/distill.py [--seeds 3] [--minutes 5] [--teacher-minutes 10] [--teacher DIR] [--window 256]
+    python bench/distill.py [--seeds 3] [--minutes 5] [--teacher-steps 450] [--teacher-run DIR] [--window 256]
                             [--target 0.9] [--coef 0.1] [--quick] [--out bench/results/distill.json]
 
-The teacher is the embedded default after a full learning run: `earl-stream up` on the default for
---teacher-minutes, its last checkpoint (or --teacher DIR, a model directory). The student is the default's
+The teacher is the embedded default after a full learning run: `earl-stream up --steps 450 seed=1000` on the
+default (--teacher-steps; 450 steps take ~10 minutes here), its last checkpoint; --teacher-run DIR reuses such a
+run made earlier (`earl-stream up --steps N --summary DIR/summary.json run_dir=DIR seed=1000
+trainer.checkpoint_every=50`). The student is the default's
 warm start (`ensure_default_model`, ~0.59 win rate). Three arms, each `earl-stream up` from the student for
 --minutes of wall time, all else equal:
 
@@ -20,13 +22,16 @@ Reported per seed: the policy version (steps) and seconds at the target, and the
 at the end of the budget. `best_distill_vs_grpo_steps` is the distillation arm with the lower mean of the
 per-seed ratios steps(distill) / steps(grpo), over the seeds where both reached the target, with its 95%
 interval (goal: <= 0.5). The teacher and the student are also scored by `warmstart.evaluate_game` (temperature
-1.0, --eval-games games). Runs ~1 hour with the defaults (3 seeds x 3 arms x 5 minutes, a 10-minute teacher).
+1.0, --eval-games games). Runs ~1 hour with the defaults (3 seeds x 3 arms x 5 minutes, a ~10-minute teacher).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -114,23 +119,27 @@ def evaluate(model_dir: Path, games: int) -> dict[str, float]:
     return {"legal_rate": legal, "win_rate": win, "draw_rate": draw}
 
 
-def train_teacher(tmp: Path, minutes: float, window: int) -> tuple[Path, list[dict]]:
-    """The default after `minutes` of its own learning run: its last checkpoint."""
-    run_dir = tmp / "teacher"
-    curve = run_curve(["seed=1000", "trainer.checkpoint_every=25"], minutes=minutes, window=window, every=10.0,
-                      run_dir=run_dir)
+def train_teacher(run_dir: Path, steps: int) -> None:
+    """The default's own learning run of `steps` steps in `run_dir` (its summary in run_dir/summary.json)."""
+    subprocess.run([sys.executable, "-m", "earl_stream", "up", "--steps", str(steps), "--summary",
+                    str(run_dir / "summary.json"), f"run_dir={run_dir}", "seed=1000", "trainer.checkpoint_every=50"],
+                   check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def teacher_of(run_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """A teacher run's last checkpoint and its summary."""
     checkpoints = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     if not checkpoints:
         raise SystemExit(f"the teacher's run left no checkpoint in {run_dir / 'checkpoints'}")
-    return checkpoints[-1], curve
+    return checkpoints[-1], json.loads((run_dir / "summary.json").read_text())
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="repeats per arm (seeds 0..N-1), interleaved")
     ap.add_argument("--minutes", type=float, default=5.0, help="wall-time budget of each arm's run")
-    ap.add_argument("--teacher-minutes", type=float, default=10.0, help="the teacher's learning run")
-    ap.add_argument("--teacher", default="", help="a teacher model directory instead of a learning run")
+    ap.add_argument("--teacher-steps", type=int, default=450, help="steps of the teacher's learning run")
+    ap.add_argument("--teacher-run", default="", help="reuse this teacher run (its checkpoints and summary.json)")
     ap.add_argument("--window", type=int, default=256, help="games in the win-rate window")
     ap.add_argument("--target", type=float, default=0.9, help="win rate whose steps and seconds are reported")
     ap.add_argument("--coef", type=float, default=0.1, help="algo.distill.coef of both distillation arms")
@@ -139,20 +148,20 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/distill.json"))
     args = ap.parse_args()
     if args.quick:
-        args.seeds, args.minutes, args.teacher_minutes, args.eval_games = 1, 1.0, 2.0, 64
+        args.seeds, args.minutes, args.teacher_steps, args.eval_games = 1, 1.0, 40, 64
     from earl_stream.model import ensure_default_model
     from earl_stream.progress import progress
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-distill-"))
     student = ensure_default_model()
-    teacher_curve: list[dict] = []
-    if args.teacher:
-        teacher = Path(args.teacher)
-    else:
-        teacher, teacher_curve = train_teacher(tmp, args.teacher_minutes, args.window)
+    teacher_run = Path(args.teacher_run) if args.teacher_run else tmp / "teacher"
+    if not args.teacher_run:
+        train_teacher(teacher_run, args.teacher_steps)
+    teacher, teacher_summary = teacher_of(teacher_run)
     result: dict[str, Any] = {
-        "teacher": str(teacher), "teacher_run_minutes": None if args.teacher else args.teacher_minutes,
-        "teacher_run_final_win_rate": teacher_curve[-1]["win"] if teacher_curve else None,
+        "teacher": str(teacher), "teacher_run_steps": teacher_summary.get("policy_version"),
+        "teacher_run_seconds": teacher_summary.get("wall_seconds"),
+        "teacher_run_final_win_rate": teacher_summary.get("win_rate_last"),
         "teacher_eval": evaluate(teacher, args.eval_games), "student": str(student),
         "student_eval": evaluate(student, args.eval_games), "minutes_per_run": args.minutes,
         "window_games": args.window, "target_win_rate": args.target, "coef": args.coef, "eval_games": args.eval_games,
