@@ -84,6 +84,13 @@ def render_distill(d: dict[str, Any]) -> list[str]:
             f"target {fmt(d.get('target_win_rate'))}, {fmt(d.get('minutes_per_run'))} minutes a run. Best distillation "
             f"arm `{best.get('arm')}`: **{fmt(best.get('mean'))}x** GRPO's steps [{fmt(best.get('low'))}, "
             f"{fmt(best.get('high'))}] over {best.get('n')} paired seeds (goal <= 0.5).", ""]
+    second = d.get("at_second_target") or {}
+    if second:
+        b2, steps2 = second.get("best_distill_vs_grpo_steps") or {}, second.get("steps_to_target", {})
+        out += [f"At a {fmt(second.get('target_win_rate'))} win rate: steps per seed "
+                + "; ".join(f"{arm} {', '.join(fmt(v) for v in vals)}" for arm, vals in steps2.items())
+                + f". Best distillation arm `{b2.get('arm')}`: **{fmt(b2.get('mean'))}x** GRPO's steps "
+                f"[{fmt(b2.get('low'))}, {fmt(b2.get('high'))}] over {b2.get('n')} paired seeds.", ""]
     return out + _said(d)
 
 
