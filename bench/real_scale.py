@@ -2,19 +2,21 @@
 per-rank memory cap: the adaptive selector side by side with every static plan a user would configure (each
 with its token cap tuned until it fits) and the trainer's per-micro-batch dynamic sequence parallelism.
 
-    python bench/real_scale.py --json bench/results/real_scale.json                   # smollm2 setting (~4.2 h)
-    python bench/real_scale.py --setting heads8 --json bench/results/real_scale_heads8.json   # (~8.5 h)
+    python bench/real_scale.py --json bench/results/real_scale.json                   # smollm2 setting (~2.9 h)
+    python bench/real_scale.py --resume --json bench/results/real_scale.json          # continue a killed campaign
+    python bench/real_scale.py --setting heads8 --json bench/results/real_scale_heads8.json   # (~5.9 h)
     python bench/real_scale.py --quick --json /tmp/real_scale_quick.json [--only adaptive,static:fsdp2+rc]
 
 The workload (configs/smollm2_real_scale.yaml, envs/long_recall.py with `facts_last`): a document of filler words,
 then two facts and the question for one of them, one reply of up to 8 tokens, reward 1 for the right value. The
 facts sit next to the question, so SmolLM2-135M-Instruct earns reward at every length: before training, greedy, 24
 items per length, 0.46 +- 0.10 (standard error) at ~118 tokens, 0.46 +- 0.10 at ~200, 0.38 +- 0.10 at ~420 and 0.67
-+- 0.10 at ~1,015; sampled at the rollout's temperature 0.7, 0.21 +- 0.06 of 48 episodes at ~118 (at 1.0, 0.13: a
-phase would often see no reward). A step trains 8 sequences (2 prompt groups x GRPO groups of 4); the document
-grows x2.7 per level over 4 levels, 3 steps each (`level_groups`): ~118, ~200, ~420 and ~1,015 tokens per episode,
-so 9 of the 12 steps are at the short and middle lengths and the last 3 are the tail at the longest. At 8 x 1,015
-tokens a step, under the 5 GiB cap, micro-batch size, recomputation and sharding are meant to change the step time
++- 0.10 at ~1,015 (measured with the earlier sizes: 48 words x2.7); sampled at the rollout's temperature 0.7,
+0.21 +- 0.06 of 48 episodes at ~118 (at 1.0, 0.13: a phase would often see no reward). A step trains 8 sequences
+(2 prompt groups x GRPO groups of 4); the document grows x3.3 per level over 4 levels (20 filler words at the
+first), 3 steps each (`level_groups`): 92, 138, 290 and 791 tokens per episode in SmolLM2's chat template (8.6x),
+so 9 of the 12 steps are at the short and middle lengths and the last 3 are the tail at the longest. At 8 x 791
+tokens a step, under the 4.5 GiB cap, micro-batch size, recomputation and sharding are meant to change the step time
 (a replica with AdamW holds 2.2 GiB, the fp32 logits ~0.6 GiB per 1,024 micro-batch tokens; the token-cap probes
 measure where each plan stops fitting; in --quick at 4.4 GiB, dp2 was OOM-killed in its longest phase). Held-out
 success (greedy, --heldout-problems items spread over the 4 lengths, evaluation seeds no run trains on) of the base
@@ -59,11 +61,12 @@ loss), vs_fastest_static_min_differing, reward_per_phase, dynamic_sp_real, heldo
 token_caps, and repeat_runs (the repeats after the first).
 
 Budget. The sizes are the smallest the comparison allows: 8 sequences a step, 3 steps a phase, 4 phases growing
-8.6x; a run then trains ~42,500 tokens, ~13 minutes here at ~60 trained tokens/s (2 cores) with start-up. The
-smollm2 setting (5 arms x 3 repeats, 8 probes) is ~4.2 h and heads8 (10 arms x 3, 18 probes) ~8.5 h less the
-crashed static plans' repeats: over the 3 hours the comparison should take on this machine, because SmolLM2 at
-~60 tokens/s on 2 cores cannot train 15 x 3 runs of this size in 3 hours; each setting runs as its own campaign,
-and the printed estimate (--rate: the tokens/s to plan with) says what a run will take before it starts.
+8.6x; a run then trains ~31,500 tokens, ~10.5 minutes here at ~60 trained tokens/s (2 cores) with start-up. The
+smollm2 setting (5 arms x 3 repeats, 8 probes) is ~2.9 h and heads8 (10 arms x 3, 18 probes) ~5.9 h less the
+crashed static plans' repeats: together over the 3 hours the comparison should take on this machine, because
+SmolLM2 at ~60 tokens/s on 2 cores cannot train 45 runs of this size in 3 hours; each setting runs as its own
+campaign, --resume continues one that was killed (across sessions of a machine that is lent for less time than a
+campaign takes), and the printed estimate (--rate: the tokens/s to plan with) says what a run will take.
 --quick (3 phases of one step, ~94 -> ~220 tokens, a 4.4 GiB cap, one repeat, at most 2 probes per plan, 15
 held-out items) checks the whole pipeline in ~35 minutes of the smollm2 setting on an idle machine (the estimate
 printed says 34); under a load of 10-20 on the 2 cores it trained ~8-14 tokens/s and took over an hour.
@@ -577,6 +580,23 @@ def table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows + [f"{k}: {result[k]}" for k in keys])
 
 
+def next_run(kinds: list[str], runs: dict[str, Any], later: dict[str, list[Any]], repeats: int) -> tuple[str, int] | None:
+    """The campaign's next (strategy, repeat index), None when it is complete: a first pass over every strategy,
+    then the repeats interleaved (A B C A B C ...) over the strategies that may repeat; a static plan that crashed,
+    stopped or did not start in the first pass is not repeated. `runs`: each strategy's first repeat; `later`:
+    its repeats after the first (what a --resume found recorded counts as done)."""
+    for kind in kinds:
+        if kind not in runs:
+            return kind, 0
+    again = [k for k in kinds if not k.startswith("static:") or
+             (runs[k]["started"] and not runs[k]["crashed"] and not runs[k]["stopped"])]
+    for repeat in range(1, repeats):
+        for kind in again:
+            if len(later.get(kind, [])) < repeat:
+                return kind, repeat
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setting", choices=("smollm2", "heads8"), default="smollm2",
@@ -592,14 +612,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "static:dp2, static:fsdp2+rc, ...); their results replace those in an existing --json")
     ap.add_argument("--runs-dir", default="", help="where each strategy's run directory goes (default: beside --json)")
     ap.add_argument("--nproc", type=int, default=2, help="trainer ranks")
-    ap.add_argument("--cap-gib", type=float, default=5.0, help="memory cap of each trainer rank, all of its memory")
+    ap.add_argument("--cap-gib", type=float, default=4.5, help="memory cap of each trainer rank, all of its memory")
     ap.add_argument("--reserve-gib", type=float, default=0.7,
                     help="of the cap, what the selector keeps for what the memory model does not count: the runtime "
                          "(~0.5 GiB: Python, torch, gloo) and the allocator's slack")
     ap.add_argument("--cap-mode", choices=("cgroup", "rlimit"), default="cgroup",
                     help="cgroup: a memory cgroup per rank (root, resident memory, OOM kill); rlimit: RLIMIT_DATA")
-    ap.add_argument("--filler-words", type=int, default=48, help="filler words per episode at level 0")
-    ap.add_argument("--filler-factor", type=float, default=2.7, help="filler growth per level")
+    ap.add_argument("--filler-words", type=int, default=20, help="filler words per episode at level 0")
+    ap.add_argument("--filler-factor", type=float, default=3.3, help="filler growth per level")
     ap.add_argument("--levels", type=int, default=4, help="context phases (curriculum levels)")
     ap.add_argument("--steps-per-phase", type=int, default=3, help="training steps per context phase")
     ap.add_argument("--groups-per-step", type=int, default=2, help="prompt groups per step")
@@ -620,6 +640,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="one more `up` override for every run (repeatable)")
     ap.add_argument("--rebuild", action="store_true", help="recompute the summary keys of --json from its runs")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the campaign recorded in --json: the strategies and repeats it holds are not run "
+                         "again (its probes' token caps and held-out scores are kept); the rest follow in the usual "
+                         "order (the first pass, then the interleaved repeats)")
     ap.add_argument("--repeats", type=int, default=0,
                     help="runs per strategy (default 3; --quick: 1). A first pass runs every strategy once; static plans "
                          "that crashed or stopped in it are not repeated; the other repeats interleave the rest "
@@ -641,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs_dir = Path(args.runs_dir) if args.runs_dir else out.parent
-    previous = json.loads(out.read_text()) if out.exists() and (args.only or args.rebuild) else {}
+    previous = json.loads(out.read_text()) if out.exists() and (args.only or args.rebuild or args.resume) else {}
     runs: dict[str, dict[str, Any]] = dict(previous.get("runs", {}))  # each strategy's first repeat
     later: dict[str, list[dict[str, Any]]] = dict(previous.get("repeat_runs", {}))  # its repeats after the first
     caps: dict[str, Any] = dict(previous.get("token_caps", {}))
@@ -683,16 +707,17 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
         return r
 
-    for kind in kinds:
-        runs[kind], later[kind] = measure(kind, 0), []
+    if not args.resume:
+        for kind in kinds:
+            runs.pop(kind, None), later.pop(kind, None)
+    while (due := next_run(kinds, runs, later, args.repeats)) is not None:
+        kind, repeat = due
+        r = measure(kind, repeat)
+        if repeat == 0:
+            runs[kind], later[kind] = r, []
+        else:
+            later[kind].append(r)
         write_result(out, result_now(), indent=1)  # after every run: a killed benchmark keeps what it measured
-    # a static plan that crashed (or did not start, or stopped) in the first pass is not repeated
-    again = [k for k in kinds if not k.startswith("static:") or
-             (runs[k]["started"] and not runs[k]["crashed"] and not runs[k]["stopped"])]
-    for repeat in range(1, args.repeats):
-        for kind in again:  # interleaved: A B C A B C
-            later[kind].append(measure(kind, repeat))
-            write_result(out, result_now(), indent=1)
     print(table(result_now(), runs))
     return 0
 

@@ -90,3 +90,28 @@ def test_an_arm_identical_to_a_static_plan_is_never_a_speedup_and_same_plan_phas
     last = s["phase_vs_fastest_static"][levels - 1]
     assert not last["same_plan"] and levels - 1 not in s["same_plan_phases"]
     assert s["vs_fastest_static_min_differing"] == last["ratio"]
+
+
+def test_the_campaign_runs_a_first_pass_then_interleaved_repeats_and_resumes_where_it_stopped() -> None:
+    """bench/real_scale.next_run: every strategy once, then A B A B over those that may repeat (a static plan
+    that crashed in the first pass does not); a campaign resumed from its recorded runs continues, not restarts."""
+    from real_scale import next_run
+
+    kinds = ["adaptive", "static:dp2", "static:fsdp2+rc"]
+    ok = {"started": True, "crashed": False, "stopped": False}
+    runs: dict = {}
+    later: dict = {}
+    order = []
+    while (due := next_run(kinds, runs, later, 3)) is not None:
+        kind, repeat = due
+        order.append(due)
+        if repeat == 0:
+            runs[kind], later[kind] = {**ok, "crashed": kind == "static:dp2"}, []
+        else:
+            later[kind].append(ok)
+        if len(order) == 4:  # killed here: a resumed campaign starts from what the file holds
+            runs, later = dict(runs), {k: list(v) for k, v in later.items()}
+    assert order == [("adaptive", 0), ("static:dp2", 0), ("static:fsdp2+rc", 0), ("adaptive", 1),
+                     ("static:fsdp2+rc", 1), ("adaptive", 2), ("static:fsdp2+rc", 2)]
+    assert next_run(kinds, {}, {}, 1) == ("adaptive", 0)
+    assert next_run(kinds, runs, later, 3) is None

@@ -209,4 +209,4 @@ def test_real_scale_episodes_grow_at_least_8x_in_smollm2_tokens() -> None:
         return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     first, last = asyncio.run(tokens(0)), asyncio.run(tokens(3))
-    assert first <= 128 and last >= 1000 and last / first >= 8, (first, last)
+    assert first <= 128 and last >= 700 and last / first >= 8, (first, last)
