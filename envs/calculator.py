@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
-from earl_stream.env import StepResult
+from earl_stream.env import Observation, StepResult
 from earl_stream.env.tools import DEFAULT_TOOL_TURN_TOKENS, Tool, ToolDispatcher, render_tools
 from earl_stream.errors import EnvError
 
@@ -234,7 +234,7 @@ class Calculator:
             return self._finish(0.0, "too_many_turns", reminder)
         return StepResult(reminder, 0.0, False)
 
-    def _finish(self, reward: float, outcome: str, observation: str) -> StepResult:
+    def _finish(self, reward: float, outcome: str, observation: str | Observation) -> StepResult:
         self._done = True
         info = {"outcome": outcome, "expected": self._problem.answer, "tool_calls": self._dispatcher.calls}
         return StepResult(observation, reward, True, info)

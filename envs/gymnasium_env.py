@@ -3,11 +3,13 @@
 `GymnasiumEnv(id="Taxi-v3")` (registry name `gymnasium`, `params: {id: <Gymnasium id>, ...}`; other
 params go to `gymnasium.make`) shows the model the environment's ANSI rendering where it has one
 (`render_mode="ansi"`: Taxi, FrozenLake, CliffWalking, ...), else the observation itself as text, plus
-the list of actions. The reply's action is the first action number in range, or the first action name
-it mentions (the names of the toy-text environments are known; any other id uses numbers). A reply
-with no action gets a reminder and costs a turn; `max_invalid` of them in a row end the episode.
-Rewards are Gymnasium's, summed over the episode; `info` on the last step has "outcome"
-("terminated", "truncated", "too_many_turns" or "invalid") and "return".
+the list of actions. With `render_mode: rgb_array` (for a vision-language model) each observation is
+the environment's rendered frame as an image, with the line "Your action?" instead of text. The
+reply's action is the first action number in range, or the first action name it mentions (the names
+of the toy-text environments are known; any other id uses numbers). A reply with no action gets a
+reminder and costs a turn; `max_invalid` of them in a row end the episode. Rewards are Gymnasium's,
+summed over the episode; `info` on the last step has "outcome" ("terminated", "truncated",
+"too_many_turns" or "invalid") and "return".
 
 ANSI colours carry state (the taxi, the player): a cell with a coloured background is shown as
 `[x]`, coloured text as `(x)`, so the text the model reads keeps them. Needs `pip install gymnasium`.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from earl_stream.env import StepResult
+from earl_stream.env import Observation, StepResult
 from earl_stream.errors import EnvError
 
 __all__ = ["ACTION_NAMES", "GymnasiumEnv", "ansi_to_text"]
@@ -61,20 +63,30 @@ class GymnasiumEnv:
 
     max_turn_tokens = 16
 
-    def __init__(self, id: str, max_turns: int = 50, max_invalid: int = 3, **make_kwargs: Any) -> None:
+    def __init__(self, id: str, max_turns: int = 50, max_invalid: int = 3, render_mode: str | None = None,
+                 **make_kwargs: Any) -> None:
         try:
             import gymnasium
         except ImportError:
             raise EnvError("the gymnasium adapter needs the gymnasium package: pip install 'earl_stream[envs]'") from None
         self.id, self.max_turns, self.max_invalid = id, int(max_turns), int(max_invalid)
+        if render_mode not in (None, "ansi", "rgb_array"):
+            raise EnvError(f"GymnasiumEnv render_mode must be ansi or rgb_array (or unset), got {render_mode!r}")
         try:
             self._env = gymnasium.make(id, **make_kwargs)
-            self._ansi = "ansi" in self._env.metadata.get("render_modes", [])
-            if self._ansi:  # text the model can read; otherwise the observation itself is shown
-                self._env.close()
-                self._env = gymnasium.make(id, render_mode="ansi", **make_kwargs)
+            modes = self._env.metadata.get("render_modes", [])
         except Exception as exc:
             raise EnvError(f"gymnasium.make({id!r}) failed: {type(exc).__name__}: {exc}") from None
+        if render_mode is not None and render_mode not in modes:
+            raise EnvError(f"{id} cannot render as {render_mode} (its render modes: {modes})")
+        self._rgb = render_mode == "rgb_array"
+        self._ansi = not self._rgb and "ansi" in modes  # text the model can read; otherwise the observation itself
+        if self._rgb or self._ansi:
+            self._env.close()
+            try:
+                self._env = gymnasium.make(id, render_mode="rgb_array" if self._rgb else "ansi", **make_kwargs)
+            except Exception as exc:
+                raise EnvError(f"gymnasium.make({id!r}) failed: {type(exc).__name__}: {exc}") from None
         space = self._env.action_space
         if not isinstance(space, gymnasium.spaces.Discrete):
             raise EnvError(f"{id} has action space {space}; the gymnasium adapter needs a Discrete one")
@@ -89,14 +101,16 @@ class GymnasiumEnv:
         self._return = 0.0
         self._done = True
 
-    def _show(self, observation: Any) -> str:
+    def _show(self, observation: Any) -> str | Observation:
+        if self._rgb:  # the frame as an image (checked and PNG-encoded by Observation)
+            return Observation("Your action?", [self._env.render()])
         if self._ansi:
             rendered: Any = self._env.render()
             if isinstance(rendered, str) and rendered.strip():
                 return ansi_to_text(rendered)
         return observation if isinstance(observation, str) else f"observation: {observation}"
 
-    async def reset(self, seed: int) -> str:
+    async def reset(self, seed: int) -> str | Observation:
         observation, _ = self._env.reset(seed=seed)
         self._env.action_space.seed(seed)
         self._turns = self._invalid = 0
@@ -138,6 +152,6 @@ class GymnasiumEnv:
             return self._finish(outcome, text, float(reward))
         return StepResult(text, float(reward), False)
 
-    def _finish(self, outcome: str, observation: str, reward: float = 0.0) -> StepResult:
+    def _finish(self, outcome: str, observation: str | Observation, reward: float = 0.0) -> StepResult:
         self._done = True
         return StepResult(observation, reward, True, {"outcome": outcome, "return": self._return})

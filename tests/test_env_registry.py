@@ -15,6 +15,7 @@ import earl_stream.env.registry as env_registry
 from earl_stream.env import (
     Environment,
     EnvOptions,
+    Observation,
     StepResult,
     env_options,
     env_reset,
@@ -232,7 +233,7 @@ def test_every_known_env_honours_the_protocol(name: str) -> None:
         if is_agent_env(env):  # played through the OpenAI endpoint: task() and run() instead of reset/step
             env.task(0)  # type: ignore[attr-defined]
             return
-        assert isinstance(await env_reset(env, 0), str)
+        assert isinstance(await env_reset(env, 0), (str, Observation))
         result = await env_step(env, "1")
         assert isinstance(result, StepResult) and isinstance(result.reward, float)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream.env.api import DEFAULT_AGENT_TIMEOUT_S, env_options, env_reset, env_step
+from earl_stream.env.images import openai_content
 from earl_stream.env.registry import _import_module, _load_file, make_env
 from earl_stream.env.tools import with_tools
 from earl_stream.errors import EnvError
@@ -95,7 +96,7 @@ class EnvAsAgent:
         observation = await env_reset(env, int(task))
         options = env_options(env)
         messages: list[dict[str, Any]] = [{"role": "system", "content": options.system_prompt}] if options.system_prompt else []
-        messages.append({"role": "user", "content": observation})
+        messages.append({"role": "user", "content": openai_content(observation)})
         extra = {} if self.temperature is None else {"temperature": self.temperature}
         reward = 0.0
         while True:
@@ -106,4 +107,4 @@ class EnvAsAgent:
             reward += float(step.reward)
             if step.done:
                 return reward
-            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": step.observation}]
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": openai_content(step.observation)}]

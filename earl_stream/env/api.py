@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from earl_stream.env.images import Observation, split_observation
 from earl_stream.errors import EnvError
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "EnvFactory",
     "EnvOptions",
     "Environment",
+    "Observation",
     "StepResult",
     "env_options",
     "env_reset",
@@ -39,13 +41,14 @@ DEFAULT_MAX_TURN_TOKENS = 32
 class StepResult:
     """What one environment step returns.
 
-    observation: the text shown to the model next (ignored by the agent loop once `done`).
+    observation: what the model is shown next, text or an `Observation` (text and images); ignored by the agent
+        loop once `done`.
     reward: float reward of this step; an episode's return is the sum over its steps.
     done: True on the terminal step.
     info: small JSON-able dict (e.g. {"outcome": "win"} on the terminal step).
     """
 
-    observation: str
+    observation: str | Observation
     reward: float
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
@@ -53,9 +56,9 @@ class StepResult:
 
 @runtime_checkable
 class Environment(Protocol):
-    """A multi-turn text environment.
+    """A multi-turn environment: text in, text (or text and images, an `Observation`) out.
 
-    Required: `reset(seed)` returns the first observation; `step(action_text)` applies the model's
+    Required: `reset(seed)` returns the first observation (a str, or an `Observation` with images); `step(action_text)` applies the model's
     decoded reply. Both may be `async def` (preferred) or plain methods; drive them with
     `env_reset` / `env_step`. Optional attributes, read with `env_options`:
     `system_prompt: str | None` (None), `max_turn_tokens: int` (32),
@@ -64,7 +67,7 @@ class Environment(Protocol):
     not the task, so the episodes of a group may each get their own.
     """
 
-    async def reset(self, seed: int) -> str: ...
+    async def reset(self, seed: int) -> str | Observation: ...
 
     async def step(self, action_text: str) -> StepResult: ...
 
@@ -122,15 +125,12 @@ async def _call(env: object, method: str, arg: object) -> object:
     return result
 
 
-async def env_reset(env: object, seed: int) -> str:
-    """Reset `env` (sync or async `reset`) and return its first observation (checked to be a str)."""
+async def env_reset(env: object, seed: int) -> str | Observation:
+    """Reset `env` (sync or async `reset`) and return its first observation (checked to be a str or an
+    `Observation`, whose images were checked when it was made)."""
     observation = await _call(env, "reset", seed)
-    if not isinstance(observation, str):
-        raise EnvError(
-            f"{type(env).__name__}.reset() must return the first observation as str, "
-            f"got {type(observation).__name__}"
-        )
-    return observation
+    split_observation(observation, f"{type(env).__name__}.reset()'s first observation")
+    return observation  # type: ignore[return-value]  # checked just above
 
 
 async def env_step(env: object, action: str) -> StepResult:
@@ -141,6 +141,7 @@ async def env_step(env: object, action: str) -> StepResult:
             f"{type(env).__name__}.step() must return earl_stream.env.StepResult, "
             f"got {type(result).__name__}"
         )
+    split_observation(result.observation, f"{type(env).__name__}.step()'s observation")
     return result
 
 

@@ -17,13 +17,14 @@ from typing import Any
 import msgspec
 
 from earl_stream.env import Environment, env_options, env_reset, env_step, make_env
-from earl_stream.env.api import DEFAULT_AGENT_TIMEOUT_S, is_agent_env
+from earl_stream.env.api import DEFAULT_AGENT_TIMEOUT_S, StepResult, is_agent_env
+from earl_stream.env.images import Image, Observation, join_observation, received_images, split_observation
 from earl_stream.env.tools import with_tools
 from earl_stream.errors import EnvError
 from earl_stream.protocol import Msg
 
 __all__ = ["EnvClose", "EnvClosed", "EnvFailed", "EnvHost", "EnvOpen", "EnvOpened", "EnvStep", "EnvStepped",
-           "failure", "out_of_memory"]
+           "failure", "opened_observation", "out_of_memory", "stepped_result"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class EnvOpen(Msg, tag="env_open", frozen=True):
 
 class EnvOpened(Msg, tag="env_opened", frozen=True):
     observation: str = ""
+    images: tuple[Image, ...] = ()  # shown before `observation`'s text (PNG bytes: see earl_stream.env.images)
     system_prompt: str | None = None
     max_turn_tokens: int = 32
     max_episode_tokens: int | None = None
@@ -47,6 +49,7 @@ class EnvStep(Msg, tag="env_step", frozen=True):
 
 class EnvStepped(Msg, tag="env_stepped", frozen=True):
     observation: str = ""
+    images: tuple[Image, ...] = ()
     reward: float = 0.0
     done: bool = False
     info_json: str = "{}"
@@ -66,6 +69,17 @@ class EnvFailed(Msg, tag="env_failed", frozen=True):
 
 EnvRequest = EnvOpen | EnvStep | EnvClose
 EnvReply = EnvOpened | EnvStepped | EnvClosed | EnvFailed
+
+
+def opened_observation(opened: EnvOpened, sender: str) -> str | Observation:
+    """The first observation a host sent (its images decoded again: the host may not be trusted)."""
+    return join_observation(opened.observation, received_images(opened.images, sender))
+
+
+def stepped_result(stepped: EnvStepped, sender: str) -> StepResult:
+    """The step result a host sent (its images decoded again: the host may not be trusted)."""
+    observation = join_observation(stepped.observation, received_images(stepped.images, sender))
+    return StepResult(observation, stepped.reward, stepped.done, json.loads(stepped.info_json))
 
 
 def failure(exc: BaseException) -> EnvFailed:
@@ -120,9 +134,9 @@ class EnvHost:
         if isinstance(msg, EnvOpen):
             env = with_tools(make_env(self.spec, self.params))
             options = env_options(env)
-            observation = await env_reset(env, msg.seed)
+            text, images = split_observation(await env_reset(env, msg.seed))
             self._envs[msg.episode] = (env, time.monotonic())
-            return EnvOpened(observation=observation, system_prompt=options.system_prompt,
+            return EnvOpened(observation=text, images=images, system_prompt=options.system_prompt,
                              max_turn_tokens=options.max_turn_tokens, max_episode_tokens=options.max_episode_tokens)
         if isinstance(msg, EnvStep):
             held = self._envs.get(msg.episode)
@@ -132,7 +146,8 @@ class EnvHost:
             result = await env_step(held[0], msg.action)
             if result.done:
                 self._envs.pop(msg.episode, None)
-            return EnvStepped(observation=result.observation, reward=float(result.reward), done=result.done,
+            text, images = split_observation(result.observation)
+            return EnvStepped(observation=text, images=images, reward=float(result.reward), done=result.done,
                               info_json=json.dumps(result.info, default=str))
         if isinstance(msg, EnvClose):
             self._envs.pop(msg.episode, None)

@@ -52,6 +52,8 @@ ENTRY_POINT_GROUP = "earl_stream.envs"
 _BUILTIN_ENVS: dict[str, str] = {
     "tictactoe": "earl_stream_envs.tictactoe:TicTacToe",
     "connect_four": "earl_stream_envs.connect_four:ConnectFour",
+    "tictactoe_image": "earl_stream_envs.board_images:TicTacToeImage",
+    "connect_four_image": "earl_stream_envs.board_images:ConnectFourImage",
     "calculator": "earl_stream_envs.calculator:Calculator",
     "reasoning_gym": "earl_stream_envs.reasoning_gym_env:ReasoningGymEnv",
     "textarena": "earl_stream_envs.textarena_env:TextArenaEnv",

@@ -18,7 +18,6 @@ with `earl-stream env attach NAME --address HOST:PORT`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from typing import Any
@@ -29,7 +28,20 @@ import zmq.asyncio
 
 from earl_stream import metrics as M
 from earl_stream.env import StepResult
-from earl_stream.env.host import EnvClose, EnvClosed, EnvFailed, EnvHost, EnvOpen, EnvOpened, EnvStep, EnvStepped, failure
+from earl_stream.env.host import (
+    EnvClose,
+    EnvClosed,
+    EnvFailed,
+    EnvHost,
+    EnvOpen,
+    EnvOpened,
+    EnvStep,
+    EnvStepped,
+    failure,
+    opened_observation,
+    stepped_result,
+)
+from earl_stream.env.images import Observation
 from earl_stream.errors import EnvError
 from earl_stream.protocol import Msg, normalize_address
 from earl_stream.security import encryption
@@ -154,15 +166,15 @@ class RemoteEnv:
             raise EnvError(f"the reply of environment server {self.address} is not signed with our cluster secret")
         return reply
 
-    async def reset(self, seed: int) -> str:
+    async def reset(self, seed: int) -> str | Observation:
         opened: EnvOpened = await self._call(EnvOpen(episode=self.episode, seed=seed))
         self.system_prompt, self.max_turn_tokens = opened.system_prompt, opened.max_turn_tokens
         self.max_episode_tokens = opened.max_episode_tokens
-        return opened.observation
+        return opened_observation(opened, f"environment server {self.address}")
 
     async def step(self, action_text: str) -> StepResult:
         stepped: EnvStepped = await self._call(EnvStep(episode=self.episode, action=action_text))
-        return StepResult(stepped.observation, stepped.reward, stepped.done, json.loads(stepped.info_json))
+        return stepped_result(stepped, f"environment server {self.address}")
 
     async def close(self) -> None:
         """Tell the server the episode is over (it also drops idle ones by itself)."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from earl_stream.env import Environment, StepResult, env_options, env_reset, env_step
+from earl_stream.env.images import Observation
 from earl_stream.errors import EnvError
 
 __all__ = [
@@ -329,7 +330,7 @@ class ToolEnv:
         self.max_episode_tokens: int | None = inner.max_episode_tokens
         self._done = True
 
-    async def reset(self, seed: int) -> str:
+    async def reset(self, seed: int) -> str | Observation:
         """Reset the wrapped env (sync or async) and the tool-call budget."""
         self._dispatcher.reset()
         observation = await env_reset(self.inner, seed)

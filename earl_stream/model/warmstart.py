@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from earl_stream.env import StepResult, resolve_env
+from earl_stream.env.images import observation_text
 from earl_stream.errors import EnvError
 from earl_stream.model.chat import ChatFormat
 from earl_stream.model.loading import load_model
@@ -134,7 +135,7 @@ def synthetic_episode(
         result: StepResult = _drive(env.step(str(move)))
         if result.done:
             return ids, mask
-        nxt = fmt.next_turn(result.observation)
+        nxt = fmt.next_turn(observation_text(result.observation))
         ids += nxt
         mask += [0] * len(nxt)
 
@@ -263,7 +264,7 @@ def evaluate_game(
                 illegal += g.outcome == "illegal"
                 finished.append(g)
             else:
-                g.ids += fmt.next_turn(result.observation)
+                g.ids += fmt.next_turn(observation_text(result.observation))
                 still.append(g)
         active = still
     wins = sum(g.outcome == "win" for g in finished)

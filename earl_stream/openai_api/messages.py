@@ -17,8 +17,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from earl_stream.env.images import Image, image_from_data_url
 from earl_stream.env.tools import ToolCall, parse_tool_call
-from earl_stream.errors import EarlError, ModelError
+from earl_stream.errors import EarlError, EnvError, ModelError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Message = dict[str, Any]
@@ -32,19 +33,31 @@ class BadRequest(EarlError):
         self.status, self.code, self.param = status, code, param
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> tuple[str, list[Image]]:
+    """A message's text and images: a string, null, or content parts (`text`, and `image_url` with a base64 data
+    URL; a bad image is refused here, naming its part)."""
     if content is None:
-        return ""
+        return "", []
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only text is understood
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}: only text content parts are supported", param=where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise BadRequest(f"{where}: content must be a string, a list of text parts or null", param=where)
+        return content, []
+    if isinstance(content, list):
+        texts, images = [], []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url":
+                ref = part.get("image_url")
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                try:
+                    images.append(image_from_data_url(url, f"{where}.content[{k}].image_url"))
+                except EnvError as exc:
+                    raise BadRequest(str(exc), param=where, code="invalid_image") from None
+            else:
+                raise BadRequest(f"{where}.content[{k}]: only text and image_url content parts are supported",
+                                 param=where)
+        return "".join(texts), images
+    raise BadRequest(f"{where}: content must be a string, a list of content parts or null", param=where)
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -61,9 +74,11 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def normalize(messages: Any) -> list[Message]:
+def normalize(messages: Any, *, vision: bool = False) -> list[Message]:
     """Checked messages with only what the template and the comparison need:
-    {role, content: str, tool_calls?: [{id, name, arguments}], tool_call_id?, name?}."""
+    {role, content: str, images?: [Image], tool_calls?: [{id, name, arguments}], tool_call_id?, name?}.
+    Images are refused unless the model reads them (`vision`): after they were checked, so that a bad image is
+    reported as such."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
     out: list[Message] = []
@@ -74,7 +89,13 @@ def normalize(messages: Any) -> list[Message]:
         role = m.get("role")
         if role not in ROLES:
             raise BadRequest(f"{where}.role must be one of {list(ROLES)}, got {role!r}", param="messages")
-        msg: Message = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), where)}
+        text, images = _content(m.get("content"), where)
+        msg: Message = {"role": "system" if role == "developer" else role, "content": text}
+        if images:
+            if not vision:
+                raise BadRequest(f"{where} carries {len(images)} image(s) and this endpoint's model reads text only",
+                                 param=where, code="unsupported_content")
+            msg["images"] = images
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
         if role == "tool":

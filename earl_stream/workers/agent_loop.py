@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from earl_stream.env import Environment, EnvOptions, StepResult, env_options, env_reset, env_step
+from earl_stream.env import Environment, EnvOptions, Observation, StepResult, env_options, env_reset, env_step
+from earl_stream.env.images import observation_text
 from earl_stream.env.seeds import train_seed
 from earl_stream.errors import EnvError
 from earl_stream.jitter import ajitter
@@ -135,7 +136,7 @@ async def play_episode(
         except EnvError as exc:
             raise EpisodeFailed(str(exc)) from None
     trace = TokenTrace()
-    trace.add_context(chat.first_turn(options.system_prompt, observation))
+    trace.add_context(chat.first_turn(options.system_prompt, _text(observation, "first observation")))
     prompt_tokens = len(trace.ids)
     reward, turns, info, keep = 0.0, 0, {}, len(trace.ids)  # keep: the trace up to the model's last turn
     while True:
@@ -173,7 +174,7 @@ async def play_episode(
             info = {"outcome": "truncated"}
             break
         keep = len(trace.ids)
-        trace.add_context(chat.next_turn(step.observation))
+        trace.add_context(chat.next_turn(_text(step.observation, f"observation after turn {turns}")))
     batcher.release(episode_id)
     return trace_record(trace, episode_id=episode_id, group_id=group_id, prompt_ordinal=prompt_ordinal, env_name=env_name,
                         turns=turns, prompt_tokens=min(prompt_tokens, len(trace.ids)), reward=reward, info=info)
@@ -190,6 +191,14 @@ def trace_record(trace: TokenTrace, *, episode_id: str, group_id: str, prompt_or
         policy_version=np.asarray(trace.versions, dtype=np.int32), reward=reward,
         info=_small_json(info), routed_experts=episode_routing(trace.routing, len(trace.ids)),
     )
+
+
+def _text(observation: str | Observation, what: str) -> str:
+    """The text of an observation for this text-only chat; one with images fails the episode, saying why."""
+    try:
+        return observation_text(observation, what)
+    except EnvError as exc:
+        raise EpisodeFailed(str(exc)) from None
 
 
 async def _guard(coro: Awaitable[Any], timeout_s: float, what: str) -> Any:

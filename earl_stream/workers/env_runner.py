@@ -63,8 +63,11 @@ from earl_stream.env.host import (
     EnvStep,
     EnvStepped,
     failure,
+    opened_observation,
     out_of_memory,
+    stepped_result,
 )
+from earl_stream.env.images import Observation
 from earl_stream.env.tools import with_tools
 from earl_stream.errors import EnvError
 from earl_stream.sandbox import Breach, SandboxMode, SandboxSpec
@@ -288,17 +291,17 @@ class SandboxedEnv:
         self.max_turn_tokens = DEFAULT_MAX_TURN_TOKENS
         self.max_episode_tokens: int | None = None
 
-    async def reset(self, seed: int) -> str:
+    async def reset(self, seed: int) -> str | Observation:
         opened = await self.runner.call(EnvOpen(episode=self.episode, seed=seed))
         assert isinstance(opened, EnvOpened)
         self.system_prompt, self.max_turn_tokens = opened.system_prompt, opened.max_turn_tokens
         self.max_episode_tokens = opened.max_episode_tokens
-        return opened.observation
+        return opened_observation(opened, f"the sandboxed environment {self.runner.name}")
 
     async def step(self, action_text: str) -> StepResult:
         stepped = await self.runner.call(EnvStep(episode=self.episode, action=action_text))
         assert isinstance(stepped, EnvStepped)
-        return StepResult(stepped.observation, stepped.reward, stepped.done, json.loads(stepped.info_json))
+        return stepped_result(stepped, f"the sandboxed environment {self.runner.name}")
 
     async def close(self) -> None:
         """Drop the episode's instance in the child (an unfinished episode's is otherwise dropped when idle); a child

@@ -1,6 +1,6 @@
 """The contract every environment of the library honours, run on each of them through the registry.
 
-reset returns a str; step returns a StepResult (float reward, JSON-able info, "outcome" on the
+reset returns a str (or an Observation: text and images); step returns a StepResult (float reward, JSON-able info, "outcome" on the
 terminal step); an episode ends within MAX_STEPS arbitrary replies; the same seed gives the same
 first observation and, with the same replies, the same episode; stepping a finished episode raises
 EnvError. Third-party adapters skip cleanly when their package is not installed.
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from earl_stream.env import StepResult, env_options, env_reset, env_step, make_env
+from earl_stream.env import Observation, StepResult, env_options, env_reset, env_step, make_env
 from earl_stream.env.tools import ToolEnv
 from earl_stream.errors import EnvError
 
@@ -26,6 +26,8 @@ SEEDS = range(8)
 LIBRARY: list[tuple[str, dict[str, Any], str | None]] = [
     ("tictactoe", {}, None),
     ("connect_four", {}, None),
+    ("tictactoe_image", {}, None),
+    ("connect_four_image", {}, None),
     ("calculator", {}, None),
     ("long_recall", {}, None),
     ("long_recall", {"turns": 5, "grow_every": 1}, None),
@@ -60,11 +62,11 @@ def build(name: str, params: dict[str, Any], package: str | None) -> object:
 async def episode(env: object, seed: int, replies: random.Random) -> list[tuple[str, StepResult]]:
     trace: list[tuple[str, StepResult]] = []
     observation = await env_reset(env, seed)
-    assert isinstance(observation, str)
+    assert isinstance(observation, (str, Observation))
     for _ in range(MAX_STEPS):
         reply = replies.choice(REPLIES)
         result = await env_step(env, reply)
-        assert isinstance(result.observation, str) and isinstance(result.reward, float)
+        assert isinstance(result.observation, (str, Observation)) and isinstance(result.reward, float)
         assert isinstance(result.done, bool) and isinstance(result.info, dict)
         json.dumps(result.info)
         trace.append((reply, result))

@@ -77,3 +77,46 @@ def test_the_engine_plays_a_gymnasium_episode(tiny_model_dir: Path) -> None:
         assert "FrozenLake-v1" in tokenizer.decode(record.input_ids[:record.prompt_tokens].tolist())
 
     asyncio.run(go())
+
+
+def test_rgb_array_frames_are_passed_through_as_images_when_asked() -> None:
+    """`render_mode: rgb_array`: each observation is the environment's rendered frame (a real Gymnasium env
+    registered here, since the toy-text ones draw their frames with pygame), checked and PNG-encoded."""
+    import gymnasium
+    import numpy as np
+
+    from earl_stream.env import Observation, env_reset, env_step
+    from earl_stream.env.images import decode_image
+
+    class Lamp(gymnasium.Env):
+        metadata = {"render_modes": ["rgb_array"], "render_fps": 4}
+
+        def __init__(self, render_mode: str | None = None) -> None:
+            self.render_mode, self.on = render_mode, 0
+            self.action_space = gymnasium.spaces.Discrete(2)
+            self.observation_space = gymnasium.spaces.Discrete(2)
+
+        def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[int, dict]:
+            super().reset(seed=seed)
+            self.on = 0
+            return 0, {}
+
+        def step(self, action: int) -> tuple[int, float, bool, bool, dict]:
+            self.on = int(action)
+            return self.on, float(action), bool(action), False, {}
+
+        def render(self) -> np.ndarray:
+            return np.full((6, 8, 3), 255 * self.on, dtype=np.uint8)
+
+    gymnasium.register(id="EarlLamp-v0", entry_point=Lamp)
+    env = make_env("gymnasium", {"id": "EarlLamp-v0", "render_mode": "rgb_array"})
+    first = asyncio.run(env_reset(env, 0))
+    assert isinstance(first, Observation) and first.text == "Your action?"
+    assert np.asarray(decode_image(first.images[0])).max() == 0 and (first.images[0].width, first.images[0].height) == (8, 6)
+    last = asyncio.run(env_step(env, "1"))
+    assert last.done and isinstance(last.observation, Observation)
+    assert np.asarray(decode_image(last.observation.images[0])).min() == 255
+    with pytest.raises(EnvError, match=r"EarlLamp-v0 cannot render as ansi \(its render modes: \['rgb_array'\]\)"):
+        make_env("gymnasium", {"id": "EarlLamp-v0", "render_mode": "ansi"})
+    with pytest.raises(EnvError, match="render_mode must be ansi or rgb_array"):
+        make_env("gymnasium", {"id": "EarlLamp-v0", "render_mode": "human"})
