@@ -1,0 +1,55 @@
+"""The tiny vision-language models of tests (issue 50, item 2): each family is written with its real classes and
+loads back through `AutoModelForImageTextToText` / `AutoProcessor.from_pretrained(dir)`, as a user's checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor
+
+from earl_stream.errors import ModelError
+from earl_stream.model.tiny_vlm import init_vlm_model
+
+
+def test_a_tiny_idefics3_reads_a_picture_through_its_own_processor(tmp_path: Path) -> None:
+    d = init_vlm_model(tmp_path / "idefics3", family="idefics3", image_size=64)
+    model, processor = AutoModelForImageTextToText.from_pretrained(d), AutoProcessor.from_pretrained(d)
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration" and type(processor).__name__ == "Idefics3Processor"
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Your move."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    pictures = [Image.fromarray(np.full((96, 96, 3), v, np.uint8)) for v in (0, 255)]
+    outs = []
+    for picture in pictures:
+        inputs = processor(text=prompt, images=[picture], return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
+        assert ids.count(model.config.image_token_id) == 4  # (64 / 16)^2 patches, pixel-shuffled by 2 x 2
+        with torch.no_grad():
+            outs.append(model(**inputs).logits[0, -1])
+    assert not torch.allclose(outs[0], outs[1])  # the picture reaches the decoder
+    assert init_vlm_model(tmp_path / "again", family="idefics3").joinpath("model.safetensors").read_bytes() == \
+        d.joinpath("model.safetensors").read_bytes()
+
+
+def test_a_tiny_qwen2_5_vl_is_written_with_its_image_processor(tmp_path: Path) -> None:
+    d = init_vlm_model(tmp_path / "qwen", family="qwen2_5_vl", image_size=56)
+    model = AutoModelForImageTextToText.from_pretrained(d)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    images = AutoImageProcessor.from_pretrained(d)
+    grid = images(images=[Image.new("RGB", (96, 96))], return_tensors="pt")["image_grid_thw"]
+    assert grid.tolist() == [[1, 4, 4]]  # resized to 56 x 56: 4 x 4 patches of 14 pixels, 4 tokens once merged
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:  # the processor class needs a video processor, which needs torchvision
+        with pytest.raises(ImportError, match="Torchvision"):
+            AutoProcessor.from_pretrained(d)
+    else:
+        assert type(AutoProcessor.from_pretrained(d)).__name__ == "Qwen2_5_VLProcessor"
+
+
+def test_an_unknown_family_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="not one of"):
+        init_vlm_model(tmp_path, family="llava")
