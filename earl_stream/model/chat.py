@@ -47,7 +47,7 @@ class ChatFormat:
         self.stop_token_ids: frozenset[int] = frozenset(stops)
         self._next_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         text = self._tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
@@ -92,11 +92,16 @@ class ChatFormat:
 
         Returns a new list of int token ids ([T] in the episode's int32 `input_ids`).
         """
+        return self._encode(self.first_turn_text(system, observation))
+
+    def first_turn_text(self, system: str | None, content: str | list[dict[str, Any]]) -> str:
+        """The rendered text of `first_turn`; `content` may be a list of content parts (a vision-language
+        template's `{"type": "image"}` and `{"type": "text", "text": ...}`)."""
         messages: list[dict[str, Any]] = []
         if system is not None:
             messages.append({"role": "system", "content": system})
-        messages.append({"role": "user", "content": observation})
-        return self._encode(self._render(messages, add_generation_prompt=True))
+        messages.append({"role": "user", "content": content})
+        return self._render(messages, add_generation_prompt=True)
 
     def next_turn(self, observation: str) -> list[int]:
         """Token ids that follow the model's end-of-turn token: the user turn and the next assistant header.
@@ -109,19 +114,22 @@ class ChatFormat:
         if cached is not None:
             self._next_cache.move_to_end(observation)
             return list(cached)
-        base = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}]
-        closed = self._after_end(self._render(base, add_generation_prompt=False))
-        extended = self._after_end(
-            self._render([*base, {"role": "user", "content": observation}], add_generation_prompt=True)
-        )
-        # Text the template puts after an end marker (e.g. "\n") belongs to the closed turn too.
-        if not extended.startswith(closed):
-            raise ModelError("the chat template renders earlier turns differently once a turn is added")
-        ids = tuple(self._encode(extended))
+        ids = tuple(self._encode(self.next_turn_text(observation)))
         self._next_cache[observation] = ids
         if len(self._next_cache) > _CACHE_SIZE:
             self._next_cache.popitem(last=False)
         return list(ids)
+
+    def next_turn_text(self, content: str | list[dict[str, Any]]) -> str:
+        """The rendered text of `next_turn` (what follows the model's end-of-turn token); `content` as in
+        `first_turn_text`."""
+        base = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}]
+        closed = self._after_end(self._render(base, add_generation_prompt=False))
+        extended = self._after_end(self._render([*base, {"role": "user", "content": content}], add_generation_prompt=True))
+        # Text the template puts after an end marker (e.g. "\n") belongs to the closed turn too.
+        if not extended.startswith(closed):
+            raise ModelError("the chat template renders earlier turns differently once a turn is added")
+        return extended
 
     def reply_text(self, reply_ids: list[int]) -> str:
         """Decode a generated reply to the action text, without its stop token(s)."""

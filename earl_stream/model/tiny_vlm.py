@@ -43,12 +43,15 @@ _TEMPLATE = (
     "{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}{{ '{image}' }}"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}{{ '<|end|>\\n' }}{%- endfor -%}"
+    "{%- endfor -%}{%- endif -%}{{ '{end}\\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
 )
+# Idefics3's processor makes its own tokens the tokenizer's only extra special ones (at every load), so its turns
+# end with one of them, `<end_of_utterance>`, as SmolVLM's do.
+_END = {"idefics3": "<end_of_utterance>", "qwen2_5_vl": END}
 VLM_CHAT_TEMPLATE: dict[str, str] = {
-    "idefics3": _TEMPLATE.replace("{image}", "<image>"),
-    "qwen2_5_vl": _TEMPLATE.replace("{image}", "<|vision_start|><|image_pad|><|vision_end|>"),
+    "idefics3": _TEMPLATE.replace("{image}", "<image>").replace("{end}", _END["idefics3"]),
+    "qwen2_5_vl": _TEMPLATE.replace("{image}", "<|vision_start|><|image_pad|><|vision_end|>").replace("{end}", END),
 }
 _IMAGE_TOKENS = {
     "idefics3": ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"],
@@ -130,7 +133,7 @@ def init_vlm_model(out_dir: str | os.PathLike[str], *, family: str = "idefics3",
     text = _text_config(tokenizer, hidden_size, num_layers, intermediate_size, initializer_range)
     torch.manual_seed(seed)
     model, processor, images = _BUILDERS[family](tokenizer, text, image_size, vision_hidden_size)
-    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(END), tokenizer.eos_token_id]
+    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(_END[family]), tokenizer.eos_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     if processor is not None:

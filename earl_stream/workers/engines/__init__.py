@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from earl_stream.workers.engines.base import Engine, EngineCapacity, FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.base import Engine, EngineCapacity, FinishReason, GenerateRequest, GenerateResult, PromptImage
 from earl_stream.workers.engines.batcher import AsyncBatcher
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "PathChoice",
+    "PromptImage",
     "TorchEngine",
 ]
 

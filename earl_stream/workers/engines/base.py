@@ -38,6 +38,19 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """An image in a request's prompt: positions [start, start + tokens) of `prompt_ids` are its image tokens,
+    which the model's vision tower fills from `inputs` (the processor's tensors for this image alone, e.g.
+    Idefics3's pixel_values [1, 3, H, W] and pixel_attention_mask [1, H, W]). `key` names its pixels (a hash of
+    its PNG bytes): prompts share a prefill only where their token ids and image keys are equal."""
+
+    start: int
+    tokens: int
+    inputs: Mapping[str, torch.Tensor] = field(compare=False, repr=False)
+    key: bytes = b""
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One sequence to extend.
 
@@ -46,6 +59,9 @@ class GenerateRequest:
     two requests with the same key must not be in flight at the same time.
     `top_k == 0` and `top_p == 1.0` disable those filters; `seed` makes sampling of this request
     deterministic regardless of which other requests share its batch.
+
+    `images`: the images whose tokens `prompt_ids` holds (all of them, in order: like the ids, the full context);
+    a backend runs the vision tower only for those past the KV it kept.
 
     `on_token(token_id)`, when given, is called with each token as soon as it is sampled, in order
     (stop token included), before the result is delivered; it runs in the thread that drives the
@@ -64,6 +80,7 @@ class GenerateRequest:
     seed: int | None = None
     cache_key: str | None = None
     on_token: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
+    images: tuple[PromptImage, ...] = ()  # every image of prompt_ids, in order (a vision-language model's)
 
 
 @dataclass(frozen=True)
@@ -156,6 +173,12 @@ def check_request(i: int, req: GenerateRequest, vocab_size: int, max_len: int = 
     lo, hi = min(req.prompt_ids), max(req.prompt_ids)
     if lo < 0 or hi >= vocab_size:
         raise EngineError(f"{where}: prompt token ids span [{lo}, {hi}], outside the vocabulary [0, {vocab_size})")
+    end = 0
+    for k, img in enumerate(req.images):
+        if img.start < end or img.tokens < 1 or img.start + img.tokens > len(req.prompt_ids):
+            raise EngineError(f"{where}: image {k} spans positions [{img.start}, {img.start + img.tokens}), which "
+                              f"overlap the previous image or leave the {len(req.prompt_ids)}-token prompt")
+        end = img.start + img.tokens
     if max_len and len(req.prompt_ids) + req.max_new_tokens > max_len:  # refused, not failed: its episode ends too long
         raise RequestRefused(
             f"{where}: {len(req.prompt_ids)} prompt + {req.max_new_tokens} new tokens exceed the engine's "

@@ -65,14 +65,20 @@ def hf_can_chunk(model: PreTrainedModel) -> bool:
 
 
 def hf_chunks(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-              cache: DynamicCache | None, bounds: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
+              cache: DynamicCache | None, bounds: list[tuple[int, int]],
+              vision: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """As `fast_chunks`, through the HF forward: `cache` holds the kept positions (None: none; kept width
-    = mask width - n). Returns (the last position's logits [B, V], the cache holding every position)."""
+    = mask width - n); `vision`: the images' inputs of the model's forward (one bound only: a vision tower
+    fills its image tokens in one forward). Returns (the last position's logits [B, V], the cache holding
+    every position)."""
     kept = mask.shape[1] - ids.shape[1]
     logits = None
+    if vision and len(bounds) > 1:
+        raise ValueError("a prefill with images runs in one forward, not in chunks")
     for start, end in bounds:
         out = model(input_ids=ids[:, start:end], attention_mask=mask[:, : kept + end],
-                    position_ids=positions[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    position_ids=positions[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    **(vision or {}))
         logits, cache = out.logits[:, -1, :], out.past_key_values
     assert logits is not None
     return logits, cache

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from earl_stream.errors import EngineError
 from earl_stream.workers.engines.chunked_prefill import chunk_bounds, fast_chunks, hf_can_chunk, hf_chunks
 from earl_stream.workers.engines.fast_decoder import FastDecoder
 from earl_stream.workers.engines.routing import RoutingRecorder
 from earl_stream.workers.engines.running import Row, RunningBatch, fill_kept, merged_kept, prefill_layout, select_rows
 from earl_stream.workers.engines.static_kv import StaticKV
+from earl_stream.workers.engines.vision import vision_inputs
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,13 @@ class ForwardPasses:
         sources, index, cached, width_c, width_n = lay.sources, lay.index, lay.cached, lay.width_c, lay.width_n
         ids, mask, positions = lay.ids.to(self.device), lay.mask.to(self.device), lay.positions.to(self.device)
         cache: DynamicCache | StaticKV | None
-        chunks = self.chunk_tokens if self.routing is None and (self.fast is not None or hf_can_chunk(self.model)) else 0
+        chunks = self.chunk_tokens if self.routing is None and not lay.images and \
+            (self.fast is not None or hf_can_chunk(self.model)) else 0  # an image's tokens run in one forward
         invariant = self.fast is not None and self.fast.batch_invariant
         bounds = chunk_bounds(width_n, len(sources), chunks, rows_share=not invariant)
         if self.fast is not None:
+            if lay.images:
+                raise EngineError("the fast decoder was chosen for a model with images; vision models take the HF forward")
             capacity = width_c + width_n + max(r.remaining for r in rows)
             cache = self.fast.new_cache(len(sources), capacity)
             fill_kept(sources, cached, width_c, [(layer.k_buf, layer.v_buf) for layer in cache.layers])
@@ -56,7 +61,8 @@ class ForwardPasses:
             logits = fast_chunks(self.fast, ids, positions, mask, cache, bounds)
         else:
             cache = merged_kept(sources, cached, width_c)
-            logits, cache = hf_chunks(self.model, ids, positions, mask, cache, bounds)
+            vision = vision_inputs(self.model, lay.images, self.device) if lay.images else {}
+            logits, cache = hf_chunks(self.model, ids, positions, mask, cache, bounds, vision)
         assert cache is not None
         if self.routing is not None:
             self.routing.prefill(rows, lay)

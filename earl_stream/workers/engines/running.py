@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult
+from earl_stream.workers.engines.base import FinishReason, GenerateRequest, GenerateResult, PromptImage
 from earl_stream.workers.engines.kv_store import KeptKV
 from earl_stream.workers.engines.static_kv import StaticKV
 
@@ -236,6 +236,7 @@ class PrefillLayout:
     ids: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
+    images: list[PromptImage] = field(default_factory=list)  # the images among the new tokens, in row-major order
 
 
 def prefill_layout(rows: list[Row], sharing: bool, pad_id: int) -> PrefillLayout:
@@ -244,10 +245,15 @@ def prefill_layout(rows: list[Row], sharing: bool, pad_id: int) -> PrefillLayout
     counts): kept KV that would reach into another row's new tokens is used only up to width_c (and
     cut to it on the row: the rest of that row is recomputed)."""
     sources, index = _sources(rows, sharing)
-    cached = [len(r.kept.tokens) if r.kept is not None else 0 for r in sources]
-    width_n = max(len(r.prompt) - c for r, c in zip(sources, cached))
-    width_c = max(len(r.prompt) for r in sources) - width_n
-    cached = [min(c, width_c) for c in cached]
+    cached = [_image_floor(r, len(r.kept.tokens)) if r.kept is not None else 0 for r in sources]
+    longest = max(len(r.prompt) for r in sources)
+    while True:  # a row never reuses part of an image's KV: its cut moves to the image's start (which widens width_n)
+        width_n = max(len(r.prompt) - c for r, c in zip(sources, cached))
+        width_c = longest - width_n
+        cut = [_image_floor(r, min(c, width_c)) for r, c in zip(sources, cached)]
+        if cut == cached:
+            break
+        cached = cut
     for row, c in zip(sources, cached):
         if row.kept is not None and len(row.kept.tokens) > c:
             row.kept = row.kept.prefix(c) if c else None
@@ -259,16 +265,25 @@ def prefill_layout(rows: list[Row], sharing: bool, pad_id: int) -> PrefillLayout
         mask[b, width_c - c : width_c] = 1
         mask[b, width_c + width_n - len(new) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width_c:]
-    return PrefillLayout(sources, index, cached, width_c, width_n, ids, mask, positions)
+    images = [img for row, c in zip(sources, cached) for img in row.req.images if img.start >= c]
+    return PrefillLayout(sources, index, cached, width_c, width_n, ids, mask, positions, images)
+
+
+def _image_floor(row: Row, c: int) -> int:
+    """`c` kept positions of `row`, moved back to the start of an image that they would cut."""
+    for img in row.req.images:
+        if img.start < c < img.start + img.tokens:
+            return img.start
+    return c
 
 
 def _sources(rows: list[Row], sharing: bool) -> tuple[list[Row], list[int]]:
     """The rows to run through the model, and for each admitted row the index of its source."""
     sources: list[Row] = []
     index: list[int] = []
-    by_prompt: dict[tuple[int, ...], int] = {}
+    by_prompt: dict[tuple[tuple[int, ...], tuple[bytes, ...]], int] = {}
     for row in rows:
-        key = tuple(row.prompt) if sharing and row.kept is None else None
+        key = (tuple(row.prompt), tuple(i.key for i in row.req.images)) if sharing and row.kept is None else None
         if key is not None and key in by_prompt:
             index.append(by_prompt[key])
             continue

@@ -1,0 +1,104 @@
+"""Token-in/token-out rendering of multi-turn chats with images, for vision-language models (issue 50).
+
+`VisionChat` is `ChatFormat` for a model with a processor: an observation's images become the processor's image
+tokens inside the turn's token ids, and each image's processor tensors become a `PromptImage` that names the
+positions its tokens take. Like `ChatFormat`, an episode's ids are the first turn, then per turn the model's
+sampled tokens and the next turn's pieces; the images of every turn keep their positions, so the engine reuses
+the KV of earlier turns (their images are encoded once) and the trainer's forward sees the same tokens and
+pixels. Sampling and the episode record are the agent loop's.
+
+Families: Idefics3 / SmolVLM (an image is `<fake_token_around_image><global-img>`, the `<image>` tokens,
+`<fake_token_around_image>`: the span that a `PromptImage` covers, so that a kept KV never cuts an image).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from earl_stream.env.images import Image, Observation, decode_image, split_observation
+from earl_stream.errors import ModelError
+from earl_stream.model.chat import ChatFormat
+from earl_stream.workers.engines.base import PromptImage
+
+__all__ = ["VisionChat"]
+
+_PER_IMAGE = ("pixel_values", "pixel_attention_mask")
+
+
+class VisionChat:
+    """The token pieces (and image tensors) of a multi-turn chat with images under `processor`."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.chat = ChatFormat(self.tokenizer)
+        self.end_token_id, self.stop_token_ids = self.chat.end_token_id, self.chat.stop_token_ids
+        kind = type(processor).__name__
+        if kind not in ("Idefics3Processor", "SmolVLMProcessor"):
+            raise ModelError(f"VisionChat renders Idefics3 and SmolVLM processors, not {kind}")
+        ids = self.tokenizer.convert_tokens_to_ids
+        self.image_token_id = int(ids("<image>"))
+        self._around = int(ids("<fake_token_around_image>"))
+        self._global = int(ids("<global-img>"))
+
+    @staticmethod
+    def _content(text: str, images: Sequence[Image]) -> str | list[dict[str, Any]]:
+        if not images:
+            return text
+        return [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+
+    def first_turn(self, system: str | None, observation: str | Observation) -> tuple[list[int], list[PromptImage]]:
+        """Token ids of [system?, user(observation)] and the assistant header, and the observation's images (their
+        positions in those ids)."""
+        text, images = split_observation(observation)
+        return self._encode(self.chat.first_turn_text(system, self._content(text, images)), images)
+
+    def next_turn(self, observation: str | Observation) -> tuple[list[int], list[PromptImage]]:
+        """Token ids that follow the model's end-of-turn token (the user turn and the next assistant header) and
+        the observation's images, their positions counted from the start of these ids."""
+        text, images = split_observation(observation)
+        return self._encode(self.chat.next_turn_text(self._content(text, images)), images)
+
+    def reply_text(self, reply_ids: list[int]) -> str:
+        return self.chat.reply_text(reply_ids)
+
+    def _encode(self, text: str, images: Sequence[Image]) -> tuple[list[int], list[PromptImage]]:
+        if not images:
+            return list(self.tokenizer.encode(text, add_special_tokens=False)), []
+        out = self.processor(text=text, images=[decode_image(i) for i in images], add_special_tokens=False,
+                             return_tensors="pt")
+        ids = [int(t) for t in out["input_ids"][0]]
+        spans = self._spans(ids)
+        if len(spans) != len(images):
+            raise ModelError(f"the processor laid out {len(spans)} image(s) for {len(images)}")
+        prompt_images = []
+        for k, ((start, end), image) in enumerate(zip(spans, images)):
+            inputs = {key: out[key][0, k][None] for key in _PER_IMAGE if key in out}
+            prompt_images.append(PromptImage(start, end - start, inputs, hashlib.sha256(image.png).digest()))
+        return ids, prompt_images
+
+    def _spans(self, ids: list[int]) -> list[tuple[int, int]]:
+        """[start, end) of each image's block: its tiles' `<image>` runs (with image splitting, one run per tile,
+        each after `<fake_token_around_image>` and a `<row_i_col_j>` tag) up to the run after `<global-img>`, and
+        the markers around them."""
+        spans: list[tuple[int, int]] = []
+        start, i = -1, 0
+        while i < len(ids):
+            if ids[i] != self.image_token_id:
+                i += 1
+                continue
+            j = i
+            while j < len(ids) and ids[j] == self.image_token_id:
+                j += 1
+            if start < 0:  # the block opens at the marker before this run's tag
+                opening = max((k for k in range(max(0, i - 8), i) if ids[k] == self._around), default=i)
+                start = opening
+            if i > 0 and ids[i - 1] == self._global:  # the global image closes the block
+                spans.append((start, j + 1 if j < len(ids) and ids[j] == self._around else j))
+                start = -1
+            i = j
+        if start >= 0:
+            raise ModelError("an image's tokens end without its global image")
+        return spans
