@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.stats import mean_ci95
+
 
 def fmt(v: Any, digits: int = 3) -> str:
     if v is None:
@@ -91,6 +93,49 @@ def render_distill(d: dict[str, Any]) -> list[str]:
                 + "; ".join(f"{arm} {', '.join(fmt(v) for v in vals)}" for arm, vals in steps2.items())
                 + f". Best distillation arm `{b2.get('arm')}`: **{fmt(b2.get('mean'))}x** GRPO's steps "
                 f"[{fmt(b2.get('low'))}, {fmt(b2.get('high'))}] over {b2.get('n')} paired seeds.", ""]
+    return out + _said(d)
+
+
+def render_real_scale(d: dict[str, Any]) -> list[str]:
+    """bench/real_scale.py: per strategy its repeats, crashes, end-to-end seconds (mean [95% interval]) and per
+    phase its plan and trained tokens/s; then adaptive against the best crash-free static plan end to end and the
+    fastest surviving static plan per phase (`same_plan` phases count neither way), rewards and held-out success."""
+    if "per_phase" not in d:  # a result of the earlier, single-repeat format
+        return render_generic(d)
+
+    def ci(x: Any) -> str:
+        if not isinstance(x, dict) or not x.get("n"):
+            return "—"
+        return f"{fmt(x.get('mean'))} [{fmt(x.get('low'))}, {fmt(x.get('high'))}]" if "low" in x else fmt(x.get("mean"))
+
+    runs, e2e, caps = d.get("runs", {}), d.get("end_to_end_seconds", {}), d.get("token_caps", {})
+    rows = []
+    for kind, phases in d["per_phase"].items():
+        first = runs.get(kind, {})
+        seconds = e2e.get(kind) or []
+        took = ci(mean_ci95(seconds)) if len(seconds) >= 2 else fmt(seconds[0]) if seconds else "—"
+        crash = f"phase {first.get('crash_phase')}" if first.get("crashed") else "no" if first.get("started") else "did not start"
+        cap = (caps.get(kind.split(":", 1)[1]) or {}).get("tokens") if kind.startswith("static:") else None
+        rows.append([kind, d.get("repeats", {}).get(kind), crash, cap, took,
+                     *(f"{p['plan'] or '—'}: {ci(p['tokens_per_s'])}" for p in phases)])
+    levels = max((len(v) for v in d["per_phase"].values()), default=0)
+    out = _table(["strategy", "repeats", "crash", "token cap", "end-to-end s", *(f"phase {k}: plan, tokens/s"
+                                                                               for k in range(levels))], rows)
+    versus = d.get("vs_best_static_end_to_end") or {}
+    if versus:
+        low, high = (versus.get("ci95") or [None, None])
+        out += [f"End to end, the best crash-free static plan (`{versus.get('best_static')}`) over adaptive: "
+                f"**{fmt(versus.get('ratio'))}x** [95% {fmt(low)}, {fmt(high)}] (> 1: adaptive faster; goal >= 1.10).", ""]
+    phase_rows = [[p["phase"], p.get("adaptive_plan"), p.get("fastest_static"), p.get("static_plan"), p.get("ratio"),
+                   "same plan" if p.get("same_plan") else ""] for p in d.get("phase_vs_fastest_static", [])]
+    if phase_rows:
+        out += _table(["phase", "adaptive plan", "fastest static", "its plan", "adaptive / it (tokens/s)", ""], phase_rows)
+    rewards = d.get("reward_per_phase", {}).get("adaptive")
+    out += [f"Phase lengths (tokens per episode): {d.get('phase_episode_tokens')}. Adaptive's mean reward per phase: "
+            f"{rewards}. Held-out success before {fmt((d.get('heldout_before') or {}).get('success'))} "
+            f"(± {fmt((d.get('heldout_before') or {}).get('stderr'))}), after the adaptive run "
+            f"{fmt((d.get('heldout_after') or {}).get('success'))} (± {fmt((d.get('heldout_after') or {}).get('stderr'))}).",
+            ""]
     return out + _said(d)
 
 

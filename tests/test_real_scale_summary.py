@@ -115,3 +115,22 @@ def test_the_campaign_runs_a_first_pass_then_interleaved_repeats_and_resumes_whe
                      ("static:fsdp2+rc", 1), ("adaptive", 2), ("static:fsdp2+rc", 2)]
     assert next_run(kinds, {}, {}, 1) == ("adaptive", 0)
     assert next_run(kinds, runs, later, 3) is None
+
+
+def test_the_benchmarks_page_shows_each_strategy_end_to_end_and_the_same_plan_phases() -> None:
+    """bench/report_tables.render_real_scale on a summary of repeats: every strategy's end-to-end interval and
+    per-phase plans, the end-to-end ratio with its interval, and the phases marked `same plan`."""
+    from report_tables import render_real_scale
+
+    runs, levels = _recorded()
+    adaptive, static = runs["adaptive"], runs["static:fsdp2+rc"]
+    repeats = {"adaptive": [_shifted(adaptive, f) for f in (0.60, 0.62, 0.61)],
+               "static:fsdp2+rc": [_shifted(static, f) for f in (0.92, 0.91, 0.93)]}
+    s = summarize_repeats(repeats, levels)
+    page = "\n".join(render_real_scale({**s, "runs": {k: v[0] for k, v in repeats.items()},
+                                        "token_caps": {"fsdp2+rc": {"tokens": 4096}}, "phase_episode_tokens": [92, 791]}))
+    assert "| static:fsdp2+rc | 3 | no | 4,096 |" in page.replace("4096", "4,096")
+    ratio = s["vs_best_static_end_to_end"]
+    assert f"**{ratio['ratio']:.3g}x** [95% {ratio['ci95'][0]:.3g}, {ratio['ci95'][1]:.3g}]" in page
+    same = [p["phase"] for p in s["phase_vs_fastest_static"] if p["same_plan"]]
+    assert page.count("same plan |") == len(same) and "fsdp2+rc: " in page
