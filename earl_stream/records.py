@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from earl_stream.env.images import Image
+
 # Token-level fields: name -> dtype. Every one has shape [T].
 TOKEN_FIELDS: dict[str, np.dtype] = {
     "input_ids": np.dtype(np.int32),
@@ -30,6 +32,24 @@ TOKEN_FIELDS: dict[str, np.dtype] = {
 # the sample's metadata carries `info[ROUTED_EXPERTS]` = {"layers", "top_k", "dtype", "crc32"}
 # (`routing_info`), which says its width per token and checks its bytes. Optional: dense models have none.
 ROUTED_EXPERTS = "routed_experts"
+
+# Images (vision-language policies, issue 50): `SampleRecord.images` holds each image an episode showed, as
+# PNG bytes and the span [start, start + tokens) of `input_ids` its image tokens take. Stored as one field of
+# uint8 (the PNGs back to back); the metadata carries `info[IMAGES]` = {"spans": [[start, tokens, width, height,
+# bytes], ...], "crc32"} (`images_info`). A consumer pulls whole images, those whose spans meet its token
+# ranges (`image_byte_ranges`): a vision tower needs every patch of an image, so a sequence-parallel rank whose
+# slice cuts an image pulls it whole and keeps the features of its own positions. Optional: text episodes have none.
+IMAGES = "images"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleImage:
+    """An image of an episode: positions [start, start + tokens) of its input_ids are the image's tokens (the
+    processor's markers and image tokens), `image` its checked PNG bytes and size."""
+
+    start: int
+    tokens: int
+    image: Image
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +75,7 @@ class SampleRecord:
     segment: int = 0
     segments: int = 1
     teacher_logprobs: np.ndarray | None = None  # None: zeros (no teacher scored the episode)
+    images: tuple[SampleImage, ...] = ()  # the images it showed, in order of their spans (see IMAGES above)
 
     def __post_init__(self) -> None:
         if self.teacher_logprobs is None:
@@ -71,6 +92,7 @@ class SampleRecord:
             elif arr.shape[0] != length:
                 raise ValueError(f"SampleRecord.{name} has length {arr.shape[0]}, expected {length} like input_ids")
         _check_routing(self.routed_experts, length or 0)
+        _check_images(self.images, length or 0)
         if not 0 <= self.prompt_tokens <= (length or 0):
             raise ValueError(f"prompt_tokens={self.prompt_tokens} outside [0, {length}]")
         if not 0 <= self.segment < self.segments:
@@ -96,6 +118,37 @@ def _check_routing(arr: np.ndarray | None, length: int) -> None:
                          f"{getattr(arr, 'shape', type(arr).__name__)}")
     if arr.dtype not in (np.dtype(np.uint8), np.dtype(np.int16)):
         raise ValueError(f"SampleRecord.routed_experts must be uint8 or int16, got {arr.dtype}")
+
+
+def _check_images(images: tuple[SampleImage, ...], length: int) -> None:
+    end = 0
+    for k, img in enumerate(images):
+        if not isinstance(img, SampleImage) or not isinstance(img.image, Image):
+            raise ValueError(f"SampleRecord.images[{k}] must be a SampleImage of an Image, got {type(img).__name__}")
+        if img.start < end or img.tokens < 1 or img.start + img.tokens > length:
+            raise ValueError(f"SampleRecord.images[{k}] spans [{img.start}, {img.start + img.tokens}), which overlaps "
+                             f"the previous image or leaves the {length} tokens")
+        end = img.start + img.tokens
+
+
+def images_info(info: dict[str, Any]) -> tuple[list[list[int]], int] | None:
+    """(spans [[start, tokens, width, height, bytes], ...], crc32 of the PNGs back to back) of a sample's stored
+    images, from its metadata's info; None when it has none."""
+    d = info.get(IMAGES)
+    if not isinstance(d, dict):
+        return None
+    return [[int(x) for x in span] for span in d["spans"]], int(d["crc32"])
+
+
+def image_byte_ranges(spans: list[list[int]], token_ranges: list[tuple[int, int]] | None) -> list[tuple[int, int, int]]:
+    """(image index, first byte, end byte) of each stored image whose span meets one of `token_ranges` (None:
+    every image), in order."""
+    out, offset = [], 0
+    for k, (start, tokens, _w, _h, nbytes) in enumerate(spans):
+        if token_ranges is None or any(start < e and s < start + tokens for s, e in token_ranges):
+            out.append((k, offset, offset + nbytes))
+        offset += nbytes
+    return out
 
 
 def routing_info(info: dict[str, Any]) -> tuple[np.dtype, int, int] | None:

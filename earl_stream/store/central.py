@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from earl_stream.errors import StoreError
-from earl_stream.records import ROUTED_EXPERTS, routing_info
+from earl_stream.records import IMAGES, ROUTED_EXPERTS, images_info, routing_info
 from earl_stream.store import wire
 from earl_stream.store.client import PeerUnreachable, Piece, RemoteError, ShardClient
 from earl_stream.store.experience import pull_samples
@@ -265,8 +265,11 @@ class CentralClient:
 
 
 def _stored_elements(meta: SampleMeta, name: str) -> int | None:
-    """Elements the producer stores for field `name` of this row (routed_experts: T x layers x top_k;
-    None for a row without routing, which no consumer pulls it for)."""
+    """Elements the producer stores for field `name` of this row (routed_experts: T x layers x top_k; images:
+    the bytes of its PNGs; None for a row without them, which no consumer pulls them for)."""
+    if name == IMAGES:
+        described = images_info(json.loads(meta.info_json))
+        return None if described is None else sum(span[4] for span in described[0])
     if name != ROUTED_EXPERTS:
         return meta.total_tokens
     found = routing_info(json.loads(meta.info_json))

@@ -20,7 +20,8 @@ stream of one table, the `SampleMeta` columns (`METADATA_SCHEMA`) plus one binar
 field (`payload.<field>`: the raw bytes of the field's [total_tokens] array, its `TOKEN_FIELDS`
 dtype), and `payload.routed_experts` (a MoE model's recorded routing, `records.ROUTED_EXPERTS`: the raw
 bytes of the flat [total_tokens * layers * top_k] array, null for a sample without; its dtype, width and
-crc32 are in the row's info). It is written under a temporary name, fsync'd, renamed into place and the directory fsync'd;
+crc32 are in the row's info) and `payload.images` (a vision-language episode's PNGs back to back,
+`records.IMAGES`; null without; spans, sizes and crc32 in the row's info). It is written under a temporary name, fsync'd, renamed into place and the directory fsync'd;
 then older generations are deleted, so a crash at any point leaves one whole generation. A file is
 refused, with a log line naming it and never an exception, when it is truncated or corrupt (magic,
 header, length, crc, Arrow, a row's tensors against its checksum, a row's routing against its crc), or written by another run or for
@@ -46,7 +47,7 @@ import pyarrow as pa
 
 from earl_stream.errors import StoreError
 from earl_stream.files import write_durably
-from earl_stream.records import ROUTED_EXPERTS, TOKEN_FIELDS, routing_info
+from earl_stream.records import IMAGES, ROUTED_EXPERTS, TOKEN_FIELDS, images_info, routing_info
 from earl_stream.store.experience import record_checksum
 from earl_stream.store.schema import METADATA_SCHEMA, SampleMeta, metas_to_table, table_to_metas
 
@@ -87,8 +88,9 @@ def encode(identity: Identity, checkpoint_version: int, samples: Sequence[Sample
     for name, dtype in TOKEN_FIELDS.items():
         column = [np.ascontiguousarray(f[name], dtype=dtype).tobytes() for _, f in samples]
         table = table.append_column(PAYLOAD + name, pa.array(column, type=pa.large_binary()))
-    routed = [np.ascontiguousarray(f[ROUTED_EXPERTS]).tobytes() if ROUTED_EXPERTS in f else None for _, f in samples]
-    table = table.append_column(PAYLOAD + ROUTED_EXPERTS, pa.array(routed, type=pa.large_binary()))
+    for name in (ROUTED_EXPERTS, IMAGES):  # optional fields: null where a sample has none
+        optional = [np.ascontiguousarray(f[name]).tobytes() if name in f else None for _, f in samples]
+        table = table.append_column(PAYLOAD + name, pa.array(optional, type=pa.large_binary()))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -134,8 +136,8 @@ def _samples(body: bytes) -> list[Sample]:
             table = reader.read_all()
         metas = table_to_metas(table.select([n for n in METADATA_SCHEMA.names if n in table.column_names]))
         payload = {name: table.column(PAYLOAD + name).to_pylist() for name in TOKEN_FIELDS}
-        routed = (table.column(PAYLOAD + ROUTED_EXPERTS).to_pylist() if PAYLOAD + ROUTED_EXPERTS in table.column_names
-                  else [None] * table.num_rows)
+        routed, images = ((table.column(PAYLOAD + n).to_pylist() if PAYLOAD + n in table.column_names
+                           else [None] * table.num_rows) for n in (ROUTED_EXPERTS, IMAGES))
     except (pa.ArrowException, KeyError, StoreError) as exc:
         raise PersistRefused(f"unreadable Arrow body ({exc})") from None
     out: list[Sample] = []
@@ -149,6 +151,9 @@ def _samples(body: bytes) -> list[Sample]:
         found = _routing(meta, routed[i])
         if found is not None:
             fields[ROUTED_EXPERTS] = found
+        pngs = _images(meta, images[i])
+        if pngs is not None:
+            fields[IMAGES] = pngs
         out.append((meta, fields))
     return out
 
@@ -169,6 +174,24 @@ def _routing(meta: SampleMeta, data: bytes | None) -> np.ndarray | None:
     if len(data) != meta.total_tokens * width * dtype.itemsize or zlib.crc32(data) != crc:
         raise PersistRefused(f"sample {meta.sample_id}: its {ROUTED_EXPERTS} do not match their checksum")
     return np.frombuffer(data, dtype=dtype).copy()
+
+
+def _images(meta: SampleMeta, data: bytes | None) -> np.ndarray | None:
+    """A row's images (PNGs back to back), checked against what its info says (sizes, crc32)."""
+    try:
+        described = images_info(json.loads(meta.info_json))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PersistRefused(f"sample {meta.sample_id}: unreadable {IMAGES} description ({exc})") from None
+    if described is None:
+        if data is not None:
+            raise PersistRefused(f"sample {meta.sample_id}: {IMAGES} stored but not described by its info")
+        return None
+    spans, crc = described
+    if data is None:
+        raise PersistRefused(f"sample {meta.sample_id}: its info describes {IMAGES} the file does not hold")
+    if len(data) != sum(span[4] for span in spans) or zlib.crc32(data) != crc:
+        raise PersistRefused(f"sample {meta.sample_id}: its {IMAGES} do not match their checksum")
+    return np.frombuffer(data, dtype=np.uint8).copy()
 
 
 class Slot:

@@ -19,8 +19,18 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
+from earl_stream.env.images import Image, received_images
 from earl_stream.errors import StoreError
-from earl_stream.records import ROUTED_EXPERTS, TOKEN_FIELDS, SampleRecord, routing_info
+from earl_stream.records import (
+    IMAGES,
+    ROUTED_EXPERTS,
+    TOKEN_FIELDS,
+    SampleImage,
+    SampleRecord,
+    image_byte_ranges,
+    images_info,
+    routing_info,
+)
 from earl_stream.store.client import PeerUnreachable, RemoteError
 from earl_stream.store.node import ShardNode
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, sample_key, sample_prefix
@@ -85,6 +95,11 @@ class ExperienceWriter:
             _, layers, top_k = record.routed_experts.shape
             info = {**info, ROUTED_EXPERTS: {"layers": layers, "top_k": top_k, "dtype": flat.dtype.str,
                                              "crc32": zlib.crc32(flat.view(np.uint8))}}
+        if record.images:  # the PNGs back to back, described (and checked) by the metadata
+            pngs = [img.image.png for img in record.images]
+            flat = fields[IMAGES] = np.frombuffer(b"".join(pngs), dtype=np.uint8)
+            info = {**info, IMAGES: {"spans": [[i.start, i.tokens, i.image.width, i.image.height, len(i.image.png)]
+                                               for i in record.images], "crc32": zlib.crc32(flat)}}
         try:
             info_json = json.dumps(info, separators=(",", ":"), sort_keys=True)
         except (TypeError, ValueError) as exc:
@@ -126,7 +141,7 @@ class ExperienceWriter:
         names this producer and node."""
         meta = msgspec.structs.replace(meta, producer_id=self._producer_id, producer_address=self._node.address)
         self._node.put_many({sample_key(meta.sample_id, name): np.ascontiguousarray(fields[name])
-                             for name in (*TOKEN_FIELDS, ROUTED_EXPERTS) if name in fields})
+                             for name in (*TOKEN_FIELDS, ROUTED_EXPERTS, IMAGES) if name in fields})
         with self._lock:
             self._held[meta.sample_id] = meta
         return meta
@@ -137,8 +152,9 @@ class ExperienceWriter:
             metas = list(self._held.values())
         out = []
         for meta in metas:
-            routed = routing_info(json.loads(meta.info_json)) is not None
-            names = [*TOKEN_FIELDS, *([ROUTED_EXPERTS] if routed else [])]
+            info = json.loads(meta.info_json)
+            names = [*TOKEN_FIELDS, *([ROUTED_EXPERTS] if routing_info(info) is not None else []),
+                     *([IMAGES] if images_info(info) is not None else [])]
             keys = {sample_key(meta.sample_id, name): name for name in names}
             arrays = self._node.copy(keys)
             if len(arrays) == len(keys):  # else freed meanwhile
@@ -269,6 +285,53 @@ def pull_samples(
     if lost:
         raise SamplesUnavailable(lost, out, causes)
     return out  # type: ignore[return-value]  # no None left when nothing was lost
+
+
+def pull_images(
+    client: Puller, metas: Sequence[SampleMeta], token_ranges: Mapping[int, list[tuple[int, int]]] | None = None,
+) -> list[tuple[SampleImage, ...]]:
+    """The images of every meta whose spans meet its `token_ranges` (as in `pull_samples`; None: all of them),
+    each pulled whole from its producer and checked (decoded, and against the row's crc32 when all were pulled).
+    One request per producer. Raises `SamplesUnavailable` for samples whose producer is gone."""
+    wanted: list[list[tuple[int, int, int]]] = []
+    spans_of: list[list[list[int]]] = []
+    for pos, meta in enumerate(metas):
+        found = images_info(json.loads(meta.info_json))
+        spans = found[0] if found else []
+        ranges = None if token_ranges is None else token_ranges.get(pos, [])
+        spans_of.append(spans)
+        wanted.append(image_byte_ranges(spans, ranges))
+    positions: dict[str, list[int]] = {}
+    for pos, meta in enumerate(metas):
+        if wanted[pos]:
+            positions.setdefault(meta.producer_address, []).append(pos)
+    requests = {addr: [(sample_key(metas[pos].sample_id, IMAGES), a, b) for pos in poss for _, a, b in wanted[pos]]
+                for addr, poss in positions.items()}
+    results = client.pull_many(requests, return_exceptions=True) if requests else {}
+    out: list[tuple[SampleImage, ...]] = [() for _ in metas]
+    lost: list[str] = []
+    causes: dict[str, str] = {}
+    for address, res in results.items():
+        if isinstance(res, BaseException):
+            if not isinstance(res, (PeerUnreachable, RemoteError)):
+                raise res
+            causes[address] = str(res)
+            lost += [metas[pos].sample_id for pos in positions[address]]
+            continue
+        it = iter(res)
+        for pos in positions[address]:
+            parts = [bytes(np.ascontiguousarray(next(it)).view(np.uint8)) for _ in wanted[pos]]
+            spans = spans_of[pos]
+            if len(wanted[pos]) == len(spans):
+                found = images_info(json.loads(metas[pos].info_json))
+                if found is not None and zlib.crc32(b"".join(parts)) != found[1]:
+                    raise StoreError(f"sample {metas[pos].sample_id}: its images do not match their checksum")
+            pulled = [Image(png, spans[k][2], spans[k][3]) for (k, _, _), png in zip(wanted[pos], parts)]
+            checked = received_images(pulled, f"producer {address}")
+            out[pos] = tuple(SampleImage(spans[k][0], spans[k][1], img) for (k, _, _), img in zip(wanted[pos], checked))
+    if lost:
+        raise SamplesUnavailable(lost, [None] * len(metas), causes)
+    return out
 
 
 def _pull_one_by_one(
