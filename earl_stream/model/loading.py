@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from earl_stream.errors import ModelError
 
-__all__ = ["TOKENIZER_FILES", "check_model_dir", "count_parameters", "load_model", "load_tokenizer", "one_line",
-           "torch_dtype"]
+__all__ = ["TOKENIZER_FILES", "check_model_dir", "count_parameters", "load_model", "load_tokenizer", "load_vision_model",
+           "one_line", "torch_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -99,6 +108,10 @@ def load_model(
     except Exception as exc:
         raise ModelError(f"cannot read {p / 'config.json'}: {one_line(exc)}") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            raise ModelError(f"model in {p} is a vision-language model ({config.model_type}): load it with "
+                             "earl_stream.model.load_vision_model; the built-in engine generates with Idefics3/SmolVLM "
+                             "models, RL training of vision-language models is not available yet")
         raise ModelError(
             f"model in {p} has model_type {config.model_type!r}, which is not a causal language model"
         )
@@ -109,6 +122,32 @@ def load_model(
         raise ModelError(f"cannot load the model weights in {p}: {one_line(exc)}") from None
     model.eval()
     return model, tokenizer
+
+
+def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
+                      revision: str = "") -> tuple[PreTrainedModel, Any]:
+    """Load the vision-language model (`AutoModelForImageTextToText`) and its processor (`AutoProcessor`: the
+    tokenizer with its chat template, and the image processor) in `path`, model in eval mode. Raises ModelError
+    (one line) for a directory that holds no such model or whose processor cannot load."""
+    p = check_model_dir(path, revision)
+    try:
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"cannot read {p / 'config.json'}: {one_line(exc)}") from None
+    if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        raise ModelError(f"model in {p} has model_type {config.model_type!r}, which is not a vision-language model")
+    try:
+        processor = AutoProcessor.from_pretrained(p, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"cannot load the processor in {p}: {one_line(exc)}") from None
+    if not getattr(processor, "chat_template", None) and not getattr(processor.tokenizer, "chat_template", None):
+        raise ModelError(f"the processor in {p} has no chat template; earl_stream renders every turn with it")
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(p, local_files_only=True, dtype=dtype)
+    except Exception as exc:
+        raise ModelError(f"cannot load the model weights in {p}: {one_line(exc)}") from None
+    model.eval()
+    return model, processor
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -21,10 +21,11 @@ field (`payload.<field>`: the raw bytes of the field's [total_tokens] array, its
 dtype), and `payload.routed_experts` (a MoE model's recorded routing, `records.ROUTED_EXPERTS`: the raw
 bytes of the flat [total_tokens * layers * top_k] array, null for a sample without; its dtype, width and
 crc32 are in the row's info) and `payload.images` (a vision-language episode's PNGs back to back,
-`records.IMAGES`; null without; spans, sizes and crc32 in the row's info). It is written under a temporary name, fsync'd, renamed into place and the directory fsync'd;
-then older generations are deleted, so a crash at any point leaves one whole generation. A file is
-refused, with a log line naming it and never an exception, when it is truncated or corrupt (magic,
-header, length, crc, Arrow, a row's tensors against its checksum, a row's routing against its crc), or written by another run or for
+`records.IMAGES`; null without; spans, sizes and crc32 in the row's info). It is written under a
+temporary name, fsync'd, renamed into place and the directory fsync'd; then older generations are deleted, so a
+crash at any point leaves one whole generation. A file is refused, with a log line naming it and never an
+exception, when it is truncated or corrupt (magic, header, length, crc, Arrow, a row's tensors against its
+checksum, a row's routing or images against their crc), or written by another run or for
 another model.
 """
 

@@ -53,3 +53,18 @@ def test_a_tiny_qwen2_5_vl_is_written_with_its_image_processor(tmp_path: Path) -
 def test_an_unknown_family_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="not one of"):
         init_vlm_model(tmp_path, family="llava")
+
+
+def test_a_vision_model_loads_with_its_processor_and_the_text_loader_says_what_it_is(tmp_path: Path) -> None:
+    from earl_stream.model import load_model, load_vision_model
+
+    d = init_vlm_model(tmp_path / "v", family="idefics3")
+    model, processor = load_vision_model(d)
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration" and not model.training
+    assert type(processor).__name__ == "Idefics3Processor"
+    with pytest.raises(ModelError, match=r"is a vision-language model \(idefics3\): load it with"):
+        load_model(d)
+    with pytest.raises(ModelError, match="not a vision-language model"):
+        from earl_stream.model.tiny import init_model
+
+        load_vision_model(init_model(tmp_path / "text", num_layers=1, hidden_size=32, intermediate_size=64))
