@@ -65,38 +65,37 @@ def connect_four_picture(grid: Sequence[Sequence[str]]) -> Any:
     return img
 
 
-class TicTacToeImage(TicTacToe):
+class _Pictured:
+    """The text game's reset and step, each observation replaced by `observe()`'s picture (mixed in before it)."""
+
+    async def reset(self, seed: int) -> Observation:  # the picture, where the text game returns its board
+        await super().reset(seed)  # type: ignore[misc]
+        return self.observe()
+
+    async def step(self, action_text: str) -> StepResult:
+        result: StepResult = await super().step(action_text)  # type: ignore[misc]
+        return StepResult(self.observe(), result.reward, result.done, result.info)
+
+    def observe(self) -> Observation:
+        raise NotImplementedError
+
+
+class TicTacToeImage(_Pictured, TicTacToe):
     """Tic-Tac-Toe whose observations are pictures of the board (`tictactoe_picture`)."""
 
     system_prompt: str = ("Play Tic-Tac-Toe as X on the board in the picture; its cells are numbered 1-9 row by "
                           "row from the top left. Reply with the number of an empty cell.")
 
-    async def reset(self, seed: int) -> Observation:  # the picture, where the text game returns its board
-        await super().reset(seed)
-        return self.observe()
-
-    async def step(self, action_text: str) -> StepResult:
-        result = await super().step(action_text)
-        return StepResult(self.observe(), result.reward, result.done, result.info)
-
     def observe(self) -> Observation:
         return Observation(PROMPT, [tictactoe_picture(self._board or [""] * 9)])
 
 
-class ConnectFourImage(ConnectFour):
+class ConnectFourImage(_Pictured, ConnectFour):
     """Connect Four whose observations are pictures of the board (`connect_four_picture`)."""
 
     system_prompt: str = ("Play Connect Four as X (red) on the board in the picture, 7 columns numbered 1-7 from "
                           "the left, 6 rows; connect four in a row to win. Reply with the number of a column that "
                           "is not full.")
-
-    async def reset(self, seed: int) -> Observation:  # the picture, where the text game returns its board
-        await super().reset(seed)
-        return self.observe()
-
-    async def step(self, action_text: str) -> StepResult:
-        result = await super().step(action_text)
-        return StepResult(self.observe(), result.reward, result.done, result.info)
 
     def observe(self) -> Observation:
         return Observation(PROMPT, [connect_four_picture(self._grid)])
