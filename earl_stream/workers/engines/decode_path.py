@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from earl_stream.workers.engines.fast_decoder import FastDecoder
 from earl_stream.workers.engines.quirks import Quirks, read_quirks
-from earl_stream.workers.engines.vision import is_vision_model
+from earl_stream.workers.engines.vision import takes_images
 
 _LOG = logging.getLogger(__name__)
 _PROBE_TOKENS = 12
@@ -64,7 +64,7 @@ def choose_path(model: PreTrainedModel, *, fast_forward: bool = True) -> PathCho
 def _choose(model: PreTrainedModel, family: str, fast_forward: bool) -> PathChoice:
     if not fast_forward:
         return PathChoice(DecodePath.HF_FORWARD, family, "fast_forward=False")
-    if is_vision_model(model):
+    if takes_images(model):
         return PathChoice(DecodePath.HF_FORWARD, family, "a vision-language model: its vision tower runs in the HF "
                           "forward")
     quirks = read_quirks(model)

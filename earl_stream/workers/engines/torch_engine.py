@@ -61,7 +61,7 @@ from earl_stream.workers.engines.running import Row, RunningBatch, draw_uniforms
 from earl_stream.workers.engines.sampling import SamplingParams, sample_tokens
 from earl_stream.workers.engines.shedding import OomShed, Shedder, ShedSteps, StepPhase
 from earl_stream.workers.engines.static_kv import StaticKV
-from earl_stream.workers.engines.vision import check_vision_model, is_vision_model
+from earl_stream.workers.engines.vision import ENGINE_VISION_TYPES, takes_images
 from earl_stream.workers.engines.weight_swap import SwapMode, SwapSteps, WeightSwapper
 from earl_stream.workers.oom import is_allocation_failure, release_cached
 
@@ -121,8 +121,7 @@ class TorchEngine(SwapSteps, ShedSteps):
         whatever rows share its batch (see `set_batch_invariant`); `prefill_chunk_tokens`: a prefill runs at most
         this many positions per forward, appending to the KV chunk by chunk (`chunked_prefill`; 0: whole)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
-        check_vision_model(model)
-        self._vision = is_vision_model(model)
+        self._vision = takes_images(model)
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)  # the plan's; `capacity`: within sheds
         self._shedder = Shedder()
@@ -260,7 +259,8 @@ class TorchEngine(SwapSteps, ShedSteps):
         reqs = list(requests)
         for i, req in enumerate(reqs):
             if req.images and not self._vision:
-                raise EngineError(f"request {i} carries {len(req.images)} image(s) and the model reads text only")
+                raise EngineError(f"request {i} carries {len(req.images)} image(s); this engine feeds images to "
+                                  f"{ENGINE_VISION_TYPES} models only, not to {type(self._model).__name__}")
             check_request(i, req, self._vocab)
         rows = [Row(req, list(req.prompt_ids), torch.Generator().manual_seed(req.seed) if req.seed is not None else None,
                     on_done=on_done) for req in reqs]

@@ -4,8 +4,8 @@ the model's forward.
 A request's images (`base.PromptImage`) carry their processor tensors one image at a time; a prefill feeds the
 vision tower the images whose tokens it runs (those past each row's kept KV, row by row, left to right: the order
 in which the model's merger fills the image tokens of its batch), so a multi-turn episode encodes each image
-once. It owns `is_vision_model` (the decode path sends these to the HF forward), `check_vision_model` (what
-the engine can run) and `vision_inputs`. The images' token layout is the processor's (`model.vision`).
+once. It owns `takes_images` (the models it feeds images to; the decode path sends them to the HF forward) and
+`vision_inputs`. The images' token layout is the processor's (`model.vision`).
 
 Runs: Idefics3 (SmolVLM) and SmolVLM2 checkpoints: images enter as pixel_values [1, N, 3, H, W] with their
 pixel_attention_mask, on 1-D positions. Not yet: Qwen2-VL / Qwen2.5-VL / Qwen3-VL, whose multimodal RoPE needs
@@ -22,31 +22,24 @@ from transformers import PreTrainedModel
 from earl_stream.errors import EngineError
 from earl_stream.workers.engines.base import PromptImage
 
-__all__ = ["ENGINE_VISION_TYPES", "check_vision_model", "is_vision_model", "vision_inputs"]
+__all__ = ["ENGINE_VISION_TYPES", "takes_images", "vision_inputs"]
 
 ENGINE_VISION_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")
 _BATCHED = ("pixel_values", "pixel_attention_mask")  # per-image tensors stacked under one batch row
 
 
-def is_vision_model(model: PreTrainedModel) -> bool:
-    """Whether `model` has a vision tower (its config names a vision config)."""
-    return getattr(model.config, "vision_config", None) is not None
-
-
-def check_vision_model(model: PreTrainedModel) -> None:
-    """Raise EngineError for a vision-language model the built-in engine cannot feed images to."""
-    kind = str(getattr(model.config, "model_type", ""))
-    if is_vision_model(model) and kind not in ENGINE_VISION_TYPES:
-        raise EngineError(f"the built-in engine runs the vision-language models {ENGINE_VISION_TYPES}, not "
-                          f"{kind!r} (its multimodal RoPE positions are not laid out here); serve it with "
-                          "rollout.engine=vllm")
+def takes_images(model: PreTrainedModel) -> bool:
+    """Whether the engine feeds images to `model` (a vision-language family it lays out). Other multimodal
+    checkpoints (Gemma 3 4B+, loaded as causal LMs) generate text as any model does."""
+    return str(getattr(model.config, "model_type", "")) in ENGINE_VISION_TYPES
 
 
 def vision_inputs(model: PreTrainedModel, images: Sequence[PromptImage], device: torch.device) -> dict[str, torch.Tensor]:
     """The keyword arguments of `model`'s forward for `images` (in the order their tokens appear in the batch)."""
-    check_vision_model(model)
-    if not is_vision_model(model):
-        raise EngineError("a request carries images and the model has no vision tower")
+    if not takes_images(model):
+        kind = str(getattr(model.config, "model_type", ""))
+        raise EngineError(f"the built-in engine feeds images to {ENGINE_VISION_TYPES} models, not {kind!r}: Qwen2-VL "
+                          "and its kin need 3-D RoPE positions the engine does not lay out (serve them with vLLM)")
     out: dict[str, torch.Tensor] = {}
     for key in _BATCHED:
         parts = [img.inputs[key] for img in images if key in img.inputs]

@@ -96,6 +96,28 @@ def test_images_a_model_cannot_take_are_refused(vlm: tuple[object, object], tiny
     with pytest.raises(EngineError, match="leave the"):
         engine.generate([GenerateRequest(ids, 3, images=(outside,))])
     text_model, _ = load_model(tiny_model_dir)
-    with pytest.raises(EngineError, match="reads text only"):
+    with pytest.raises(EngineError, match="feeds images to .* models only"):
         TorchEngine(text_model, seed=0).generate([GenerateRequest([1, 2, 3], 2, images=tuple(images))])
     assert np.isfinite(images[0].inputs["pixel_values"].numpy()).all()
+
+
+def test_a_multimodal_checkpoint_loaded_as_a_causal_lm_still_generates_text(tmp_path: Path) -> None:
+    """Gemma 3 4B+ checkpoints are multimodal (a vision config) and load as causal LMs: the engine runs them as
+    text models, as before images were built (it feeds images to Idefics3/SmolVLM only)."""
+    import transformers
+
+    text = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 16}
+    config = transformers.Gemma3Config(text_config=text, vision_config={"hidden_size": 16, "intermediate_size": 32,
+                                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+                                       "patch_size": 14}, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "g3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "g3").eval()
+    assert model.config.vision_config is not None
+    ids = [5, 17, 42, 9, 11]
+    [got] = TorchEngine(model, seed=0).generate([GenerateRequest(ids, 6, temperature=0.0)])
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(ids):]
+    assert list(got.token_ids) == want.tolist()
