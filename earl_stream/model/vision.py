@@ -1,11 +1,12 @@
 """Token-in/token-out rendering of multi-turn chats with images, for vision-language models (issue 50).
 
 `VisionChat` is `ChatFormat` for a model with a processor: an observation's images become the processor's image
-tokens inside the turn's token ids, and each image's processor tensors become a `PromptImage` that names the
-positions its tokens take. Like `ChatFormat`, an episode's ids are the first turn, then per turn the model's
-sampled tokens and the next turn's pieces; the images of every turn keep their positions, so the engine reuses
-the KV of earlier turns (their images are encoded once) and the trainer's forward sees the same tokens and
-pixels. Sampling and the episode record are the agent loop's.
+tokens inside the turn's token ids, each a `SampleImage` (its PNG and the span of positions its tokens take, what an
+episode's record keeps), and `prompt_image` gives the engine its image processor's tensors (`PromptImage`). Like
+`ChatFormat`, an episode's ids are the first turn, then per turn the model's sampled tokens and the next turn's
+pieces; the images of every turn keep their positions, so the engine reuses the KV of earlier turns (their images
+are encoded once) and the trainer's forward sees the same tokens and pixels. Sampling and the episode record are the
+agent loop's.
 
 Families: Idefics3 / SmolVLM (an image is `<fake_token_around_image><global-img>`, the `<image>` tokens,
 `<fake_token_around_image>`: the span that a `PromptImage` covers, so that a kept KV never cuts an image).
@@ -20,11 +21,13 @@ from typing import Any
 from earl_stream.env.images import Image, Observation, decode_image, split_observation
 from earl_stream.errors import ModelError
 from earl_stream.model.chat import ChatFormat
+from earl_stream.records import SampleImage
 from earl_stream.workers.engines.base import PromptImage
 
 __all__ = ["VisionChat"]
 
 _PER_IMAGE = ("pixel_values", "pixel_attention_mask")
+_CACHE = 256  # pictures whose processor tensors are kept (a board game repeats its boards)
 
 
 class VisionChat:
@@ -42,6 +45,7 @@ class VisionChat:
         self.image_token_id = int(ids("<image>"))
         self._around = int(ids("<fake_token_around_image>"))
         self._global = int(ids("<global-img>"))
+        self._inputs: dict[bytes, dict[str, Any]] = {}
 
     @staticmethod
     def _content(text: str, images: Sequence[Image]) -> str | list[dict[str, Any]]:
@@ -49,13 +53,13 @@ class VisionChat:
             return text
         return [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
 
-    def first_turn(self, system: str | None, observation: str | Observation) -> tuple[list[int], list[PromptImage]]:
+    def first_turn(self, system: str | None, observation: str | Observation) -> tuple[list[int], list[SampleImage]]:
         """Token ids of [system?, user(observation)] and the assistant header, and the observation's images (their
         positions in those ids)."""
         text, images = split_observation(observation)
         return self._encode(self.chat.first_turn_text(system, self._content(text, images)), images)
 
-    def next_turn(self, observation: str | Observation) -> tuple[list[int], list[PromptImage]]:
+    def next_turn(self, observation: str | Observation) -> tuple[list[int], list[SampleImage]]:
         """Token ids that follow the model's end-of-turn token (the user turn and the next assistant header) and
         the observation's images, their positions counted from the start of these ids."""
         text, images = split_observation(observation)
@@ -64,7 +68,20 @@ class VisionChat:
     def reply_text(self, reply_ids: list[int]) -> str:
         return self.chat.reply_text(reply_ids)
 
-    def _encode(self, text: str, images: Sequence[Image]) -> tuple[list[int], list[PromptImage]]:
+    def prompt_image(self, image: SampleImage) -> PromptImage:
+        """What the engine needs of an image: its span and its image processor's tensors (computed once per
+        picture: kept for the last `_CACHE` pictures)."""
+        key = hashlib.sha256(image.image.png).digest()
+        inputs = self._inputs.get(key)
+        if inputs is None:
+            out = self.processor.image_processor([decode_image(image.image)], return_tensors="pt")
+            inputs = {name: out[name][0, 0][None] for name in _PER_IMAGE if name in out}
+            self._inputs[key] = inputs
+            if len(self._inputs) > _CACHE:
+                self._inputs.pop(next(iter(self._inputs)))
+        return PromptImage(image.start, image.tokens, inputs, key)
+
+    def _encode(self, text: str, images: Sequence[Image]) -> tuple[list[int], list[SampleImage]]:
         if not images:
             return list(self.tokenizer.encode(text, add_special_tokens=False)), []
         out = self.processor(text=text, images=[decode_image(i) for i in images], add_special_tokens=False,
@@ -73,11 +90,7 @@ class VisionChat:
         spans = self._spans(ids)
         if len(spans) != len(images):
             raise ModelError(f"the processor laid out {len(spans)} image(s) for {len(images)}")
-        prompt_images = []
-        for k, ((start, end), image) in enumerate(zip(spans, images)):
-            inputs = {key: out[key][0, k][None] for key in _PER_IMAGE if key in out}
-            prompt_images.append(PromptImage(start, end - start, inputs, hashlib.sha256(image.png).digest()))
-        return ids, prompt_images
+        return ids, [SampleImage(start, end - start, image) for (start, end), image in zip(spans, images)]
 
     def _spans(self, ids: list[int]) -> list[tuple[int, int]]:
         """[start, end) of each image's block: its tiles' `<image>` runs (with image splitting, one run per tile,

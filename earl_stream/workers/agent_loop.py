@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,11 +20,12 @@ import numpy as np
 from earl_stream.env import Environment, EnvOptions, Observation, StepResult, env_options, env_reset, env_step
 from earl_stream.env.images import observation_text
 from earl_stream.env.seeds import train_seed
-from earl_stream.errors import EnvError
+from earl_stream.errors import EnvError, ModelError
 from earl_stream.jitter import ajitter
 from earl_stream.model.chat import ChatFormat
-from earl_stream.records import SampleRecord
-from earl_stream.workers.engines.base import FinishReason, GenerateRequest, RequestRefused
+from earl_stream.model.vision import VisionChat
+from earl_stream.records import SampleImage, SampleRecord
+from earl_stream.workers.engines.base import FinishReason, GenerateRequest, PromptImage, RequestRefused
 from earl_stream.workers.engines.batcher import AsyncBatcher
 from earl_stream.workers.engines.routing import episode_routing, merge_routing
 
@@ -66,8 +67,11 @@ class TokenTrace:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     routing: np.ndarray | None = None  # MoE: routed experts [positions, L, k] recorded so far (engines.routing)
+    images: list[SampleImage] = dataclasses.field(default_factory=list)  # spans in `ids` (vision-language models)
 
-    def add_context(self, tokens: list[int]) -> None:
+    def add_context(self, tokens: list[int], images: Sequence[SampleImage] = ()) -> None:
+        """Context tokens (a prompt, an observation); `images`: theirs, spans counted from the first of `tokens`."""
+        self.images += [dataclasses.replace(i, start=i.start + len(self.ids)) for i in images]
         self.ids += tokens
         self.mask += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
@@ -81,9 +85,11 @@ class TokenTrace:
         self.versions += [version] * len(tokens) if isinstance(version, int) else version
 
     def cut(self, n: int) -> None:
-        """Keep the first `n` tokens of every field."""
+        """Keep the first `n` tokens of every field (fewer where `n` would cut an image: its tokens go whole)."""
+        n = min([n, *(i.start for i in self.images if i.start < n < i.start + i.tokens)])
         del self.ids[n:], self.mask[n:], self.logprobs[n:], self.versions[n:]
         self.routing = None if self.routing is None else self.routing[:n]
+        self.images = [i for i in self.images if i.start + i.tokens <= n]
 
 
 def _room(trace: TokenTrace, options: EnvOptions, cap: int) -> int:
@@ -103,7 +109,7 @@ def _too_long(trace: TokenTrace, keep: int, turns: int, why: str) -> dict[str, A
 async def play_episode(
     env: Environment,
     options: EnvOptions | None,
-    chat: ChatFormat,
+    chat: ChatFormat | VisionChat,
     batcher: AsyncBatcher,
     *,
     env_name: str,
@@ -136,7 +142,7 @@ async def play_episode(
         except EnvError as exc:
             raise EpisodeFailed(str(exc)) from None
     trace = TokenTrace()
-    trace.add_context(chat.first_turn(options.system_prompt, _text(observation, "first observation")))
+    trace.add_context(*_first_turn(chat, options.system_prompt, observation))
     prompt_tokens = len(trace.ids)
     reward, turns, info, keep = 0.0, 0, {}, len(trace.ids)  # keep: the trace up to the model's last turn
     while True:
@@ -148,7 +154,8 @@ async def play_episode(
         request = GenerateRequest(prompt_ids=list(trace.ids), max_new_tokens=room,
                                   stop_token_ids=chat.stop_token_ids, temperature=sampling.temperature,
                                   top_p=sampling.top_p, top_k=sampling.top_k, cache_key=episode_id,
-                                  seed=None if sample_seed is None else sample_seed + turns)
+                                  seed=None if sample_seed is None else sample_seed + turns,
+                                  images=_prompt_images(chat, trace.images))
         await ajitter()  # tests of timing independence only (EARL_STREAM_JITTER_MS)
         try:
             result = await batcher.generate(request)
@@ -174,7 +181,7 @@ async def play_episode(
             info = {"outcome": "truncated"}
             break
         keep = len(trace.ids)
-        trace.add_context(chat.next_turn(_text(step.observation, f"observation after turn {turns}")))
+        trace.add_context(*_next_turn(chat, step.observation, turns))
     batcher.release(episode_id)
     return trace_record(trace, episode_id=episode_id, group_id=group_id, prompt_ordinal=prompt_ordinal, env_name=env_name,
                         turns=turns, prompt_tokens=min(prompt_tokens, len(trace.ids)), reward=reward, info=info)
@@ -190,7 +197,35 @@ def trace_record(trace: TokenTrace, *, episode_id: str, group_id: str, prompt_or
         behaviour_logprobs=np.asarray(trace.logprobs, dtype=np.float32),
         policy_version=np.asarray(trace.versions, dtype=np.int32), reward=reward,
         info=_small_json(info), routed_experts=episode_routing(trace.routing, len(trace.ids)),
+        images=tuple(trace.images),
     )
+
+
+def _first_turn(chat: ChatFormat | VisionChat, system: str | None,
+                observation: str | Observation) -> tuple[list[int], list[SampleImage]]:
+    if isinstance(chat, VisionChat):
+        return _rendered(lambda: chat.first_turn(system, observation))
+    return chat.first_turn(system, _text(observation, "first observation")), []
+
+
+def _next_turn(chat: ChatFormat | VisionChat, observation: str | Observation,
+               turns: int) -> tuple[list[int], list[SampleImage]]:
+    if isinstance(chat, VisionChat):
+        return _rendered(lambda: chat.next_turn(observation))
+    return chat.next_turn(_text(observation, f"observation after turn {turns}")), []
+
+
+def _rendered(render: Callable[[], tuple[list[int], list[SampleImage]]]) -> tuple[list[int], list[SampleImage]]:
+    """A turn with images, rendered by the model's processor; its failure (an image it cannot take) is the
+    episode's."""
+    try:
+        return render()
+    except (EnvError, ModelError, ValueError) as exc:
+        raise EpisodeFailed(f"the observation's images cannot be shown to the model: {exc}") from None
+
+
+def _prompt_images(chat: ChatFormat | VisionChat, images: list[SampleImage]) -> tuple[PromptImage, ...]:
+    return tuple(chat.prompt_image(i) for i in images) if isinstance(chat, VisionChat) else ()
 
 
 def _text(observation: str | Observation, what: str) -> str:

@@ -6,6 +6,7 @@ to a text-only model, or with images that leave its prompt, is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from earl_stream.env.images import decode_image
 from earl_stream.errors import EngineError
 from earl_stream.model.tiny_vlm import init_vlm_model
 from earl_stream.model.vision import VisionChat
+from earl_stream.records import SampleImage
 from earl_stream.workers.engines.base import GenerateRequest, PromptImage
 from earl_stream.workers.engines.torch_engine import TorchEngine
 
@@ -34,14 +36,19 @@ def _board(cells: str) -> Observation:
     return Observation("Your move.", [tictactoe_picture([c if c in "XO" else "" for c in cells])])
 
 
-def _hf_greedy(model: object, chat: VisionChat, ids: list[int], images: list[PromptImage], n: int) -> list[int]:
+def _hf_greedy(model: object, chat: VisionChat, ids: list[int], images: list[SampleImage], n: int) -> list[int]:
     inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
     if images:
-        inputs["pixel_values"] = torch.cat([i.inputs["pixel_values"] for i in images])[None]
-        inputs["pixel_attention_mask"] = torch.cat([i.inputs["pixel_attention_mask"] for i in images])[None]
+        prompt = [chat.prompt_image(i) for i in images]
+        inputs["pixel_values"] = torch.cat([i.inputs["pixel_values"] for i in prompt])[None]
+        inputs["pixel_attention_mask"] = torch.cat([i.inputs["pixel_attention_mask"] for i in prompt])[None]
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None)  # type: ignore[attr-defined]
     return out[0, len(ids):].tolist()
+
+
+def _prompt(chat: VisionChat, images: list[SampleImage]) -> tuple[PromptImage, ...]:
+    return tuple(chat.prompt_image(i) for i in images)
 
 
 def test_greedy_tokens_with_images_equal_transformers_generate_across_turns(vlm: tuple[object, object]) -> None:
@@ -55,14 +62,15 @@ def test_greedy_tokens_with_images_equal_transformers_generate_across_turns(vlm:
     engine = TorchEngine(model, seed=0)  # type: ignore[arg-type]
     assert engine.decode_path.path.value == "hf_forward"
     n = 6
-    [first] = engine.generate([GenerateRequest(ids, n, temperature=0.0, cache_key="ep", images=tuple(images))])
+    [first] = engine.generate([GenerateRequest(ids, n, temperature=0.0, cache_key="ep", images=_prompt(chat, images))])
     assert list(first.token_ids) == _hf_greedy(model, chat, ids, images, n)
     nxt, more = chat.next_turn(_board("X...O.X.O"))
     context = ids + list(first.token_ids) + [chat.end_token_id] * (first.token_ids[-1] not in chat.stop_token_ids) + nxt
     shift = len(context) - len(nxt)
-    all_images = images + [PromptImage(i.start + shift, i.tokens, i.inputs, i.key) for i in more]
+    all_images = images + [dataclasses.replace(i, start=i.start + shift) for i in more]
     before = engine.stats
-    [second] = engine.generate([GenerateRequest(context, n, temperature=0.0, cache_key="ep", images=tuple(all_images))])
+    [second] = engine.generate([GenerateRequest(context, n, temperature=0.0, cache_key="ep",
+                                                images=_prompt(chat, all_images))])
     after = engine.stats
     assert after.reused_tokens - before.reused_tokens >= len(ids)  # the first turn (its image too) was not run again
     assert after.prefill_tokens - before.prefill_tokens <= len(context) - len(ids)
@@ -76,9 +84,9 @@ def test_rows_with_and_without_images_share_a_batch(vlm: tuple[object, object]) 
     b_ids, _ = chat.first_turn(None, "A text-only question.")
     c_ids, c_img = chat.first_turn(None, _board("....X...."))
     engine = TorchEngine(model, seed=0)  # type: ignore[arg-type]
-    reqs = [GenerateRequest(a_ids, 5, temperature=0.0, images=tuple(a_img)), GenerateRequest(b_ids, 5, temperature=0.0),
-            GenerateRequest(c_ids, 5, temperature=0.0, images=tuple(c_img)),
-            GenerateRequest(c_ids, 5, temperature=0.0, images=tuple(a_img))]  # the ids of every board are alike
+    reqs = [GenerateRequest(a_ids, 5, temperature=0.0, images=_prompt(chat, a_img)),
+            GenerateRequest(b_ids, 5, temperature=0.0), GenerateRequest(c_ids, 5, temperature=0.0, images=_prompt(chat, c_img)),
+            GenerateRequest(c_ids, 5, temperature=0.0, images=_prompt(chat, a_img))]  # the ids of every board are alike
     got = [list(r.token_ids) for r in engine.generate(reqs)]
     want = [_hf_greedy(model, chat, a_ids, a_img, 5), _hf_greedy(model, chat, b_ids, [], 5),
             _hf_greedy(model, chat, c_ids, c_img, 5), _hf_greedy(model, chat, c_ids, a_img, 5)]
@@ -90,7 +98,9 @@ def test_images_a_model_cannot_take_are_refused(vlm: tuple[object, object], tiny
     from earl_stream.model import load_model
 
     model, processor = vlm
-    ids, images = VisionChat(processor).first_turn(None, _board("........."))
+    chat = VisionChat(processor)
+    ids, shown = chat.first_turn(None, _board("........."))
+    images = _prompt(chat, shown)
     engine = TorchEngine(model, seed=0)  # type: ignore[arg-type]
     outside = PromptImage(len(ids) - 2, 5, images[0].inputs, images[0].key)
     with pytest.raises(EngineError, match="leave the"):

@@ -1,0 +1,82 @@
+"""A vision-language policy plays an image game through the built-in agent loop (issue 50): every turn's board
+picture enters the context as the processor's image tokens, the engine encodes each picture once (later turns
+reuse the KV), and the episode's record keeps the pictures with their token spans. The log-probs the engine
+sampled with equal a fresh forward of the whole episode (tokens and pictures) within 1e-4: what the trainer's
+forward will recompute."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from earl_stream.env import Observation, StepResult, make_env
+from earl_stream.model.tiny_vlm import init_vlm_model
+from earl_stream.model.vision import VisionChat
+from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
+from earl_stream.workers.engines.batcher import AsyncBatcher
+from earl_stream.workers.engines.torch_engine import TorchEngine
+
+
+class Shown:
+    """Three turns, a new picture each, whatever the reply (so every episode is multi-turn)."""
+
+    system_prompt = "Say what you see."
+    max_turn_tokens = 4
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def _picture(self) -> Observation:
+        return Observation(f"Picture {self.turn}.", [np.full((40, 40, 3), 60 * self.turn, dtype=np.uint8)])
+
+    async def reset(self, seed: int) -> Observation:
+        self.turn = 0
+        return self._picture()
+
+    async def step(self, action: str) -> StepResult:
+        self.turn += 1
+        return StepResult(self._picture(), 0.0, self.turn >= 3, {"outcome": "done"} if self.turn >= 3 else {})
+
+
+def test_an_image_episode_records_its_pictures_and_the_logprobs_a_forward_recomputes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = init_vlm_model(tmp_path / "vlm", family="idefics3", image_size=64)
+    model = AutoModelForImageTextToText.from_pretrained(d).eval()
+    chat = VisionChat(AutoProcessor.from_pretrained(d))
+    tokenizer = chat.tokenizer
+
+    engine = TorchEngine(model, seed=0)
+
+    async def go() -> list:  # type: ignore[type-arg]
+        batcher = AsyncBatcher(engine)
+        try:
+            episodes = [play_episode(env, None, chat, batcher, env_name="pictures", seed=s,
+                                     prompt_ordinal=s, group_id="g", sampling=Sampling(temperature=1.0),
+                                     policy_version=lambda: 0, decode=tokenizer.decode, sample_seed=10 + s)
+                        for s, env in enumerate([make_env("tictactoe_image"), Shown(), Shown()])]
+            return await asyncio.gather(*episodes, return_exceptions=True)
+        finally:
+            await batcher.aclose()
+
+    records = asyncio.run(go())
+    assert [r.turns for r in records[1:]] == [3, 3] and engine.stats.reused_tokens > 0  # earlier turns' KV reused
+    for record in records:
+        if isinstance(record, EpisodeFailed):
+            pytest.fail(f"an image episode failed: {record}")
+        ids = record.input_ids.tolist()
+        assert record.images and all(ids[i.start] == chat._around for i in record.images)
+        assert ids.count(chat.image_token_id) == 4 * len(record.images)
+        assert len(record.images) >= record.turns  # a picture per observation the model answered
+        prompt = [chat.prompt_image(i) for i in record.images]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]),
+                           pixel_values=torch.cat([p.inputs["pixel_values"] for p in prompt])[None],
+                           pixel_attention_mask=torch.cat([p.inputs["pixel_attention_mask"] for p in prompt])[None]).logits[0]
+        logprobs = torch.log_softmax(logits.float(), -1)
+        mask = record.loss_mask.astype(bool)
+        positions = np.nonzero(mask)[0]
+        want = logprobs[positions - 1, torch.tensor(record.input_ids[positions], dtype=torch.long)].numpy()
+        np.testing.assert_allclose(record.behaviour_logprobs[mask], want, atol=1e-4)
