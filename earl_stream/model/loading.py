@@ -91,6 +91,14 @@ def load_tokenizer(path: str | os.PathLike[str], *, require_chat_template: bool 
     return tokenizer
 
 
+def _config(p: Path) -> Any:
+    """The model config in directory `p` (ModelError, one line, where it cannot be read)."""
+    try:
+        return AutoConfig.from_pretrained(p, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"cannot read {p / 'config.json'}: {one_line(exc)}") from None
+
+
 def load_model(
     path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, revision: str = ""
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -103,10 +111,7 @@ def load_model(
     p = check_model_dir(path, revision)
     if not (p / "config.json").is_file():
         raise ModelError(f"model directory {p} has no config.json; it is not a Hugging Face model directory")
-    try:
-        config = AutoConfig.from_pretrained(p, local_files_only=True)
-    except Exception as exc:
-        raise ModelError(f"cannot read {p / 'config.json'}: {one_line(exc)}") from None
+    config = _config(p)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
             raise ModelError(f"model in {p} is a vision-language model ({config.model_type}): load it with "
@@ -130,10 +135,7 @@ def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torc
     tokenizer with its chat template, and the image processor) in `path`, model in eval mode. Raises ModelError
     (one line) for a directory that holds no such model or whose processor cannot load."""
     p = check_model_dir(path, revision)
-    try:
-        config = AutoConfig.from_pretrained(p, local_files_only=True)
-    except Exception as exc:
-        raise ModelError(f"cannot read {p / 'config.json'}: {one_line(exc)}") from None
+    config = _config(p)
     if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         raise ModelError(f"model in {p} has model_type {config.model_type!r}, which is not a vision-language model")
     try:
