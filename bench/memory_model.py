@@ -34,11 +34,13 @@
     with the CUDA caching allocator's own counters, exact to its 512-byte rounding: the step's peak
     (`max_memory_allocated`) with weights, gradients and AdamW states allocated, against the model's
     `total_bytes` (states + step), and the step's part above the states against `dynamic_bytes`.
-(f) The real model at real scale (`bench/memory_model_real.py`, issue 32 item 4; `--only-real-model` refreshes it):
+(f) The real model at real scale (`bench/memory_model_real.py`, issue 32 item 4; `--only-real-model` refreshes it,
+    merging: the cases it runs replace theirs, the others are kept, each row stamped with its commit):
     SmolLM2-135M per rank under dp2 and fsdp2 (its 9 heads rule out tp2 and sp2; tp3/sp3 on 3 ranks instead) at
-    1K-8K tokens per micro-batch, in fp32 and bf16 (`dp2+bf16:1024`), and a dp2 -> fsdp2 switch with AdamW state,
-    against `predict_train_memory` (and the library's switch prediction, where it has one):
-    `max_relative_error_real_model` and `max_underprediction_real_model` (issue 45: an under-prediction crashes).
+    1K-8K tokens per micro-batch, in fp32 and bf16 (`dp2+bf16:1024`), tp2 and sp2 on its 8-head / 4-KV-head shape
+    (`tp2@heads8:1024`), and a dp2 -> fsdp2 switch with AdamW state, against `predict_train_memory` (and the
+    library's switch prediction, where it has one): `max_relative_error_real_model` and
+    `max_underprediction_real_model` over every row held (issue 45: an under-prediction crashes).
 """
 
 from __future__ import annotations
@@ -391,9 +393,10 @@ def main() -> int:
     ap.add_argument("--only-smollm2", action="store_true", help="refresh (d), the SmolLM2 rows, in an existing file")
     ap.add_argument("--only-real-model", action="store_true",
                     help="refresh (f), SmolLM2 per rank at 1K-8K tokens and a switch, in an existing file")
-    ap.add_argument("--real-grid", default="", help="(f)'s cases, comma-separated: PLAN:TOKENS (dp2:1024, "
-                    "fsdp2+rc:4096, tp3:2048) or switch:OLD>NEW:0; default: all of 1K-8K under dp2 and fsdp2 "
-                    "(--quick: 1K) and a dp2 -> fsdp2 switch")
+    ap.add_argument("--real-grid", default="", help="(f)'s cases, comma-separated: PLAN[@SHAPE]:TOKENS (dp2:1024, "
+                    "fsdp2+rc:4096, tp3:2048, tp2@heads8:1024; SHAPE heads8: SmolLM2 with 8/4 heads) or "
+                    "switch:OLD>NEW:0; default: all of 1K-8K under dp2 and fsdp2, tp2@heads8 and sp2@heads8 at 1K-2K "
+                    "(--quick: dp2 and fsdp2 at 1K) and a dp2 -> fsdp2 switch; rows of other cases in --json are kept")
     ap.add_argument("--real-rank-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -417,12 +420,13 @@ def main() -> int:
         print(f"  smollm2 max_relative_error = {result['smollm2']['max_relative_error']:.3f}; wrote {out}")
         return 0
     if args.only_real_model:  # refresh (f) in an existing results file
-        from memory_model_real import REAL_FULL, REAL_QUICK, part_f
+        from memory_model_real import REAL_FULL, REAL_QUICK, measured_at, merge, part_f
 
         grid = args.real_grid.split(",") if args.real_grid else REAL_QUICK if args.quick else REAL_FULL
         result = json.loads(out.read_text()) if out.exists() else {}
         print("(f) SmolLM2-135M per rank, predicted vs measured peak (total = states + step)")
-        f = part_f(grid, __file__)
+        at = measured_at()  # the tree the run starts from (before any row: a row names the code it measured)
+        f = merge(result.get("real_model", {}), part_f(grid, __file__), grid, at)  # other cases' rows kept
         result.update(real_model=f, max_relative_error_real_model=f["max_relative_error_real_model"],
                       max_underprediction_real_model=f["max_underprediction_real_model"])
         write_result(out, result, indent=2)

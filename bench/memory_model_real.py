@@ -1,6 +1,6 @@
 """Part (f) of bench/memory_model.py: the memory model at real scale (issue 32, item 4).
 
-    python bench/memory_model.py --only-real-model [--quick] [--real-grid dp2:1024,fsdp2:2048,...]
+    python bench/memory_model.py --only-real-model [--quick] [--real-grid dp2:1024,fsdp2:2048,tp2@heads8:1024,...]
 
 SmolLM2-135M-Instruct (the imported model of `make real-model`, else random weights of its config: memory does
 not depend on them), fp32, SDPA attention, laid out by `workers.sharding.shard_model` on a pool of gloo ranks
@@ -18,7 +18,14 @@ predicted: the library's switch prediction where it has one (`supervisor.switch_
 trainer.reshard_bucket_bytes' 64 MiB), else none (the full-state-dict path's estimate is reported beside it as
 `full_gather_estimate_bytes`, not scored).
 SmolLM2 has 9 attention heads and 3 KV heads: tp2 and sp2 cannot run on it (refused by the layouts); tp3 and
-sp3 (3 ranks) can, and are in the grid instead when --real-grid names them.
+sp3 (3 ranks) can, and are in the grid instead when --real-grid names them. tp2 and sp2 run on `heads8`
+(`PLAN@heads8:TOKENS`, e.g. `tp2@heads8:1024`): SmolLM2-135M's config with 8 attention heads and 4 KV heads
+(head_dim 72 = hidden 576 / 8, the shape of bench/real_scale.py's `build_heads8_model`), random weights built in
+each rank (memory does not depend on them), predicted with `ModelShape.from_hf` of that same config.
+
+A run merges into the results file (bench/memory_model.py does the write): its rows replace the rows of the same
+case, the others are kept, each row's `measured_at` names the date and commit (`+dirty`: the tracked code differed
+from it) whose tree measured it; the scores are recomputed over every row held.
 """
 
 from __future__ import annotations
@@ -39,10 +46,15 @@ from earl_stream.supervisor.memory_model import (
 )
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-REAL_FULL = [f"{p}:{n}" for p in ("dp2", "fsdp2") for n in (1024, 2048, 4096, 8192)] + ["switch:dp2>fsdp2:0"]
+REAL_FULL = ([f"{p}:{n}" for p in ("dp2", "fsdp2") for n in (1024, 2048, 4096, 8192)]
+             + [f"{p}@heads8:{n}" for p in ("tp2", "sp2") for n in (1024, 2048)] + ["switch:dp2>fsdp2:0"])
 REAL_QUICK = ["dp2:1024", "fsdp2:1024", "switch:dp2>fsdp2:0"]
-NOT_RUNNABLE = {"tp2": "SmolLM2's 9 attention heads (3 KV heads) are not divisible by 2",
-                "sp2": "SmolLM2's 9 attention heads are not divisible by 2 (Ulysses splits heads)"}
+NOT_RUNNABLE = {"tp2": "SmolLM2's 9 attention heads (3 KV heads) are not divisible by 2 (tp2@heads8 runs instead)",
+                "sp2": "SmolLM2's 9 attention heads are not divisible by 2 (Ulysses splits heads; sp2@heads8 runs "
+                       "instead)"}
+SHAPES = {"smollm2": "SmolLM2-135M-Instruct's config (9 attention heads, 3 KV heads, head_dim 64)",
+          "heads8": "SmolLM2-135M-Instruct's config with 8 attention heads and 4 KV heads (head_dim 72 = 576 / 8, as "
+                    "bench/real_scale.py's build_heads8_model), random weights (seed 0)"}
 
 
 def model_dir() -> Path | None:
@@ -61,6 +73,36 @@ def smollm2_config() -> dict[str, Any]:
     return {**SMOLLM2, "model_type": "llama"}
 
 
+def heads8_config() -> dict[str, Any]:
+    """SmolLM2-135M's config with 8 attention heads and 4 KV heads; head_dim follows hidden / heads (72), as in
+    bench/real_scale.py's heads8 model (built from a config without head_dim)."""
+    cfg = {k: v for k, v in smollm2_config().items()
+           if k not in ("head_dim", "architectures", "transformers_version", "dtype", "torch_dtype")}
+    return {**cfg, "model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+def shape_config(shape: str | None) -> dict[str, Any]:
+    """The config of a grid case's model shape: None or `smollm2` (SmolLM2-135M itself), `heads8`."""
+    if shape in (None, "", "smollm2"):
+        return smollm2_config()
+    if shape == "heads8":
+        return heads8_config()
+    raise ValueError(f"unknown model shape {shape!r} (known: {', '.join(SHAPES)})")
+
+
+def parse_case(item: str) -> tuple[str, str | None, int]:
+    """`PLAN[@SHAPE]:TOKENS` -> (plan, shape or None, tokens); `tp2@heads8:1024` -> ("tp2", "heads8", 1024)."""
+    kind, rest = item.split(":", 1)
+    plan, _, shape = kind.partition("@")
+    if shape:
+        shape_config(shape)  # an unknown shape fails here, before any rank starts
+    return plan, shape or None, int(rest)
+
+
+def case_name(plan: str, shape: str | None, tokens: int) -> str:
+    return f"{plan}{'@' + shape if shape else ''} {tokens}"
+
+
 def rank_plan(name: str) -> Any:
     """`RankPlan` from `dp2`, `fsdp2+rc`, `tp3`, `sp3`, `dp2+bf16`, `fsdp2+rc+bf16`, ..."""
     from earl_stream.workers.mesh import RankPlan
@@ -73,7 +115,7 @@ def rank_plan(name: str) -> Any:
                     dtype="bf16" if bf16 else "fp32")
 
 
-def _build(plan_name: str, rank: int, world: int) -> tuple[Any, Any]:
+def _build(plan_name: str, rank: int, world: int, shape: str | None = None) -> tuple[Any, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -81,13 +123,14 @@ def _build(plan_name: str, rank: int, world: int) -> tuple[Any, Any]:
     from earl_stream.workers.sharding import apply_plan, shard_model
 
     torch.manual_seed(0)
-    d = model_dir()
+    d = model_dir() if shape in (None, "", "smollm2") else None
     if d is not None:
         from earl_stream.model import load_model
 
         model, _ = load_model(str(d))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**smollm2_config(), attn_implementation="sdpa", use_cache=False))
+    else:  # SmolLM2's config without its weights, or another shape of it (heads8): random weights
+        model = LlamaForCausalLM(LlamaConfig(**{**shape_config(shape), "attn_implementation": "sdpa",
+                                                "use_cache": False}))
     model.config.use_cache = False
     model.train()
     placement = TrainerMesh(world, rank, torch.device("cpu")).placement(rank_plan(plan_name))
@@ -122,7 +165,7 @@ def real_rank_child(spec: dict[str, Any], rank: int, world: int, port: int) -> d
     join(rank, world, port)
     rss0 = _status("VmRSS:")
     plans = spec["plan"].split(">")
-    model, placement = _build(plans[0], rank, world)
+    model, placement = _build(plans[0], rank, world, spec.get("shape"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     cfg, algo = TrainerConfig(micro_batch_tokens=1 << 20), AlgoConfig(entropy_coef=0.0)
     vocab, data_ranks = model.config.vocab_size, placement.plan.data_ranks
@@ -166,9 +209,9 @@ def real_rank_child(spec: dict[str, Any], rank: int, world: int, port: int) -> d
     return out
 
 
-def predict(plan_name: str, tokens: int) -> Any:
+def predict(plan_name: str, tokens: int, model_shape: str | None = None) -> Any:
     rp = rank_plan(plan_name)
-    shape = ModelShape.from_hf(smollm2_config())
+    shape = ModelShape.from_hf(shape_config(model_shape))
     plan = TrainPlan(micro_batch=1, seq_len=tokens, dp=rp.data_ranks, tp=rp.tp, sp=rp.sp, fsdp=rp.fsdp > 1,
                      recompute=Recompute.FULL if rp.recompute else Recompute.NONE, attention=Attention.FLASH,
                      shard_logits=True, logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL,
@@ -218,20 +261,20 @@ def part_f(grid: list[str], script: str) -> dict[str, Any]:
                   f"estimate {estimate / 2**20:.1f} MiB", flush=True)
             rows.append(row)
             continue
-        plan, tokens = kind, int(rest)
-        if plan.split("+")[0] in NOT_RUNNABLE:
-            rows.append({"case": f"{plan} {tokens}", "plan": plan, "tokens": tokens,
-                         "not_runnable": NOT_RUNNABLE[plan.split("+")[0]]})
+        plan, shape, tokens = parse_case(item)
+        case, tag = case_name(plan, shape, tokens), {"shape": shape} if shape else {}
+        if shape is None and plan.split("+")[0] in NOT_RUNNABLE:
+            rows.append({"case": case, "plan": plan, "tokens": tokens, "not_runnable": NOT_RUNNABLE[plan.split("+")[0]]})
             continue
-        ranks = launch(script, ["--real-rank-child", json.dumps({"plan": plan, "tokens": tokens})],
+        ranks = launch(script, ["--real-rank-child", json.dumps({"plan": plan, "tokens": tokens, **tag})],
                        rank_plan(plan).world, env=MALLOC_ENV, timeout_s=3600)
-        _, _, bd = predict(plan, tokens)
+        _, _, bd = predict(plan, tokens, shape)
         for r in ranks:
             r["relative_error_total"] = (bd.total_bytes - r["measured_total_bytes"]) / r["measured_total_bytes"]
             r["relative_error_dynamic"] = (bd.dynamic_bytes - r["measured_bytes"]) / r["measured_bytes"]
             r["states_relative_error"] = (bd.static_bytes - r["states_rss_bytes"]) / r["states_rss_bytes"]
         worst = max(ranks, key=lambda r: abs(r["relative_error_total"]))
-        rows.append({"case": f"{plan} {tokens}", "plan": plan, "tokens": tokens, "predicted_total_bytes": bd.total_bytes,
+        rows.append({"case": case, "plan": plan, **tag, "tokens": tokens, "predicted_total_bytes": bd.total_bytes,
                      "predicted_bytes": bd.dynamic_bytes, "predicted_static_bytes": bd.static_bytes,
                      "predicted_peak_phase": bd.peak_phase.value, "ranks": ranks,
                      "relative_error": worst["relative_error_total"],
@@ -239,7 +282,7 @@ def part_f(grid: list[str], script: str) -> dict[str, Any]:
         per_rank = " ".join(f"{r['measured_total_bytes'] / 2**20:7.1f} ({r['relative_error_total']:+.3f}; step "
                             f"{r['relative_error_dynamic']:+.3f}; states {r['states_relative_error']:+.3f})"
                             for r in ranks)
-        print(f"  {plan:8s} {tokens:5d} predicted {bd.total_bytes / 2**20:7.1f} MiB ({bd.peak_phase.value})  measured "
+        print(f"  {case:20s} predicted {bd.total_bytes / 2**20:7.1f} MiB ({bd.peak_phase.value})  measured "
               f"per rank {per_rank}  ({max(r['step_seconds'] for r in ranks):.0f} s step)", flush=True)
     return {"model": "SmolLM2-135M-Instruct" + ("" if model_dir() else " (config only: random weights)"),
             "dtype": "float32; PLAN+bf16: trainer.dtype=bf16 (autocast, FSDP2 gathers bf16)", "attention": "sdpa",
@@ -250,8 +293,66 @@ def scores(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     """`max_relative_error_real_model` (worst |predicted - measured| / measured) and
     `max_underprediction_real_model` (worst (measured - predicted) / measured where the measured peak exceeds the
     prediction, 0 if none: what crashes a run), over every rank of every scored row."""
+    rows = [r for r in rows if r.get("scored", True)]
     errors = [r["relative_error"] for r in rows if r.get("relative_error") is not None]
     for r in rows:  # a row's relative_error is its worst rank by magnitude; the most under-predicted rank may differ
         errors += [x["relative_error_total"] for x in r.get("ranks", []) if "relative_error_total" in x]
     return {"max_relative_error_real_model": max(map(abs, errors)) if errors else None,
             "max_underprediction_real_model": max([0.0, *(-e for e in errors)]) if errors else None}
+
+
+NOTE = ("Issue 45 item 5, measured on a shared 2-core, 24 GiB host (other work ran beside it: step times are not "
+        "comparable; peak RSS is) by bench/memory_model.py --only-real-model, whose runs merge: each row's "
+        "`measured_at` names the date and commit whose tree measured it (`grid_run`: the cases held; `last_run`: the "
+        "latest invocation's grid and commit). tp2 and sp2 run on `heads8`, SmolLM2-135M's config with 8 attention "
+        "and 4 KV heads (SmolLM2's own 9 heads refuse them: `not_runnable`). The totals include ~55-70 MiB per rank "
+        "of runtime that the model leaves to the reserve (the states measure ~+2.6% above weights, gradients and "
+        "AdamW in fp32). bf16 states read +5-9% because the model counts autocast's bf16 weight copy (2 bytes/param) "
+        "with the weights while the step makes it (under FSDP2 it is a per-layer bf16 gather instead: over-counted "
+        "there). The switch row is predicted by supervisor.switch_memory.predict_switch (64 MiB buckets): the new "
+        "model's shards are materialised with to_empty and become resident only as the move writes them, which RSS "
+        "sees and a CUDA allocator would not.")
+
+
+def measured_at() -> str:
+    """`DATE SHORT_COMMIT` of the tree a run measures (bench/provenance.py's: the HEAD it started from), `+dirty`
+    when its tracked code differed from that commit then or changed while it ran."""
+    import datetime as dt
+
+    from bench import provenance as prov
+
+    head, diff = prov._STARTED
+    dirty = bool(diff) or prov._checkout() != prov._STARTED
+    return f"{dt.date.today().isoformat()} {head[:7] or 'unknown'}{'+dirty' if dirty else ''}"
+
+
+HOST_FREE_BYTES = 16 << 30  # what the shared 24 GiB host measuring these rows had free, at best
+
+
+def _not_measured(held: set[str]) -> dict[str, str]:
+    """REAL_FULL's cases no held row measured, each with its predicted per-rank total (why a small host skips it)."""
+    out = {}
+    for item in REAL_FULL:
+        if item.startswith("switch:"):
+            old, new = item.split(":")[1].split(">")
+            if f"switch {old} -> {new}" not in held:
+                out[f"switch {old} -> {new}"] = "not run"
+            continue
+        plan, shape, tokens = parse_case(item)
+        if case_name(plan, shape, tokens) in held:
+            continue
+        total, world = predict(plan, tokens, shape)[2].total_bytes, rank_plan(plan).world
+        why = "more than this shared 24 GiB host had free" if total * world > HOST_FREE_BYTES else "not in a grid run"
+        out[case_name(plan, shape, tokens)] = f"predicted {total / 2**30:.1f} GiB per rank x {world} ranks: {why}"
+    return out
+
+
+def merge(old: dict[str, Any], new: dict[str, Any], grid: list[str], at: str) -> dict[str, Any]:
+    """(f) with `new`'s rows (stamped `measured_at` = `at`) replacing `old`'s rows of the same case, the others kept
+    in place, new cases appended; the scores, `grid_run`, `not_measured` and the note recomputed over every row."""
+    fresh = {r["case"]: {**r, "measured_at": at} for r in new["configs"]}
+    rows = [fresh.pop(r["case"], r) for r in old.get("configs", [])] + list(fresh.values())
+    held = [r["case"] for r in rows if "not_runnable" not in r]
+    keep = {k: v for k, v in old.items() if k not in new and k not in ("grid_run", "not_measured", "note", "last_run")}
+    return {**keep, **new, "shapes": SHAPES, "configs": rows, **scores(rows), "note": NOTE, "grid_run": held,
+            "last_run": {"measured_at": at, "grid": grid}, "not_measured": _not_measured(set(held))}
