@@ -39,6 +39,8 @@ class ModelConfig:
                                "then cached)", minimum=0)
     warm_start_seconds: float = _f(900.0, "upper bound on the warm start's wall time", minimum=0)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    freeze_vision: bool = _f(False, "a vision-language model (Idefics3 / SmolVLM): train the language model only; its "
+                             "vision tower and connector keep their weights (no gradients, no optimizer state)")
 
     def __post_init__(self) -> None:
         # expanded once, where the config is loaded, so every process gets the same absolute path

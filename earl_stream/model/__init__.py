@@ -1,6 +1,6 @@
 """Models: loading a local Hugging Face directory, importing one (GGUF or HF), the tiny model, the warm start.
 
-- `loading`: `load_model` / `load_tokenizer` / `load_vision_model` of a directory, one clear error per problem;
+- `loading`: `load_model` / `load_tokenizer` / `load_vision_model` / `load_policy` (either) of a directory, one clear error per problem;
 - `importing`: `import_model` (`earl-stream model import SRC OUT_DIR`), from a GGUF file or an HF directory;
 - `tiny`: `init_model`, a small Qwen2 + byte-level BPE tokenizer built offline (tests, the default run);
 - `warmstart`: supervised warm start of the tiny model on legal play of a game given as a parameter;
@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from earl_stream.model.default import DEFAULT_GAME, DEFAULT_MODEL_NAME, cache_dir, default_model_dir, ensure_default_model
     from earl_stream.model.importing import ImportReport, import_model
-    from earl_stream.model.loading import check_model_dir, count_parameters, load_model, load_tokenizer, load_vision_model, torch_dtype
+    from earl_stream.model.loading import (
+        check_model_dir,
+        count_parameters,
+        load_model,
+        load_policy,
+        load_tokenizer,
+        load_vision_model,
+        torch_dtype,
+    )
     from earl_stream.model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, init_model
     from earl_stream.model.warmstart import WarmStartReport, evaluate_game, warm_start
 
@@ -32,7 +40,7 @@ _WHERE = {
     "default_model_dir": "default", "ensure_default_model": "default",
     "ImportReport": "importing", "import_model": "importing",
     "check_model_dir": "loading", "count_parameters": "loading", "load_model": "loading", "load_tokenizer": "loading",
-    "load_vision_model": "loading", "torch_dtype": "loading",
+    "load_policy": "loading", "load_vision_model": "loading", "torch_dtype": "loading",
     "CHAT_TEMPLATE": "tiny", "SPECIAL_TOKENS": "tiny", "init_model": "tiny",
     "WarmStartReport": "warmstart", "evaluate_game": "warmstart", "warm_start": "warmstart",
 }
@@ -40,7 +48,7 @@ _WHERE = {
 __all__ = [
     "CHAT_TEMPLATE", "DEFAULT_GAME", "DEFAULT_MODEL_NAME", "SPECIAL_TOKENS", "ImportReport", "WarmStartReport",
     "cache_dir", "check_model_dir", "count_parameters", "default_model_dir", "ensure_default_model", "evaluate_game",
-    "import_model", "init_model", "load_model", "load_tokenizer", "load_vision_model", "torch_dtype", "warm_start",
+    "import_model", "init_model", "load_model", "load_policy", "load_tokenizer", "load_vision_model", "torch_dtype", "warm_start",
 ]
 assert sorted(__all__) == sorted(_WHERE)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import (
@@ -27,8 +27,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from earl_stream.errors import ModelError
 
-__all__ = ["TOKENIZER_FILES", "check_model_dir", "count_parameters", "load_model", "load_tokenizer", "load_vision_model",
-           "one_line", "torch_dtype"]
+__all__ = ["TOKENIZER_FILES", "Policy", "check_model_dir", "count_parameters", "is_vision_dir", "load_model",
+           "load_policy", "load_tokenizer", "load_vision_model", "one_line", "torch_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -115,8 +115,7 @@ def load_model(
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
             raise ModelError(f"model in {p} is a vision-language model ({config.model_type}): load it with "
-                             "earl_stream.model.load_vision_model; the built-in engine generates with Idefics3/SmolVLM "
-                             "models, RL training of vision-language models is not available yet")
+                             "earl_stream.model.load_vision_model (or load_policy)")
         raise ModelError(
             f"model in {p} has model_type {config.model_type!r}, which is not a causal language model"
         )
@@ -150,6 +149,30 @@ def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torc
         raise ModelError(f"cannot load the model weights in {p}: {one_line(exc)}") from None
     model.eval()
     return model, processor
+
+
+def is_vision_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether the model directory `path` holds a vision-language model (its config's type is image-text-to-text)."""
+    p = Path(path)
+    return (p / "config.json").is_file() and _config(p).model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+class Policy(NamedTuple):
+    """A policy's model, tokenizer and, for a vision-language model, its processor (None for a causal LM)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    processor: Any = None
+
+
+def load_policy(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, revision: str = "") -> Policy:
+    """`load_vision_model` for a vision-language model's directory, else `load_model`: what the trainer and the
+    rollout workers run as `model.path`."""
+    p = check_model_dir(path, revision)
+    if is_vision_dir(p):
+        model, processor = load_vision_model(p, dtype=dtype)
+        return Policy(model, processor.tokenizer, processor)
+    return Policy(*load_model(p, dtype=dtype))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

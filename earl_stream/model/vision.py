@@ -75,7 +75,7 @@ class VisionChat:
         inputs = self._inputs.get(key)
         if inputs is None:
             out = self.processor.image_processor([decode_image(image.image)], return_tensors="pt")
-            inputs = {name: out[name][0, 0][None] for name in _PER_IMAGE if name in out}
+            inputs = {name: out[name][0] for name in _PER_IMAGE if name in out}  # every tile of the image
             self._inputs[key] = inputs
             if len(self._inputs) > _CACHE:
                 self._inputs.pop(next(iter(self._inputs)))

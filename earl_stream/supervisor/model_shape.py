@@ -76,11 +76,27 @@ class ModelShape:
         from earl_stream.supervisor.model_structure import hf_config, read_structure
 
         cfg = hf_config(config, ignore_fields=ignore_fields)
+        if getattr(cfg, "vision_config", None) is not None:  # a vision-language model: its decoder, and its tower
+            return cls._vision(cfg)
         fields = read_structure(cfg)
         moe = fields.pop("moe")
         d = dict(cfg.to_dict())
         extra = _moe_fields(d, num_layers=fields["num_layers"]) if moe else {}
         return cls(**{**fields, **extra})
+
+    @classmethod
+    def _vision(cls, cfg: Any) -> ModelShape:
+        """A vision-language model (Idefics3 / SmolVLM): the shape of its language model, whose parameter tensors
+        also hold the vision tower's and the connector's (their weights, gradients and optimizer state count); the
+        tower's activations are not modelled (a quirk: predictions are calibrated from the first measured step)."""
+        from earl_stream.supervisor.model_structure import read_structure, vision_tensors
+
+        fields = read_structure(cfg.get_text_config())
+        fields.pop("moe")
+        fields["tensors"] = fields["tensors"] + vision_tensors(cfg)
+        fields["quirks"] = (*fields["quirks"], f"{cfg.model_type}'s vision tower: its activations are not modelled")
+        fields["tp_problems"] = (*fields["tp_problems"], f"{cfg.model_type} is a vision-language model (dp / fsdp / sp)")
+        return cls(**fields)
 
     def __hash__(self) -> int:  # computed once: plan caches look shapes up per plan, and `tensors` is long
         cached = self.__dict__.get("_hash")

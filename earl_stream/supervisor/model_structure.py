@@ -67,6 +67,11 @@ def hf_config(config: Any, *, ignore_fields: Iterable[str] = ()) -> Any:
     except (ValueError, KeyError):
         raise ConfigError(f"model_type={kind!r} is not a model type this transformers knows: its structure cannot "
                           "be read (upgrade transformers, or use a supported architecture)") from None
+    if isinstance(d.get("text_config"), Mapping) and d.get("vision_config") is not None:
+        try:  # a vision-language model: its language model's config holds the fields (checked when it is read)
+            return AutoConfig.for_model(kind, **{k: v for k, v in d.items() if k != "transformers_version"})
+        except Exception as exc:
+            raise ConfigError(f"model_type={kind!r}: transformers refuses this config ({exc})") from None
     aliases: Mapping[str, str] = getattr(cls, "attribute_map", {}) or {}
     if missing := [k for k in _REQUIRED if not _set(d.get(k)) and not _set(d.get(aliases.get(k, "")))]:
         raise ConfigError(f"memory model cannot use this model config: missing required fields {missing}")
@@ -89,6 +94,21 @@ def meta_model(cfg: Any) -> torch.nn.Module:
     except Exception as exc:  # ValueError (no causal LM for the type), or the model's own checks failing
         raise ConfigError(f"model_type={cfg.model_type!r}: transformers builds no causal LM from this config "
                           f"({exc})") from None
+
+
+def vision_tensors(cfg: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of a vision-language model's parameters outside its language model (the vision tower, the
+    connector), read from the model built on the meta device."""
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(cfg)
+    except Exception as exc:
+        raise ConfigError(f"model_type={cfg.model_type!r}: transformers builds no vision-language model from this "
+                          f"config ({exc})") from None
+    text = {id(p) for p in model.get_decoder().parameters()} | {id(model.get_output_embeddings().weight)}
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if id(p) not in text)
 
 
 def _refusals(cfg: Any) -> list[str]:

@@ -114,7 +114,8 @@ class RankPlan:
             return out
         if self.world != world:
             out.append(f"dp x fsdp x tp x sp x ep = {self.world} but the pool has {world} ranks")
-        heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        text = config.get_text_config()  # a vision-language model's language model
+        heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         if heads % (self.tp * self.sp):
             out.append(f"tp x sp = {self.tp * self.sp} does not divide the {heads} attention heads")
         if (self.tp > 1 or self.sp > 1) and (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
@@ -126,8 +127,8 @@ class RankPlan:
                 out.append(f"ep={self.ep} with tp={self.tp}, sp={self.sp}: expert parallel runs with dp / fsdp only "
                            "(tensor and sequence parallel do not split expert blocks in this version)")
         if self.tp > 1:
-            for what, size in (("key/value heads", kv), ("vocabulary", config.vocab_size),
-                               ("intermediate size", config.intermediate_size)):
+            for what, size in (("key/value heads", kv), ("vocabulary", text.vocab_size),
+                               ("intermediate size", text.intermediate_size)):
                 if size % self.tp:
                     out.append(f"tp={self.tp} does not divide the {what} ({size})")
         if self.dtype not in ("fp32", "bf16"):

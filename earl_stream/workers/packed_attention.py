@@ -59,7 +59,8 @@ def base_implementation(config: Any) -> str:
 def strip_run_state(model: torch.nn.Module) -> None:
     """Drop what training recorded on the model's config (packed attention's note of the model's own
     attention implementation), so that a saved config.json holds only the model's fields."""
-    config: Any = model.config
+    hf: Any = model
+    config: Any = hf.config.get_text_config()
     if hasattr(config, BASE_ATTR):
         config._attn_implementation = getattr(config, BASE_ATTR)
         delattr(config, BASE_ATTR)
@@ -96,6 +97,7 @@ def packed_segments(models: Iterable[Any], bounds: Sequence[int] | None) -> Iter
     switched = []
     for model in models:
         config = getattr(model, "config", None)
+        config = None if config is None else config.get_text_config()  # a vision tower attends within each image
         if config is not None and config._attn_implementation == base_implementation(config):
             config._attn_implementation = PACKED
             switched.append(config)

@@ -32,11 +32,12 @@ from earl_stream.config import EnvSpec
 from earl_stream.devices import resolve_device
 from earl_stream.env import resolve_env, seeds_per_episode
 from earl_stream.env.api import is_agent_env
-from earl_stream.errors import EarlError, EngineError, EnvError, StoreError
+from earl_stream.errors import ConfigError, EarlError, EngineError, EnvError, StoreError
 from earl_stream.evaluation.runner import ItemSpec
 from earl_stream.evaluation.worker import play_eval_tasks
 from earl_stream.model.chat import ChatFormat
-from earl_stream.model.loading import load_model, load_tokenizer, torch_dtype
+from earl_stream.model.loading import is_vision_dir, load_policy, load_tokenizer, torch_dtype
+from earl_stream.model.vision import VisionChat
 from earl_stream.openai_api.http import bind_socket
 from earl_stream.records import TRANSCRIPTS_KEPT, SampleRecord, transcript_key
 from earl_stream.security.tls import tls_enabled
@@ -87,7 +88,10 @@ class RolloutWorker:
         pin_to_cpus(self.cfg.rollout.cpus, self.cfg.rollout.threads)
         with self._heartbeats_during("engine start"):  # vLLM starts in 30-60 s on CPU, longer than a lease
             self.engine = self._make_engine()
-        self.chat = ChatFormat(self.tokenizer)
+        # a vision-language policy's episodes render images (model.vision); its endpoint and evaluations take text
+        self.chat: ChatFormat | VisionChat = VisionChat(self.processor) if self.processor is not None \
+            else ChatFormat(self.tokenizer)
+        self.text_chat = self.chat.chat if isinstance(self.chat, VisionChat) else self.chat
         self.teacher = self._make_teacher()
         self.openai_sock, self.openai_url = self._bind_endpoint()
         if self.openai_url:  # the same worker id, now with its endpoint (bound once the run's config was known)
@@ -132,11 +136,16 @@ class RolloutWorker:
         with at most the KV tokens that memory holds, until the supervisor's plan arrives."""
         model_dir, r = model_path(self.cfg), self.cfg.rollout
         model = None
+        self.processor = None  # a vision-language policy's (the built-in engine only)
+        if r.engine != "torch" and is_vision_dir(model_dir):
+            raise ConfigError(f"model.path holds a vision-language model: rollout.engine={r.engine} does not take its "
+                              "images here yet; use rollout.engine=torch (Idefics3 / SmolVLM)")
         if r.engine == "torch":
             device = resolve_device(r.device, key="rollout.device", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
             self.memory = engine_memory(r.memory_bytes, str(device), r.workers + self.cfg.trainer.nproc)
             kv_tokens = self._kv_capacity(model_dir, self.memory)
-            model, self.tokenizer = load_model(model_dir, dtype=torch_dtype(r.dtype))
+            policy = load_policy(model_dir, dtype=torch_dtype(r.dtype))
+            model, self.tokenizer, self.processor = policy
             model.to(device).eval()  # type: ignore[arg-type]
             log.info("built-in engine generates on %s (%s)", device, r.dtype)
         else:  # vLLM and SGLang place and size themselves: no CUDA probe in this process (0: nothing reported)
@@ -235,7 +244,7 @@ class RolloutWorker:
         if self.openai_sock is not None:
             r = self.cfg.rollout
             self.endpoint = openai_api.OpenAIEndpoint(
-                self.batcher, self.tokenizer, self.chat, model=r.openai_model, secret=self.secret,
+                self.batcher, self.tokenizer, self.text_chat, model=r.openai_model, secret=self.secret,
                 max_context=self._max_context(), default_max_tokens=r.openai_max_tokens, temperature=r.temperature,
                 top_p=r.top_p, top_k=r.top_k, policy_version=lambda: self.engine.policy_version, worker=self.worker_id,
                 non_append=r.non_append)
@@ -446,7 +455,7 @@ class RolloutWorker:
             await self.version_changed.wait_for(lambda: self.engine.policy_version >= version or bool(self.stop))
         if self.stop:
             return  # the tasks go back to the queue when this worker is gone
-        results = await play_eval_tasks(tasks, self.batcher, self.chat, self.tokenizer.decode, worker_id=self.worker_id,
+        results = await play_eval_tasks(tasks, self.batcher, self.text_chat, self.tokenizer.decode, worker_id=self.worker_id,
                                         policy_version=lambda: self.engine.policy_version,
                                         max_episode_tokens=lambda: self.max_episode_tokens, make=self._eval_env)
         await self._call(P.PutEval(worker_id=self.worker_id, results=results))

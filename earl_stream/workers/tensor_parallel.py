@@ -136,6 +136,9 @@ def family_problems(config: Any, *, tp: int = 1, sp: int = 1, packing: bool = Fa
     alone, so the supervisor can ask before any rank loads the model."""
     out: list[str] = []
     kind = getattr(config, "model_type", "?")
+    if tp > 1 and getattr(config, "vision_config", None) is not None:
+        return [f"tp={tp}: {kind} is a vision-language model, which the trainer lays out under dp / fsdp / sp only "
+                "(its vision tower has no tensor-parallel plan)"]
     if tp > 1:
         plan = _model_plan(config)
         if not plan:

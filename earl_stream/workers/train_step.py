@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,7 +40,8 @@ from earl_stream.algo.losses import kl_estimate, policy_loss, row_weights
 from earl_stream.algo.schedule import apply_lr, kl_factor, lr_factor
 from earl_stream.config import AlgoConfig, TrainerConfig
 from earl_stream.errors import ConfigError
-from earl_stream.store.experience import Puller, SamplesUnavailable, pull_samples
+from earl_stream.records import SampleImage, images_info
+from earl_stream.store.experience import Puller, SamplesUnavailable, pull_images, pull_samples
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta, episode_key
 from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, packed_local_batch, rank_windows
@@ -48,10 +50,12 @@ from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
 from earl_stream.workers.routing_replay import RoutingReplay
 from earl_stream.workers.ulysses import sp_state
+from earl_stream.workers.vision_inputs import BatchImage, VisionInputs
 from earl_stream.workers.vocab_parallel import forward_logprobs, vocab_entropy
 
 FIELDS = ("input_ids", "loss_mask", "behaviour_logprobs")
 VERSION = "policy_version"  # pulled only when a claimed sample holds a token older than the bound
+Images = dict[int, list[tuple[SampleImage, "np.ndarray | None"]]]  # row -> its images (and span ids: BatchImage)
 
 
 @dataclasses.dataclass
@@ -76,6 +80,8 @@ class StepResult:
     distill_kl: float = 0.0  # mean per-token reverse KL to algo.distill's teacher (student - teacher log-prob)
     lr: float = 0.0
     updates: int = 0
+    images: int = 0  # pictures this rank pulled (a vision-language policy's samples)
+    image_bytes: int = 0  # their PNG bytes (also in pull_bytes)
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in dataclasses.asdict(self).items() if isinstance(v, (int, float))}
@@ -103,12 +109,14 @@ class _Mini:
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: Sequence[SampleMeta], layout: Layout,
                client: Puller, cfg: TrainerConfig, *, algo: AlgoConfig | None = None, step: int = 0,
                run_steps: int = 0, min_version: int = 0, ref_model: torch.nn.Module | None = None, rank: int = 0,
-               placement: Placement | None = None, temperature: float = 1.0) -> StepResult:
+               placement: Placement | None = None, temperature: float = 1.0,
+               vision: VisionInputs | None = None) -> StepResult:
     """Training step `step` (0-based; drives the lr schedule, which ends at `run_steps` if set) of this
     rank. Tokens of policy versions below `min_version` are masked. `placement` says how the model is
     laid out (default: replicated, with a DDP-style gradient all-reduce when the pool has several ranks).
     `temperature` is the rollout's sampling temperature: log-probs, ratios and entropy are those of the
-    tempered distribution the samples were drawn from."""
+    tempered distribution the samples were drawn from. `vision`: a vision-language policy's images (claimed
+    samples that showed images need it: their pictures are pulled with their rows and recomputed by the tower)."""
     start = time.monotonic()
     algo = algo or AlgoConfig()
     if algo.kl_decay_steps > 0:  # this step's KL weight; at 0 the reference's forward is skipped below
@@ -117,7 +125,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     if sp_state() != (layout.cp_size, layout.cp_rank):
         raise ConfigError(f"layout has sp={layout.cp_size} (rank {layout.cp_rank}) but the model runs sp={sp_state()}: "
                           "apply the plan (workers.sharding / workers.ulysses.set_sequence_parallel) first")
-    dynamic = DynamicSp.of(cfg.dynamic_sp_tokens, placement, model.config)
+    hf: Any = model
+    dynamic = DynamicSp.of(cfg.dynamic_sp_tokens, placement, hf.config.get_text_config())
     minis = _plan(metas, layout, placement, cfg.micro_batch_tokens, algo, packed=cfg.packing, dynamic=dynamic)
     fields: tuple[str, ...] = FIELDS + (VERSION,) if any(m.policy_version_min < min_version for m in metas) else FIELDS
     replay = RoutingReplay.of(model, algo.routing_replay)  # MoE models: routed experts (workers.routing_replay)
@@ -126,14 +135,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         fields += (distill.FIELD,)
     pull_start = time.monotonic()
     ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} or None  # sp'd rows: their slice
-    pulled, lost = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields)
+    with_images = _with_images(metas, vision)
+    pulled, lost, images = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields, with_images)
     if placement.world > 1:
         # Before any forward pass every rank drops the groups any rank lost: an sp or tp group's ranks
         # must run the same rows, and no rank may train part of a group that the ledger re-issues.
         pulled, lost = agree_on_lost(metas, pulled, lost)
     routed = replay.split(pulled) if replay is not None else {}
     pull_seconds = time.monotonic() - pull_start
-    pull_bytes = sum(sum(a.nbytes for a in r.values()) for r in pulled.values())
+    pictures = [img for row in images.values() for img, _ in row]
+    image_bytes = sum(len(img.image.png) for img in pictures)
+    pull_bytes = sum(sum(a.nbytes for a in r.values()) for r in pulled.values()) + image_bytes
     mean_reward = float(np.mean([m.reward for m in metas])) if metas else 0.0
     if len(lost) == len(metas):
         # Every group was lost (its producers died): no optimizer step, which with Adam's momentum would
@@ -142,9 +154,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         return StepResult(loss=0.0, grad_norm=0.0, mismatch=0.0, clip_frac=0.0, entropy=0.0, mean_reward=mean_reward,
                           samples=0, tokens=0, step_seconds=time.monotonic() - start, pull_seconds=pull_seconds,
                           pull_bytes=pull_bytes, lost_sample_ids=lost)
-    run = _MicroBatchRunner(model, ref_model, algo, placement, temperature, dynamic)
+    run = _MicroBatchRunner(model, ref_model, algo, placement, temperature, dynamic, vision)
     lengths = [m.total_tokens for m in metas]
-    batches = {(u, k): _batch(mini, k, pulled, layout, min_version, lengths) for u, mini in enumerate(minis)
+    batches = {(u, k): _batch(mini, k, pulled, layout, min_version, lengths, images) for u, mini in enumerate(minis)
                for k in range(mini.passes)}
     if replay is not None:
         replay.add_to_batches(batches, minis, routed, lengths)
@@ -171,7 +183,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         masked_frac=(stats["is_masked"] + stats["stale"]) / tokens, stale_frac=stats["stale"] / tokens,
         kl=(stats["kl"] + kl_in_reward) / tokens, lr=float(lr), updates=algo.updates,
         routing_mismatch=replay.take_mismatch() if replay is not None else 0.0,
-        distill_kl=_distill_kl(metas, stats, tokens, algo),
+        distill_kl=_distill_kl(metas, stats, tokens, algo), images=len(pictures), image_bytes=image_bytes,
     )
 
 
@@ -244,8 +256,32 @@ def _plan(metas: Sequence[SampleMeta], layout: Layout, placement: Placement, mic
     return out
 
 
+def _with_images(metas: Sequence[SampleMeta], vision: VisionInputs | None) -> bool:
+    """Whether the claim's images are pulled: any sample showed one. ConfigError when one did and the trainer's
+    model takes no images."""
+    showed = any(images_info(json.loads(m.info_json)) for m in metas)
+    if showed and vision is None:
+        raise ConfigError("the claimed samples showed images but the trainer's model is text-only: train a "
+                          "vision-language model (Idefics3 / SmolVLM) on image environments")
+    return showed
+
+
+def _batch_images(mini: _Mini, k: int, rows: Sequence[int], images: Images, lengths: Sequence[int]) -> list[BatchImage]:
+    """Where pass k's images go in this rank's micro-batch (`rows`: its rows, those pulled, in batch order)."""
+    a = mini.windows[k][0]
+    out: list[BatchImage] = []
+    if mini.packed:  # one packed row: a sample's positions start at its offset in the packing
+        o = 0
+        for i in mini.micro_batches[k]:
+            if i in rows:
+                out += [BatchImage(0, o - a, img, ids) for img, ids in images.get(i, ())]
+            o += lengths[i]
+        return out
+    return [BatchImage(r, -a, img, ids) for r, i in enumerate(rows) for img, ids in images.get(i, ())]
+
+
 def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout: Layout, min_version: int,
-           lengths: Sequence[int]) -> dict[str, Any]:
+           lengths: Sequence[int], images: Images | None = None) -> dict[str, Any]:
     """Pass k's micro-batch of this rank (a zero-loss dummy when it has no rows there but must take
     part), with `rows`, `weights`, the too-stale tokens taken out of `loss_mask` (`stale`) and its sp
     degree `sp` (dynamic sp: > 1 on a shared micro-batch; the placement's own sp is in force otherwise).
@@ -287,6 +323,8 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
         stale = float(old.sum())
         batch["loss_mask"] = batch["loss_mask"] * (~old).float()
     batch.update(rows=rows, weights=weights, stale=stale, sp=sp if k < mini.shared else 1)
+    if images:
+        batch["images"] = _batch_images(mini, k, rows, images, lengths)
     return batch
 
 
@@ -298,10 +336,13 @@ class _MicroBatchRunner:
     shard under tp, under autocast for bf16), accumulating the loss statistics."""
 
     def __init__(self, model: torch.nn.Module, ref_model: torch.nn.Module | None, algo: AlgoConfig,
-                 placement: Placement, temperature: float = 1.0, dynamic: DynamicSp | None = None) -> None:
+                 placement: Placement, temperature: float = 1.0, dynamic: DynamicSp | None = None,
+                 vision: VisionInputs | None = None) -> None:
         self.model, self.ref_model, self.algo, self.placement = model, ref_model, algo, placement
+        self.vision = vision
         self.dynamic = dynamic or DynamicSp()
-        config: Any = model.config
+        hf: Any = model
+        config: Any = hf.config.get_text_config()  # a vision-language model: its decoder's
         self.vocab = {"group": placement.tp_group, "vocab_start": placement.vocab_start(int(config.vocab_size)),
                       "temperature": temperature}
         self.sums = dict.fromkeys(_STATS, 0.0)
@@ -329,6 +370,10 @@ class _MicroBatchRunner:
     def _forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.placement.autocast_dtype
         with torch.autocast(self.placement.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            pictures = batch.get("images")
+            if pictures and self.vision is not None:  # the forward merges the micro-batch's pictures
+                with self.vision.merged(model, pictures):
+                    return forward_logprobs(model, batch, **self.vocab)
             return forward_logprobs(model, batch, **self.vocab)
 
     def _on_device(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -405,27 +450,45 @@ def _loss_rows(batch: dict[str, Any], advantages: np.ndarray) -> tuple[torch.Ten
 
 
 def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
-          ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...]
-          ) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
-    """Pull this rank's rows (only `ranges[row]` of a row that has an entry; the others whole); rows whose
-    producer is gone are dropped with their whole group."""
-    data, errors = _pull_rows(client, metas, rows, ranges, fields)
+          ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...], with_images: bool = False
+          ) -> tuple[dict[int, dict[str, np.ndarray]], list[str], Images]:
+    """Pull this rank's rows (only `ranges[row]` of a row that has an entry; the others whole), and with
+    `with_images` their images; rows whose producer is gone are dropped with their whole group."""
+    images: Images = {}
+    data, errors = _pull_rows(client, metas, rows, ranges, fields, images if with_images else None)
     if not errors:
-        return data, []
+        return data, [], images
     missing = {sid for exc in errors for sid in exc.sample_ids}
     lost_groups = {metas[i].group_id for i in rows if metas[i].sample_id in missing}
     keep = [i for i in rows if metas[i].group_id not in lost_groups]
-    data, errors = _pull_rows(client, metas, keep, ranges, fields)
+    images = {}
+    data, errors = _pull_rows(client, metas, keep, ranges, fields, images if with_images else None)
     if errors:
         raise errors[0]
-    return data, [m.sample_id for m in metas if m.group_id in lost_groups]
+    return data, [m.sample_id for m in metas if m.group_id in lost_groups], images
+
+
+def _pull_images(client: Puller, metas: Sequence[SampleMeta], part: Sequence[int],
+                 of: dict[int, list[tuple[int, int]]] | None, into: Images) -> None:
+    """The images of rows `part` whose spans meet their pulled ranges (`of[row]`; None: whole rows), each with its
+    span's input_ids when the ranges do not hold all of them (pulled too: the image's tokens say where its
+    features go)."""
+    got = pull_images(client, [metas[i] for i in part], None if of is None else {pos: of[i] for pos, i in enumerate(part)})
+    for i, found in zip(part, got):
+        held = None if of is None else of[i]
+        into[i] = []
+        for img in found:
+            end = img.start + img.tokens
+            inside = held is None or any(a <= img.start and end <= b for a, b in held)
+            ids = None if inside else pull_samples(client, [metas[i]], ("input_ids",), {0: [(img.start, end)]})[0]
+            into[i].append((img, None if ids is None else ids["input_ids"]))
 
 
 def _pull_rows(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
-               ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...]
+               ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...], images: Images | None = None
                ) -> tuple[dict[int, dict[str, np.ndarray]], list[SamplesUnavailable]]:
     """(the rows pulled, what could not be): whole rows in one pull (checked against their checksums),
-    ranged rows in another."""
+    ranged rows in another; with `images`, the rows' images into it."""
     out: dict[int, dict[str, np.ndarray]] = {}
     errors: list[SamplesUnavailable] = []
     whole = [i for i in rows if ranges is None or i not in ranges]
@@ -436,6 +499,8 @@ def _pull_rows(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
         try:
             got = pull_samples(client, [metas[i] for i in part], fields,
                                None if of is None else {pos: of[i] for pos, i in enumerate(part)})
+            if images is not None:
+                _pull_images(client, metas, part, of, images)
             out.update(zip(part, got))
         except SamplesUnavailable as exc:
             errors.append(exc)

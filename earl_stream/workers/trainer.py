@@ -36,7 +36,7 @@ from earl_stream import metrics as M
 from earl_stream import protocol as P
 from earl_stream.devices import resolve_device
 from earl_stream.errors import ConfigError, ControlPlaneTimeout, EarlError
-from earl_stream.model import load_model
+from earl_stream.model import load_policy
 from earl_stream.model.lora import LoraSpec, adapter_state, apply_lora, state_bytes
 from earl_stream.store.central import CentralClient, start_dispatcher_process
 from earl_stream.store.client import ShardClient
@@ -54,6 +54,7 @@ from earl_stream.workers.peak_memory import PeakMemory
 from earl_stream.workers.sharding import apply_plan, relayout, shard_pieces
 from earl_stream.workers.tensor_parallel import family_problems
 from earl_stream.workers.train_step import StepResult, train_step
+from earl_stream.workers.vision_inputs import VisionInputs, vision_parameters
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,13 @@ class TrainerRank:
                      "are mapped on their own and unmapped when freed" if applied else
                      "stay in the C library's heap (trainer.malloc_mmap_threshold needs glibc's mallopt)")
         self.peak_memory = PeakMemory(device)  # before the model: its CPU baseline is the bare process
-        self.model, self.tokenizer = load_model(model_path(self.cfg))
+        policy = load_policy(model_path(self.cfg))
+        self.model, self.tokenizer = policy.model, policy.tokenizer
+        # a vision-language policy: its samples' pictures are pulled and fed to its tower (workers.vision_inputs)
+        self.vision = VisionInputs(policy.processor, self.model) if policy.processor is not None else None
+        if self.vision is not None and self.cfg.model.freeze_vision:
+            for p in vision_parameters(self.model):
+                p.requires_grad_(False)
         if t.packing and (problems := family_problems(self.model.config, packing=True)):
             raise ConfigError(f"trainer.packing=true: {'; '.join(problems)}; set trainer.packing=false")
         self.lora = LoraSpec.from_config(self.cfg.model.lora)
@@ -93,7 +100,7 @@ class TrainerRank:
         log.info("trainer rank %d computes on %s (%s)", rank, device, t.dtype)
         self.ref_model = None
         if self.cfg.algo.kl_coef > 0:
-            self.ref_model, _ = load_model(model_path(self.cfg))
+            self.ref_model = load_policy(model_path(self.cfg)).model
             self.ref_model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
         self.optimizer = self._make_optimizer(self.model)
         # every rank starts replicated (plain data parallel) until the first plan re-lays the model
@@ -172,7 +179,7 @@ class TrainerRank:
             return train_step(self.model, self.optimizer, metas, self.placement.layout, self.store_client,
                               self.step_cfg, algo=cfg.algo, step=step, run_steps=cfg.steps,
                               min_version=max(0, step - t.max_staleness), ref_model=self.ref_model, rank=self.rank,
-                              placement=self.placement, temperature=cfg.rollout.temperature)
+                              placement=self.placement, temperature=cfg.rollout.temperature, vision=self.vision)
 
         return self.oom.train(step, metas, run) if t.oom_recovery else run()
 
@@ -338,6 +345,8 @@ class TrainerRank:
                  "clipped %.4f |ratio-1| %.4f masked %.4f (stale %.4f)", self.version, r.loss, r.grad_norm,
                  r.mean_reward, r.samples, r.tokens, r.step_seconds, r.pull_seconds, r.clip_frac, r.ratio_dev,
                  r.masked_frac, r.stale_frac)
+        if r.images:
+            log.info("step %d: %d images pulled (%d bytes of PNG)", self.version, r.images, r.image_bytes)
 
     def _heartbeat_loop(self) -> None:
         # beats on while the rank finishes its last step after a stop, until it closes

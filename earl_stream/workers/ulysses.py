@@ -45,7 +45,9 @@ def set_sequence_parallel(models: Iterable[PreTrainedModel], group: Any, size: i
     attention (size 1). Stays in force for forward and backward (recomputation re-runs attention)."""
     _STATE.group, _STATE.size, _STATE.rank = (group, size, rank) if size > 1 else (None, 1, 0)
     for model in models:
-        config: Any = model.config  # _attn_implementation is set on the instance
+        # _attn_implementation is set on the instance; a vision-language model's text config only (its vision
+        # tower attends within each image, whole on every rank)
+        config: Any = model.config.get_text_config()
         base = base_implementation(config)
         if size > 1:
             heads = config.num_attention_heads

@@ -1,0 +1,141 @@
+"""The trainer's images (issue 50): a vision-language policy's forward over a micro-batch recomputes the vision tower
+for the images whose tokens the micro-batch holds, and puts each image's features where its image tokens are.
+
+A sample's pictures come from the store whole (`store.experience.pull_images`: every image whose span meets the
+rank's token ranges), so a sequence-parallel rank whose slice cuts an image runs the tower over the whole image and
+keeps the features of its own positions; the gradients of the tower then sum over the ranks like those of any
+replicated weight. Compressed pixels move, not activations. The processor's tensors are those the engine saw
+(`model.vision.VisionChat.prompt_image`, the same code and the same cache), so the trainer's log-probs are the
+engine's.
+
+`BatchImage` places an image in a micro-batch: batch row, and the offset from the sample's positions to the
+micro-batch's local positions (packed: the row's start in the packed sequence less the rank's window start;
+padded: less the window start). `VisionInputs.embeds` gives the decoder's input embeddings of a micro-batch:
+the token embeddings, with the image features scattered over the image tokens the rank holds; `merged` makes the
+model's forward use them. It does so from a forward pre-hook of the model, after FSDP's own has gathered the
+weights the root holds (the embedding table, the tower's and connector's): the forward is called with input_ids
+as for any model and the hook replaces them with the embeddings.
+
+Families: Idefics3 / SmolVLM (the model's `model.get_image_features`, image tokens `config.image_token_id`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from earl_stream.errors import ConfigError, ModelError
+from earl_stream.records import SampleImage
+
+__all__ = ["BatchImage", "VisionInputs", "is_vision_model", "vision_parameters"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchImage:
+    """An image of a micro-batch: its sample's `image` (span in sample positions), the batch `row`, and `offset`
+    (local position = offset + sample position). `span_ids`: the span's input_ids when this rank does not hold
+    all of them (a sequence-parallel slice that cuts the image), else None (read from the batch)."""
+
+    row: int
+    offset: int
+    image: SampleImage
+    span_ids: np.ndarray | None = None
+
+
+def is_vision_model(model: torch.nn.Module) -> bool:
+    """Whether `model` is an image-text-to-text model this trainer can feed images (Idefics3 / SmolVLM)."""
+    inner = getattr(model, "model", None)
+    return inner is not None and hasattr(inner, "get_image_features") and hasattr(inner, "vision_model")
+
+
+def vision_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The vision tower's and its connector's parameters (what `model.freeze_vision` freezes)."""
+    inner: Any = getattr(model, "model", None)
+    parts = [getattr(inner, name, None) for name in ("vision_model", "connector")]
+    return [p for part in parts if part is not None for p in part.parameters()]
+
+
+class VisionInputs:
+    """Input embeddings with images for the forward passes of a vision-language policy."""
+
+    def __init__(self, processor: Any, model: torch.nn.Module) -> None:
+        from earl_stream.model.vision import VisionChat
+
+        if not is_vision_model(model):
+            raise ModelError(f"{type(model).__name__} is not a vision-language model earl_stream trains with images "
+                             "(Idefics3 / SmolVLM)")
+        self.chat = VisionChat(processor)
+        config: Any = model.config
+        self.image_token_id = int(config.image_token_id)
+        if self.image_token_id != self.chat.image_token_id:
+            raise ModelError(f"the model's image token {self.image_token_id} is not its processor's "
+                             f"({self.chat.image_token_id})")
+
+    def pixels(self, images: Sequence[BatchImage], device: torch.device) -> dict[str, torch.Tensor]:
+        """The processor's tensors of `images`, concatenated ([N, C, H, W], and the pixel mask [N, H, W])."""
+        inputs = [self.chat.prompt_image(b.image).inputs for b in images]
+        return {k: torch.cat([i[k] for i in inputs]).to(device) for k in inputs[0]}
+
+    @contextlib.contextmanager
+    def merged(self, model: torch.nn.Module, images: Sequence[BatchImage]) -> Iterator[None]:
+        """While inside, `model`'s forward takes its input_ids with `images` merged (`embeds`)."""
+        def hook(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            ids = kwargs.pop("input_ids")
+            kwargs["inputs_embeds"] = self.embeds(module, ids, images)
+            return args, kwargs
+
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def embeds(self, model: torch.nn.Module, input_ids: torch.Tensor, images: Sequence[BatchImage]) -> torch.Tensor:
+        """[B, n, hidden]: `input_ids`' embeddings, image tokens replaced by their images' features (the vision
+        tower runs over every image of `images`; only the positions inside [0, n) are kept)."""
+        hf: Any = model
+        embeds = hf.get_input_embeddings()(input_ids)
+        if not images:
+            return embeds
+        pix = self.pixels(images, input_ids.device)
+        mask = pix.get("pixel_attention_mask")
+        out = hf.model.get_image_features(pix["pixel_values"][None], None if mask is None else mask[None],
+                                          return_dict=True)
+        features = out.pooler_output  # [tiles, tokens per tile, hidden]
+        per_image = [int(self.chat.prompt_image(b.image).inputs["pixel_values"].shape[0]) for b in images]
+        tiles = torch.split(features, per_image)
+        rows: list[int] = []
+        cols: list[int] = []
+        picked: list[torch.Tensor] = []
+        n = input_ids.shape[1]
+        for b, feats in zip(images, tiles):
+            s, t = b.image.start, b.image.tokens
+            if b.span_ids is not None:
+                ids = torch.from_numpy(np.asarray(b.span_ids, dtype=np.int64))
+            else:
+                lo, hi = b.offset + s, b.offset + s + t
+                if lo < 0 or hi > n:
+                    raise ConfigError(f"an image at positions [{s}, {s + t}) of its sample is cut by this micro-batch "
+                                      "and its span's tokens were not pulled")
+                ids = input_ids[b.row, lo:hi].cpu()
+            hits = torch.nonzero(ids == self.image_token_id).flatten()
+            flat = feats.reshape(-1, feats.shape[-1])
+            if len(hits) != flat.shape[0]:
+                raise ModelError(f"an image's span holds {len(hits)} image tokens but its pictures give "
+                                 f"{flat.shape[0]} features")
+            local = hits + b.offset + s
+            keep = (local >= 0) & (local < n)
+            rows += [b.row] * int(keep.sum())
+            cols += local[keep].tolist()
+            picked.append(flat[keep.to(flat.device)])
+        if not rows:  # this rank's slice holds markers of its images, none of their image tokens
+            return embeds
+        values = torch.cat(picked).to(embeds.dtype)
+        index = (torch.tensor(rows, dtype=torch.long, device=embeds.device),
+                 torch.tensor(cols, dtype=torch.long, device=embeds.device))
+        return embeds.index_put(index, values)

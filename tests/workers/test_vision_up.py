@@ -1,0 +1,34 @@
+"""End to end with a vision-language policy (issue 50): `earl-stream up` on a tiny Idefics3 model and the image
+Tic-Tac-Toe runs rollout workers whose episodes show board pictures, and a trainer pool of two ranks that pulls
+those pictures with their samples and recomputes the vision tower (`workers.vision_inputs`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_trains_a_vision_language_policy_on_image_tictactoe(tmp_path: Path) -> None:
+    from earl_stream.model.tiny_vlm import init_vlm_model
+
+    model_dir = init_vlm_model(tmp_path / "vlm", family="idefics3", image_size=64)
+    summary = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", "3", "--summary", str(summary),
+           f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}", "envs.0.spec=tictactoe_image",
+           "trainer.nproc=2", "trainer.groups_per_step=2", "trainer.group_size=4", "model.freeze_vision=true",
+           "supervisor.heartbeat_s=0.2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(summary.read_text())
+    assert got["samples_trained"] >= 3 * 8 and got["samples_lost"] == 0
+    log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
+    pulled = [int(n) for n in re.findall(r"(\d+) images pulled", log)]
+    # every step, each rank pulls the pictures of its own samples: a board per turn the policy answered
+    assert len(pulled) >= 3 and all(n >= 2 for n in pulled), log[-2000:]
