@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.provenance import write_result  # noqa: E402
+from bench.provenance import measured_at, write_result  # noqa: E402
 from earl_stream.supervisor.memory_model import (  # noqa: E402
     GIB,
     LOGIT_COPIES_EARL_GRPO,
@@ -420,7 +420,7 @@ def main() -> int:
         print(f"  smollm2 max_relative_error = {result['smollm2']['max_relative_error']:.3f}; wrote {out}")
         return 0
     if args.only_real_model:  # refresh (f) in an existing results file
-        from memory_model_real import REAL_FULL, REAL_QUICK, measured_at, merge, part_f
+        from memory_model_real import REAL_FULL, REAL_QUICK, merge, part_f
 
         grid = args.real_grid.split(",") if args.real_grid else REAL_QUICK if args.quick else REAL_FULL
         result = json.loads(out.read_text()) if out.exists() else {}

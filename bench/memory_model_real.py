@@ -316,18 +316,6 @@ NOTE = ("Issue 45 item 5, measured on a shared 2-core, 24 GiB host (other work r
         "sees and a CUDA allocator would not.")
 
 
-def measured_at() -> str:
-    """`DATE SHORT_COMMIT` of the tree a run measures (bench/provenance.py's: the HEAD it started from), `+dirty`
-    when its tracked code differed from that commit then or changed while it ran."""
-    import datetime as dt
-
-    from bench import provenance as prov
-
-    head, diff = prov._STARTED
-    dirty = bool(diff) or prov._checkout() != prov._STARTED
-    return f"{dt.date.today().isoformat()} {head[:7] or 'unknown'}{'+dirty' if dirty else ''}"
-
-
 HOST_FREE_BYTES = 16 << 30  # what the shared 24 GiB host measuring these rows had free, at best
 
 

@@ -92,6 +92,14 @@ def _checkout() -> tuple[str, str]:
 _STARTED = _checkout()  # the code a benchmark measures is the code it started from
 
 
+def measured_at() -> str:
+    """`DATE SHORT_COMMIT` of the code a benchmark measures (the HEAD it started from), `+dirty` when its tracked
+    code differed from that commit then or changed while it ran: a stamp for a row of a result that merges runs."""
+    head, diff = _STARTED
+    dirty = bool(diff) or _checkout() != _STARTED
+    return f"{_dt.date.today().isoformat()} {head[:7] or 'unknown'}{'+dirty' if dirty else ''}"
+
+
 def provenance(depends_on: list[str]) -> dict[str, Any]:
     """The `provenance` object of a result measuring the code under `depends_on` (repository paths)."""
     missing = [p for p in depends_on if not (ROOT / p).exists()]

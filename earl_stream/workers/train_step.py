@@ -474,14 +474,19 @@ def _pull_images(client: Puller, metas: Sequence[SampleMeta], part: Sequence[int
     span's input_ids when the ranges do not hold all of them (pulled too: the image's tokens say where its
     features go)."""
     got = pull_images(client, [metas[i] for i in part], None if of is None else {pos: of[i] for pos, i in enumerate(part)})
+    cut = {i: [img for img in found if not any(a <= img.start and img.start + img.tokens <= b for a, b in of[i])]
+           for i, found in zip(part, got)} if of is not None else {}
+    cut = {i: imgs for i, imgs in cut.items() if imgs}
+    spans: dict[tuple[int, int], np.ndarray] = {}
+    if cut:  # one pull of every cut image's span, row by row (a row's ranges come back concatenated)
+        rows = list(cut)
+        pulled = pull_samples(client, [metas[i] for i in rows], ("input_ids",),
+                              {pos: [(img.start, img.start + img.tokens) for img in cut[i]] for pos, i in enumerate(rows)})
+        for i, row in zip(rows, pulled):
+            parts = np.split(row["input_ids"], np.cumsum([img.tokens for img in cut[i]])[:-1])
+            spans.update({(i, img.start): ids for img, ids in zip(cut[i], parts)})
     for i, found in zip(part, got):
-        held = None if of is None else of[i]
-        into[i] = []
-        for img in found:
-            end = img.start + img.tokens
-            inside = held is None or any(a <= img.start and end <= b for a, b in held)
-            ids = None if inside else pull_samples(client, [metas[i]], ("input_ids",), {0: [(img.start, end)]})[0]
-            into[i].append((img, None if ids is None else ids["input_ids"]))
+        into[i] = [(img, spans.get((i, img.start))) for img in found]
 
 
 def _pull_rows(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],

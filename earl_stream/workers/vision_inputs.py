@@ -76,11 +76,6 @@ class VisionInputs:
             raise ModelError(f"the model's image token {self.image_token_id} is not its processor's "
                              f"({self.chat.image_token_id})")
 
-    def pixels(self, images: Sequence[BatchImage], device: torch.device) -> dict[str, torch.Tensor]:
-        """The processor's tensors of `images`, concatenated ([N, C, H, W], and the pixel mask [N, H, W])."""
-        inputs = [self.chat.prompt_image(b.image).inputs for b in images]
-        return {k: torch.cat([i[k] for i in inputs]).to(device) for k in inputs[0]}
-
     @contextlib.contextmanager
     def merged(self, model: torch.nn.Module, images: Sequence[BatchImage]) -> Iterator[None]:
         """While inside, `model`'s forward takes its input_ids with `images` merged (`embeds`)."""
@@ -102,13 +97,11 @@ class VisionInputs:
         embeds = hf.get_input_embeddings()(input_ids)
         if not images:
             return embeds
-        pix = self.pixels(images, input_ids.device)
-        mask = pix.get("pixel_attention_mask")
-        out = hf.model.get_image_features(pix["pixel_values"][None], None if mask is None else mask[None],
-                                          return_dict=True)
+        inputs = [self.chat.prompt_image(b.image).inputs for b in images]  # the engine's tensors, every tile
+        pix = {k: torch.cat([i[k] for i in inputs]).to(input_ids.device)[None] for k in inputs[0]}
+        out = hf.model.get_image_features(pix["pixel_values"], pix.get("pixel_attention_mask"), return_dict=True)
         features = out.pooler_output  # [tiles, tokens per tile, hidden]
-        per_image = [int(self.chat.prompt_image(b.image).inputs["pixel_values"].shape[0]) for b in images]
-        tiles = torch.split(features, per_image)
+        tiles = torch.split(features, [int(i["pixel_values"].shape[0]) for i in inputs])
         rows: list[int] = []
         cols: list[int] = []
         picked: list[torch.Tensor] = []
