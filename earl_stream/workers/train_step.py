@@ -40,8 +40,8 @@ from earl_stream.algo.losses import kl_estimate, policy_loss, row_weights
 from earl_stream.algo.schedule import apply_lr, kl_factor, lr_factor
 from earl_stream.config import AlgoConfig, TrainerConfig
 from earl_stream.errors import ConfigError
-from earl_stream.records import SampleImage, images_info
-from earl_stream.store.experience import Puller, SamplesUnavailable, pull_images, pull_samples
+from earl_stream.records import images_info
+from earl_stream.store.experience import Puller, SamplesUnavailable, pull_samples
 from earl_stream.store.layout import Layout, partition
 from earl_stream.store.schema import SampleMeta, episode_key
 from earl_stream.workers.batches import agree_on_lost, dummy_batch, local_batch, packed_local_batch, rank_windows
@@ -50,12 +50,11 @@ from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
 from earl_stream.workers.routing_replay import RoutingReplay
 from earl_stream.workers.ulysses import sp_state
-from earl_stream.workers.vision_inputs import BatchImage, VisionInputs
+from earl_stream.workers.vision_inputs import RowImages, VisionInputs, place_images, pull_row_images
 from earl_stream.workers.vocab_parallel import forward_logprobs, vocab_entropy
 
 FIELDS = ("input_ids", "loss_mask", "behaviour_logprobs")
 VERSION = "policy_version"  # pulled only when a claimed sample holds a token older than the bound
-Images = dict[int, list[tuple[SampleImage, "np.ndarray | None"]]]  # row -> its images (and span ids: BatchImage)
 
 
 @dataclasses.dataclass
@@ -266,22 +265,8 @@ def _with_images(metas: Sequence[SampleMeta], vision: VisionInputs | None) -> bo
     return showed
 
 
-def _batch_images(mini: _Mini, k: int, rows: Sequence[int], images: Images, lengths: Sequence[int]) -> list[BatchImage]:
-    """Where pass k's images go in this rank's micro-batch (`rows`: its rows, those pulled, in batch order)."""
-    a = mini.windows[k][0]
-    out: list[BatchImage] = []
-    if mini.packed:  # one packed row: a sample's positions start at its offset in the packing
-        o = 0
-        for i in mini.micro_batches[k]:
-            if i in rows:
-                out += [BatchImage(0, o - a, img, ids) for img, ids in images.get(i, ())]
-            o += lengths[i]
-        return out
-    return [BatchImage(r, -a, img, ids) for r, i in enumerate(rows) for img, ids in images.get(i, ())]
-
-
 def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout: Layout, min_version: int,
-           lengths: Sequence[int], images: Images | None = None) -> dict[str, Any]:
+           lengths: Sequence[int], images: RowImages | None = None) -> dict[str, Any]:
     """Pass k's micro-batch of this rank (a zero-loss dummy when it has no rows there but must take
     part), with `rows`, `weights`, the too-stale tokens taken out of `loss_mask` (`stale`) and its sp
     degree `sp` (dynamic sp: > 1 on a shared micro-batch; the placement's own sp is in force otherwise).
@@ -324,7 +309,8 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
         batch["loss_mask"] = batch["loss_mask"] * (~old).float()
     batch.update(rows=rows, weights=weights, stale=stale, sp=sp if k < mini.shared else 1)
     if images:
-        batch["images"] = _batch_images(mini, k, rows, images, lengths)
+        batch["images"] = place_images(mini.micro_batches[k] if mini.packed else None, mini.windows[k][0], rows, images,
+                                       lengths)
     return batch
 
 
@@ -451,10 +437,10 @@ def _loss_rows(batch: dict[str, Any], advantages: np.ndarray) -> tuple[torch.Ten
 
 def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
           ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...], with_images: bool = False
-          ) -> tuple[dict[int, dict[str, np.ndarray]], list[str], Images]:
+          ) -> tuple[dict[int, dict[str, np.ndarray]], list[str], RowImages]:
     """Pull this rank's rows (only `ranges[row]` of a row that has an entry; the others whole), and with
     `with_images` their images; rows whose producer is gone are dropped with their whole group."""
-    images: Images = {}
+    images: RowImages = {}
     data, errors = _pull_rows(client, metas, rows, ranges, fields, images if with_images else None)
     if not errors:
         return data, [], images
@@ -468,29 +454,8 @@ def _pull(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
     return data, [m.sample_id for m in metas if m.group_id in lost_groups], images
 
 
-def _pull_images(client: Puller, metas: Sequence[SampleMeta], part: Sequence[int],
-                 of: dict[int, list[tuple[int, int]]] | None, into: Images) -> None:
-    """The images of rows `part` whose spans meet their pulled ranges (`of[row]`; None: whole rows), each with its
-    span's input_ids when the ranges do not hold all of them (pulled too: the image's tokens say where its
-    features go)."""
-    got = pull_images(client, [metas[i] for i in part], None if of is None else {pos: of[i] for pos, i in enumerate(part)})
-    cut = {i: [img for img in found if not any(a <= img.start and img.start + img.tokens <= b for a, b in of[i])]
-           for i, found in zip(part, got)} if of is not None else {}
-    cut = {i: imgs for i, imgs in cut.items() if imgs}
-    spans: dict[tuple[int, int], np.ndarray] = {}
-    if cut:  # one pull of every cut image's span, row by row (a row's ranges come back concatenated)
-        rows = list(cut)
-        pulled = pull_samples(client, [metas[i] for i in rows], ("input_ids",),
-                              {pos: [(img.start, img.start + img.tokens) for img in cut[i]] for pos, i in enumerate(rows)})
-        for i, row in zip(rows, pulled):
-            parts = np.split(row["input_ids"], np.cumsum([img.tokens for img in cut[i]])[:-1])
-            spans.update({(i, img.start): ids for img, ids in zip(cut[i], parts)})
-    for i, found in zip(part, got):
-        into[i] = [(img, spans.get((i, img.start))) for img in found]
-
-
 def _pull_rows(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
-               ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...], images: Images | None = None
+               ranges: dict[int, list[tuple[int, int]]] | None, fields: tuple[str, ...], images: RowImages | None = None
                ) -> tuple[dict[int, dict[str, np.ndarray]], list[SamplesUnavailable]]:
     """(the rows pulled, what could not be): whole rows in one pull (checked against their checksums),
     ranged rows in another; with `images`, the rows' images into it."""
@@ -505,7 +470,7 @@ def _pull_rows(client: Puller, metas: Sequence[SampleMeta], rows: Sequence[int],
             got = pull_samples(client, [metas[i] for i in part], fields,
                                None if of is None else {pos: of[i] for pos, i in enumerate(part)})
             if images is not None:
-                _pull_images(client, metas, part, of, images)
+                pull_row_images(client, metas, part, of, images)
             out.update(zip(part, got))
         except SamplesUnavailable as exc:
             errors.append(exc)

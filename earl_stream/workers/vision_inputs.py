@@ -10,7 +10,8 @@ engine's.
 
 `BatchImage` places an image in a micro-batch: batch row, and the offset from the sample's positions to the
 micro-batch's local positions (packed: the row's start in the packed sequence less the rank's window start;
-padded: less the window start). `VisionInputs.embeds` gives the decoder's input embeddings of a micro-batch:
+padded: less the window start): `place_images` from the rows' images that `pull_row_images` pulled with them.
+`VisionInputs.embeds` gives the decoder's input embeddings of a micro-batch:
 the token embeddings, with the image features scattered over the image tokens the rank holds; `merged` makes the
 model's forward use them. It does so from a forward pre-hook of the model, after FSDP's own has gathered the
 weights the root holds (the embedding table, the tower's and connector's): the forward is called with input_ids
@@ -31,8 +32,11 @@ import torch
 
 from earl_stream.errors import ConfigError, ModelError
 from earl_stream.records import SampleImage
+from earl_stream.store.experience import Puller, pull_images, pull_samples
+from earl_stream.store.schema import SampleMeta
 
-__all__ = ["BatchImage", "VisionInputs", "is_vision_model", "vision_parameters"]
+__all__ = ["BatchImage", "RowImages", "VisionInputs", "is_vision_model", "place_images", "pull_row_images",
+           "vision_parameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,46 @@ class BatchImage:
     offset: int
     image: SampleImage
     span_ids: np.ndarray | None = None
+
+
+RowImages = dict[int, list[tuple[SampleImage, "np.ndarray | None"]]]  # claim row -> its images (and span ids)
+
+
+def pull_row_images(client: Puller, metas: Sequence[SampleMeta], part: Sequence[int],
+                 of: dict[int, list[tuple[int, int]]] | None, into: RowImages) -> None:
+    """The images of rows `part` whose spans meet their pulled ranges (`of[row]`; None: whole rows), each with its
+    span's input_ids when the ranges do not hold all of them (pulled too: the image's tokens say where its
+    features go)."""
+    got = pull_images(client, [metas[i] for i in part], None if of is None else {pos: of[i] for pos, i in enumerate(part)})
+    cut = {i: [img for img in found if not any(a <= img.start and img.start + img.tokens <= b for a, b in of[i])]
+           for i, found in zip(part, got)} if of is not None else {}
+    cut = {i: imgs for i, imgs in cut.items() if imgs}
+    spans: dict[tuple[int, int], np.ndarray] = {}
+    if cut:  # one pull of every cut image's span, row by row (a row's ranges come back concatenated)
+        rows = list(cut)
+        pulled = pull_samples(client, [metas[i] for i in rows], ("input_ids",),
+                              {pos: [(img.start, img.start + img.tokens) for img in cut[i]] for pos, i in enumerate(rows)})
+        for i, row in zip(rows, pulled):
+            parts = np.split(row["input_ids"], np.cumsum([img.tokens for img in cut[i]])[:-1])
+            spans.update({(i, img.start): ids for img, ids in zip(cut[i], parts)})
+    for i, found in zip(part, got):
+        into[i] = [(img, spans.get((i, img.start))) for img in found]
+
+
+def place_images(packing: Sequence[int] | None, start: int, rows: Sequence[int], images: RowImages,
+                 lengths: Sequence[int]) -> list[BatchImage]:
+    """Where a micro-batch's images go: `rows` are its claim rows that were pulled, in batch order; `start` is the
+    rank's window start. Packed (`packing`: the micro-batch's claim rows in packing order, lost ones included: their
+    spans stay in place), one batch row in which a sample starts at its offset; padded (None), a row per sample."""
+    if packing is None:
+        return [BatchImage(r, -start, img, ids) for r, i in enumerate(rows) for img, ids in images.get(i, ())]
+    out: list[BatchImage] = []
+    o = 0
+    for i in packing:
+        if i in rows:
+            out += [BatchImage(0, o - start, img, ids) for img, ids in images.get(i, ())]
+        o += lengths[i]
+    return out
 
 
 def is_vision_model(model: torch.nn.Module) -> bool:
