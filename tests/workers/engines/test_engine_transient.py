@@ -42,18 +42,20 @@ print(json.dumps({"growth": peak.step_peak(), "path": engine.decode_path.path.va
 """
 
 
-def _growths(chunk: int, enough: float) -> list[int]:
+def _growth(chunk: int) -> int:
+    """The median of three fresh processes' growth: resident pages undercount on a host under memory
+    pressure (some get reclaimed) and overcount when a busy host leaves thread scratch alive a moment
+    longer (seen once: 34.7 MB against a 34.2 MB bound, three test processes on two cores); one run of
+    either kind does not move the median."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
     growths = []
-    for _ in range(3):  # resident pages only: a host under memory pressure reclaims some, and RSS then undercounts
+    for _ in range(3):
         out = subprocess.run([sys.executable, "-c", _PROBE, str(PROMPT), str(chunk), json.dumps(CONFIG)],
                              capture_output=True, text=True, timeout=240, env=env, check=True)
         measured = json.loads(out.stdout.strip().splitlines()[-1])
         assert measured["path"] == "fast"
         growths.append(measured["growth"])
-        if measured["growth"] >= enough:
-            break
-    return growths
+    return sorted(growths)[1]
 
 
 def _predicted(chunk: int) -> int:
@@ -65,9 +67,9 @@ def _predicted(chunk: int) -> int:
 
 def test_the_prefill_transient_matches_the_engines_measured_peak_within_20_percent() -> None:
     predicted = _predicted(0)
-    growths = _growths(0, 0.8 * predicted)
+    growth = _growth(0)
     # measured when written: 70-80 MB against 73.4 MB predicted (the weights + KV model alone: 4.2 MB)
-    assert 0.8 * predicted <= max(growths) <= 1.2 * predicted, (growths, predicted)
+    assert 0.8 * predicted <= growth <= 1.2 * predicted, (growth, predicted)
 
 
 def test_a_chunked_prefill_peaks_at_its_chunk_as_the_model_counts_it() -> None:
@@ -76,6 +78,6 @@ def test_a_chunked_prefill_peaks_at_its_chunk_as_the_model_counts_it() -> None:
     `rollout_memory`): measured when written 26.5-27.5 MiB against 20.5 MiB predicted, 72.7 MiB whole."""
     predicted, whole = _predicted(512), _predicted(0)
     assert predicted < 0.35 * whole
-    growths = _growths(512, 0.8 * predicted)
-    assert 0.8 * predicted <= max(growths) <= 1.2 * predicted + 8 * (1 << 20), (growths, predicted)
-    assert max(growths) < 0.5 * whole
+    growth = _growth(512)
+    assert 0.8 * predicted <= growth <= 1.2 * predicted + 8 * (1 << 20), (growth, predicted)
+    assert growth < 0.5 * whole
