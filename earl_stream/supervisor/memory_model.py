@@ -24,7 +24,8 @@ no scores. Families differ by data on the shape: a norm on a
 sub-layer's output (Gemma 3, OLMo 2: `post_norms`) saves (4 + e) sbh, its output feeding an add; q/k
 norms (Qwen3, Gemma 3, OLMo 2) save their fp32 input and normalised value, (4 + e) per q and k element;
 a sub-layer with no norm before it (OLMo 2) has its linears save the residual stream, e sbh. A routed-expert
-layer also saves each token's top_k gathered rows and its experts' outputs: 2 e s b k h.
+layer also saves each token's top_k gathered rows and its experts' outputs: 2 e s b k h. A vision-language
+model's tower saves its activations for the image tokens among them (`vision_activation_bytes`).
 Under autocast over fp32 weights (`Precision.AUTOCAST_BF16` without FSDP, whose mixed-precision policy gathers
 bf16 weights and so runs a bf16 stream) the residual stream, the embedding and the norms stay fp32: each RMSNorm
 saves its fp32 input and normalised value and each linear after it its own bf16 cast, (8 + c e) sbh for c linears
@@ -139,6 +140,10 @@ class TrainPlan:
     # trainer keeps two; a third exists only while it publishes, after the step's activations are gone); 0 =
     # none counted (a bare training step)
     published_versions: int = 0
+    # a vision-language model's micro-batches: the share of their tokens that are image tokens (observed by the
+    # supervisor from the samples' images), and whether the tower is frozen (model.freeze_vision: it saves nothing)
+    image_share: float = 0.0
+    vision_frozen: bool = False
 
     @property
     def devices(self) -> int:
@@ -201,6 +206,8 @@ def _check_plan(shape: ModelShape, plan: TrainPlan) -> None:
     if plan.ep > 1 and (plan.dp % plan.ep or not shape.is_moe or shape.num_experts % plan.ep or plan.tp * plan.sp > 1):
         bad.append(f"ep={plan.ep} needs a mixture-of-experts model whose {shape.num_experts} experts it divides, "
                    f"dp={plan.dp} it divides, and tp = sp = 1")
+    if not 0.0 <= plan.image_share <= 1.0:
+        bad.append(f"image_share={plan.image_share} (a share of the tokens: within [0, 1])")
     if shape.num_heads % (plan.tp * plan.sp):
         bad.append(f"tp*sp={plan.tp * plan.sp} does not divide num_heads={shape.num_heads}")
     if plan.seq_len % plan.sp:
@@ -283,6 +290,23 @@ def _stream_bytes(plan: TrainPlan) -> int:
     return 4 if _fp32_stream(plan) else plan.precision.element_bytes[3]
 
 
+def vision_activation_bytes(shape: ModelShape, plan: TrainPlan) -> float:
+    """What a vision-language model's tower saves for the backward on one device (`model_shape.VisionTower`),
+    alive from the forward's start to the end of the backward: the image tokens of the device's tokens
+    (`plan.image_share` of them), and under sequence parallelism two more tiles (a rank runs the tower over
+    every image its slice cuts, whole: an image of several tiles cut at both ends holds more). 0 for a frozen
+    tower (nothing it computes needs a gradient) or a text-only model."""
+    tower = shape.vision
+    if tower is None or plan.vision_frozen or plan.image_share <= 0:
+        return 0.0
+    tokens = plan.image_share * plan.micro_batch * plan.seq_len
+    if plan.sp > 1:
+        tokens = min(tokens, tokens / plan.sp + 2 * tower.tile_tokens)
+    e = plan.precision.element_bytes[3]
+    return tokens * tower.saved_bytes_per_token(e, eager=plan.attention is Attention.EAGER,
+                                                full_recompute=plan.recompute is Recompute.FULL)
+
+
 @functools.cache  # a function of the shape and tp alone; the selector asks it for every plan it weighs
 def _device_params(shape: ModelShape, tp: int) -> float:
     """Parameters on one device of a tensor-parallel group (norms and biases replicated): the model's
@@ -311,7 +335,8 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
         trained * opt_bytes
     L, t, n = shape.num_layers, plan.tp, plan.micro_batch * plan.seq_len / plan.sp
     full = plan.recompute is Recompute.FULL
-    kept = L * lay.input_bytes if full else L * lay.saved_bytes
+    tower = vision_activation_bytes(shape, plan)
+    kept = (L * lay.input_bytes if full else L * lay.saved_bytes) + tower
     vocab = shape.vocab_size / (t if plan.shard_logits else 1)
     logit = n * vocab * 4
     # the final norm, as one pre-norm (under an fp32 stream: fp32 input, normalised, the LM head's bf16 cast)
@@ -343,7 +368,7 @@ def predict_train_memory(shape: ModelShape, plan: TrainPlan) -> MemoryBreakdown:
         (Phase.LOSS, kept + head_norm, loss_logits, ckpt_mask + fsdp_buf),
         (Phase.LM_HEAD_BACKWARD, kept + head_norm, logit,
          lay.residual_grad_bytes + lm_w_grad + ckpt_mask + fsdp_buf),
-        (Phase.LAYER_BACKWARD, (L - 1) * (lay.input_bytes if full else lay.saved_bytes), 0.0,
+        (Phase.LAYER_BACKWARD, (L - 1) * (lay.input_bytes if full else lay.saved_bytes) + tower, 0.0,
          lay.backward_peak_bytes + ckpt_mask + tied_wait + fsdp_buf + dispatch),
         # single-tensor AdamW: sqrt and division temporaries of the biggest tensor (fp32 master)
         (Phase.OPTIMIZER, 0.0, 0.0, trained * 4 if plan.foreach_optimizer else 2 * biggest * 4),

@@ -6,6 +6,8 @@ builds it from a `PretrainedConfig` or a config dict through `model_structure.re
 model instantiated on the meta device: no family is named anywhere). Config fields the memory model
 does not interpret do not refuse the model: they are its `quirks`, and a shape with quirks is
 `calibrate`d from the first measured step (`selector.TrainerSelector.on_measured_peak`).
+A vision-language model is its language model's shape with the tower's and connector's tensors added, and
+its tower's dimensions (`VisionTower`: what its activations cost per image token, for the memory model).
 Mixture-of-experts models of the Qwen3-MoE and Mixtral families are covered: every expert's weights,
 gradients and optimizer state count (`num_params`), while activations and compute see the `top_k`
 experts a token goes through (`intermediate_size` is then the active MLP width per token, top_k x the
@@ -21,6 +23,61 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from earl_stream.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionTower:
+    """The vision tower of an Idefics3 / SmolVLM model (a SigLIP ViT: pre-LayerNorm layers, a GELU MLP) and its
+    connector (pixel shuffle, one linear): what the trainer's forward saves per image token.
+
+    Each image token is `patches_per_token` patches (the pixel shuffle's scale_factor squared); a tile is
+    `tile_patches` patches (image_size / patch_size, squared), attended to within the tile. Per patch, measured
+    with saved-tensor hooks on the tower as transformers runs it (issue 50): each layer saves (8 h + 2 I) e bytes
+    (LayerNorm inputs and outputs, q, k, v, the attention output and the out_proj's input, fc1's output and the
+    GELU's) and the attention's fp32 log-sum-exp (4 bytes per head), or under eager attention the fp32 softmax of
+    the tile's scores (and its cast copy when e < 4); outside the layers, the patch embedding's pixel input, the
+    post-LayerNorm's input and the connector's. Full recomputation keeps each layer's input only."""
+
+    layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    channels: int
+    tile_patches: int
+    patches_per_token: int
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> VisionTower | None:
+        """The tower of an Idefics3-style config (None for other families: their towers are not modelled)."""
+        if getattr(cfg, "model_type", "") not in VISION_TOWER_TYPES:
+            return None
+        v = cfg.vision_config
+        scale = int(getattr(cfg, "scale_factor", 1) or 1)
+        return cls(layers=int(v.num_hidden_layers), hidden_size=int(v.hidden_size),
+                   intermediate_size=int(v.intermediate_size), num_heads=int(v.num_attention_heads),
+                   patch_size=int(v.patch_size), channels=int(getattr(v, "num_channels", 3)),
+                   tile_patches=(int(v.image_size) // int(v.patch_size)) ** 2, patches_per_token=scale * scale)
+
+    @property
+    def tile_tokens(self) -> int:
+        """Image tokens of one tile."""
+        return self.tile_patches // self.patches_per_token
+
+    def saved_bytes_per_token(self, activation_bytes: int, *, eager: bool, full_recompute: bool) -> float:
+        """Bytes the forward saves for the backward per image token (all its patches, every layer)."""
+        e, h = activation_bytes, self.hidden_size
+        if full_recompute:
+            layer = h * e
+        else:
+            layer = (8 * h + 2 * self.intermediate_size) * e + 4 * self.num_heads
+            if eager:
+                layer += self.num_heads * self.tile_patches * (4 + (e if e < 4 else 0))
+        outside = self.channels * self.patch_size ** 2 * e + 2 * h * e
+        return self.patches_per_token * (self.layers * layer + outside)
+
+
+VISION_TOWER_TYPES = ("idefics3", "smolvlm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +120,7 @@ class ModelShape:
     quirks: tuple[str, ...] = ()
     tp_problems: tuple[str, ...] = ()
     sp_problems: tuple[str, ...] = ()
+    vision: VisionTower | None = None  # a vision-language model's tower (its activations per image token)
 
     @classmethod
     def from_hf(cls, config: Any, *, ignore_fields: Iterable[str] = ()) -> ModelShape:
@@ -86,15 +144,18 @@ class ModelShape:
 
     @classmethod
     def _vision(cls, cfg: Any) -> ModelShape:
-        """A vision-language model (Idefics3 / SmolVLM): the shape of its language model, whose parameter tensors
-        also hold the vision tower's and the connector's (their weights, gradients and optimizer state count); the
-        tower's activations are not modelled (a quirk: predictions are calibrated from the first measured step)."""
+        """A vision-language model: the shape of its language model, whose parameter tensors also hold the vision
+        tower's and the connector's (their weights, gradients and optimizer state count), and the tower's
+        dimensions (`VisionTower`: Idefics3 / SmolVLM); another family's tower activations are not modelled (a
+        quirk: predictions are calibrated from the first measured step)."""
         from earl_stream.supervisor.model_structure import read_structure, vision_tensors
 
         fields = read_structure(cfg.get_text_config())
         fields.pop("moe")
         fields["tensors"] = fields["tensors"] + vision_tensors(cfg)
-        fields["quirks"] = (*fields["quirks"], f"{cfg.model_type}'s vision tower: its activations are not modelled")
+        fields["vision"] = VisionTower.from_config(cfg)
+        if fields["vision"] is None:
+            fields["quirks"] = (*fields["quirks"], f"{cfg.model_type}'s vision tower: its activations are not modelled")
         fields["tp_problems"] = (*fields["tp_problems"], f"{cfg.model_type} is a vision-language model (dp / fsdp / sp)")
         return cls(**fields)
 

@@ -44,6 +44,7 @@ from earl_stream import metrics as M
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError
 from earl_stream.protocol import WEIGHT_VERSIONS_KEPT, RolloutPlan, TrainerOom, TrainerPlan
+from earl_stream.records import images_info
 from earl_stream.store.layout import Layout, materialised_tokens, partition
 from earl_stream.store.schema import SampleMeta, table_from_ipc
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
@@ -103,6 +104,14 @@ def load_cost_model(path: str | os.PathLike[str]) -> StepCostModel:
     return StepCostModel.from_dict(data)
 
 
+def image_share(row: SampleMeta) -> float:
+    """The share of `row`'s tokens that are image tokens (its stored images' spans; 0 without images)."""
+    described = images_info(json.loads(row.info_json)) if row.info_json else None
+    if described is None or row.total_tokens < 1:
+        return 0.0
+    return min(1.0, sum(span[1] for span in described[0]) / row.total_tokens)
+
+
 def _model_config_file(cfg: RunConfig) -> Path | None:
     """The config.json of the run's model on this host (a Hub model's checked snapshot); None when the
     model is the embedded one or cannot be had here (the selector then stays off, as the caller logs)."""
@@ -144,6 +153,8 @@ class Planner:
         self._measured = 0
         self._fit_at = 0
         self.stats = ContextStats(s.context_window)
+        # a vision-language model's episodes: the share of each one's tokens that are image tokens, over the window
+        self.image_shares: deque[float] = deque(maxlen=s.context_window)
         self.packing = cfg.trainer.packing  # how the trainer cuts a claim into micro-batches (micro_batches)
         self.trainer: TrainerSelector | None = None
         self.rollout: RolloutSelector | None = None
@@ -190,7 +201,7 @@ class Planner:
             base=TrainPlan(micro_batch=1, seq_len=s.initial_seq_len, attention=Attention(s.attention),
                            precision=DTYPE_PRECISION[cfg.trainer.dtype], logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL,
                            lora_params=shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else 0,
-                           published_versions=WEIGHT_VERSIONS_KEPT),
+                           published_versions=WEIGHT_VERSIONS_KEPT, vision_frozen=cfg.model.freeze_vision),
             thresholds=thresholds, cost_model=self.cost_model, allow_tp=pool and s.allow_tp and not dynamic_sp,
             allow_sp=pool and s.allow_sp and not dynamic_sp, allow_fsdp=pool and s.allow_fsdp,
             allow_ep=pool and s.allow_ep and not dynamic_sp,
@@ -263,6 +274,10 @@ class Planner:
 
     def add(self, rows: list[SampleMeta]) -> None:
         self.stats.add_many(r.total_tokens for r in rows)
+        if self.trainer is not None and self.trainer.shape.vision is not None:
+            self.image_shares.extend(image_share(r) for r in rows)
+            # the most image-heavy episode of the window: a micro-batch may hold nothing else
+            self.trainer.observe_image_share(max(self.image_shares, default=0.0))
 
     def on_step(self, step: int, claim_ipc: bytes | None = None) -> None:
         """At a step boundary (a new claim): re-plan if the context percentiles crossed a threshold.

@@ -194,6 +194,17 @@ class TrainerSelector(PoolSelector[PlanDecision]):
                         measured_bytes, math.ceil(predicted_bytes * factor), reserve)
         return reserve
 
+    def observe_image_share(self, share: float) -> None:
+        """The image tokens' share of the episodes' tokens (a vision-language model; the supervisor's window): plans
+        from now on count the tower's activations for it, and the plan in force is re-made if its micro-batch no
+        longer fits with them (`_unfit`). Changes under 0.01 are ignored (no churn)."""
+        share = min(1.0, max(0.0, share))
+        if abs(share - self.base.image_share) < 0.01:
+            return
+        logger.info("%s: image tokens are %.0f%% of the episodes' tokens (was %.0f%%)", self.pool, 100 * share,
+                    100 * self.base.image_share)
+        self.base = dataclasses.replace(self.base, image_share=share)
+
     def budget_of(self, layout: TrainPlan) -> PoolBudget:
         """The budget `layout`'s fit checks see: the pool's, with the layout's learnt reserve, shrunk by the
         layout's correction (if any)."""
@@ -213,13 +224,16 @@ class TrainerSelector(PoolSelector[PlanDecision]):
         current = self._current
         if current is None:
             return None
-        bound = dataclasses.replace(current.plan, micro_batch=1, seq_len=current.micro_batch_tokens)
+        bound = dataclasses.replace(current.plan, micro_batch=1, seq_len=current.micro_batch_tokens,
+                                    image_share=self.base.image_share)
         budget = self.budget_of(current.plan)
         fit = check_fit(self.shape, bound, budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes)
         if fit.fits:
             return None
-        return (f"{layout_name(current.plan)}'s micro-batch of {current.micro_batch_tokens} tokens no longer fits "
-                f"with its learnt reserve of {budget.reserve_bytes / MIB:.0f} MiB "
+        images = (f" and image tokens {100 * self.base.image_share:.0f}% of it"
+                  if self.base.image_share != current.plan.image_share else "")
+        return (f"{layout_name(current.plan)}'s micro-batch of {current.micro_batch_tokens} tokens{images} no longer "
+                f"fits with its learnt reserve of {budget.reserve_bytes / MIB:.0f} MiB "
                 f"({-fit.headroom_bytes / MIB:.0f} MiB short)")
 
     def replan_after_oom(self, longest: int, step: int, reason: str) -> PlanDecision | Infeasible:
