@@ -161,7 +161,9 @@ BENCHMARKS: list[dict[str, Any]] = [
     {"name": "weight_swap", "depends_on": ["earl_stream/workers/engines", "earl_stream/workers/rollout.py",
                                            "bench/weight_swap.py"],
      "title": "Weight swaps without a drain: drain vs interrupt vs inplace, and split episodes",
-     "script": "bench/weight_swap.py", "command": "python bench/weight_swap.py --minutes 10 --json bench/results/weight_swap.json",
+     "script": "bench/weight_swap.py",
+     "command": ("python bench/weight_swap.py --minutes 2 --repeats 3 --split-from bench/results/split_episodes.json "
+                 "--json bench/results/weight_swap.json"),
      "files": ["weight_swap.json"], "render": render_generic},
     {"name": "split_episodes", "depends_on": ["earl_stream/openai_api", "earl_stream/supervisor/ledger.py",
                                               "bench/split_episodes.py"],

@@ -2,10 +2,13 @@
 `rollout.weight_swap` mode (drain, interrupt, inplace), on `earl-stream up` runs (real processes: two
 rollout workers, one trainer, the built-in engine).
 
-    python bench/weight_swap.py [--minutes 2] [--modes drain,interrupt,inplace] [--model DIR] \
+    python bench/weight_swap.py [--minutes 2] [--repeats 3] [--modes drain,interrupt,inplace] [--model DIR] \
         --json bench/results/weight_swap.json
 
-The issue asks 10 minutes per mode (`--minutes 10`); on a shared 2-core machine the default is 2.
+Every arm runs `--repeats` times, the modes interleaved (drain, interrupt, inplace, drain, ...) so that load
+drifts hit all alike; each mode's rollout tokens/s is reported as the mean with its 95% interval, and each
+mode over drain as a ratio of means with its interval (`bench/stats.py`). `default_mode` is what
+`rollout.weight_swap=auto` runs on the built-in engine and `default_vs_drain` its pipeline ratio.
 
 The environment (`LongReply`, below, loaded by path) asks for one reply of 64-256 tokens (drawn per
 episode from its seed: the long tail a drain waits for) and rewards the share of digits in it; the
@@ -19,18 +22,21 @@ heartbeat stats in `earl-stream status --json`), the mean reply length, tokens r
 staleness of trained samples (the trainer's `earl_trainer_staleness_versions` histogram: versions between
 a sample's oldest token and the trained policy) and the too-stale token fraction the trainer masked (its
 log), and the learning curve (the supervisor's mean reward over its window, per poll).
-`best_speedup_vs_drain` is the best non-drain mode's rollout tokens/s over drain's. The `split` key (step-
+The `split` key (step-
 wise samples, `rollout.non_append`: the summarising agent's episodes kept under `split`, dropped under
 `refuse`) comes from `bench/split_episodes.py`'s `run_split` (`--split-episodes N`, 0 skips), or from a
 results file it wrote (`--split-from FILE`, its provenance kept with it).
 
-`engine` isolates the swap itself (`--engine-seconds` per mode, 0 = skip): one built-in engine behind the
-rollout worker's batcher (`AsyncBatcher`, `weight_swap.swap_weights`), `--inflight` requests always in
-flight (64-256 new tokens each, temperature 1, no stop token: the lengths are the drawn ones), a new
-version every `--swap-every-s` seconds (the weights alternate between the model's and a perturbed copy,
-so the copy and refresh are real). In `up` runs the rollout workers also wait for the staleness bound
-(a prompt is played only with weights at least `step - max_staleness` new), which can hide the swap's
-cost behind the trainer's pace; the engine figures do not have that wait.
+`engine_only` (each mode's repeats; `engine`: their rates and ratios) isolates the swap itself
+(`--engine-seconds` per run, 0 = skip): one built-in engine behind the rollout worker's batcher
+(`AsyncBatcher`, `weight_swap.swap_weights`), `--inflight` requests always in flight (64-256 new tokens
+each, temperature 1, no stop token: the lengths are the drawn ones), a new version published every
+`--swap-every-s` seconds on a fixed clock (the weights alternate between the model's and a perturbed copy,
+so the copy and refresh are real); the engine loads the newest when its previous load is done, and a drain
+that outlasts the period skips the versions published meanwhile (`versions_skipped`). In `up` runs the
+rollout workers also wait for the staleness bound (a prompt is played only with weights at least
+`step - max_staleness` new), which can hide the swap's cost behind the trainer's pace; the engine figures
+do not have that wait.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import statistics
 import sys
 import tempfile
 import urllib.request
@@ -85,7 +92,7 @@ def run_mode(mode: str, minutes: float, model: str | None, work: Path) -> dict[s
     seconds = minutes * 60
     watch = watch_up(overrides, run_dir, lambda now, first: first is not None and now.t - first.t >= seconds,
                      what=mode, poll_s=2.0)
-    return summarize(mode, watch, run_dir)
+    return {"mode": mode, **summarize(mode, watch, run_dir)}
 
 
 def _rollout(status: dict[str, Any]) -> list[dict[str, float]]:
@@ -166,7 +173,8 @@ def engine_mode(mode: str, model_dir: Path, seconds: float, inflight: int, swap_
     async def go() -> dict[str, Any]:
         batcher, tally = AsyncBatcher(engine), SwapTally(mode)
         done = {"tokens": 0, "replies": 0}
-        end = time.monotonic() + seconds
+        start = time.monotonic()
+        end = start + seconds
 
         async def client(i: int) -> None:
             while time.monotonic() < end:
@@ -175,22 +183,35 @@ def engine_mode(mode: str, model_dir: Path, seconds: float, inflight: int, swap_
                 done["tokens"] += len(res.token_ids)
                 done["replies"] += 1
 
-        async def trainer() -> None:
-            version = 0
-            while time.monotonic() + swap_every_s < end:
-                await asyncio.sleep(swap_every_s)
-                version += 1
-                await swap_weights(batcher, engine, states[version % 2], version, SwapMode(mode), tally)
+        skipped: dict[str, float] = {"versions": 0, "call_s": 0.0}
 
-        start = time.monotonic()
+        async def trainer() -> None:
+            # versions are published on a fixed clock, as a trainer does whatever the engine's swaps take; the
+            # engine loads the newest one when its previous load is done (a drain that outlasts the period skips
+            # the versions published meanwhile, as a rollout worker does)
+            version = 0
+            while True:
+                due = start + (version + 1) * swap_every_s
+                if due >= end:
+                    return
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                newest = int((time.monotonic() - start) // swap_every_s)
+                skipped["versions"] += max(0, newest - version - 1)
+                version = max(version + 1, newest)
+                began = time.monotonic()
+                await swap_weights(batcher, engine, states[version % 2], version, SwapMode(mode), tally)
+                skipped["call_s"] += time.monotonic() - began
+
         await asyncio.gather(trainer(), *[client(i) for i in range(inflight)])
         wall = time.monotonic() - start
         await batcher.aclose()
-        return {"rollout_tokens_per_s": round(done["tokens"] / wall, 1),
+        return {"mode": mode, "rollout_tokens_per_s": round(done["tokens"] / wall, 1),
                 "pause_seconds_per_version": round(tally.pause_s_total / max(1, tally.swaps), 4),
                 "mean_reply_tokens": round(done["tokens"] / max(1, done["replies"]), 1),
                 "reprefill_tokens_per_swap": round(tally.reprefill_tokens_total / max(1, tally.swaps), 1),
-                "swaps": tally.swaps, "wall_s": round(wall, 1)}
+                "swaps": tally.swaps, "versions_skipped": skipped["versions"],
+                # a load from its call to its return: the checks and copy, and a drain's wait for running rows
+                "swap_call_s_per_version": round(skipped["call_s"] / max(1, tally.swaps), 4), "wall_s": round(wall, 1)}
 
     return asyncio.run(go())
 
@@ -214,21 +235,60 @@ def split_part(split_from: str, episodes: int) -> dict[str, Any] | None:
                                   "segments_split", "model", "agent") if k in found}
 
 
+def _rates(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per mode: rollout tokens/s, mean and 95% interval over its repeats; and each mode over drain (ratio of means).
+    ValueError when a mode's runs ran drain's configuration (identical arms are no comparison)."""
+    from stats import mean_ci95, ratio_ci95
+
+    for mode, rs in runs.items():
+        if mode != "drain" and any(r.get("mode", mode) == "drain" for r in rs):
+            raise ValueError(f"the {mode} arm holds runs of drain's configuration: not a comparison")
+    rates = {m: [r["rollout_tokens_per_s"] for r in rs] for m, rs in runs.items() if rs}
+    if any(len(v) < 2 for v in rates.values()):  # one repeat (a check run): means only, no intervals
+        out: dict[str, Any] = {"tokens_per_s": {m: {"mean": statistics.fmean(v), "n": len(v)} for m, v in rates.items()}}
+        if "drain" in rates:
+            out["speedup_vs_drain"] = {m: {"ratio": statistics.fmean(v) / statistics.fmean(rates["drain"])}
+                                       for m, v in rates.items() if m != "drain"}
+        return out
+    out = {"tokens_per_s": {m: mean_ci95(v) for m, v in rates.items()}}
+    if "drain" in rates:
+        out["speedup_vs_drain"] = {m: ratio_ci95(v, rates["drain"]) for m, v in rates.items() if m != "drain"}
+    return out
+
+
+def summarise(pipeline: dict[str, list[dict[str, Any]]], engine: dict[str, list[dict[str, Any]]],
+              default_mode: str) -> dict[str, Any]:
+    """The benchmark's figures from its recorded runs (per mode, each repeat's figures, with the `mode` it ran):
+    rates with intervals, ratios over drain, and `default_vs_drain` (None when the default is drain itself)."""
+    piped, engined = _rates(pipeline), _rates(engine)
+    return {"modes": pipeline, "pipeline": piped, "default_mode": default_mode,
+            "default_vs_drain": (piped.get("speedup_vs_drain", {}).get(default_mode)
+                                 if default_mode != "drain" else None),
+            "engine_only": engine, "engine": engined}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=2.0, help="measured minutes per mode (the issue: 10)")
+    ap.add_argument("--minutes", type=float, default=2.0, help="measured minutes per `up` run (0 skips the pipeline)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode, interleaved (drain, interrupt, inplace, ...)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--model", default=None, help="a Hugging Face model directory (default: the embedded model)")
     ap.add_argument("--json", default=str(HERE / "results" / "weight_swap.json"))
-    ap.add_argument("--engine-seconds", type=float, default=60.0, help="seconds per mode of the engine-only run")
+    ap.add_argument("--engine-seconds", type=float, default=60.0, help="seconds per engine-only run (0 skips them)")
     ap.add_argument("--inflight", type=int, default=16)
     ap.add_argument("--swap-every-s", type=float, default=2.0)
     ap.add_argument("--split-episodes", type=int, default=16, help="summarising-agent episodes per setting (0 skips)")
     ap.add_argument("--split-from", default="", help="take `split` from this bench/split_episodes.py results file")
-    ap.add_argument("--skip-up", action="store_true", help="only the engine-only run; the `up` figures (modes, "
-                    "speedups) of an existing --json are kept, and marked as from that earlier run")
     args = ap.parse_args()
-    engine: dict[str, Any] = {}
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    sys.path.insert(0, str(HERE))
+    from earl_stream.config import RolloutConfig
+
+    modes_list = args.modes.split(",")
+    default_mode = RolloutConfig(engine="torch").swap_mode  # what rollout.weight_swap=auto runs on the built-in engine
+    engine: dict[str, list[dict[str, Any]]] = {m: [] for m in modes_list}
+    pipeline: dict[str, list[dict[str, Any]]] = {m: [] for m in modes_list}
     if args.engine_seconds > 0:
         import torch
 
@@ -236,40 +296,29 @@ def main() -> int:
 
         torch.set_num_threads(1)
         model_dir = Path(args.model) if args.model else ensure_default_model(warm_start_steps=0)
-        for mode in args.modes.split(","):
-            engine[mode] = engine_mode(mode, model_dir, args.engine_seconds, args.inflight, args.swap_every_s)
-            print(f"engine {mode:10s} {engine[mode]}", flush=True)
-    modes: dict[str, Any] = {}
+        for rep in range(args.repeats):
+            for mode in modes_list:
+                engine[mode].append(engine_mode(mode, model_dir, args.engine_seconds, args.inflight, args.swap_every_s))
+                print(f"engine {rep} {mode:10s} {engine[mode][-1]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="earl-weight-swap-") as tmp:
-        for mode in [] if args.skip_up else args.modes.split(","):
-            modes[mode] = run_mode(mode, args.minutes, args.model, Path(tmp))
-            print(f"{mode:10s} {modes[mode]['rollout_tokens_per_s']:8.1f} tok/s  pause/version "
-                  f"{modes[mode]['pause_seconds_per_version']}s  reply {modes[mode]['mean_reply_tokens']} tokens  "
-                  f"reward {modes[mode]['final_mean_reward']}", flush=True)
-    earlier: dict[str, Any] = {}
-    if args.skip_up and Path(args.json).is_file():
-        import json
-
-        earlier = json.loads(Path(args.json).read_text())
-        modes = earlier.get("modes", {})
-        engine = engine or earlier.get("engine", {}).get("modes", {})
-    drain = (modes.get("drain") or {}).get("rollout_tokens_per_s")
-    speedups = {m: round(r["rollout_tokens_per_s"] / drain, 3) for m, r in modes.items() if m != "drain" and drain}
-    best = max(speedups.items(), key=lambda kv: kv[1]) if speedups else None
+        for rep in range(args.repeats if args.minutes > 0 else 0):
+            for mode in modes_list:
+                r = run_mode(mode, args.minutes, args.model, Path(tmp) / f"r{rep}")
+                pipeline[mode].append(r)
+                print(f"up {rep} {mode:10s} {r['rollout_tokens_per_s']:8.1f} tok/s  pause/version "
+                      f"{r['pause_seconds_per_version']}s  reply {r['mean_reply_tokens']} tokens  "
+                      f"reward {r['final_mean_reward']}", flush=True)
+    figures = summarise(pipeline, engine, default_mode)
     result = {
-        "model": args.model or "embedded (no warm start)", "minutes_per_mode": args.minutes,
+        "model": args.model or "embedded (no warm start)", "minutes_per_mode": args.minutes, "repeats": args.repeats,
+        "order": "interleaved: " + ", ".join(modes_list) + ", then again",
         "setup": "earl-stream up: 2 rollout workers, 1 trainer, built-in engine, LongReply (replies of 64-256 tokens), "
                  "group_size 4, groups_per_step 4, max_staleness 1 (default)",
-        "modes": modes, "speedup_vs_drain": speedups,
-        "best_speedup_vs_drain": best[1] if best else None, "best_mode": best[0] if best else None,
-        "engine": {"modes": engine, "inflight": args.inflight, "swap_every_s": args.swap_every_s,
-                   "seconds_per_mode": args.engine_seconds,
-                   "speedup_vs_drain": {m: round(r["rollout_tokens_per_s"] / engine["drain"]["rollout_tokens_per_s"], 3)
-                                        for m, r in engine.items() if m != "drain" and "drain" in engine}},
-        "up_runs_from": earlier.get("provenance") if args.skip_up else "this run",
+        **figures,
+        "engine": {"inflight": args.inflight, "swap_every_s": args.swap_every_s,
+                   "seconds_per_mode": args.engine_seconds, **figures["engine"]},
         "split": split_part(args.split_from, args.split_episodes),
     }
-    sys.path.insert(0, str(HERE))
     from provenance import write_result
 
     path = write_result(args.json, result, depends_on=["earl_stream/workers/engines", "earl_stream/workers/rollout.py",
