@@ -81,6 +81,7 @@ class StepResult:
     updates: int = 0
     images: int = 0  # pictures this rank pulled (a vision-language policy's samples)
     image_bytes: int = 0  # their PNG bytes (also in pull_bytes)
+    claim_image_bytes: int = 0  # the PNG bytes of every picture of the step's claim (all ranks' samples)
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in dataclasses.asdict(self).items() if isinstance(v, (int, float))}
@@ -134,7 +135,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         fields += (distill.FIELD,)
     pull_start = time.monotonic()
     ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} or None  # sp'd rows: their slice
-    with_images = _with_images(metas, vision)
+    with_images, claim_image_bytes = _claim_images(metas, vision)
     pulled, lost, images = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields, with_images)
     if placement.world > 1:
         # Before any forward pass every rank drops the groups any rank lost: an sp or tp group's ranks
@@ -183,6 +184,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         kl=(stats["kl"] + kl_in_reward) / tokens, lr=float(lr), updates=algo.updates,
         routing_mismatch=replay.take_mismatch() if replay is not None else 0.0,
         distill_kl=_distill_kl(metas, stats, tokens, algo), images=len(pictures), image_bytes=image_bytes,
+        claim_image_bytes=claim_image_bytes,
     )
 
 
@@ -255,14 +257,15 @@ def _plan(metas: Sequence[SampleMeta], layout: Layout, placement: Placement, mic
     return out
 
 
-def _with_images(metas: Sequence[SampleMeta], vision: VisionInputs | None) -> bool:
-    """Whether the claim's images are pulled: any sample showed one. ConfigError when one did and the trainer's
-    model takes no images."""
-    showed = any(images_info(json.loads(m.info_json)) for m in metas)
-    if showed and vision is None:
+def _claim_images(metas: Sequence[SampleMeta], vision: VisionInputs | None) -> tuple[bool, int]:
+    """Whether the claim's images are pulled (any sample showed one), and the PNG bytes of all of them (what a rank
+    that pulled every picture of the step would move). ConfigError when one did and the trainer's model takes no
+    images."""
+    described = [d for m in metas if (d := images_info(json.loads(m.info_json))) is not None]
+    if described and vision is None:
         raise ConfigError("the claimed samples showed images but the trainer's model is text-only: train a "
                           "vision-language model (Idefics3 / SmolVLM) on image environments")
-    return showed
+    return bool(described), sum(span[4] for spans, _ in described for span in spans)
 
 
 def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout: Layout, min_version: int,

@@ -346,7 +346,8 @@ class TrainerRank:
                  r.mean_reward, r.samples, r.tokens, r.step_seconds, r.pull_seconds, r.clip_frac, r.ratio_dev,
                  r.masked_frac, r.stale_frac)
         if r.images:
-            log.info("step %d: %d images pulled (%d bytes of PNG)", self.version, r.images, r.image_bytes)
+            log.info("step %d: %d images pulled (%d bytes of PNG, of the step's %d)", self.version, r.images,
+                     r.image_bytes, r.claim_image_bytes)
 
     def _heartbeat_loop(self) -> None:
         # beats on while the rank finishes its last step after a stop, until it closes
