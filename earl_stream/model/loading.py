@@ -28,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from earl_stream.errors import ModelError
 
 __all__ = ["TOKENIZER_FILES", "Policy", "check_model_dir", "count_parameters", "is_vision_dir", "load_model",
-           "load_policy", "load_tokenizer", "load_vision_model", "one_line", "torch_dtype"]
+           "load_policy", "load_tokenizer", "load_vision_model", "one_line", "placeholder_token_ids", "torch_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -149,6 +149,17 @@ def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torc
         raise ModelError(f"cannot load the model weights in {p}: {one_line(exc)}") from None
     model.eval()
     return model, processor
+
+
+def placeholder_token_ids(config: Any) -> tuple[int, ...]:
+    """The token ids a vision-language model's forward replaces by image features (Idefics3 / SmolVLM:
+    `image_token_id`; none for a text model). A policy never samples them: one in a reply would stand for a picture
+    that is not there (the forward's merge fails on the count). The engine masks them out of sampling and the
+    trainer out of its log-probs, so both see the same distribution."""
+    if getattr(config, "vision_config", None) is None:
+        return ()
+    found = getattr(config, "image_token_id", None)
+    return (int(found),) if found is not None else ()
 
 
 def is_vision_dir(path: str | os.PathLike[str]) -> bool:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from earl_stream.model.loading import placeholder_token_ids
+
 
 class _SumOverTP(torch.autograd.Function):
     """all_reduce(SUM) over the tp group in forward; identity in backward (see the module docstring)."""
@@ -72,6 +74,9 @@ def vocab_entropy(local_logits: torch.Tensor, *, group: Any = None) -> torch.Ten
     return torch.log(norm) - weighted / norm
 
 
+_NEVER = -1e30  # a token's logit that no sampling reaches (finite: the entropy's e * z stays 0, not NaN)
+
+
 def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, group: Any = None,
                      vocab_start: int = 0, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(local logits [B, n, V_local], log p(labels) [B, n] float32) of a `local_batch` micro-batch.
@@ -84,5 +89,13 @@ def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, 
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    return logits, vocab_logprobs(logits, batch["labels"], group=group, vocab_start=vocab_start)
+    placeholders = [i - vocab_start for i in placeholder_token_ids(getattr(model, "config", None))
+                    if 0 <= i - vocab_start < logits.shape[-1]]
+    if placeholders:  # a vision-language model's image tokens: never sampled by the engine (model.vision)
+        logits = logits.index_fill(-1, torch.tensor(placeholders, device=logits.device), _NEVER)
+    logp = vocab_logprobs(logits, batch["labels"], group=group, vocab_start=vocab_start)
+    if placeholders:  # an image token as a label is a prompt placeholder, never a choice: no log-prob
+        logp = logp.masked_fill(torch.isin(batch["labels"], torch.tensor(placeholder_token_ids(model.config),
+                                                                          device=logp.device)), 0.0)
+    return logits, logp
 

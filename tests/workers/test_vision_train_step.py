@@ -57,13 +57,16 @@ def _records(model: Any, chat: Any) -> list[Any]:
 
 
 def _hf_logprobs(model: Any, chat: Any, ids: list[int], images: list[Any]) -> np.ndarray:
-    """log p(ids[t] | ids[:t]) for t >= 1 from the model's own forward (its merger puts the pictures in)."""
+    """log p(ids[t] | ids[:t]) for t >= 1 from the model's own forward (its merger puts the pictures in), the image
+    token out of the distribution as the engine samples (0 where the label is one: a placeholder, never a choice)."""
     prompt = [chat.prompt_image(i) for i in images]
     logits = model(input_ids=torch.tensor([ids]),
                    pixel_values=torch.cat([p.inputs["pixel_values"] for p in prompt])[None],
                    pixel_attention_mask=torch.cat([p.inputs["pixel_attention_mask"] for p in prompt])[None]).logits[0]
-    lp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return lp.numpy()
+    logits[:, chat.image_token_id] = float("-inf")
+    labels = torch.tensor(ids[1:])
+    lp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, labels[:, None])[:, 0]
+    return lp.masked_fill(labels == chat.image_token_id, 0.0).numpy()
 
 
 def _load(model_dir: str) -> tuple[Any, Any]:

@@ -49,6 +49,7 @@ from transformers import PreTrainedModel
 
 from earl_stream import metrics as M
 from earl_stream.errors import EngineError
+from earl_stream.model.loading import placeholder_token_ids
 from earl_stream.supervisor.rollout_memory import ENGINE_MAX_PREFILL_TOKENS, ENGINE_PREFILL_CHUNK_TOKENS
 from earl_stream.workers.engines.adapters import LiveAdapters
 from earl_stream.workers.engines.admission import KVPlan, refusal, take_admissible
@@ -122,6 +123,9 @@ class TorchEngine(SwapSteps, ShedSteps):
         this many positions per forward, appending to the KV chunk by chunk (`chunked_prefill`; 0: whole)."""
         _check_capacity(EngineCapacity(max_batch_size, kv_budget_tokens))
         self._vision = takes_images(model)
+        # a vision-language model's image tokens are never sampled (`model.loading.placeholder_token_ids`)
+        never = placeholder_token_ids(model.config) if self._vision else ()
+        self._never = torch.tensor(never, dtype=torch.long) if never else None
         self._model = model.eval()
         self._capacity = EngineCapacity(max_batch_size, kv_budget_tokens)  # the plan's; `capacity`: within sheds
         self._shedder = Shedder()
@@ -419,7 +423,10 @@ class TorchEngine(SwapSteps, ShedSteps):
         """Sample one token per row; finished rows keep their KV (if keyed), get their result and leave.
         Returns the sampled tokens [B'] int64 of the rows that stay."""
         uniforms = draw_uniforms(batch.rows, self._rng).to(batch.logits.device)
-        tokens, logprobs = sample_tokens(batch.logits, SamplingParams.of([r.req for r in batch.rows]), uniforms)
+        logits = batch.logits
+        if self._never is not None:
+            logits = logits.index_fill(1, self._never.to(logits.device), float("-inf"))
+        tokens, logprobs = sample_tokens(logits, SamplingParams.of([r.req for r in batch.rows]), uniforms)
         stay = []
         for j, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
             row = batch.rows[j]
