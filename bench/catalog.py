@@ -165,6 +165,11 @@ BENCHMARKS: list[dict[str, Any]] = [
      "command": ("python bench/weight_swap.py --minutes 2 --repeats 3 --split-from bench/results/split_episodes.json "
                  "--json bench/results/weight_swap.json"),
      "files": ["weight_swap.json"], "render": render_generic},
+    {"name": "vlm", "depends_on": ["bench/vlm.py", "earl_stream/workers/engines", "earl_stream/model/vision.py",
+                                   "earl_stream/workers/train_step.py", "earl_stream/workers/vision_inputs.py"],
+     "title": "Vision-language agents: KV reuse across image turns, the layout-exact pull of pictures",
+     "script": "bench/vlm.py", "command": "python bench/vlm.py --repeats 3 --json bench/results/vlm.json",
+     "files": ["vlm.json"], "render": render_generic},
     {"name": "split_episodes", "depends_on": ["earl_stream/openai_api", "earl_stream/supervisor/ledger.py",
                                               "bench/split_episodes.py"],
      "title": "Agents that rewrite their history: split vs refuse",
