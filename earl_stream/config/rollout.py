@@ -65,8 +65,10 @@ class RolloutConfig:
                           "running rows end; interrupt = running rows stop at the next decode step and their contexts "
                           "are prefilled again under the new weights; inplace = the weights load between two decode "
                           "steps and rows keep their KV. Tokens carry the version that sampled them in every mode. "
-                          "auto = inplace on the built-in engine (1.48x drain's rollout tokens/s in "
-                          "bench/results/weight_swap.json), drain on vllm and sglang (drain only)",
+                          "auto = inplace on the built-in engine (never slower than drain in "
+                          "bench/results/weight_swap.json: 1.06x [0.82, 1.36] of its rollout tokens/s in `up`, 1.00x "
+                          "[0.94, 1.07] engine only, 3 interleaved repeats; interrupt 0.96x [0.92, 0.99] engine only), "
+                          "drain on vllm and sglang (drain only)",
                           choices=("auto", "drain", "interrupt", "inplace"))
     temperature: float = _f(1.0, "sampling temperature; the trainer scores samples at the same temperature (its "
                             "log-probs, ratios and entropy are the tempered distribution's, as the engine reports)",
