@@ -193,13 +193,12 @@ dist.destroy_process_group()
 def test_lost_ids_of_every_rank_reach_rank_0(tmp_path: Path) -> None:
     """Rank 0 releases the step: it must know what rank 1 failed to pull (agreed without pickles), and
     no rank trains a row of a group another rank lost."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from spawned_ranks import free_port  # the rendezvous port, outside the ephemeral range
+
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", _GATHER], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port)}) for r in range(2)]

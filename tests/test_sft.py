@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,9 +122,9 @@ def test_step_under_dp2_fsdp2_sp2_equals_one_process(tiny_model_dir: Path, tmp_p
     from earl_stream.sft import SFTConfig
 
     ref_loss, ref = _step(str(tiny_model_dir), SFTConfig(context_weight=0.3, micro_batch_tokens=1 << 20))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from spawned_ranks import free_port  # the rendezvous port, outside the ephemeral range
+
+    port = free_port()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     out = str(tmp_path / "r")

@@ -15,7 +15,6 @@ back to the OS and resident memory follows live tensors.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -215,9 +214,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def switches(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from spawned_ranks import free_port  # the rendezvous port, outside the ephemeral range
+
+    port = free_port()
     out = str(tmp_path_factory.mktemp("reshard") / "r")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # the spawned ranks' glibc unmaps freed tensors

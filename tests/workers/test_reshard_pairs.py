@@ -6,7 +6,6 @@ tests/workers/test_tied_reshard.py; the memory of a switch: tests/workers/test_r
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,9 +87,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_every_plan_pair_moves_weights_and_adam_state_exactly(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from spawned_ranks import free_port  # the rendezvous port, outside the ephemeral range
+
+    port = free_port()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     out = str(tmp_path / "r")

@@ -6,7 +6,6 @@ tp2 step equals the single-process step."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,9 +89,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
 
 def test_tied_embeddings_survive_tensor_parallel_fsdp_and_live_reshards(tmp_path: Path) -> None:
     model_dir = _tied_model_dir(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from spawned_ranks import free_port  # the rendezvous port, outside the ephemeral range
+
+    port = free_port()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # spawned ranks import this module by name
     out = str(tmp_path / "r")
