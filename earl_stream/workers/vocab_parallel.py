@@ -89,13 +89,12 @@ def forward_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, 
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    placeholders = [i - vocab_start for i in placeholder_token_ids(getattr(model, "config", None))
-                    if 0 <= i - vocab_start < logits.shape[-1]]
-    if placeholders:  # a vision-language model's image tokens: never sampled by the engine (model.vision)
-        logits = logits.index_fill(-1, torch.tensor(placeholders, device=logits.device), _NEVER)
+    never = placeholder_token_ids(getattr(model, "config", None))  # a VLM's image tokens (model.loading)
+    local = [i - vocab_start for i in never if 0 <= i - vocab_start < logits.shape[-1]]
+    if local:  # never sampled by the engine: left out of the distribution here too
+        logits = logits.index_fill(-1, torch.tensor(local, device=logits.device), _NEVER)
     logp = vocab_logprobs(logits, batch["labels"], group=group, vocab_start=vocab_start)
-    if placeholders:  # an image token as a label is a prompt placeholder, never a choice: no log-prob
-        logp = logp.masked_fill(torch.isin(batch["labels"], torch.tensor(placeholder_token_ids(model.config),
-                                                                          device=logp.device)), 0.0)
+    if never:  # an image token as a label is a prompt placeholder, never a choice: no log-prob
+        logp = logp.masked_fill(torch.isin(batch["labels"], torch.tensor(never, device=logp.device)), 0.0)
     return logits, logp
 
