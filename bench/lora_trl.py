@@ -1,18 +1,19 @@
 """TRL's GRPOTrainer with `peft_config` on configs/smollm2_arithmetic_lora.yaml's task: bench/lora.py's peer run.
 
-    python bench/lora_trl.py --model DIR --minutes 60 --out WORK_DIR     # in .venv-bench (TRL 1.16)
+    python bench/lora_trl.py --model DIR --steps 12 --seed 0 --out WORK_DIR     # in .venv-bench (TRL 1.16)
 
 `run_trl` (called by bench/lora.py in its own interpreter) launches this file as a child with the interpreter
 that has `trl` (this one, else `.venv-bench`), in WORK_DIR (a folder named `vllm` in the working directory
 breaks `import trl`). The child:
-- trains rank-16 LoRA adapters (the same `LoraSpec` as earl_stream's LoRA run, through its `peft_config()`) on
+- trains LoRA adapters (the LoRA config's `LoraSpec`, as earl_stream's LoRA run, through its `peft_config()`) on
   the imported checkpoint, with the LoRA config's hyper-parameters: learning rate, group size, groups per step,
   sampling temperature, reply length; no KL term (`beta=0`), PPO clip 0.2, per-group advantages;
 - poses the questions of the training environment (`ReasoningGymEnv` with the config's params: the same
   1,000-item dataset) and scores each reply with that environment's own `step` (last number, exact);
-- stops at the first step end past `--minutes` since launch (the budget counts start-up, as bench/real_model.py's
-  does), merges the adapter into the base (`merge_and_unload`) and saves the model to WORK_DIR/merged, which
-  the parent then evaluates with bench/heldout.py's held-out set and scorer;
+- stops after `--steps` steps (or, with `--minutes` instead, at the first step end past that many minutes since
+  launch, start-up counted), seeded by `--seed` (TRL's `seed`: sampling, shuffling), merges the adapter into
+  the base (`merge_and_unload`) and saves the model to WORK_DIR/merged, which the parent then evaluates
+  with bench/heldout.py's held-out set and scorer;
 - writes WORK_DIR/trl.json: steps, trained tokens/s (prompt + completion tokens of the trained samples, TRL's
   `num_tokens`, over the steps after the first, timed from the first step's end to the last's; over the only step
   when the budget allowed one), the reward curve.
@@ -38,14 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 LORA_CONFIG = ROOT / "configs" / "smollm2_arithmetic_lora.yaml"
 
 
-def run_trl(model_dir: str, minutes: float, work: Path, threads: int) -> dict[str, Any]:
+def run_trl(model_dir: str, work: Path, threads: int, steps: int = 0, seed: int = 0, minutes: float = 0.0) -> dict[str, Any]:
     """The child in the interpreter that has trl; its trl.json (plus `merged`: the merged model directory)."""
     python, work = sys.executable, work.resolve()  # the child runs in `work`: relative paths would miss
     probe = subprocess.run([python, "-c", "import trl"], capture_output=True, cwd=work)
     if probe.returncode != 0 and (ROOT / ".venv-bench" / "bin" / "python").exists():
         python = str(ROOT / ".venv-bench" / "bin" / "python")
-    cmd = [python, str(Path(__file__).resolve()), "--model", model_dir, "--minutes", str(minutes), "--out", str(work),
-           "--threads", str(threads)]
+    cmd = [python, str(Path(__file__).resolve()), "--model", model_dir, "--steps", str(steps), "--minutes", str(minutes),
+           "--seed", str(seed), "--out", str(work), "--threads", str(threads)]
     with open(work / "trl.log", "w") as log:
         proc = subprocess.run(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
                               stdout=log, stderr=subprocess.STDOUT)
@@ -128,13 +129,13 @@ def child(args: argparse.Namespace) -> int:
     group, groups = int(trainer_cfg["group_size"]), int(trainer_cfg["groups_per_step"])
     out = Path(args.out)
     grpo = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-lora-", dir=out), use_cpu=True, report_to="none", seed=int(cfg["seed"]),
+        output_dir=tempfile.mkdtemp(prefix="trl-lora-", dir=out), use_cpu=True, report_to="none", seed=args.seed,
         num_generations=group, per_device_train_batch_size=group * groups, learning_rate=float(trainer_cfg["lr"]),
         lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, beta=0.0, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", temperature=float(cfg["rollout"]["temperature"]), top_k=0, top_p=1.0,
-        max_completion_length=int(env["max_turn_tokens"]), logging_steps=1, save_strategy="no", max_steps=1_000_000,
+        max_completion_length=int(env["max_turn_tokens"]), logging_steps=1, save_strategy="no", max_steps=args.steps or 1_000_000,
         disable_tqdm=True, gradient_checkpointing=False)
-    budget = _budget_callback(args.minutes * 60, launched)
+    budget = _budget_callback(args.minutes * 60 if not args.steps else float("inf"), launched)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # as earl_stream's load_model
     trainer = trl.GRPOTrainer(model=model, reward_funcs=scorer, args=grpo,
                               train_dataset=data, processing_class=AutoTokenizer.from_pretrained(args.model),
@@ -169,7 +170,9 @@ def _result(budget: Any, trainable: int, version: str, args: argparse.Namespace,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--steps", type=int, default=0, help="trainer steps to run (0: the --minutes budget instead)")
+    ap.add_argument("--minutes", type=float, default=60.0, help="time budget, start-up included, when --steps is 0")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="work directory: trl.json and merged/ are written here")
     ap.add_argument("--threads", type=int, default=2)
     return child(ap.parse_args())

@@ -102,7 +102,10 @@ def train(path: Path, run_dir: Path, args: argparse.Namespace, config: Path = CO
         print(json.dumps(curve[-1]), flush=True)
 
     start = time.monotonic()
-    watch = watch_up(up_args, run_dir, lambda now, first: now.t >= args.minutes * 60, what="training",
+    def done(now: Snapshot, first: Snapshot | None) -> bool:  # with --steps, `up` stops itself: no time limit
+        return not args.steps and now.t >= args.minutes * 60
+
+    watch = watch_up(up_args, run_dir, done, what="training",
                      poll_s=args.every, exit_ok=True, term_wait_s=600, on_poll=point)
     return curve, watch.snapshots[-1].status if watch.snapshots else {}, time.monotonic() - start
 

@@ -60,17 +60,31 @@ def _mib(v: Any) -> float | None:
 
 
 def render_lora(d: dict[str, Any]) -> list[str]:
-    """bench/lora.py: full fine-tune, LoRA and TRL + peft side by side, then the ratios against their goals."""
-    rows = [[k, r.get("heldout_before"), r.get("heldout_after"), r.get("trained_tokens_per_s"), r.get("steps"),
-             r.get("minutes"), _mib(r.get("peak_bytes_measured")), _mib(r.get("peak_bytes_predicted")),
-             _mib(r.get("sync_bytes_per_version")), r.get("sync_seconds_per_version")]
+    """bench/lora.py: per arm the sync and peak figures, the held-out gain of each seed and their mean [95%
+    interval], then the ratios against their goals."""
+    if "runs" not in (d.get("lora") or {}):  # a result of the earlier, single-run format
+        return render_generic(d)
+
+    def gain(g: Any) -> str:
+        if not isinstance(g, dict):
+            return "—"
+        return (f"{fmt(g['mean'])} [{fmt(g['low'])}, {fmt(g['high'])}]" if "low" in g
+                else f"{fmt(g['mean'])} ± {fmt(g.get('stderr'))}")
+
+    rows = [[k, ", ".join(fmt(g) for g in r.get("gains", [])), gain(r.get("gain")),
+             ", ".join(fmt(x.get("minutes")) for x in r.get("runs", [])), _mib(r.get("peak_bytes_measured")),
+             _mib(r.get("peak_bytes_predicted")), _mib(r.get("sync_bytes_per_version")), r.get("sync_seconds_per_version")]
             for k in ("full", "lora", "trl_lora") if isinstance(r := d.get(k), dict)]
-    out = _table(["system", "held-out before", "after", "trained tok/s", "steps", "minutes", "peak MiB measured",
+    out = _table(["arm", "held-out gain per seed", "mean gain [95%]", "minutes per run", "peak MiB measured",
                   "peak MiB predicted", "sync MiB/version", "sync s/version"], rows)
-    out += [f"Full over LoRA: sync bytes **{fmt(d.get('sync_bytes_ratio'))}x** (goal >= 50), sync seconds "
-            f"**{fmt(d.get('sync_seconds_ratio'))}x** (goal >= 10); LoRA's held-out gain over the full fine-tune's: "
-            f"**{fmt(d.get('gain_ratio'))}** (goal >= 0.8). Budget {fmt(d.get('minutes_per_system'))} minutes per "
-            f"system, {fmt(d.get('problems'))} held-out problems.", ""]
+    ratio, spec = d.get("gain_ratio") or {}, d.get("lora_spec") or {}
+    out += [f"Held-out success before training {fmt((d.get('heldout_before') or {}).get('success'))} "
+            f"(± {fmt((d.get('heldout_before') or {}).get('stderr'))}, {fmt(d.get('problems'))} problems); "
+            f"{fmt(d.get('steps_per_run'))} steps a run, LoRA rank {spec.get('rank')}, alpha {spec.get('alpha')}. "
+            f"Full over LoRA: sync bytes **{fmt(d.get('sync_bytes_ratio'))}x** (goal >= 50), sync seconds "
+            f"**{fmt(d.get('sync_seconds_ratio'))}x** (goal >= 10); LoRA's mean held-out gain over the full "
+            f"fine-tune's: **{fmt(ratio.get('mean'))}** [95% {fmt(ratio.get('low'))}, {fmt(ratio.get('high'))}] "
+            "(goal >= 0.8).", ""]
     return out + _said(d)
 
 

@@ -40,3 +40,23 @@ def ratio_ci95(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
     half = t975(df) * se
     ratio = ma / mb
     return {"ratio": ratio, "low": ratio * math.exp(-half), "high": ratio * math.exp(half)}
+
+
+def ratio_of_means_ci95(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """{"mean", "low", "high", "n"}: mean(a) / mean(b) with a 95% interval for values of either sign (gains): the
+    delta method on the linear scale, var(r) = r^2 (var(mean a) / mean(a)^2 + var(mean b) / mean(b)^2) with
+    Welch's degrees of freedom; `n` is the smaller arm. Wide (or unbounded) when mean(b) is near zero: a gain
+    ratio is only as sure as its denominator."""
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError("a ratio's interval needs at least 2 repeats per arm")
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    if mb == 0:
+        raise ValueError("the denominator arm's mean is 0: the ratio is undefined")
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    ratio = ma / mb
+    ra, rb = (va / (ma * ma) if ma else 0.0), vb / (mb * mb)
+    se = abs(ratio) * math.sqrt(ra + rb) if ma else math.sqrt(va) / abs(mb)
+    wa, wb = (ra, rb) if ma else (va / (mb * mb), 0.0)
+    df = (wa + wb) ** 2 / ((wa * wa / (len(a) - 1)) + (wb * wb / (len(b) - 1)) or 1e-300)
+    half = t975(df) * se
+    return {"mean": ratio, "low": ratio - half, "high": ratio + half, "n": min(len(a), len(b))}
