@@ -13,7 +13,7 @@ import pytest
 from earl_stream.config import ModelConfig, RunConfig, SelectorConfig, TrainerConfig
 from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, metas_to_table, table_to_ipc
-from earl_stream.supervisor.cost_model import StepCostModel
+from earl_stream.supervisor.cost_model import StepCostModel, plan_features
 from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_GRPO, Attention, ModelShape, TrainPlan
 from earl_stream.supervisor.planning import Planner, load_cost_model
 
@@ -162,3 +162,64 @@ def test_fit_steps_separates_per_step_per_micro_batch_and_per_collective_costs()
     # a calibration stored before these fields existed still loads (they default to 0)
     old = {"seconds_per_flop": 1e-10, "seconds_per_byte": 1e-9, "seconds_per_score": 1e-8, "fixed_seconds": 0.1}
     assert StepCostModel.from_dict(old).step_fixed_seconds == 0.0
+
+
+def test_fsdp_repeats_are_counted_and_priced_where_they_cost() -> None:
+    """FSDP2 gathers and reduce-scatters for every micro-batch: `comm_bytes` counts the states once per step, the
+    other micro-batches' share is `fsdp_repeat_bytes`, free on GPUs (overlapped), priced per byte on CPUs."""
+    shape = ModelShape.from_hf(CONFIG)
+    fsdp, dp = TrainPlan(1, 256, dp=2, fsdp=True), TrainPlan(1, 256, dp=2)
+    one, three = (plan_features(shape, fsdp, accumulation_steps=k) for k in (1, 3))
+    assert one.fsdp_repeat_bytes == 0 and plan_features(shape, dp, accumulation_steps=3).fsdp_repeat_bytes == 0
+    assert three.fsdp_repeat_bytes == pytest.approx(2 * three.comm_bytes)  # all 3 micro-batches move the states
+    assert three.comm_bytes + three.fsdp_repeat_bytes == pytest.approx(one.comm_bytes)
+    gpu = StepCostModel()
+    cpu = gpu.for_device("cpu")
+    assert gpu.for_device("cuda") is gpu and cpu.seconds_per_fsdp_repeat_byte == gpu.seconds_per_byte
+    extra = cpu.step_seconds(shape, fsdp, accumulation_steps=3) - gpu.step_seconds(shape, fsdp, accumulation_steps=3)
+    assert extra == pytest.approx(gpu.seconds_per_byte * three.fsdp_repeat_bytes)
+    assert cpu.step_seconds(shape, dp, accumulation_steps=3) == gpu.step_seconds(shape, dp, accumulation_steps=3)
+    fitted = StepCostModel(seconds_per_fsdp_repeat_byte=1e-12)
+    assert fitted.for_device("cpu") is fitted  # a measured price is kept
+
+
+def test_fit_steps_recovers_the_price_of_fsdp_repeats() -> None:
+    """Steps of 1-3 micro-batches under dp2 and fsdp2: the repeated gathers' price is told apart from the bytes
+    counted once per step and from the per-micro-batch constant."""
+    shape = ModelShape.from_hf(CONFIG)
+    truth = StepCostModel(seconds_per_flop=1 / 4e9, seconds_per_byte=1 / 1e9, seconds_per_score=1 / 3e8,
+                          fixed_seconds=0.02, step_fixed_seconds=0.4, seconds_per_collective=3e-4,
+                          seconds_per_fsdp_repeat_byte=2 / 1e9)
+    rng = random.Random(3)
+    steps = []
+    for _ in range(30):
+        lay = rng.choice([dict(dp=2), dict(dp=2, fsdp=True), dict(tp=2)])
+        mbs = [TrainPlan(1, rng.choice((128, 256, 512)), attention=Attention.EAGER, **lay)  # type: ignore[arg-type]
+               for _ in range(rng.randint(1, 3))]
+        steps.append((shape, mbs, truth.predict_step(shape, mbs)))
+    fitted = StepCostModel.fit_steps(steps)
+    assert fitted.seconds_per_fsdp_repeat_byte == pytest.approx(truth.seconds_per_fsdp_repeat_byte, rel=1e-5)
+    assert fitted.relative_error(steps) < 1e-6
+
+
+SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("device, fsdp", [("cpu", False), ("cuda", True)])
+def test_the_cpu_calibration_keeps_dp_where_fsdp_repeats_would_cost(tmp_path: Path, device: str, fsdp: bool) -> None:
+    """bench/real_scale.py's phase 1 (SmolLM2-135M, two ranks, a 4.5 GiB cap, design length 256) with the CPU
+    calibration bench/selector.py measured: on CPU trainers the selector keeps dp2 (measured faster there: FSDP2's
+    per-micro-batch gathers overlap nothing under gloo); on GPUs the same coefficients still pick fsdp2, whose
+    larger micro-batches pay when its gathers overlap compute."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2))
+    cfg = RunConfig(model=ModelConfig(path=str(tmp_path / "model")), run_dir=str(tmp_path / "run"),
+                    trainer=TrainerConfig(nproc=2, device=device, groups_per_step=4, group_size=8),
+                    selector=SelectorConfig(initial_seq_len=256, trainer_memory_bytes=int(4.5 * 2**30),
+                                            cost_model_path=str(REPO / "bench" / "results" / "selector.json")))
+    planner = Planner(cfg)
+    assert planner.trainer is not None and planner.trainer.current is not None
+    plan = planner.trainer.current.plan
+    assert (plan.dp, plan.fsdp) == (2, fsdp)
+    assert (planner.cost_model.seconds_per_fsdp_repeat_byte > 0) == (device == "cpu")

@@ -14,9 +14,11 @@ Per micro-batch on one device (n = b s / sp tokens outside attention, N = matrix
 * tensor parallel: 4 all-reduces (or all-gather + reduce-scatter with sequence parallelism) of
   n h e bytes per layer, ring cost 2 (tp-1)/tp each; Ulysses sp: 8 all-to-alls of n h e bytes per
   layer, (sp-1)/sp each; FSDP: weights gathered twice and grads reduce-scattered, 3 P (dp sp - 1)/(dp sp)
-  bytes, counted once per step: FSDP2 (as `workers.sharding` applies it) really repeats them for every
-  micro-batch, but on GPUs they overlap the compute (prefetch), so only their per-call cost
-  (`seconds_per_collective`, 3 per layer and micro-batch) is on the critical path; DDP: one all-reduce
+  bytes, counted once per step in `comm_bytes`: FSDP2 (as `workers.sharding` applies it) really repeats them
+  for every micro-batch; on GPUs the repeats overlap the compute (prefetch), so only their per-call cost
+  (`seconds_per_collective`, 3 per layer and micro-batch) is on the critical path and their bytes
+  (`fsdp_repeat_bytes`) are priced at `seconds_per_fsdp_repeat_byte` = 0; on CPUs (gloo) nothing overlaps
+  and `StepCostModel.for_device("cpu")` prices them as any other byte; DDP: one all-reduce
   of the grads per step over the dp x sp ranks that hold a replica (sp ranks train different tokens of
   the same weights), 2 P (dp sp - 1)/(dp sp) bytes; both spread over the step's micro-batches;
 * eager attention also pays memory-bound passes over the a s^2 b scores (softmax, mask, grads);
@@ -59,6 +61,9 @@ class PlanFeatures:
     score_elements: float
     tokens: float  # tokens of the whole pool in one micro-batch step: dp * micro_batch * seq_len
     collectives: float = 0.0  # collective calls per device (DDP's per-step ones spread like its bytes)
+    # FSDP2's gathers and reduce-scatters of every micro-batch after a step's first (comm_bytes counts them once
+    # per step): overlapped with compute on GPUs, on the critical path on CPUs
+    fsdp_repeat_bytes: float = 0.0
 
 
 def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> PlanFeatures:
@@ -86,13 +91,17 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
             comm += experts / plan.ep * g_bytes * 2 * (expert_replicas - 1) / expert_replicas / accumulation_steps
     params, replicas = shape.num_params() / t - experts, plan.dp * p
     trained = plan.lora_params or params  # LoRA: only the adapters' gradients are reduced
-    if plan.fsdp and replicas > 1:  # once per step: on GPUs the per-micro-batch gathers overlap compute
-        comm += (params * 2 * w_bytes + trained * g_bytes) * (replicas - 1) / replicas / accumulation_steps
+    repeats = 0.0
+    if plan.fsdp and replicas > 1:  # once per step in comm; the other micro-batches' repeats apart
+        states = (params * 2 * w_bytes + trained * g_bytes) * (replicas - 1) / replicas
+        comm += states / accumulation_steps
+        repeats = states * (accumulation_steps - 1) / accumulation_steps
     elif replicas > 1:
         comm += trained * g_bytes * 2 * (replicas - 1) / replicas / accumulation_steps
     scores = b * a * s * s / (t * p) if plan.attention is Attention.EAGER else 0.0
     return PlanFeatures(flops=flops, comm_bytes=comm, score_elements=scores, tokens=plan.dp * b * s,
-                        collectives=_collectives(L, plan, accumulation_steps, moe_layers=shape.moe_layers))
+                        collectives=_collectives(L, plan, accumulation_steps, moe_layers=shape.moe_layers),
+                        fsdp_repeat_bytes=repeats)
 
 
 def _collectives(layers: int, plan: TrainPlan, accumulation_steps: int, *, moe_layers: int = 0) -> float:
@@ -123,13 +132,22 @@ class StepCostModel:
     fixed_seconds: float = 0.0  # per micro-batch
     step_fixed_seconds: float = 0.0  # once per training step
     seconds_per_collective: float = 0.0  # beyond its bytes: launch, latency, dispatch
+    seconds_per_fsdp_repeat_byte: float = 0.0  # GPUs: FSDP2's per-micro-batch repeats overlap compute
+
+    def for_device(self, device_type: str) -> StepCostModel:
+        """These coefficients on trainers of `device_type` ("cuda", "cpu"): on CPUs FSDP2's repeated gathers
+        overlap nothing, so where no calibration priced them they cost what any byte costs."""
+        if device_type == "cpu" and self.seconds_per_fsdp_repeat_byte == 0.0:
+            return dataclasses.replace(self, seconds_per_fsdp_repeat_byte=self.seconds_per_byte)
+        return self
 
     def step_seconds(self, shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> float:
         """Seconds of one micro-batch of a step of `accumulation_steps`, with its share of the step's cost."""
         f = plan_features(shape, plan, accumulation_steps=accumulation_steps)
         return (self.seconds_per_flop * f.flops + self.seconds_per_byte * f.comm_bytes
                 + self.seconds_per_score * f.score_elements + self.fixed_seconds
-                + self.step_fixed_seconds / max(1, accumulation_steps) + self.seconds_per_collective * f.collectives)
+                + self.step_fixed_seconds / max(1, accumulation_steps) + self.seconds_per_collective * f.collectives
+                + self.seconds_per_fsdp_repeat_byte * f.fsdp_repeat_bytes)
 
     def tokens_per_second(self, shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int = 1) -> float:
         """Training tokens per second of the whole pool under `plan`."""
@@ -188,7 +206,7 @@ class StepCostModel:
             x, y = x / y[:, None], np.ones_like(y)
         base = prior or cls()
         coef = np.array([base.seconds_per_flop, base.seconds_per_byte, base.seconds_per_score, base.fixed_seconds,
-                         base.step_fixed_seconds, base.seconds_per_collective])
+                         base.step_fixed_seconds, base.seconds_per_collective, base.seconds_per_fsdp_repeat_byte])
         active = _separable_columns(x)
         while active:
             scale = x[:, active].max(axis=0)  # columns differ by ~1e12: scale for a stable solve
@@ -205,7 +223,7 @@ class StepCostModel:
         row = _step_row(shape, micro_batches)
         return (self.seconds_per_flop * row[0] + self.seconds_per_byte * row[1]
                 + self.seconds_per_score * row[2] + self.fixed_seconds * row[3] + self.step_fixed_seconds * row[4]
-                + self.seconds_per_collective * row[5])
+                + self.seconds_per_collective * row[5] + self.seconds_per_fsdp_repeat_byte * row[6])
 
     def relative_error(self, samples: Sequence[tuple[ModelShape, Sequence[TrainPlan], float]]) -> float:
         """Mean |predicted - measured| / measured over steps (`fit_steps`' samples); 0.0 without any."""
@@ -214,8 +232,9 @@ class StepCostModel:
 
 
 # the order in which fit_steps takes features when samples cannot tell some apart: compute, bytes and
-# score passes first, then a step's constant before a micro-batch's, the per-collective cost last
-_FIT_ORDER = (0, 1, 2, 4, 3, 5)
+# score passes first, then a step's constant before a micro-batch's, the per-collective cost, FSDP2's repeated
+# bytes last (they move with the micro-batch count: only steps of several micro-batches under FSDP tell them apart)
+_FIT_ORDER = (0, 1, 2, 4, 3, 5, 6)
 
 
 def _separable_columns(x: np.ndarray) -> list[int]:
@@ -231,12 +250,13 @@ def _separable_columns(x: np.ndarray) -> list[int]:
 
 
 def _step_row(shape: ModelShape, micro_batches: Sequence[TrainPlan]) -> list[float]:
-    """[flops, comm bytes, score elements, micro-batches, 1, collectives] of one step, summed over its
-    micro-batches."""
+    """[flops, comm bytes, score elements, micro-batches, 1, collectives, FSDP repeat bytes] of one step,
+    summed over its micro-batches."""
     acc = max(1, len(micro_batches))
     feats = [plan_features(shape, plan, accumulation_steps=acc) for plan in micro_batches]
     return [sum(f.flops for f in feats), sum(f.comm_bytes for f in feats),
-            sum(f.score_elements for f in feats), float(len(feats)), 1.0, sum(f.collectives for f in feats)]
+            sum(f.score_elements for f in feats), float(len(feats)), 1.0, sum(f.collectives for f in feats),
+            sum(f.fsdp_repeat_bytes for f in feats)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,16 @@ def load_cost_model(path: str | os.PathLike[str]) -> StepCostModel:
     return StepCostModel.from_dict(data)
 
 
+def trainer_device_type(cfg: RunConfig) -> str:
+    """"cuda" or "cpu": where the trainer pool computes (`trainer.device`; `auto` is what torch sees on the
+    supervisor's host, which launches the trainers or runs beside them)."""
+    if cfg.trainer.device in ("cpu", "cuda"):
+        return cfg.trainer.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def image_share(row: SampleMeta) -> float:
     """The share of `row`'s tokens that are image tokens (its stored images' spans; 0 without images)."""
     described = images_info(json.loads(row.info_json)) if row.info_json else None
@@ -139,6 +149,10 @@ class Planner:
         source = "given" if cost_model is not None else s.cost_model_path or "defaults"
         if cost_model is None and s.cost_model_path:
             cost_model = load_cost_model(s.cost_model_path)
+        if cost_model is not None and cfg.trainer.nproc > 1 and s.allow_fsdp:
+            # a calibration measured on this kind of trainer: on CPUs FSDP2's per-micro-batch gathers overlap
+            # nothing (the GPU-like defaults keep them free, as on the GPUs they describe)
+            cost_model = cost_model.for_device(trainer_device_type(cfg))
         self.cost_model = cost_model or StepCostModel()
         self.calibration: dict[str, Any] = {"source": source, "cost_model": self.cost_model.to_dict()}
         self._calibration_file = Path(cfg.run_dir) / "cost_model.json"
