@@ -47,7 +47,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from earl_stream.errors import ConfigError
-from earl_stream.supervisor.memory_model import Attention, FitCheck, ModelShape, Recompute, TrainPlan, expert_params
+from earl_stream.supervisor.fitting import FitCheck
+from earl_stream.supervisor.memory_model import Attention, ModelShape, Recompute, TrainPlan, expert_params
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ import msgspec
 
 from earl_stream import metrics as M
 from earl_stream.protocol import TrainerOom, TrainerPlan
-from earl_stream.supervisor.memory_model import check_fit, predict_train_memory
+from earl_stream.supervisor.fitting import check_fit
+from earl_stream.supervisor.memory_model import predict_train_memory
 from earl_stream.supervisor.selector import Infeasible, PlanDecision, TrainerSelector, layout_name, micro_batch_tokens
 
 if TYPE_CHECKING:

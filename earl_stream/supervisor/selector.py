@@ -36,9 +36,10 @@ from earl_stream.errors import ConfigError
 from earl_stream.protocol import plan_name
 from earl_stream.supervisor.cost_model import RankedPlan, StepCostModel, rank_plans
 from earl_stream.supervisor.decisions import Infeasible, PlanDecision, Refusal, RolloutDecision
+from earl_stream.supervisor.fitting import advise, check_fit
 from earl_stream.supervisor.hysteresis import DESIGN_QUANTUM, MIB, PoolBudget, PoolSelector, Thresholds
 from earl_stream.supervisor.layouts import pool_layouts
-from earl_stream.supervisor.memory_model import ModelShape, Recompute, TrainPlan, advise, check_fit, predict_train_memory
+from earl_stream.supervisor.memory_model import ModelShape, Recompute, TrainPlan, predict_train_memory
 from earl_stream.supervisor.memory_reserve import LearntReserve
 from earl_stream.supervisor.switch_memory import switch_refusal
 

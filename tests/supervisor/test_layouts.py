@@ -9,8 +9,9 @@ import logging
 import pytest
 
 from earl_stream.supervisor.decisions import PlanDecision, Refusal
+from earl_stream.supervisor.fitting import fitting_plans
 from earl_stream.supervisor.layouts import pool_layouts
-from earl_stream.supervisor.memory_model import Attention, ModelShape, Recompute, TrainPlan, fitting_plans
+from earl_stream.supervisor.memory_model import Attention, ModelShape, Recompute, TrainPlan
 from earl_stream.supervisor.selector import MIB, PoolBudget, TrainerSelector
 
 # divisible every way up to 4 (heads 8, kv 4, vocab/intermediate/hidden even)

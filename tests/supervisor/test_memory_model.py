@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from earl_stream.errors import ConfigError
+from earl_stream.supervisor.fitting import advise, check_fit, fitting_plans
 from earl_stream.supervisor.memory_model import (
     GIB,
     Attention,
@@ -20,9 +21,6 @@ from earl_stream.supervisor.memory_model import (
     Precision,
     Recompute,
     TrainPlan,
-    advise,
-    check_fit,
-    fitting_plans,
     korthikanti_layer_bytes,
     layer_activation_bytes,
     predict_kv_cache_bytes,

@@ -19,7 +19,8 @@ from earl_stream import protocol as P
 from earl_stream.config import load_config
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta
 from earl_stream.supervisor.context_stats import ContextStats
-from earl_stream.supervisor.memory_model import ModelShape, Recompute, TrainPlan, check_fit
+from earl_stream.supervisor.fitting import check_fit
+from earl_stream.supervisor.memory_model import ModelShape, Recompute, TrainPlan
 from earl_stream.supervisor.memory_reserve import RESERVE_WINDOW_STEPS, LearntReserve
 from earl_stream.supervisor.selector import MIB, PlanDecision, PoolBudget, Thresholds, TrainerSelector, layout_name
 from earl_stream.supervisor.server import Supervisor

@@ -21,7 +21,7 @@ from earl_stream import protocol as P
 from earl_stream.config import load_config
 from earl_stream.errors import ConfigError
 from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, table_from_ipc, table_to_metas
-from earl_stream.supervisor.memory_model import check_fit
+from earl_stream.supervisor.fitting import check_fit
 from earl_stream.supervisor.selector import layout_name
 from earl_stream.supervisor.server import Supervisor
 from earl_stream.supervisor.wal import StateLog

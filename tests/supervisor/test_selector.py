@@ -13,16 +13,8 @@ import pytest
 
 from earl_stream.errors import ConfigError
 from earl_stream.supervisor.context_stats import ContextStats, Percentile
-from earl_stream.supervisor.memory_model import (
-    Attention,
-    ModelShape,
-    Precision,
-    Recompute,
-    TrainPlan,
-    advise,
-    check_fit,
-    predict_train_memory,
-)
+from earl_stream.supervisor.fitting import advise, check_fit
+from earl_stream.supervisor.memory_model import Attention, ModelShape, Precision, Recompute, TrainPlan, predict_train_memory
 from earl_stream.supervisor.rollout_selector import RolloutSelector
 from earl_stream.supervisor.selector import (
     MIB,

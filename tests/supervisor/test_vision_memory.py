@@ -129,7 +129,7 @@ def test_the_planner_sees_the_episodes_image_share_and_re_plans_what_no_longer_f
     from earl_stream.config import ModelConfig, RunConfig, SelectorConfig, TrainerConfig
     from earl_stream.records import IMAGES
     from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta
-    from earl_stream.supervisor.memory_model import check_fit
+    from earl_stream.supervisor.fitting import check_fit
     from earl_stream.supervisor.planning import Planner, image_share
 
     cfg = _config(layers=4, hidden=256, inter=1024, heads=4, image=256, scale=2, attn="sdpa")
