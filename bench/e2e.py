@@ -1,16 +1,29 @@
 """End-to-end benchmark: earl_stream asynchronous vs earl_stream synchronous vs TRL's GRPOTrainer,
 on the same tiny model, the same game (Tic-Tac-Toe as X against a seeded random opponent), the same
-GRPO hyper-parameters and the same machine.
+GRPO hyper-parameters (estimator, group size, no KL term) and the same machine (issue 49, item 5).
 
-    python bench/e2e.py [--quick] --json bench/results/e2e.json
+    python bench/e2e.py --json bench/results/e2e.json [--part comparison|staleness|all] [--repeats 3]
+    python bench/e2e.py --quick ...     # one repeat, 60 s a run, staleness 0 and 1: checks, not results
 
-- **async**: `earl-stream up` (real processes) at the default staleness bound (1);
-- **sync**: the same command with `trainer.max_staleness=0`: generate, train, generate;
-- **trl**: `trl.GRPOTrainer` in a child process (from `.venv-bench` if this interpreter lacks trl).
+Part `comparison` (`--repeats` per arm, arms interleaved: async, sync, trl, async, ...; `--seconds` each,
+measured after its first step):
+- **async**: `earl-stream up` (real processes) at the default staleness bound (1), disaggregated: the
+  rollout pool pinned to CPU 0 and the trainer pool to CPU 1, one torch thread each;
+- **sync**: the same with `trainer.max_staleness=0` (generate, train, generate), and every phase gets all
+  the cores: neither pool pinned, two torch threads each (only one of them works at a time);
+- **trl**: `trl.GRPOTrainer` in a child process (from `.venv-bench` if this interpreter lacks trl), not
+  pinned, `--trl-threads` torch threads (default: one per CPU, the same cores).
+Keys: `async_vs_ceiling` {mean, low, high, n}: each async run's steps/s over the ceiling its own pools allow
+(with one core each a step takes at least the larger of the two pools' CPU seconds per step);
+`async_vs_sync` (samples/s, ratio of means with its 95% interval); `loss_tokens_per_s` per system (tokens
+that receive gradient: earl_stream's trainer log, TRL's trained completion tokens), mean [95%];
+`time_to_target_vs_trl` {default_model: earl_stream async's seconds to the target win rate over TRL's, ratio
+of means with its interval, null when a side never reached it; smollm2: not measured by this script yet}.
 
-Cores: in both earl_stream modes the rollout pool is pinned to CPU 0 and the trainer pool to CPU 1
-(`rollout.cpus=0 trainer.cpus=1`, one torch thread each: disaggregated pools); the supervisor is not
-pinned (it is a light control plane). TRL is not pinned and gets one torch thread per CPU.
+Part `staleness`: `trainer.max_staleness` in `--staleness` (0, 1, 2, 4, 8) x `--seeds` seeds (the config's
+`seed`), interleaved seed by seed, pinned as async, `--ablation-seconds` after the first step each: the
+seconds from launch to a `--target` win rate (last 256 games; null when not reached) and the final win rate.
+Key `staleness_ablation` {k: {seconds_to_target: [per seed], final_win_rate: [per seed]}}.
 
 TRL is single-turn. Its episode here: the prompt is the game's first observation; the trained
 completion is the model's first move; the reward function then plays the rest of the same game
@@ -24,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,30 +45,51 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline_rates import LOAD_LINE, MODE_OVERRIDES, PINNED_POOLS, STEP_LINE, Snapshot, Watch, log_window, overlap_ceiling, watch_up
+from pipeline_rates import (
+    HEARTBEAT_S,
+    LOAD_LINE,
+    MODE_OVERRIDES,
+    PINNED_POOLS,
+    STEP_LINE,
+    Snapshot,
+    Watch,
+    log_window,
+    trainer_steps,
+    watch_up,
+)
 from provenance import write_result
+from stats import mean_ci95, ratio_ci95
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP_SIZE, GROUPS_PER_STEP, LR, SEED, WINDOW = 8, 8, 1e-3, 0, 256
 CORES: dict[str, dict[str, str]] = {
     "async": {"rollout": "CPU 0, 1 thread", "trainer": "CPU 1, 1 thread", "supervisor": "not pinned"},
-    "sync": {"rollout": "CPU 0, 1 thread", "trainer": "CPU 1, 1 thread", "supervisor": "not pinned"},
-    "trl": {"everything": "CPUs 0-1 (not pinned)"}}
+    "sync": {"rollout": "all CPUs, 2 threads", "trainer": "all CPUs, 2 threads", "supervisor": "not pinned"},
+    "trl": {"everything": "all CPUs (not pinned)"}}
+# sync: each phase alone on the machine, so each gets every core (the pools take turns)
+ALL_CORES = ["rollout.workers=1", "rollout.threads=2", "trainer.threads=2", f"supervisor.heartbeat_s={HEARTBEAT_S}"]
 
 
 # ----------------------------------------------------------------------------------- earl_stream
 
-def run_earl(mode: str, model_dir: Path, seconds: float, target: float, work: Path) -> dict[str, Any]:
-    """One `earl-stream up` run for `seconds` after its first step; returns throughput, curve, profile."""
-    run_dir = work / f"earl_{mode}"
-    overrides = [f"model.path={model_dir}", f"run_dir={run_dir}", f"seed={SEED}", *PINNED_POOLS,
+def run_earl(mode: str, model_dir: Path, seconds: float, target: float, work: Path, *, seed: int = SEED,
+             staleness: int | None = None, tag: str = "") -> dict[str, Any]:
+    """One `earl-stream up` run for `seconds` after its first step; returns throughput, curve, profile.
+    `mode` async (pinned pools) or sync (all cores to each phase); `staleness` overrides trainer.max_staleness."""
+    run_dir = work / f"earl_{tag or mode}"
+    pools = ALL_CORES if mode == "sync" else PINNED_POOLS
+    extra = [] if staleness is None else [f"trainer.max_staleness={staleness}"]
+    overrides = [f"model.path={model_dir}", f"run_dir={run_dir}", f"seed={seed}", *pools,
                  f"trainer.group_size={GROUP_SIZE}", f"trainer.groups_per_step={GROUPS_PER_STEP}", f"trainer.lr={LR}",
                  f"supervisor.stats_window={WINDOW}",
                  # TRL GRPOTrainer's objective: no entropy bonus, constant lr, one opponent per group (defaults moved)
-                 "algo.entropy_coef=0", "algo.lr_schedule=constant", "envs.0.group_seed=shared", *MODE_OVERRIDES[mode]]
+                 "algo.entropy_coef=0", "algo.lr_schedule=constant", "envs.0.group_seed=shared", *MODE_OVERRIDES[mode],
+                 *extra]
     watch = watch_up(["--summary", str(run_dir / "summary.json"), *overrides], run_dir,
                      lambda now, first: first is not None and now.t - first.t >= seconds, what=mode)
-    return _earl_result(mode, watch, run_dir, target)
+    result = _earl_result(mode, watch, run_dir, target)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the numbers are what is kept
+    return {**result, "seed": seed, "max_staleness": 0 if mode == "sync" else 1 if staleness is None else staleness}
 
 
 def _earl_point(snap: Snapshot) -> dict[str, Any]:
@@ -76,6 +111,9 @@ def _earl_result(mode: str, watch: Watch, run_dir: Path, target: float) -> dict[
     step_s = sum(float(r[3]) for r in steps)
     pull_s = sum(float(r[4]) for r in steps)
     trained_tokens = sum(int(r[2]) for r in steps)
+    logged = trainer_steps(run_dir / "logs" / "trainer.log")
+    window = [x for x in logged.values() if first.wall <= x.when <= last.wall]
+    loss_tokens = sum(x.loss_tokens or 0 for x in window) if all(x.loss_tokens is not None for x in window) else None
     cpu = {role: round((last.cpu.get(role, 0.0) - first.cpu.get(role, 0.0)) / dt, 3) for role in last.cpu}
     reached = next((p for p in curve if p["win"] is not None and p["win"] >= target), None)
     return {
@@ -84,6 +122,7 @@ def _earl_result(mode: str, watch: Watch, run_dir: Path, target: float) -> dict[
         "produced_samples_per_s": (t1["samples_produced"] - t0["samples_produced"]) / dt,
         "generated_tokens_per_s": (t1["generated_tokens"] - t0["generated_tokens"]) / dt,
         "trained_tokens_per_s": trained_tokens / dt,
+        "loss_tokens_per_s": loss_tokens / dt if loss_tokens is not None else None,
         "steps_per_s": (t1["step"] - t0["step"]) / dt,
         "startup_s": t0["t"], "time_to_target_s": reached["t"] if reached else None,
         "start_win_rate": next((p["win"] for p in curve if p["win"] is not None), None),
@@ -108,20 +147,20 @@ def _earl_result(mode: str, watch: Watch, run_dir: Path, target: float) -> dict[
 
 # ------------------------------------------------------------------------------------------ TRL
 
-def run_trl(model_dir: Path, seconds: float, target: float, work: Path, threads: int) -> dict[str, Any]:
+def run_trl(model_dir: Path, seconds: float, target: float, work: Path, threads: int, seed: int = SEED) -> dict[str, Any]:
     """TRL in a child process (its own interpreter: `.venv-bench` when this one has no trl)."""
     python = sys.executable
     probe = subprocess.run([python, "-c", "import trl"], capture_output=True, cwd=work)
     if probe.returncode != 0 and (ROOT / ".venv-bench" / "bin" / "python").exists():
         python = str(ROOT / ".venv-bench" / "bin" / "python")
-    out = work / "trl.json"
+    out = work / f"trl_seed{seed}.json"
     cmd = [python, str(Path(__file__).resolve()), "--trl-child", "--model", str(model_dir), "--seconds", str(seconds),
-           "--target", str(target), "--json", str(out), "--trl-threads", str(threads)]
+           "--target", str(target), "--json", str(out), "--trl-threads", str(threads), "--seed", str(seed)]
     # cwd=work: a folder named `vllm` in the working directory breaks `import trl`
     proc = subprocess.run(cmd, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"system": "trl", "error": proc.stderr[-3000:]}
-    return json.loads(out.read_text())
+        return {"system": "trl", "seed": seed, "error": proc.stderr[-3000:]}
+    return {**json.loads(out.read_text()), "seed": seed}
 
 
 def trl_child(args: argparse.Namespace) -> int:
@@ -140,7 +179,7 @@ def trl_child(args: argparse.Namespace) -> int:
     system = TicTacToe.system_prompt
     board = TicTacToe().render()
     n = 20_000  # prompts (8 per step): more than a run uses; a larger dataset only slows TRL's start
-    seeds = [(SEED * 1_000_003 + i * 7919) & 0x3FFFFFFF for i in range(n)]  # the ledger's prompt seeds (env/seeds.py)
+    seeds = [(args.seed * 1_000_003 + i * 7919) & 0x3FFFFFFF for i in range(n)]  # the ledger's prompt seeds (env/seeds.py)
     data = Dataset.from_list([{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": board}],
                               "seed": s} for s in seeds])
     # the playout gets its own tokenizer and stop tokens: TRL adjusts the ones it is given
@@ -151,7 +190,7 @@ def trl_child(args: argparse.Namespace) -> int:
         return games.play([c[0]["content"] for c in completions], seed)
 
     cfg = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-e2e-"), use_cpu=True, report_to="none", seed=SEED,
+        output_dir=tempfile.mkdtemp(prefix="trl-e2e-"), use_cpu=True, report_to="none", seed=args.seed,
         num_generations=GROUP_SIZE, per_device_train_batch_size=GROUP_SIZE * GROUPS_PER_STEP, learning_rate=LR,
         lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, beta=0.0, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", temperature=1.0, top_k=0, top_p=1.0,
@@ -287,7 +326,8 @@ def trl_result(clock: StepClock, games: Playout, target: float, threads: int, ve
     return {
         "system": f"trl {version} GRPOTrainer", "window_s": round(dt, 1), "steps": steps, "torch_threads": threads,
         "samples_per_s": steps * per_step / dt, "generated_tokens_per_s": (first_tokens + t1 - t0) / dt,
-        "trained_tokens_per_s": first_tokens / dt, "steps_per_s": steps / dt, "startup_s": round(clock.ends[0], 1),
+        "trained_tokens_per_s": first_tokens / dt, "loss_tokens_per_s": first_tokens / dt, "steps_per_s": steps / dt,
+        "startup_s": round(clock.ends[0], 1),
         "time_to_target_s": reached["t"] if reached else None,
         "start_win_rate": curve[0]["win"] if curve else None, "final_win_rate": curve[-1]["win"] if curve else None,
         "episode": "one full game per sample; the trained completion is the first move, the rest of the game is "
@@ -310,145 +350,189 @@ def trl_result(clock: StepClock, games: Playout, target: float, threads: int, ve
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="60 s per system instead of 200 s")
     ap.add_argument("--json", default="bench/results/e2e.json", help="where to write the results")
-    ap.add_argument("--seconds", type=float, default=None, help="measured seconds per system (after its first step)")
-    ap.add_argument("--target", type=float, default=0.8, help="win rate (last 256 games) to report the time to")
+    ap.add_argument("--part", choices=("comparison", "staleness", "all"), default="all",
+                    help="which campaign: async vs sync vs TRL, the staleness ablation, or both (~1 h each here)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per arm of the comparison (interleaved)")
+    ap.add_argument("--seconds", type=float, default=200.0, help="measured seconds per comparison run (after its first step)")
+    ap.add_argument("--only", default="async,sync,trl", help="arms of the comparison to run")
+    ap.add_argument("--staleness", default="0,1,2,4,8", help="trainer.max_staleness values of the ablation")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per staleness value")
+    ap.add_argument("--ablation-seconds", type=float, default=240.0,
+                    help="seconds per ablation run after its first step (the default model first reaches 0.9 at "
+                         "~240 s from launch: bench/results/learning.json)")
+    ap.add_argument("--target", type=float, default=0.9, help="win rate (last 256 games) to report the time to")
     ap.add_argument("--model", default="", help="model directory; default: the embedded default model")
-    ap.add_argument("--only", default="async,sync,trl", help="comma-separated subset of systems to run")
-    ap.add_argument("--trl-threads", type=int, default=1,
-                    help="TRL's torch threads (0 = one per CPU). Default 1: on this shared, loaded machine 2 threads "
-                         "made its generation 4-5x slower (a 64-game playout: 7-11 s vs 1.8-2.3 s)")
+    ap.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads (0 = one per CPU: the same cores)")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 60 s a run, staleness 0 and 1, 1 seed")
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=SEED, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_child:
         return trl_child(args)
+    if args.quick:
+        args.repeats, args.seconds, args.ablation_seconds, args.seeds = 1, 60.0, 60.0, 1
+        args.staleness = "0,1"
+    arms = [a for a in args.only.split(",") if a]
+    if unknown := set(arms) - {"async", "sync", "trl"}:
+        ap.error(f"--only: unknown {sorted(unknown)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
     from earl_stream.model import ensure_default_model
-    from earl_stream.progress import progress
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
-    seconds = args.seconds or (60.0 if args.quick else 200.0)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="earl-e2e-"))
-    load_before = os.getloadavg()
+    trl_threads = args.trl_threads or len(os.sched_getaffinity(0))
+    CORES["trl"]["everything"] = f"all CPUs (not pinned), {trl_threads} torch thread(s)"
+    result: dict[str, Any] = {
+        "quick": args.quick, "model": str(model_dir), "group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP,
+        "lr": LR, "samples_per_step": GROUP_SIZE * GROUPS_PER_STEP, "stats_window_games": WINDOW,
+        "target_win_rate": args.target, "core_assignment": CORES,
+        "sample_definition": {"earl_stream": "one full multi-turn game; every model token is trained (a loss token)",
+                              "trl": "one full game; only the first move is trained (TRL is single-turn)"},
+        "machine": {"cpus": os.cpu_count(), "load_avg_before": os.getloadavg()}}
     started = time.time()
-    systems: dict[str, dict[str, Any]] = {}
-    names = args.only.split(",")
-    with progress(f"e2e ({seconds:.0f} s a system)", len(names), "systems") as bar:
-        for name in names:
-            bar.update(bar.done, note=f"running {name}")
-            if name == "trl":
-                systems[name] = run_trl(model_dir, seconds, args.target, work, args.trl_threads)
-                CORES["trl"]["everything"] = f"CPUs 0-1 (not pinned), {args.trl_threads or os.cpu_count()} torch thread(s)"
-            else:
-                systems[name] = run_earl(name, model_dir, seconds, args.target, work)
-            print(json.dumps({k: v for k, v in systems[name].items() if k not in ("curve",)}, default=str)[:1500],
-                  flush=True)
-            bar.advance(note=f"{name} done")
-    result = summarize(systems, args, seconds, model_dir, load_before, time.time() - started)
+    if args.part in ("comparison", "all"):
+        runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+        for k in range(args.repeats):
+            for arm in arms:
+                print(f"comparison: {arm}, repeat {k + 1} of {args.repeats} ...", flush=True)
+                run = (run_trl(model_dir, args.seconds, args.target, work, trl_threads, seed=SEED + k) if arm == "trl"
+                       else run_earl(arm, model_dir, args.seconds, args.target, work, seed=SEED + k, tag=f"{arm}{k}"))
+                run["load_avg_after"] = os.getloadavg()
+                runs[arm].append(run)
+                print(json.dumps({x: v for x, v in run.items() if x not in ("curve", "profile")}, default=str)[:1500],
+                      flush=True)
+        result.update(seconds_per_run=args.seconds, repeats=args.repeats, runs=runs, **summarise_comparison(runs))
+    if args.part in ("staleness", "all"):
+        values = [int(v) for v in args.staleness.split(",") if v]
+        ablation: dict[str, list[dict[str, Any]]] = {str(v): [] for v in values}
+        for seed in range(args.seeds):
+            for v in values:
+                print(f"staleness ablation: max_staleness={v}, seed {seed} ...", flush=True)
+                run = run_earl("async", model_dir, args.ablation_seconds, args.target, work, seed=SEED + seed,
+                               staleness=v, tag=f"stale{v}_seed{seed}")
+                ablation[str(v)].append({x: run[x] for x in ("seed", "max_staleness", "time_to_target_s",
+                                                             "final_win_rate", "samples_per_s", "loss_tokens_per_s",
+                                                             "samples_stale", "startup_s", "window_s")})
+        result.update(ablation_seconds=args.ablation_seconds, staleness_ablation=summarise_staleness(ablation))
+    result["machine"].update(load_avg_after=os.getloadavg(), note="shared machine: other jobs may run alongside "
+                             "(each run's load_avg_after)")
+    result["wall_seconds"] = round(time.time() - started, 1)
     write_result(out, result)
-    plot(systems, out.with_suffix(".png"), args.target)
+    if result.get("runs"):
+        plot(result["runs"], out.with_suffix(".png"), args.target)
     print_table(result)
     return 0
 
 
-def _rate(systems: dict[str, dict[str, Any]], name: str) -> float | None:
-    return systems.get(name, {}).get("samples_per_s")
+def _ci(values: list[float]) -> dict[str, float] | None:
+    """{mean, ci95: [low, high], n} of two or more values; one value alone: its mean, n = 1 (no interval is
+    invented)."""
+    if len(values) >= 2:
+        m = mean_ci95(values)
+        return {"mean": m["mean"], "ci95": [m["low"], m["high"]], "n": m["n"]}
+    return {"mean": values[0], "n": 1} if values else None
 
 
-def summarize(systems: dict[str, dict[str, Any]], args: argparse.Namespace, seconds: float, model_dir: Path,
-              load_before: tuple[float, ...], wall: float) -> dict[str, Any]:
-    a, s, t = _rate(systems, "async"), _rate(systems, "sync"), _rate(systems, "trl")
-    result: dict[str, Any] = {
-        "async_samples_per_s": a, "sync_samples_per_s": s, "trl_samples_per_s": t,
-        "async_vs_sync": a / s if a and s else None, "async_vs_trl": a / t if a and t else None,
-        "time_to_target_s": {k: v.get("time_to_target_s") for k, v in systems.items()},
-        "target_win_rate": args.target, "targets": {"async_vs_sync": 2.0, "async_vs_trl": 3.0},
-        "quick": args.quick, "seconds_per_system": seconds, "wall_seconds": round(wall, 1),
-        "model": str(model_dir), "group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP, "lr": LR,
-        "samples_per_step": GROUP_SIZE * GROUPS_PER_STEP, "stats_window_games": WINDOW,
-        "core_assignment": CORES,
-        "machine": {"cpus": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-                    "note": "shared machine: other jobs were running; numbers are noisy (+-35%)"},
-        "sample_definition": {"earl_stream": "one full multi-turn game; every model token is trained",
-                              "trl": "one full game; only the first move is trained (TRL is single-turn)"},
-        "systems": systems,
+def _ratio(a: list[float], b: list[float]) -> dict[str, Any] | None:
+    """mean(a) / mean(b) with its 95% interval (2+ repeats a side); one each: the ratio alone."""
+    if not a or not b:
+        return None
+    if len(a) >= 2 and len(b) >= 2:
+        r = ratio_ci95(a, b)
+        return {"mean": r["ratio"], "ci95": [r["low"], r["high"]], "n": min(len(a), len(b))}
+    return {"mean": sum(a) / len(a) / (sum(b) / len(b)), "n": min(len(a), len(b))}
+
+
+def summarise_comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """From the comparison's recorded runs: `async_vs_ceiling`, `async_vs_sync`, `loss_tokens_per_s` per system,
+    `time_to_target_vs_trl`, with notes on what they cannot say."""
+    ok = {arm: [r for r in rs if "error" not in r] for arm, rs in runs.items()}
+    ceiling = []
+    for r in ok.get("async", []):
+        per_step = r.get("cpu_seconds_per_step") or {}
+        if per_step.get("rollout") and per_step.get("trainer"):
+            # one core per pool: a step takes at least the larger pool's CPU seconds
+            ceiling.append(r["steps_per_s"] * max(per_step["rollout"], per_step["trainer"]))
+    rate = {arm: [r["samples_per_s"] for r in rs] for arm, rs in ok.items()}
+    loss = {arm: [r["loss_tokens_per_s"] for r in rs if r.get("loss_tokens_per_s")] for arm, rs in ok.items()}
+    reached = {arm: [r["time_to_target_s"] for r in rs] for arm, rs in ok.items()}
+    notes = []
+    to_target = None
+    if reached.get("async") and reached.get("trl"):
+        if all(t is not None for t in reached["async"] + reached["trl"]):
+            to_target = _ratio(reached["async"], reached["trl"])
+        else:
+            notes.append("time_to_target_vs_trl.default_model is null: a run did not reach the target within its "
+                         f"window (async {reached['async']}, trl {reached['trl']} seconds)")
+    notes.append("time_to_target_vs_trl.smollm2 is not measured by this script yet (issue 49, item 5)")
+    return {
+        "async_vs_ceiling": _ci(ceiling), "async_vs_ceiling_per_run": ceiling,
+        "async_vs_sync": _ratio(rate.get("async", []), rate.get("sync", [])),
+        "async_vs_trl": _ratio(rate.get("async", []), rate.get("trl", [])),
+        "samples_per_s": {arm: _ci(v) for arm, v in rate.items()},
+        "loss_tokens_per_s": {arm: _ci(v) for arm, v in loss.items()},
+        "time_to_target_vs_trl": {"default_model": to_target, "smollm2": None},
+        "time_to_target_s": reached, "failed_runs": {arm: len(runs[arm]) - len(ok[arm]) for arm in runs},
+        "notes": notes,
     }
-    result.update(overlap_ceiling(systems.get("sync", {}).get("cpu_seconds_per_step") or {}))
-    result["findings"] = findings(systems, result)
-    missed = [k for k, goal in result["targets"].items() if result[k] is None or result[k] < goal]
-    result["targets_missed"] = missed
-    if missed:
-        result["profile"] = {k: v.get("profile") for k, v in systems.items()}
-    return result
 
 
-def findings(systems: dict[str, dict[str, Any]], result: dict[str, Any]) -> list[str]:
-    """What the profile says, in sentences built from the measured numbers (rendered into the docs)."""
-    out = []
-    for name in ("async", "sync"):
-        r = systems.get(name, {})
-        p, per_step = r.get("profile"), r.get("cpu_seconds_per_step", {})
-        if not p or not per_step.get("trainer"):
-            continue
-        share = per_step["trainer"] / p["trainer_step_s_mean"] if p["trainer_step_s_mean"] else 0.0
-        out.append(f"{name}: the trainer is in a step {100 * p['trainer_train_fraction']:.0f}% of the time and waits "
-                   f"for data {100 * p['trainer_waiting_fraction']:.0f}%; a step needs {per_step['trainer']:.2f} "
-                   f"CPU-s but takes {p['trainer_step_s_mean']:.2f} s (it gets ~{share:.2f} of its core; the "
-                   f"machine is shared); the rollout worker is idle {100 * p['rollout_idle_fraction']:.0f}% "
-                   f"(generation needs {per_step.get('rollout', 0):.2f} CPU-s per step).")
-    if result.get("async_vs_sync_ceiling"):
-        out.append(f"With one core per pool, overlap can at best give async/sync = {result['async_vs_sync_ceiling']:.2f}"
-                   " (generation and training CPU time per step); 2x needs the two to cost the same.")
-    a, t = systems.get("async", {}), systems.get("trl", {})
-    if a.get("trained_tokens_per_s") and t.get("trained_tokens_per_s"):
-        out.append(f"TRL trains only the first move of each game: per trained token async is "
-                   f"{a['trained_tokens_per_s'] / t['trained_tokens_per_s']:.0f}x TRL; TRL reached the target: "
-                   f"{'yes' if t.get('time_to_target_s') else 'no'} (win rate {t.get('start_win_rate')} -> "
-                   f"{t.get('final_win_rate')}).")
+def summarise_staleness(ablation: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per max_staleness: seconds to the target per seed (null: not reached), final win rate per seed, their
+    means [95%] where every seed has one."""
+    out = {}
+    for value, rs in ablation.items():
+        times, finals = [r["time_to_target_s"] for r in rs], [r["final_win_rate"] for r in rs]
+        out[value] = {"seconds_to_target": times, "final_win_rate": finals,
+                      "seconds_to_target_mean": _ci(times) if times and None not in times else None,
+                      "final_win_rate_mean": _ci([f for f in finals if f is not None]), "runs": rs}
     return out
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\n{'system':<32} {'samples/s':>10} {'gen tok/s':>10} {'train tok/s':>11} {'steps/s':>8} "
-          f"{'to target':>10}  cores")
-    for name, r in result["systems"].items():
-        if "error" in r:
-            print(f"{name:<32} failed: {r['error'][-300:]}")
-            continue
-        ttt = r.get("time_to_target_s")
-        print(f"{r['system']:<32} {r['samples_per_s']:>10.1f} {r['generated_tokens_per_s']:>10.0f} "
-              f"{r['trained_tokens_per_s']:>11.0f} {r['steps_per_s']:>8.3f} {f'{ttt:.0f} s' if ttt else 'not reached':>10}"
-              f"  {CORES[name]}")
-    print(f"async/sync {_fmt(result['async_vs_sync'])} (ceiling for this core split "
-          f"{_fmt(result.get('async_vs_sync_ceiling'))}), async/trl {_fmt(result['async_vs_trl'])}; targets missed: "
-          f"{result['targets_missed'] or 'none'}")
+    def ci(x: dict[str, Any] | None) -> str:
+        if not x:
+            return "n/a"
+        lo, hi = x.get("ci95") or [x.get("low"), x.get("high")]
+        return f"{x['mean']:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
+
+    if result.get("runs"):
+        print(f"\n{'system':<10} {'samples/s':>24} {'loss tok/s':>24}  seconds to {result['target_win_rate']}")
+        for arm in result["runs"]:
+            print(f"{arm:<10} {ci(result['samples_per_s'].get(arm)):>24} {ci(result['loss_tokens_per_s'].get(arm)):>24}  "
+                  f"{result['time_to_target_s'].get(arm)}")
+        print(f"async / ceiling {ci(result['async_vs_ceiling'])}; async / sync {ci(result['async_vs_sync'])}; "
+              f"async / TRL {ci(result['async_vs_trl'])}; time to target vs TRL "
+              f"{ci(result['time_to_target_vs_trl']['default_model'])}")
+    for value, r in (result.get("staleness_ablation") or {}).items():
+        print(f"max_staleness {value}: seconds to {result['target_win_rate']} {r['seconds_to_target']}, "
+              f"final win rate {r['final_win_rate']}")
 
 
-def _fmt(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f}"
-
-
-def plot(systems: dict[str, dict[str, Any]], path: Path, target: float) -> None:
+def plot(runs: dict[str, list[dict[str, Any]]], path: Path, target: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in systems.items():
-        pts = [p for p in r.get("curve", []) if p.get("win") is not None]
-        if pts:
-            ax.plot([p["t"] for p in pts], [p["win"] for p in pts], label=r.get("system", name))
-    ax.axhline(target, ls="--", c="green", label=f"target {target}")
+    colours = {"async": "tab:blue", "sync": "tab:orange", "trl": "tab:green"}
+    for arm, rs in runs.items():
+        for k, r in enumerate(rs):
+            pts = [p for p in r.get("curve", []) if p.get("win") is not None]
+            if pts:
+                ax.plot([p["t"] for p in pts], [p["win"] for p in pts], color=colours.get(arm), alpha=0.8,
+                        label=r.get("system", arm) if k == 0 else None)
+    ax.axhline(target, ls="--", c="grey", label=f"target {target}")
     ax.set_xlabel("seconds since launch")
     ax.set_ylabel(f"win rate (last {WINDOW} games)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
-    ax.set_title("Tic-Tac-Toe vs random: earl_stream async / sync vs TRL")
+    ax.set_title("Tic-Tac-Toe vs random: earl_stream async / sync vs TRL (each repeat)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -40,6 +40,8 @@ PINNED_POOLS = ["rollout.workers=1", "rollout.cpus=0", "trainer.cpus=1", f"super
 MODE_OVERRIDES: dict[str, list[str]] = {"async": [], "sync": ["trainer.max_staleness=0"]}
 STEP_LINE = re.compile(r"^(\S+ \S+) .*step (\d+): loss \S+ grad-norm \S+ reward \S+ \((\d+) samples, (\d+) tokens\) "
                        r"in ([\d.]+)s \(pull ([\d.]+)s\)")
+# the step line's tail: tokens that receive gradient (absent from logs written before it was added)
+LOSS_TOKENS = re.compile(r".*; (\d+) loss tokens$")
 LOAD_LINE = re.compile(r"^(\S+ \S+) .*loaded policy version \d+ in ([\d.]+)s")
 
 
@@ -168,13 +170,15 @@ def log_window(path: Path, pattern: re.Pattern[str], start: float, end: float) -
 @dataclass(frozen=True)
 class TrainerStep:
     """One `step N:` line of trainer.log: when it was logged (epoch seconds), samples and tokens trained,
-    the step's seconds and the pull's seconds."""
+    the step's seconds and the pull's seconds, and its loss tokens (those that receive gradient; None in logs
+    written before the line carried them)."""
 
     when: float
     samples: int
     tokens: int
     seconds: float
     pull_seconds: float
+    loss_tokens: int | None = None
 
 
 def trainer_steps(path: Path) -> dict[int, TrainerStep]:
@@ -182,8 +186,10 @@ def trainer_steps(path: Path) -> dict[int, TrainerStep]:
     out = {}
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         if m := STEP_LINE.match(line):
+            loss = LOSS_TOKENS.match(line)
             out[int(m.group(2))] = TrainerStep(_when(m.group(1)), int(m.group(3)), int(m.group(4)),
-                                               float(m.group(5)), float(m.group(6)))
+                                               float(m.group(5)), float(m.group(6)),
+                                               int(loss.group(1)) if loss else None)
     return out
 
 
@@ -206,6 +212,8 @@ def step_window(watch: Watch, run_dir: Path) -> dict[str, Any]:
         "steps": n, "first_step": first.step, "window_s": round(dt, 2), "startup_s": first.t,
         "samples_per_s": sum(s.samples for s in window) / dt,
         "trained_tokens_per_s": sum(s.tokens for s in window) / dt,
+        "loss_tokens_per_s": (sum(s.loss_tokens for s in window if s.loss_tokens is not None) / dt
+                              if all(s.loss_tokens is not None for s in window) else None),
         "trainer_step_s_mean": round(sum(s.seconds for s in window) / n, 3),
         "cpu_seconds_per_step": {role: round(v / n, 3) for role, v in cpu.items()},
         "cpu_utilisation": {role: round(v / (last.t - first.t), 3) for role, v in cpu.items()},

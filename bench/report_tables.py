@@ -463,6 +463,42 @@ def render_context_growth(d: dict[str, Any]) -> list[str]:
 
 
 def render_e2e(d: dict[str, Any]) -> list[str]:
+    """bench/e2e.py: the repeated comparison (async, sync with all cores, TRL) and the staleness ablation; results
+    of the earlier single-run format keep their old table (`_render_e2e_single`)."""
+    if "runs" not in d and "staleness_ablation" not in d:
+        return _render_e2e_single(d)
+
+    def ci(x: Any) -> str:
+        if not isinstance(x, dict):
+            return "—"
+        lo, hi = x.get("ci95") or [x.get("low"), x.get("high")]
+        return f"{fmt(x.get('mean'))} [{fmt(lo)}, {fmt(hi)}]" if lo is not None else fmt(x.get("mean"))
+
+    out = [f"Same model, game (Tic-Tac-Toe vs random), group size {d.get('group_size')}, "
+           f"{d.get('samples_per_step')} samples per step, lr {d.get('lr')}; win rate over the last "
+           f"{d.get('stats_window_games')} games; target {d.get('target_win_rate')}.", ""]
+    if d.get("runs"):
+        cores = d.get("core_assignment", {})
+        rows = [[arm, len(rs), ci((d.get("samples_per_s") or {}).get(arm)), ci((d.get("loss_tokens_per_s") or {}).get(arm)),
+                 ", ".join(fmt(t) for t in (d.get("time_to_target_s") or {}).get(arm, [])),
+                 "; ".join(f"{k}: {v}" for k, v in cores.get(arm, {}).items())] for arm, rs in d["runs"].items()]
+        out += _table(["system", "repeats", "samples/s", "loss tokens/s", "s to target per repeat (from launch)",
+                       "cores"], rows)
+        out += [f"Async over the ceiling its pools allow: **{ci(d.get('async_vs_ceiling'))}** (goal >= 0.95); async / "
+                f"sync with all cores: **{ci(d.get('async_vs_sync'))}**; async / TRL (samples/s): "
+                f"{ci(d.get('async_vs_trl'))}; time to target, earl_stream / TRL: "
+                f"**{ci((d.get('time_to_target_vs_trl') or {}).get('default_model'))}** (goal <= 0.75).", ""]
+    if d.get("staleness_ablation"):
+        rows = [[k, ", ".join(fmt(t) for t in r.get("seconds_to_target", [])),
+                 ", ".join(fmt(f) for f in r.get("final_win_rate", [])), ci(r.get("final_win_rate_mean"))]
+                for k, r in d["staleness_ablation"].items()]
+        out += [f"Staleness ablation ({fmt(d.get('ablation_seconds'))} s a run after its first step):", ""]
+        out += _table(["max_staleness", "s to target per seed", "final win rate per seed", "final mean [95%]"], rows)
+    out += [f"- {n}" for n in d.get("notes", [])] + ([""] if d.get("notes") else [])
+    return out + _said(d)
+
+
+def _render_e2e_single(d: dict[str, Any]) -> list[str]:
     out = [f"Same model, game (Tic-Tac-Toe vs random), group size {d.get('group_size')}, "
            f"{d.get('samples_per_step')} samples per step, lr {d.get('lr')}; {fmt(d.get('seconds_per_system'))} s "
            f"measured per system after its first step; win rate over the last {d.get('stats_window_games')} games.",

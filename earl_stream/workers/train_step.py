@@ -66,7 +66,7 @@ class StepResult:
     entropy: float
     mean_reward: float
     samples: int
-    tokens: int
+    tokens: int  # prompt + response tokens of the step's samples
     step_seconds: float
     pull_seconds: float
     pull_bytes: int
@@ -82,6 +82,7 @@ class StepResult:
     images: int = 0  # pictures this rank pulled (a vision-language policy's samples)
     image_bytes: int = 0  # their PNG bytes (also in pull_bytes)
     claim_image_bytes: int = 0  # the PNG bytes of every picture of the step's claim (all ranks' samples)
+    loss_tokens: int = 0  # tokens that receive gradient (the model's own tokens: response_tokens), once per epoch
 
     def metrics(self) -> dict[str, float]:
         return {k: float(v) for k, v in dataclasses.asdict(self).items() if isinstance(v, (int, float))}
@@ -184,7 +185,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         kl=(stats["kl"] + kl_in_reward) / tokens, lr=float(lr), updates=algo.updates,
         routing_mismatch=replay.take_mismatch() if replay is not None else 0.0,
         distill_kl=_distill_kl(metas, stats, tokens, algo), images=len(pictures), image_bytes=image_bytes,
-        claim_image_bytes=claim_image_bytes,
+        claim_image_bytes=claim_image_bytes, loss_tokens=sum(m.response_tokens for m in metas),
     )
 
 

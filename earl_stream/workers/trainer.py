@@ -342,9 +342,9 @@ class TrainerRank:
         M.STORE_PULL_BYTES.labels(rank).inc(r.pull_bytes)
         M.STORE_STEP_PULL_BYTES.labels(rank).set(r.pull_bytes)
         log.info("step %d: loss %.4f grad-norm %.3f reward %.3f (%d samples, %d tokens) in %.2fs (pull %.3fs); "
-                 "clipped %.4f |ratio-1| %.4f masked %.4f (stale %.4f)", self.version, r.loss, r.grad_norm,
-                 r.mean_reward, r.samples, r.tokens, r.step_seconds, r.pull_seconds, r.clip_frac, r.ratio_dev,
-                 r.masked_frac, r.stale_frac)
+                 "clipped %.4f |ratio-1| %.4f masked %.4f (stale %.4f); %d loss tokens", self.version, r.loss,
+                 r.grad_norm, r.mean_reward, r.samples, r.tokens, r.step_seconds, r.pull_seconds, r.clip_frac,
+                 r.ratio_dev, r.masked_frac, r.stale_frac, r.loss_tokens)
         if r.images:
             log.info("step %d: %d images pulled (%d bytes of PNG, of the step's %d)", self.version, r.images,
                      r.image_bytes, r.claim_image_bytes)

@@ -1,0 +1,78 @@
+"""bench/e2e.py's summaries on recorded runs: async over the ceiling its own pools allow, async over sync and
+TRL with intervals computed by hand, time to target against TRL (null when a run never got there), the
+staleness ablation per seed; and the trainer log's loss tokens read back."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from e2e import summarise_comparison, summarise_staleness  # noqa: E402
+from pipeline_rates import trainer_steps  # noqa: E402
+from stats import t975  # noqa: E402
+
+
+def _earl(steps_per_s: float, rollout: float, trainer: float, samples: float, loss: float, target: float | None) -> dict:
+    return {"steps_per_s": steps_per_s, "cpu_seconds_per_step": {"rollout": rollout, "trainer": trainer, "supervisor": 0.1},
+            "samples_per_s": samples, "loss_tokens_per_s": loss, "time_to_target_s": target}
+
+
+def _runs() -> dict:
+    return {"async": [_earl(0.8, 0.5, 1.15, 51.2, 400.0, 150.0), _earl(0.85, 0.5, 1.1, 54.4, 420.0, 140.0),
+                      _earl(0.9, 0.45, 1.05, 57.6, 440.0, 160.0)],
+            "sync": [_earl(0.5, 0.3, 0.7, 32.0, 250.0, 200.0), _earl(0.55, 0.3, 0.7, 35.2, 270.0, 210.0),
+                     _earl(0.5, 0.3, 0.7, 32.0, 260.0, 190.0)],
+            "trl": [{"samples_per_s": 60.0, "loss_tokens_per_s": 120.0, "time_to_target_s": 300.0, "steps_per_s": 0.9},
+                    {"samples_per_s": 62.0, "loss_tokens_per_s": 125.0, "time_to_target_s": 320.0, "steps_per_s": 0.95},
+                    {"system": "trl", "error": "killed"}]}
+
+
+def test_comparison_intervals_and_the_ceiling_of_each_async_run() -> None:
+    s = summarise_comparison(_runs())
+    per_run = [0.8 * 1.15, 0.85 * 1.1, 0.9 * 1.05]  # steps/s x the larger pool's CPU seconds per step
+    assert s["async_vs_ceiling_per_run"] == pytest.approx(per_run)
+    half = t975(2) * statistics.stdev(per_run) / math.sqrt(3)
+    assert s["async_vs_ceiling"]["mean"] == pytest.approx(statistics.fmean(per_run))
+    assert s["async_vs_ceiling"]["ci95"] == pytest.approx([statistics.fmean(per_run) - half, statistics.fmean(per_run) + half])
+    ratio = statistics.fmean([51.2, 54.4, 57.6]) / statistics.fmean([32.0, 35.2, 32.0])
+    lo, hi = s["async_vs_sync"]["ci95"]
+    assert s["async_vs_sync"]["mean"] == pytest.approx(ratio) and lo < ratio < hi
+    # the failed TRL run is counted, not averaged
+    assert s["failed_runs"] == {"async": 0, "sync": 0, "trl": 1} and s["samples_per_s"]["trl"]["n"] == 2
+    assert s["time_to_target_vs_trl"]["default_model"]["mean"] == pytest.approx(150 / 310)
+    assert s["time_to_target_vs_trl"]["smollm2"] is None and s["loss_tokens_per_s"]["async"]["mean"] == pytest.approx(420)
+
+
+def test_a_run_that_never_reached_the_target_gives_no_time_ratio() -> None:
+    runs = _runs()
+    runs["trl"][1]["time_to_target_s"] = None
+    s = summarise_comparison(runs)
+    assert s["time_to_target_vs_trl"]["default_model"] is None
+    assert any("did not reach the target" in n for n in s["notes"])
+
+
+def test_staleness_ablation_keeps_every_seed() -> None:
+    ablation = {"0": [{"time_to_target_s": 300.0, "final_win_rate": 0.91}, {"time_to_target_s": 280.0, "final_win_rate": 0.92}],
+                "4": [{"time_to_target_s": None, "final_win_rate": 0.85}, {"time_to_target_s": 200.0, "final_win_rate": 0.93}]}
+    s = summarise_staleness(ablation)
+    assert s["0"]["seconds_to_target"] == [300.0, 280.0] and s["0"]["seconds_to_target_mean"]["mean"] == 290.0
+    assert s["4"]["seconds_to_target_mean"] is None and s["4"]["final_win_rate"] == [0.85, 0.93]
+    assert s["4"]["final_win_rate_mean"]["mean"] == pytest.approx(0.89)
+
+
+def test_the_trainer_log_carries_loss_tokens(tmp_path: Path) -> None:
+    log = tmp_path / "trainer.log"
+    log.write_text(
+        "2026-12-04 15:00:00,000 INFO step 1: loss 0.1 grad-norm 0.2 reward 0.5 (64 samples, 6400 tokens) in 1.00s "
+        "(pull 0.010s); clipped 0.0 |ratio-1| 0.0 masked 0.0 (stale 0.0); 812 loss tokens\n"
+        "2026-12-04 15:00:02,000 INFO step 2: loss 0.1 grad-norm 0.2 reward 0.5 (64 samples, 6400 tokens) in 1.00s "
+        "(pull 0.010s); clipped 0.0 |ratio-1| 0.0 masked 0.0 (stale 0.0)\n")
+    steps = trainer_steps(log)
+    assert steps[1].loss_tokens == 812 and steps[1].tokens == 6400 and steps[2].loss_tokens is None
