@@ -66,7 +66,7 @@ CORES: dict[str, dict[str, str]] = {
     "async": {"rollout": "CPU 0, 1 thread", "trainer": "CPU 1, 1 thread", "supervisor": "not pinned"},
     "sync": {"rollout": "all CPUs, 2 threads", "trainer": "all CPUs, 2 threads", "supervisor": "not pinned"},
     "trl": {"everything": "all CPUs (not pinned)"}}
-# sync: each phase alone on the machine, so each gets every core (the pools take turns)
+# sync: each phase alone on the machine, so each gets every core (the pools take turns); --sync-threads sets them
 ALL_CORES = ["rollout.workers=1", "rollout.threads=2", "trainer.threads=2", f"supervisor.heartbeat_s={HEARTBEAT_S}"]
 
 
@@ -364,6 +364,9 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.9, help="win rate (last 256 games) to report the time to")
     ap.add_argument("--model", default="", help="model directory; default: the embedded default model")
     ap.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads (0 = one per CPU: the same cores)")
+    ap.add_argument("--sync-threads", type=int, default=0,
+                    help="torch threads of each pool in the sync arm (0 = one per CPU); under other load fewer may "
+                         "run faster (a careful user tries both)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 60 s a run, staleness 0 and 1, 1 seed")
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=SEED, help=argparse.SUPPRESS)
@@ -385,6 +388,10 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="earl-e2e-"))
     trl_threads = args.trl_threads or len(os.sched_getaffinity(0))
+    sync_threads = args.sync_threads or len(os.sched_getaffinity(0))
+    ALL_CORES[1:3] = [f"rollout.threads={sync_threads}", f"trainer.threads={sync_threads}"]
+    CORES["sync"] = {"rollout": f"all CPUs, {sync_threads} thread(s)", "trainer": f"all CPUs, {sync_threads} thread(s)",
+                     "supervisor": "not pinned"}
     CORES["trl"]["everything"] = f"all CPUs (not pinned), {trl_threads} torch thread(s)"
     result: dict[str, Any] = {
         "quick": args.quick, "model": str(model_dir), "group_size": GROUP_SIZE, "groups_per_step": GROUPS_PER_STEP,

@@ -494,7 +494,6 @@ def render_e2e(d: dict[str, Any]) -> list[str]:
                 for k, r in d["staleness_ablation"].items()]
         out += [f"Staleness ablation ({fmt(d.get('ablation_seconds'))} s a run after its first step):", ""]
         out += _table(["max_staleness", "s to target per seed", "final win rate per seed", "final mean [95%]"], rows)
-    out += [f"- {n}" for n in d.get("notes", [])] + ([""] if d.get("notes") else [])
     return out + _said(d)
 
 
