@@ -22,6 +22,9 @@ Per micro-batch on one device (n = b s / sp tokens outside attention, N = matrix
   of the grads per step over the dp x sp ranks that hold a replica (sp ranks train different tokens of
   the same weights), 2 P (dp sp - 1)/(dp sp) bytes; both spread over the step's micro-batches;
 * eager attention also pays memory-bound passes over the a s^2 b scores (softmax, mask, grads);
+* a vision-language model's tower and connector compute per image token (`VisionTower.flops_per_token`) for
+  the device's image tokens (`memory_model.vision_tokens_per_device`), x 3 when the tower trains (+1 under full
+  recomputation), once when it is frozen;
 * mixture-of-experts models compute with their *active* parameters (the top_k experts a token goes
   through, `ModelShape.layer_matrix_params(active=True)`), whatever the plan; under expert parallel
   (ep) each MoE layer sends its n top_k hidden rows to the experts' owners and back, forward and
@@ -48,7 +51,7 @@ import numpy as np
 
 from earl_stream.errors import ConfigError
 from earl_stream.supervisor.fitting import FitCheck
-from earl_stream.supervisor.memory_model import Attention, ModelShape, Recompute, TrainPlan, expert_params
+from earl_stream.supervisor.memory_model import Attention, ModelShape, Recompute, TrainPlan, expert_params, vision_tokens_per_device
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
     forward_factor = (2 if plan.lora_params else 3) + (1 if plan.recompute is Recompute.FULL else 0)
     attn_factor = 4 if plan.recompute is not Recompute.NONE else 3
     flops = 2 * matrices * n / t * forward_factor + 2 * L * b * s * s * a * d / (t * p) * attn_factor
+    flops += _vision_flops(shape, plan)
     w_bytes, g_bytes, _, e = plan.precision.element_bytes
     comm = 0.0
     if t > 1:
@@ -103,6 +107,17 @@ def plan_features(shape: ModelShape, plan: TrainPlan, *, accumulation_steps: int
     return PlanFeatures(flops=flops, comm_bytes=comm, score_elements=scores, tokens=plan.dp * b * s,
                         collectives=_collectives(L, plan, accumulation_steps, moe_layers=shape.moe_layers),
                         fsdp_repeat_bytes=repeats)
+
+
+def _vision_flops(shape: ModelShape, plan: TrainPlan) -> float:
+    """A vision-language model's tower and connector on one device: its image tokens (`vision_tokens_per_device`)
+    x the forward FLOPs per token, x 3 when the tower trains (+1 under full recomputation), x 1 when frozen (its
+    output needs no gradient: no backward runs through it)."""
+    tower = shape.vision
+    if tower is None:
+        return 0.0
+    factor = 1 if plan.vision_frozen else 3 + (1 if plan.recompute is Recompute.FULL else 0)
+    return vision_tokens_per_device(shape, plan) * tower.flops_per_token(shape.hidden_size) * factor
 
 
 def _collectives(layers: int, plan: TrainPlan, accumulation_steps: int, *, moe_layers: int = 0) -> float:

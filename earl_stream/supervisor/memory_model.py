@@ -289,6 +289,17 @@ def _stream_bytes(plan: TrainPlan) -> int:
     return 4 if _fp32_stream(plan) else plan.precision.element_bytes[3]
 
 
+def vision_tokens_per_device(shape: ModelShape, plan: TrainPlan) -> float:
+    """Image tokens one device runs the vision tower over in a micro-batch: `plan.image_share` of its tokens (every
+    tp rank runs the tower on the same ones), and under sequence parallelism two more tiles (a rank runs the tower
+    over every image its slice cuts, whole)."""
+    tower = shape.vision
+    if tower is None or plan.image_share <= 0:
+        return 0.0
+    tokens = plan.image_share * plan.micro_batch * plan.seq_len
+    return min(tokens, tokens / plan.sp + 2 * tower.tile_tokens) if plan.sp > 1 else tokens
+
+
 def vision_activation_bytes(shape: ModelShape, plan: TrainPlan) -> float:
     """What a vision-language model's tower saves for the backward on one device (`model_shape.VisionTower`),
     alive from the forward's start to the end of the backward: the image tokens of the device's tokens
@@ -298,9 +309,7 @@ def vision_activation_bytes(shape: ModelShape, plan: TrainPlan) -> float:
     tower = shape.vision
     if tower is None or plan.vision_frozen or plan.image_share <= 0:
         return 0.0
-    tokens = plan.image_share * plan.micro_batch * plan.seq_len
-    if plan.sp > 1:
-        tokens = min(tokens, tokens / plan.sp + 2 * tower.tile_tokens)
+    tokens = vision_tokens_per_device(shape, plan)
     e = plan.precision.element_bytes[3]
     return tokens * tower.saved_bytes_per_token(e, eager=plan.attention is Attention.EAGER,
                                                 full_recompute=plan.recompute is Recompute.FULL)

@@ -76,6 +76,16 @@ class VisionTower:
         outside = self.channels * self.patch_size ** 2 * e + 2 * h * e
         return self.patches_per_token * (self.layers * layer + outside)
 
+    def flops_per_token(self, text_hidden: int) -> float:
+        """Forward FLOPs of the tower and the connector per image token: per patch the patch embedding (2 P^2 C h)
+        and each layer's projections (8 h^2), MLP (4 h I) and attention's two products over the tile (4 T h); the
+        connector's linear from the shuffled patches (h x patches per token) to the decoder's width. Norms and
+        activations are left out, as the decoder's count leaves them out."""
+        h, t = self.hidden_size, self.tile_patches
+        per_patch = self.layers * (8 * h * h + 4 * h * self.intermediate_size + 4 * t * h)
+        per_patch += 2 * self.patch_size ** 2 * self.channels * h
+        return self.patches_per_token * (per_patch + 2 * h * text_hidden)
+
 
 VISION_TOWER_TYPES = ("idefics3", "smolvlm")
 

@@ -161,3 +161,38 @@ def test_the_planner_sees_the_episodes_image_share_and_re_plans_what_no_longer_f
     bound = dataclasses.replace(second.plan, micro_batch=1, seq_len=second.micro_batch_tokens)
     assert check_fit(planner.trainer.shape, bound, budget.memory_bytes_per_device, reserve_bytes=budget.reserve_bytes).fits
     assert second.micro_batch_tokens >= 512  # it still holds a whole episode
+
+
+@pytest.mark.parametrize("tower", TOWERS, ids=["h128-s2", "h96-s3"])
+def test_the_towers_flops_per_image_token_are_what_it_computes(tower: dict[str, int]) -> None:
+    """`VisionTower.flops_per_token` (the cost model's tower term) against torch's FLOP counter on transformers'
+    tower and connector: the forward within 5% (norms and activations are not counted on either side), and a
+    trainable tower's forward + backward about 3x its forward, as the cost model prices it. Eager attention: the
+    counter sees its two products as matmuls (it does not count SDPA's CPU kernel)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from earl_stream.supervisor.cost_model import plan_features
+
+    cfg = _config(**tower, attn="eager")
+    shape = ModelShape.from_hf(cfg)
+    vision = shape.vision
+    assert vision is not None
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(cfg).train()
+    for tiles in (1, 3):
+        pixels = torch.randn(1, tiles, 3, tower["image"], tower["image"])
+        with FlopCounterMode(display=False) as forward:
+            out = model.model.get_image_features(pixels, None, return_dict=True).pooler_output
+        with FlopCounterMode(display=False) as backward:
+            out.sum().backward()
+        predicted = tiles * vision.tile_tokens * vision.flops_per_token(cfg.text_config.hidden_size)
+        measured = forward.get_total_flops()
+        assert abs(measured - predicted) <= 0.05 * measured, (tiles, measured, predicted)
+        assert 1.8 <= backward.get_total_flops() / measured <= 2.2
+    # the cost model adds the tower's compute for the image tokens of a micro-batch, once if frozen
+    plan = TrainPlan(micro_batch=1, seq_len=4 * vision.tile_tokens, image_share=0.5)
+    text_only = plan_features(shape, dataclasses.replace(plan, image_share=0.0)).flops
+    tower_flops = 2 * vision.tile_tokens * vision.flops_per_token(cfg.text_config.hidden_size)
+    assert plan_features(shape, plan).flops - text_only == pytest.approx(3 * tower_flops)
+    frozen = dataclasses.replace(plan, vision_frozen=True)
+    assert plan_features(shape, frozen).flops - text_only == pytest.approx(tower_flops)
