@@ -9,7 +9,12 @@ of N tokens per data rank (one packed micro-batch of N tokens; until packing is 
 that micro-batch). Each rank is a fresh process with MALLOC_MMAP_THRESHOLD_=65536 (resident memory follows live
 tensors). Measured per rank: the peak resident memory (VmHWM, reset through /proc/self/clear_refs) during one
 step, (i) above the memory before the model was built ("total": states + step, what a cap sees beyond the
-runtime) and (ii) above the memory just before the step ("dynamic", as parts (b)-(d) measure). Predicted:
+runtime) and (ii) above the memory just before the step ("dynamic", as parts (b)-(d) measure). The runtime is
+everything imported before that first reading (`_import_runtime`: transformers' Llama modelling, the mesh and
+sharding code, the loader); rows measured before it was (at or before d5e7745) counted what those imports add
+after the process group's start as model states (importing transformers' Llama modelling into a bare process
+is ~95 MiB of RSS): re-measured with it (2026-12-04, beside other load), dp2 1024 went from -1.57% to -1.2%
+and tp2@heads8 1024 from -2.35% to -2.05%; the states are still measured ~46-52 MB above their prediction. Predicted:
 `predict_train_memory(shape, TrainPlan(micro_batch=1, seq_len=N, dp=data ranks, tp, sp, fsdp, recompute,
 attention=FLASH, logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL))`, its `total_bytes` and `dynamic_bytes`.
 A switch: the same ranks under plan A, one warm-up step (AdamW state allocated), then `sharding.relayout` to
@@ -115,6 +120,18 @@ def rank_plan(name: str) -> Any:
                     dtype="bf16" if bf16 else "fp32")
 
 
+def _import_runtime() -> None:
+    """Import what building and stepping a plan imports (modules are the runtime's memory, not the plan's), so that
+    the reading before the build counts them: transformers' Llama modelling and loading, DTensor's mesh and the
+    sharding code."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+
+    from earl_stream.model import load_model  # noqa: F401
+    from earl_stream.workers.mesh import TrainerMesh  # noqa: F401
+    from earl_stream.workers.sharding import apply_plan, relayout, shard_model  # noqa: F401
+
+
 def _build(plan_name: str, rank: int, world: int, shape: str | None = None) -> tuple[Any, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -163,6 +180,7 @@ def real_rank_child(spec: dict[str, Any], rank: int, world: int, port: int) -> d
     from earl_stream.workers.train_step import train_step
 
     join(rank, world, port)
+    _import_runtime()
     rss0 = _status("VmRSS:")
     plans = spec["plan"].split(">")
     model, placement = _build(plans[0], rank, world, spec.get("shape"))
