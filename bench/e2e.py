@@ -67,17 +67,19 @@ CORES: dict[str, dict[str, str]] = {
     "sync": {"rollout": "all CPUs, 2 threads", "trainer": "all CPUs, 2 threads", "supervisor": "not pinned"},
     "trl": {"everything": "all CPUs (not pinned)"}}
 # sync: each phase alone on the machine, so each gets every core (the pools take turns); --sync-threads sets them
-ALL_CORES = ["rollout.workers=1", "rollout.threads=2", "trainer.threads=2", f"supervisor.heartbeat_s={HEARTBEAT_S}"]
+def all_cores(threads: int) -> list[str]:
+    return ["rollout.workers=1", f"rollout.threads={threads}", f"trainer.threads={threads}",
+            f"supervisor.heartbeat_s={HEARTBEAT_S}"]
 
 
 # ----------------------------------------------------------------------------------- earl_stream
 
 def run_earl(mode: str, model_dir: Path, seconds: float, target: float, work: Path, *, seed: int = SEED,
-             staleness: int | None = None, tag: str = "") -> dict[str, Any]:
+             staleness: int | None = None, tag: str = "", sync_threads: int = 2) -> dict[str, Any]:
     """One `earl-stream up` run for `seconds` after its first step; returns throughput, curve, profile.
     `mode` async (pinned pools) or sync (all cores to each phase); `staleness` overrides trainer.max_staleness."""
     run_dir = work / f"earl_{tag or mode}"
-    pools = ALL_CORES if mode == "sync" else PINNED_POOLS
+    pools = all_cores(sync_threads) if mode == "sync" else PINNED_POOLS
     extra = [] if staleness is None else [f"trainer.max_staleness={staleness}"]
     overrides = [f"model.path={model_dir}", f"run_dir={run_dir}", f"seed={seed}", *pools,
                  f"trainer.group_size={GROUP_SIZE}", f"trainer.groups_per_step={GROUPS_PER_STEP}", f"trainer.lr={LR}",
@@ -389,7 +391,6 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="earl-e2e-"))
     trl_threads = args.trl_threads or len(os.sched_getaffinity(0))
     sync_threads = args.sync_threads or len(os.sched_getaffinity(0))
-    ALL_CORES[1:3] = [f"rollout.threads={sync_threads}", f"trainer.threads={sync_threads}"]
     CORES["sync"] = {"rollout": f"all CPUs, {sync_threads} thread(s)", "trainer": f"all CPUs, {sync_threads} thread(s)",
                      "supervisor": "not pinned"}
     CORES["trl"]["everything"] = f"all CPUs (not pinned), {trl_threads} torch thread(s)"
@@ -407,7 +408,8 @@ def main() -> int:
             for arm in arms:
                 print(f"comparison: {arm}, repeat {k + 1} of {args.repeats} ...", flush=True)
                 run = (run_trl(model_dir, args.seconds, args.target, work, trl_threads, seed=SEED + k) if arm == "trl"
-                       else run_earl(arm, model_dir, args.seconds, args.target, work, seed=SEED + k, tag=f"{arm}{k}"))
+                       else run_earl(arm, model_dir, args.seconds, args.target, work, seed=SEED + k, tag=f"{arm}{k}",
+                                     sync_threads=sync_threads))
                 run["load_avg_after"] = os.getloadavg()
                 runs[arm].append(run)
                 print(json.dumps({x: v for x, v in run.items() if x not in ("curve", "profile")}, default=str)[:1500],
