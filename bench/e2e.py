@@ -45,18 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline_rates import (
-    HEARTBEAT_S,
-    LOAD_LINE,
-    MODE_OVERRIDES,
-    PINNED_POOLS,
-    STEP_LINE,
-    Snapshot,
-    Watch,
-    log_window,
-    trainer_steps,
-    watch_up,
-)
+from pipeline_rates import HEARTBEAT_S, LOAD_LINE, MODE_OVERRIDES, PINNED_POOLS, Snapshot, Watch, log_window, trainer_steps, watch_up
 from provenance import write_result
 from stats import mean_ci95, ratio_ci95
 
@@ -108,19 +97,18 @@ def _earl_result(mode: str, watch: Watch, run_dir: Path, target: float) -> dict[
     curve = [_earl_point(snap) for snap in watch.snapshots]
     t0, t1 = _earl_point(first), _earl_point(last)
     dt = t1["t"] - t0["t"]
-    steps = log_window(run_dir / "logs" / "trainer.log", STEP_LINE, first.wall, last.wall)
+    steps = [x for x in trainer_steps(run_dir / "logs" / "trainer.log").values() if first.wall <= x.when <= last.wall]
     loads = log_window(run_dir / "logs" / "rollout-0.log", LOAD_LINE, first.wall, last.wall)
-    step_s = sum(float(r[3]) for r in steps)
-    pull_s = sum(float(r[4]) for r in steps)
-    trained_tokens = sum(int(r[2]) for r in steps)
-    logged = trainer_steps(run_dir / "logs" / "trainer.log")
-    window = [x for x in logged.values() if first.wall <= x.when <= last.wall]
-    loss_tokens = sum(x.loss_tokens or 0 for x in window) if all(x.loss_tokens is not None for x in window) else None
+    step_s = sum(x.seconds for x in steps)
+    pull_s = sum(x.pull_seconds for x in steps)
+    trained_tokens = sum(x.tokens for x in steps)
+    samples = sum(x.samples for x in steps)
+    loss_tokens = sum(x.loss_tokens or 0 for x in steps) if all(x.loss_tokens is not None for x in steps) else None
     cpu = {role: round((last.cpu.get(role, 0.0) - first.cpu.get(role, 0.0)) / dt, 3) for role in last.cpu}
     reached = next((p for p in curve if p["win"] is not None and p["win"] >= target), None)
     return {
         "system": f"earl_stream {mode}", "window_s": round(dt, 1), "steps": t1["step"] - t0["step"],
-        "samples_per_s": sum(int(r[1]) for r in steps) / dt,  # from the trainer's log: what it really trained
+        "samples_per_s": samples / dt,  # from the trainer's log: what it really trained
         "produced_samples_per_s": (t1["samples_produced"] - t0["samples_produced"]) / dt,
         "generated_tokens_per_s": (t1["generated_tokens"] - t0["generated_tokens"]) / dt,
         "trained_tokens_per_s": trained_tokens / dt,
@@ -130,7 +118,7 @@ def _earl_result(mode: str, watch: Watch, run_dir: Path, target: float) -> dict[
         "start_win_rate": next((p["win"] for p in curve if p["win"] is not None), None),
         "final_win_rate": curve[-1]["win"] if curve else None,
         "samples_stale": t1["stale"] - t0["stale"],
-        "cpu_seconds_per_sample": sum(cpu.values()) * dt / max(1, sum(int(r[1]) for r in steps)),
+        "cpu_seconds_per_sample": sum(cpu.values()) * dt / max(1, samples),
         "cpu_seconds_per_step": {role: round(u * dt / max(1, len(steps)), 3) for role, u in cpu.items()},
         "profile": {
             "cpu_utilisation": cpu,
