@@ -24,6 +24,7 @@ Part `staleness`: `trainer.max_staleness` in `--staleness` (0, 1, 2, 4, 8) x `--
 `seed`), interleaved seed by seed, pinned as async, `--ablation-seconds` after the first step each: the
 seconds from launch to a `--target` win rate (last 256 games; null when not reached) and the final win rate.
 Key `staleness_ablation` {k: {seconds_to_target: [per seed], final_win_rate: [per seed]}}.
+One part run alone keeps the other part's keys from the file it replaces (`part_wall_seconds` says each part's).
 
 TRL is single-turn. Its episode here: the prompt is the game's first observation; the trained
 completion is the model's first move; the reward function then plays the rest of the same game
@@ -418,11 +419,39 @@ def main() -> int:
     result["machine"].update(load_avg_after=os.getloadavg(), note="shared machine: other jobs may run alongside "
                              "(each run's load_avg_after)")
     result["wall_seconds"] = round(time.time() - started, 1)
+    result["part_wall_seconds"] = {args.part: result["wall_seconds"]}
+    if args.part != "all" and out.exists():
+        result = keep_other_part(json.loads(out.read_text()), result, args.part)
     write_result(out, result)
     if result.get("runs"):
         plot(result["runs"], out.with_suffix(".png"), args.target)
     print_table(result)
     return 0
+
+
+COMPARISON_KEYS = ("seconds_per_run", "repeats", "runs", "async_vs_ceiling", "async_vs_ceiling_per_run", "async_vs_sync",
+                   "async_vs_trl", "samples_per_s", "loss_tokens_per_s", "time_to_target_vs_trl", "time_to_target_s",
+                   "failed_runs", "notes")
+STALENESS_KEYS = ("ablation_seconds", "staleness_ablation")
+
+
+def keep_other_part(previous: dict[str, Any], result: dict[str, Any], part: str) -> dict[str, Any]:
+    """`result` of one part with the other part's keys kept from `previous` (the file it replaces), so the two
+    campaigns (an hour each) can run apart. A previous file of another format (no key of the other part), or one
+    measured on another model or target, is replaced whole."""
+    from provenance import scrub
+
+    other = STALENESS_KEYS if part == "comparison" else COMPARISON_KEYS
+    this_format = "async_vs_ceiling" in previous or "staleness_ablation" in previous
+    if not this_format or not any(k in previous for k in other):
+        return result
+    if (previous.get("model"), previous.get("target_win_rate")) != (scrub(result.get("model")),
+                                                                     result.get("target_win_rate")):
+        print(f"e2e: {part}: the previous file measured another model or target; its other part is dropped", flush=True)
+        return result
+    merged = {**result, **{k: previous[k] for k in other if k in previous}}
+    merged["part_wall_seconds"] = {**(previous.get("part_wall_seconds") or {}), **result["part_wall_seconds"]}
+    return merged
 
 
 def _ci(values: list[float]) -> dict[str, float] | None:

@@ -76,3 +76,22 @@ def test_the_trainer_log_carries_loss_tokens(tmp_path: Path) -> None:
         "(pull 0.010s); clipped 0.0 |ratio-1| 0.0 masked 0.0 (stale 0.0)\n")
     steps = trainer_steps(log)
     assert steps[1].loss_tokens == 812 and steps[1].tokens == 6400 and steps[2].loss_tokens is None
+
+
+def test_one_part_keeps_the_other_parts_keys_from_the_file_it_replaces():
+    from e2e import keep_other_part
+
+    comparison = {"model": "m", "target_win_rate": 0.9, "async_vs_ceiling": {"mean": 0.97}, "runs": {"async": []},
+                  "part_wall_seconds": {"comparison": 2400.0}}
+    staleness = {"model": "m", "target_win_rate": 0.9, "staleness_ablation": {"0": {}}, "ablation_seconds": 240.0,
+                 "part_wall_seconds": {"staleness": 4200.0}}
+    merged = keep_other_part(comparison, staleness, "staleness")
+    assert merged["async_vs_ceiling"] == {"mean": 0.97} and merged["staleness_ablation"] == {"0": {}}
+    assert merged["part_wall_seconds"] == {"comparison": 2400.0, "staleness": 4200.0}
+    # the other way round: the staleness file's ablation stays beside a new comparison
+    again = keep_other_part(merged, {**comparison, "async_vs_ceiling": {"mean": 0.99}}, "comparison")
+    assert again["async_vs_ceiling"] == {"mean": 0.99} and again["staleness_ablation"] == {"0": {}}
+    # an old-format file (no key of this format) or another model: replaced whole
+    old = {"model": "m", "target_win_rate": 0.9, "async_vs_sync": 1.53, "time_to_target_s": {}}
+    assert keep_other_part(old, staleness, "staleness") == staleness
+    assert keep_other_part({**comparison, "model": "other"}, staleness, "staleness") == staleness
