@@ -186,7 +186,9 @@ def trl_child(args: argparse.Namespace) -> int:
         lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, beta=0.0, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", temperature=1.0, top_k=0, top_p=1.0,
         max_completion_length=TicTacToe.max_turn_tokens, logging_steps=1, save_strategy="no", max_steps=1_000_000,
-        shuffle_dataset=False, disable_tqdm=True, gradient_checkpointing=False)
+        shuffle_dataset=False, disable_tqdm=True, gradient_checkpointing=False,
+        bf16=False, fp16=False)  # fp32 as earl_stream trains (GRPOConfig defaults to bf16 autocast, on CPU
+        # the reference GEMM in backward: a 12-step run took over 30 min instead of ~12)
     gen = {"seconds": 0.0}
     clock = StepClock(args.seconds, launched,
                       lambda: (gen["seconds"], games.seconds, games.generated_tokens, time.process_time()))

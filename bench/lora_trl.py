@@ -134,7 +134,9 @@ def child(args: argparse.Namespace) -> int:
         lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, beta=0.0, epsilon=0.2,
         loss_type="dapo", scale_rewards="group", temperature=float(cfg["rollout"]["temperature"]), top_k=0, top_p=1.0,
         max_completion_length=int(env["max_turn_tokens"]), logging_steps=1, save_strategy="no", max_steps=args.steps or 1_000_000,
-        disable_tqdm=True, gradient_checkpointing=False)
+        disable_tqdm=True, gradient_checkpointing=False,
+        bf16=False, fp16=False)  # fp32 as earl_stream trains (GRPOConfig defaults to bf16 autocast, on CPU
+        # the reference GEMM in backward: a 12-step run took over 30 min instead of ~12)
     budget = _budget_callback(args.minutes * 60 if not args.steps else float("inf"), launched)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # as earl_stream's load_model
     trainer = trl.GRPOTrainer(model=model, reward_funcs=scorer, args=grpo,
