@@ -95,7 +95,8 @@ def _budget_callback(seconds: float, launched: float) -> Any:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
             self.ends.append(time.monotonic() - launched)
-            control.should_training_stop = self.ends[-1] >= seconds
+            # or-ed, never assigned: transformers' flow callback has already stopped the run at max_steps
+            control.should_training_stop = control.should_training_stop or self.ends[-1] >= seconds
             return control
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
