@@ -336,7 +336,8 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path, token_cap: int = 0, 
 def heldout(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Greedy success (and its standard error) of `model` (a model or run directory: its last checkpoint) on
     --heldout-problems evaluation items of the task, spread over every phase's length (`earl-stream eval`)."""
-    out = Path(args.runs_dir or Path(args.json).parent) / f"heldout_{model.name}.json"  # beside the runs
+    out = Path(args.runs_dir or Path(args.json).parent).resolve() / f"heldout_{model.name}.json"  # beside the runs
+    out.parent.mkdir(parents=True, exist_ok=True)  # the held-out score of the base model comes before any run
     params = json.dumps(env_params(args))
     cmd = [sys.executable, "-m", "earl_stream", "eval", "--model", str(model), "--env", "long_recall", "--config",
            str(CONFIG), "--params", params, "--problems", str(args.heldout_problems), "--temperature", "0",
