@@ -24,6 +24,12 @@ from earl_stream.errors import EarlError  # noqa: E402
 from earl_stream.security.secret import SECRET_ENV, create_secret_file, load_secret  # noqa: E402
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM raises SystemExit in the main thread, so that `finally` blocks stop the `up` runs they started
+    (each in a session of its own: a killed benchmark would otherwise leave its run training)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 class LiveUp:
     def __init__(self, run_dir: Path, *up_args: str, log: Path) -> None:
         self.run_dir = run_dir

@@ -91,7 +91,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from live_up import LiveUp  # noqa: E402  (bench/, beside this script)
+from live_up import LiveUp, stop_on_sigterm  # noqa: E402  (bench/, beside this script)
 from real_scale_summary import summarize_repeats  # noqa: E402
 
 from bench.provenance import write_result  # noqa: E402
@@ -662,6 +662,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()  # `kill` of the benchmark stops the run it is in
     args.model_dir = str(SMOLLM2_DIR if args.setting == "smollm2" else build_heads8_model())
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
