@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_rates import HEARTBEAT_S, LOAD_LINE, MODE_OVERRIDES, PINNED_POOLS, Snapshot, Watch, log_window, trainer_steps, watch_up
-from provenance import write_result
+from provenance import scrub, write_result
 from stats import mean_ci95, ratio_ci95
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -441,8 +441,6 @@ def keep_other_part(previous: dict[str, Any], result: dict[str, Any], part: str)
     """`result` of one part with the other part's keys kept from `previous` (the file it replaces), so the two
     campaigns (an hour each) can run apart. A previous file of another format (no key of the other part), or one
     measured on another model or target, is replaced whole."""
-    from provenance import scrub
-
     other = STALENESS_KEYS if part == "comparison" else COMPARISON_KEYS
     this_format = "async_vs_ceiling" in previous or "staleness_ablation" in previous
     if not this_format or not any(k in previous for k in other):
