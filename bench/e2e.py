@@ -10,9 +10,11 @@ measured after its first step):
 - **async**: `earl-stream up` (real processes) at the default staleness bound (1), disaggregated: the
   rollout pool pinned to CPU 0 and the trainer pool to CPU 1, one torch thread each;
 - **sync**: the same with `trainer.max_staleness=0` (generate, train, generate), and every phase gets all
-  the cores: neither pool pinned, two torch threads each (only one of them works at a time);
+  the cores: neither pool pinned, `--sync-threads` torch threads each (only one of them works at a time);
 - **trl**: `trl.GRPOTrainer` in a child process (from `.venv-bench` if this interpreter lacks trl), not
-  pinned, `--trl-threads` torch threads (default: one per CPU, the same cores).
+  pinned, `--trl-threads` torch threads.
+The sync and TRL arms are tuned first as a careful user would: unless their thread counts are given, each runs
+`--probe-seconds` with 1 torch thread and with one per CPU, and the faster is kept (`thread_probes`).
 Keys: `async_vs_ceiling` {mean, low, high, n}: each async run's steps/s over the ceiling its own pools allow
 (with one core each a step takes at least the larger of the two pools' CPU seconds per step);
 `async_vs_sync` (samples/s, ratio of means with its 95% interval); `loss_tokens_per_s` per system (tokens
@@ -356,18 +358,21 @@ def main() -> int:
                          "~240 s from launch: bench/results/learning.json)")
     ap.add_argument("--target", type=float, default=0.9, help="win rate (last 256 games) to report the time to")
     ap.add_argument("--model", default="", help="model directory; default: the embedded default model")
-    ap.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads (0 = one per CPU: the same cores)")
+    ap.add_argument("--trl-threads", type=int, default=0,
+                    help="TRL's torch threads (0 = probe 1 and one per CPU, keep the faster: the same cores either way)")
     ap.add_argument("--sync-threads", type=int, default=0,
-                    help="torch threads of each pool in the sync arm (0 = one per CPU); under other load fewer may "
-                         "run faster (a careful user tries both)")
-    ap.add_argument("--quick", action="store_true", help="1 repeat, 60 s a run, staleness 0 and 1, 1 seed")
+                    help="torch threads of each pool in the sync arm (0 = probe 1 and one per CPU for --probe-seconds "
+                         "each and keep the faster, as a careful user would)")
+    ap.add_argument("--probe-seconds", type=float, default=60.0,
+                    help="measured seconds of each thread-count probe of the sync and TRL arms")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 60 s a run, 30 s probes, staleness 0 and 1, 1 seed")
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=SEED, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_child:
         return trl_child(args)
     if args.quick:
-        args.repeats, args.seconds, args.ablation_seconds, args.seeds = 1, 60.0, 60.0, 1
+        args.repeats, args.seconds, args.ablation_seconds, args.seeds, args.probe_seconds = 1, 60.0, 60.0, 1, 30.0
         args.staleness = "0,1"
     arms = [a for a in args.only.split(",") if a]
     if unknown := set(arms) - {"async", "sync", "trl"}:
@@ -380,8 +385,11 @@ def main() -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="earl-e2e-"))
-    trl_threads = args.trl_threads or len(os.sched_getaffinity(0))
-    sync_threads = args.sync_threads or len(os.sched_getaffinity(0))
+    probes: dict[str, Any] = {}
+    if args.part in ("comparison", "all"):
+        probes = probe_threads(arms, args, model_dir, work)
+    trl_threads = args.trl_threads or probes.get("trl", {}).get("chosen") or len(os.sched_getaffinity(0))
+    sync_threads = args.sync_threads or probes.get("sync", {}).get("chosen") or len(os.sched_getaffinity(0))
     CORES["sync"] = {"rollout": f"all CPUs, {sync_threads} thread(s)", "trainer": f"all CPUs, {sync_threads} thread(s)",
                      "supervisor": "not pinned"}
     CORES["trl"]["everything"] = f"all CPUs (not pinned), {trl_threads} torch thread(s)"
@@ -405,7 +413,8 @@ def main() -> int:
                 runs[arm].append(run)
                 print(json.dumps({x: v for x, v in run.items() if x not in ("curve", "profile")}, default=str)[:1500],
                       flush=True)
-        result.update(seconds_per_run=args.seconds, repeats=args.repeats, runs=runs, **summarise_comparison(runs))
+        result.update(seconds_per_run=args.seconds, repeats=args.repeats, runs=runs, thread_probes=probes,
+                      **summarise_comparison(runs))
     if args.part in ("staleness", "all"):
         values = [int(v) for v in args.staleness.split(",") if v]
         ablation: dict[str, list[dict[str, Any]]] = {str(v): [] for v in values}
@@ -431,10 +440,41 @@ def main() -> int:
     return 0
 
 
-COMPARISON_KEYS = ("seconds_per_run", "repeats", "runs", "async_vs_ceiling", "async_vs_ceiling_per_run", "async_vs_sync",
+COMPARISON_KEYS = ("seconds_per_run", "repeats", "runs", "thread_probes", "async_vs_ceiling", "async_vs_ceiling_per_run", "async_vs_sync",
                    "async_vs_trl", "samples_per_s", "loss_tokens_per_s", "time_to_target_vs_trl", "time_to_target_s",
                    "failed_runs", "notes")
 STALENESS_KEYS = ("ablation_seconds", "staleness_ablation")
+
+
+def probe_threads(arms: list[str], args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
+    """The baselines tuned as a careful user would: the sync and TRL arms whose thread count is not given run once
+    for `--probe-seconds` with 1 torch thread and with one per CPU; the faster (samples/s) is kept for the campaign.
+    {arm: {samples_per_s: {threads: rate or null (failed)}, chosen}}."""
+    counts = sorted({1, len(os.sched_getaffinity(0))})
+    out: dict[str, Any] = {}
+    for arm, given in (("sync", args.sync_threads), ("trl", args.trl_threads)):
+        if arm not in arms or given or len(counts) < 2:
+            continue
+        rates: dict[int, float | None] = {}
+        for threads in counts:
+            print(f"thread probe: {arm} with {threads} torch thread(s), {args.probe_seconds:.0f} s ...", flush=True)
+            run = (run_trl(model_dir, args.probe_seconds, args.target, work, threads, seed=SEED) if arm == "trl"
+                   else run_earl("sync", model_dir, args.probe_seconds, args.target, work, tag=f"probe_sync{threads}",
+                                 sync_threads=threads))
+            rates[threads] = None if "error" in run else run["samples_per_s"]
+        out[arm] = {"samples_per_s": {str(t): r for t, r in rates.items()}, "chosen": fastest_threads(rates),
+                    "probe_seconds": args.probe_seconds}
+        print(f"thread probe: {arm} keeps {out[arm]['chosen']} thread(s): {out[arm]['samples_per_s']}", flush=True)
+    return out
+
+
+def fastest_threads(rates: dict[int, float | None]) -> int:
+    """The thread count with the highest rate; the fewest threads among equals, and when every probe failed."""
+    ok = {t: r for t, r in rates.items() if r is not None}
+    if not ok:
+        return min(rates)
+    best = max(ok.values())
+    return min(t for t, r in ok.items() if r == best)
 
 
 def keep_other_part(previous: dict[str, Any], result: dict[str, Any], part: str) -> dict[str, Any]:
@@ -526,6 +566,8 @@ def print_table(result: dict[str, Any]) -> None:
         lo, hi = x.get("ci95") or [x.get("low"), x.get("high")]
         return f"{x['mean']:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
 
+    for arm, probe in (result.get("thread_probes") or {}).items():
+        print(f"{arm} thread probe (samples/s by torch threads): {probe['samples_per_s']}; kept {probe['chosen']}")
     if result.get("runs"):
         print(f"\n{'system':<10} {'samples/s':>24} {'loss tok/s':>24}  seconds to {result['target_win_rate']}")
         for arm in result["runs"]:

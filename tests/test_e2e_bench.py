@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e import summarise_comparison, summarise_staleness  # noqa: E402
+from e2e import fastest_threads, summarise_comparison, summarise_staleness  # noqa: E402
 from pipeline_rates import trainer_steps  # noqa: E402
 from stats import t975  # noqa: E402
 
@@ -95,3 +95,13 @@ def test_one_part_keeps_the_other_parts_keys_from_the_file_it_replaces():
     old = {"model": "m", "target_win_rate": 0.9, "async_vs_sync": 1.53, "time_to_target_s": {}}
     assert keep_other_part(old, staleness, "staleness") == staleness
     assert keep_other_part({**comparison, "model": "other"}, staleness, "staleness") == staleness
+
+
+def test_the_thread_probe_keeps_the_faster_count_and_the_fewest_among_equals() -> None:
+    """The sync and TRL baselines are tuned before the campaign: the faster probe wins, a failed probe never does,
+    and ties (or every probe failed) keep the fewest threads."""
+    assert fastest_threads({1: 30.0, 2: 3.1}) == 1
+    assert fastest_threads({1: 20.0, 2: 31.5}) == 2
+    assert fastest_threads({1: None, 2: 3.1}) == 2
+    assert fastest_threads({1: 5.0, 2: 5.0}) == 1
+    assert fastest_threads({1: None, 2: None}) == 1
