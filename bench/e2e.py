@@ -531,6 +531,13 @@ def summarise_comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any
     if reached.get("async") and reached.get("trl"):
         if all(t is not None for t in reached["async"] + reached["trl"]):
             to_target = _ratio(reached["async"], reached["trl"])
+        elif None not in reached["async"] and all(t is None for t in reached["trl"]):
+            # TRL never got there: its time is at least its longest run (launch to end), so the ratio is at most this
+            spans = [r["startup_s"] + r["window_s"] for r in ok["trl"]]
+            to_target = {"mean": None, "at_most": sum(reached["async"]) / len(reached["async"]) / max(spans),
+                         "n": len(reached["async"]), "trl_reached": False}
+            notes.append(f"time_to_target_vs_trl.default_model: no TRL run reached the target within {max(spans):.0f} s "
+                         "from launch; every async run did: `at_most` bounds the ratio (async's mean over TRL's run)")
         else:
             notes.append("time_to_target_vs_trl.default_model is null: a run did not reach the target within its "
                          f"window (async {reached['async']}, trl {reached['trl']} seconds)")
@@ -563,6 +570,8 @@ def print_table(result: dict[str, Any]) -> None:
     def ci(x: dict[str, Any] | None) -> str:
         if not x:
             return "n/a"
+        if x.get("mean") is None:
+            return f"<= {x['at_most']:.2f}" if x.get("at_most") is not None else "n/a"
         lo, hi = x.get("ci95") or [x.get("low"), x.get("high")]
         return f"{x['mean']:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else "")
 

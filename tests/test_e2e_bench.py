@@ -58,6 +58,17 @@ def test_a_run_that_never_reached_the_target_gives_no_time_ratio() -> None:
     assert any("did not reach the target" in n for n in s["notes"])
 
 
+def test_when_only_trl_never_reached_the_target_its_run_length_bounds_the_ratio() -> None:
+    runs = _runs()
+    for r in runs["trl"]:
+        r.update(time_to_target_s=None, startup_s=20.0, window_s=280.0)
+    s = summarise_comparison(runs)
+    bound = s["time_to_target_vs_trl"]["default_model"]
+    assert bound["mean"] is None and bound["trl_reached"] is False
+    assert bound["at_most"] == pytest.approx(150 / 300)
+    assert any("`at_most` bounds the ratio" in n for n in s["notes"])
+
+
 def test_staleness_ablation_keeps_every_seed() -> None:
     ablation = {"0": [{"time_to_target_s": 300.0, "final_win_rate": 0.91}, {"time_to_target_s": 280.0, "final_win_rate": 0.92}],
                 "4": [{"time_to_target_s": None, "final_win_rate": 0.85}, {"time_to_target_s": 200.0, "final_win_rate": 0.93}]}
