@@ -25,7 +25,8 @@ of means with its interval, null when a side never reached it; smollm2: not meas
 Part `staleness`: `trainer.max_staleness` in `--staleness` (0, 1, 2, 4, 8) x `--seeds` seeds (the config's
 `seed`), interleaved seed by seed, pinned as async, `--ablation-seconds` after the first step each: the
 seconds from launch to a `--target` win rate (last 256 games; null when not reached) and the final win rate.
-Key `staleness_ablation` {k: {seconds_to_target: [per seed], final_win_rate: [per seed]}}.
+Key `staleness_ablation` {k: {seconds_to_target: [per seed], final_win_rate: [per seed]}}. `--resume` keeps the
+runs the file already holds and runs the missing ones (the ablation can span sessions).
 One part run alone keeps the other part's keys from the file it replaces (`part_wall_seconds` says each part's).
 
 TRL is single-turn. Its episode here: the prompt is the game's first observation; the trained
@@ -365,6 +366,10 @@ def main() -> int:
                          "each and keep the faster, as a careful user would)")
     ap.add_argument("--probe-seconds", type=float, default=60.0,
                     help="measured seconds of each thread-count probe of the sync and TRL arms")
+    ap.add_argument("--resume", action="store_true",
+                    help="staleness part: keep the (max_staleness, seed) runs the --json file already holds (same "
+                         "--ablation-seconds and target) and run only the missing ones, e.g. --seeds 1 in one "
+                         "session and --seeds 3 --resume in the next")
     ap.add_argument("--quick", action="store_true", help="1 repeat, 60 s a run, 30 s probes, staleness 0 and 1, 1 seed")
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=SEED, help=argparse.SUPPRESS)
@@ -418,8 +423,14 @@ def main() -> int:
     if args.part in ("staleness", "all"):
         values = [int(v) for v in args.staleness.split(",") if v]
         ablation: dict[str, list[dict[str, Any]]] = {str(v): [] for v in values}
+        kept = kept_ablation_runs(json.loads(out.read_text()), args.ablation_seconds, args.target) \
+            if args.resume and out.exists() else {}
         for seed in range(args.seeds):
             for v in values:
+                if (str(v), SEED + seed) in kept:
+                    print(f"staleness ablation: max_staleness={v}, seed {seed}: kept from {out}", flush=True)
+                    ablation[str(v)].append(kept[(str(v), SEED + seed)])
+                    continue
                 print(f"staleness ablation: max_staleness={v}, seed {seed} ...", flush=True)
                 run = run_earl("async", model_dir, args.ablation_seconds, args.target, work, seed=SEED + seed,
                                staleness=v, tag=f"stale{v}_seed{seed}")
@@ -477,6 +488,18 @@ def fastest_threads(rates: dict[int, float | None]) -> int:
     return min(t for t, r in ok.items() if r == best)
 
 
+def kept_ablation_runs(previous: dict[str, Any], seconds: float, target: float) -> dict[tuple[str, int], dict[str, Any]]:
+    """The staleness runs a previous file holds, by (max_staleness, seed), for `--resume`; a file measured with
+    other run lengths or another target is refused (its runs would not be comparable)."""
+    ablation = previous.get("staleness_ablation") or {}
+    if not ablation:
+        return {}
+    if (previous.get("ablation_seconds"), previous.get("target_win_rate")) != (seconds, target):
+        raise SystemExit(f"e2e: --resume: the file's ablation ran {previous.get('ablation_seconds')} s to "
+                         f"{previous.get('target_win_rate')}, not {seconds} s to {target}: run without --resume")
+    return {(value, int(r["seed"])): r for value, summary in ablation.items() for r in summary.get("runs", [])}
+
+
 def keep_other_part(previous: dict[str, Any], result: dict[str, Any], part: str) -> dict[str, Any]:
     """`result` of one part with the other part's keys kept from `previous` (the file it replaces), so the two
     campaigns (an hour each) can run apart. A previous file of another format (no key of the other part), or one
@@ -491,6 +514,10 @@ def keep_other_part(previous: dict[str, Any], result: dict[str, Any], part: str)
         return result
     merged = {**result, **{k: previous[k] for k in other if k in previous}}
     merged["part_wall_seconds"] = {**(previous.get("part_wall_seconds") or {}), **result["part_wall_seconds"]}
+    # `provenance` will be this part's; the other part keeps the one it was measured at
+    other_part = "staleness" if part == "comparison" else "comparison"
+    kept = (previous.get("part_provenance") or {}).get(other_part) or previous.get("provenance")
+    merged["part_provenance"] = {other_part: kept} if kept else {}
     return merged
 
 

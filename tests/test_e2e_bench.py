@@ -93,12 +93,13 @@ def test_one_part_keeps_the_other_parts_keys_from_the_file_it_replaces():
     from e2e import keep_other_part
 
     comparison = {"model": "m", "target_win_rate": 0.9, "async_vs_ceiling": {"mean": 0.97}, "runs": {"async": []},
-                  "part_wall_seconds": {"comparison": 2400.0}}
+                  "part_wall_seconds": {"comparison": 2400.0}, "provenance": {"commit": "c0"}}
     staleness = {"model": "m", "target_win_rate": 0.9, "staleness_ablation": {"0": {}}, "ablation_seconds": 240.0,
                  "part_wall_seconds": {"staleness": 4200.0}}
     merged = keep_other_part(comparison, staleness, "staleness")
     assert merged["async_vs_ceiling"] == {"mean": 0.97} and merged["staleness_ablation"] == {"0": {}}
     assert merged["part_wall_seconds"] == {"comparison": 2400.0, "staleness": 4200.0}
+    assert merged["part_provenance"] == {"comparison": {"commit": "c0"}}  # the kept part's, not the new one's
     # the other way round: the staleness file's ablation stays beside a new comparison
     again = keep_other_part(merged, {**comparison, "async_vs_ceiling": {"mean": 0.99}}, "comparison")
     assert again["async_vs_ceiling"] == {"mean": 0.99} and again["staleness_ablation"] == {"0": {}}
@@ -116,3 +117,19 @@ def test_the_thread_probe_keeps_the_faster_count_and_the_fewest_among_equals() -
     assert fastest_threads({1: None, 2: 3.1}) == 2
     assert fastest_threads({1: 5.0, 2: 5.0}) == 1
     assert fastest_threads({1: None, 2: None}) == 1
+
+
+def test_a_resumed_ablation_keeps_its_runs_by_setting_and_seed_and_refuses_other_lengths() -> None:
+    """`--part staleness --resume`: the runs of a previous file are kept by (max_staleness, seed), so the ablation
+    can span sessions; a file measured with another run length or target is refused, not mixed in."""
+    from e2e import kept_ablation_runs
+
+    runs = {"0": [{"seed": 0, "time_to_target_s": 250.0, "final_win_rate": 0.91}],
+            "4": [{"seed": 0, "time_to_target_s": None, "final_win_rate": 0.85},
+                  {"seed": 1, "time_to_target_s": 230.0, "final_win_rate": 0.92}]}
+    previous = {"ablation_seconds": 240.0, "target_win_rate": 0.9, "staleness_ablation": summarise_staleness(runs)}
+    kept = kept_ablation_runs(previous, 240.0, 0.9)
+    assert set(kept) == {("0", 0), ("4", 0), ("4", 1)} and kept[("4", 1)]["time_to_target_s"] == 230.0
+    assert kept_ablation_runs({"async_vs_ceiling": {}}, 240.0, 0.9) == {}
+    with pytest.raises(SystemExit, match="not 300.0 s to 0.9"):
+        kept_ablation_runs(previous, 300.0, 0.9)
