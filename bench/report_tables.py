@@ -471,6 +471,8 @@ def render_e2e(d: dict[str, Any]) -> list[str]:
     def ci(x: Any) -> str:
         if not isinstance(x, dict):
             return "—"
+        if x.get("mean") is None and x.get("at_most") is not None:  # a bound: the baseline never got there
+            return f"<= {fmt(x['at_most'])}"
         lo, hi = x.get("ci95") or [x.get("low"), x.get("high")]
         return f"{fmt(x.get('mean'))} [{fmt(lo)}, {fmt(hi)}]" if lo is not None else fmt(x.get("mean"))
 

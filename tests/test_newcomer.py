@@ -139,6 +139,11 @@ def _ci(x: dict) -> str:
     return f"{x['mean']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
 
 
+def _seconds(x: dict) -> str:
+    """A mean time in seconds with its 95% interval, as the README writes it."""
+    return f"{x['mean']:.0f} s [{x['ci95'][0]:.0f}, {x['ci95'][1]:.0f}]"
+
+
 def _gain(g: dict) -> str:
     """A mean held-out gain with its 95% interval, as the README writes it."""
     return f"{g['mean']:+.3f} [{g['low']:+.3f}, {g['high']:+.3f}]"
@@ -214,6 +219,11 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
                          f"{e2e['async_vs_sync']['ci95'][1]:.2f}]",
         "async vs trl": f"{e2e['async_vs_trl']['mean']:.2f}x samples/s [{e2e['async_vs_trl']['ci95'][0]:.2f}, "
                         f"{e2e['async_vs_trl']['ci95'][1]:.2f}]",
+        "staleness 0": f"0: {_seconds(e2e['staleness_ablation']['0']['seconds_to_target_mean'])}",
+        "staleness 1": f"1: {_seconds(e2e['staleness_ablation']['1']['seconds_to_target_mean'])}",
+        "staleness 2": f"2: {_seconds(e2e['staleness_ablation']['2']['seconds_to_target_mean'])}",
+        "staleness missed": "4, 8: missed in " + " and ".join(
+            str(sum(t is None for t in e2e["staleness_ablation"][k]["seconds_to_target"])) for k in ("4", "8")),
     }
     missing = {k: v for k, v in expected.items() if v not in readme}
     assert not missing, f"README.md does not state these committed results: {missing}"
