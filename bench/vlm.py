@@ -1,7 +1,8 @@
-"""Vision-language agents (issue 50, item 6): the built-in engine's KV reuse across image turns, and the trainer's
-layout-exact pull of the pictures.
+"""Vision-language agents: the embedded vision-language model's learning curve, the built-in engine's KV reuse
+across image turns, and the trainer's layout-exact pull of the pictures.
 
-    python bench/vlm.py [--repeats 3] [--seconds 60] [--up-steps 4] --json bench/results/vlm.json
+    python bench/vlm.py [--repeats 3] [--seconds 60] [--up-steps 4] [--learn-seeds 3] [--learn-seconds 900] \
+        --json bench/results/vlm.json
 
 `kv_reuse` (engine only, `--seconds` per run, arms interleaved `--repeats` times): a tiny Idefics3 model
 (`model.tiny_vlm.init_vlm_model`: hidden 256, 4 layers, a 2-layer tower of width 128, 96 x 96 pictures = 9
@@ -20,15 +21,22 @@ step's claim (the trainer's log line `N images pulled (B bytes of PNG, of the st
 pulls its own samples' pictures; under sp2 each rank pulls the pictures its half of every sample meets (a
 picture cut by the slice boundary goes to both). `pull_bytes_fraction` is the mean per plan.
 
-Not measured here: the learning curve (`final_win_rate`, `seconds_to_0_8`): it needs a vision-language model
-warm-started on rendered boards (`model.path=default:tictactoe_image`), which is not built yet; a random tiny
-VLM plays illegal moves and learns nothing in 15 minutes. Those keys are null with the reason.
+`learning` (`--learn-seeds` runs of `--learn-seconds` each, a seed apiece): `earl-stream up
+model.path=default:tictactoe_image envs.0.spec=tictactoe_image` as a user starts it (the embedded vision-language
+model: a tiny Idefics3 warm-started on rendered boards with random legal play, `model.default`), every other
+setting at its default. Per seed: seconds from launch to the first poll whose win rate over the last
+`--window` games reaches `--target` (`seconds_to_0_8`; null when not reached), the win rate at the end
+(`final_win_rate`) and at the first poll that saw one (`start_win_rate`), and the curve (a poll every few seconds).
+
+A part skipped (`--seconds 0`, `--up-steps 0`, `--learn-seeds 0`) keeps its keys from the file `--json` names, with
+the provenance it was measured at (`part_provenance`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import subprocess
@@ -40,6 +48,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ARMS = ("reuse", "no_reuse")
+LEARN_KEYS = ("learning", "final_win_rate", "seconds_to_0_8", "start_win_rate", "learn_seconds", "target_win_rate",
+              "stats_window", "not_measured")
+KV_KEYS = ("kv_reuse", "kv_reuse_speedup", "repeats", "seconds_per_run", "episodes_at_once", "model")
+PULL_KEYS = ("pull", "pull_bytes_fraction")
 PULL_LINE = re.compile(r"step (\d+): (\d+) images pulled \((\d+) bytes of PNG, of the step's (\d+)\)")
 MODEL = dict(family="idefics3", hidden_size=256, num_layers=4, intermediate_size=512, vision_hidden_size=128,
              image_size=96)
@@ -150,6 +162,55 @@ def pull_run(model_dir: Path, plan: str, steps: int, work: Path) -> dict[str, An
             "mean_fraction": round(sum(fractions) / len(fractions), 4)}
 
 
+def learn_run(seconds: float, target: float, window: int, seed: int, work: Path) -> dict[str, Any]:
+    """One `earl-stream up` on the embedded image Tic-Tac-Toe model for `seconds` from launch (see the docstring)."""
+    sys.path.insert(0, str(HERE))
+    from pipeline_rates import watch_up
+
+    run_dir = work / f"learn{seed}"
+    args = ["model.path=default:tictactoe_image", "envs.0.spec=tictactoe_image", f"run_dir={run_dir}", f"seed={seed}",
+            f"supervisor.stats_window={window}"]
+    watch = watch_up(args, run_dir, lambda now, first: now.t >= seconds, what=f"learning seed {seed}", poll_s=2.0)
+    curve = [{"t": snap.t, "step": snap.step, "win": snap.status.get("win_rate_last"),
+              "games": snap.status.get("samples_produced")} for snap in watch.snapshots]
+    seen = [p for p in curve if p["win"] is not None]
+    reached = next((p["t"] for p in seen if p["win"] >= target), None)
+    return {"seed": seed, "seconds_to_target": reached, "final_win_rate": seen[-1]["win"] if seen else None,
+            "start_win_rate": seen[0]["win"] if seen else None, "steps": curve[-1]["step"] if curve else 0,
+            "wall_s": curve[-1]["t"] if curve else 0.0, "curve": curve[::5] + curve[-1:]}
+
+
+def summarise_learning(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """`final_win_rate`, `seconds_to_0_8`, `start_win_rate`: a list per seed; with the runs and means."""
+    sys.path.insert(0, str(HERE))
+    from stats import mean_ci95
+
+    finals = [r["final_win_rate"] for r in runs]
+    to_target = [r["seconds_to_target"] for r in runs]
+    out: dict[str, Any] = {"learning": {"runs": runs}, "final_win_rate": finals, "seconds_to_0_8": to_target,
+                           "start_win_rate": [r["start_win_rate"] for r in runs], "target_win_rate": target}
+    if len(runs) >= 2 and all(f is not None for f in finals):
+        out["learning"]["final_win_rate"] = mean_ci95(finals)
+    if len(runs) >= 2 and all(t is not None for t in to_target):
+        out["learning"]["seconds_to_target"] = mean_ci95(to_target)
+    return out
+
+
+def keep_skipped_parts(previous: dict[str, Any], result: dict[str, Any], skipped: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    """`result` with each skipped part's keys kept from `previous` (the file it replaces), and the provenance that
+    part was measured at in `part_provenance`."""
+    merged = dict(result)
+    parts = dict(previous.get("part_provenance") or {})
+    out_parts: dict[str, Any] = {}
+    for part, keys in skipped.items():
+        if any(previous.get(k) is not None for k in keys if k not in ("model", "repeats")):
+            merged.update({k: previous[k] for k in keys if k in previous})
+            out_parts[part] = parts.get(part) or previous.get("provenance")
+    if out_parts:
+        merged["part_provenance"] = out_parts
+    return merged
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per arm of the KV-reuse part, interleaved")
@@ -157,6 +218,10 @@ def main() -> int:
     ap.add_argument("--episodes", type=int, default=8, help="episodes played at once in a KV-reuse run")
     ap.add_argument("--up-steps", type=int, default=4, help="training steps per plan of the pull part (0 skips it)")
     ap.add_argument("--plans", default="dp2,sp2", help="trainer plans of the pull part")
+    ap.add_argument("--learn-seeds", type=int, default=3, help="learning runs, one per seed (0 skips that part)")
+    ap.add_argument("--learn-seconds", type=float, default=900.0, help="seconds from launch per learning run")
+    ap.add_argument("--target", type=float, default=0.8, help="win rate the learning runs report the time to")
+    ap.add_argument("--window", type=int, default=256, help="games in the win-rate window (supervisor.stats_window)")
     ap.add_argument("--json", default=str(HERE / "results" / "vlm.json"))
     args = ap.parse_args()
     if args.repeats < 1:
@@ -164,8 +229,10 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(2)
-    result: dict[str, Any] = {"model": {k: v for k, v in MODEL.items()}, "repeats": args.repeats,
-                              "seconds_per_run": args.seconds, "episodes_at_once": args.episodes}
+    result: dict[str, Any] = {}
+    if args.seconds > 0:
+        result.update({"model": {k: v for k, v in MODEL.items()}, "repeats": args.repeats,
+                       "seconds_per_run": args.seconds, "episodes_at_once": args.episodes})
     with tempfile.TemporaryDirectory(prefix="earl-vlm-") as tmp:
         model_dir = build_model(Path(tmp))
         runs: list[dict[str, Any]] = []
@@ -184,16 +251,25 @@ def main() -> int:
         if pulls:
             result["pull"] = pulls
             result["pull_bytes_fraction"] = {plan: p["mean_fraction"] for plan, p in pulls.items()}
-    why = ("not measured: needs the default:tictactoe_image warm start (a vision-language model that plays legal "
-           "moves from pictures), not built yet")
-    result["final_win_rate"] = None
-    result["seconds_to_0_8"] = None
-    result["not_measured"] = {"final_win_rate": why, "seconds_to_0_8": why}
+        learned = []
+        for seed in range(args.learn_seeds):
+            learned.append(learn_run(args.learn_seconds, args.target, args.window, seed, Path(tmp)))
+            print(f"learning seed {seed}: {({k: v for k, v in learned[-1].items() if k != 'curve'})}", flush=True)
+        if learned:
+            result.update(summarise_learning(learned, args.target), learn_seconds=args.learn_seconds,
+                          stats_window=args.window)
+    skipped = {part: keys for part, keys, ran in (("kv_reuse", KV_KEYS, args.seconds > 0),
+                                                  ("pull", PULL_KEYS, args.up_steps > 0),
+                                                  ("learning", LEARN_KEYS, args.learn_seeds > 0)) if not ran}
+    out = Path(args.json)
+    if skipped and out.is_file():
+        result = keep_skipped_parts(json.loads(out.read_text()), result, skipped)
     from provenance import write_result
 
-    path = write_result(args.json, result, depends_on=["bench/vlm.py", "earl_stream/workers/engines",
-                                                       "earl_stream/model/vision.py", "earl_stream/workers/train_step.py",
-                                                       "earl_stream/workers/vision_inputs.py"])
+    path = write_result(out, result, depends_on=["bench/vlm.py", "earl_stream/workers/engines",
+                                                 "earl_stream/model/vision.py", "earl_stream/workers/train_step.py",
+                                                 "earl_stream/workers/vision_inputs.py",
+                                                 "earl_stream/model/warmstart.py", "earl_stream/model/default.py"])
     print(f"wrote {path}")
     return 0
 

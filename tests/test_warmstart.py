@@ -29,8 +29,9 @@ def test_synthetic_episode_is_the_chat_rendering_of_a_legal_game(model_dir: Path
     tok = load_tokenizer(model_dir)
     fmt = ChatFormat(tok)
     for seed in range(20):
-        ids, mask = synthetic_episode(fmt, tok, seed, random.Random(seed), TicTacToe)
-        assert len(ids) == len(mask)
+        ex = synthetic_episode(fmt, tok, seed, random.Random(seed), TicTacToe)
+        ids, mask = ex.input_ids.tolist(), ex.loss_mask.tolist()
+        assert len(ids) == len(mask) and ex.images == ()
         trained = [i for i, m in zip(ids, mask) if m]
         assert trained[1::2] == [fmt.end_token_id] * (len(trained) // 2)
         moves = [tok.decode([i]) for i in trained[0::2]]
@@ -74,8 +75,8 @@ def test_evaluation_is_seeded(model_dir: Path) -> None:
 
 def test_the_game_is_a_parameter(model_dir: Path) -> None:
     tok = load_tokenizer(model_dir)
-    ids, mask = synthetic_episode(ChatFormat(tok), tok, 0, random.Random(0), resolve_game("connect_four"))
-    assert sum(mask) >= 8 and len(ids) == len(mask)  # at least 4 moves, each a column digit + end token
+    ex = synthetic_episode(ChatFormat(tok), tok, 0, random.Random(0), resolve_game("connect_four"))
+    assert ex.loss_tokens >= 8  # at least 4 moves, each a column digit + end token
     model, _ = load_model(model_dir)
     legal, win, draw = evaluate_game(model, tok, ConnectFour, games=2, seed=0)
     assert 0.0 <= legal <= 1.0 and 0.0 <= win + draw <= 1.0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from earl_stream.config import RunConfig, load_config
-from earl_stream.errors import ConfigError
+from earl_stream.errors import ConfigError, EarlError
 
 GIB = 1 << 30
 IMPORT_TIMEOUT_S = 180.0  # vLLM's first import compiles and probes for a while
@@ -278,17 +278,21 @@ def check_sandbox() -> Finding:
 def check_model(cfg: RunConfig) -> Finding:
     """model.path as the run will load it: the embedded model (built or unpacked once), a local folder with a
     config.json, or a Hub id (pinned or not) in this host's Hub cache, or, online, known to the Hub."""
+    from earl_stream.model.default import default_model_dir, embedded_game, packaged_model
     from earl_stream.model.hub import hub_cache_dir, is_hub_model
 
     path = cfg.model.path
-    if not path:
-        from earl_stream.model.default import default_model_dir, packaged_model
-
-        cached = default_model_dir(warm_start_steps=cfg.model.warm_start_steps)
+    try:
+        game = embedded_game(path)
+        cached = default_model_dir(game, warm_start_steps=cfg.model.warm_start_steps) if game is not None else None
+    except EarlError as exc:  # no game, or an unknown one: the registry's error says which exist
+        return Finding("model", Verdict.FAIL, f"model.path={path}: {exc}",
+                       "name a registered environment: default:<env spec>, e.g. default:tictactoe_image")
+    if cached is not None:
         state = "cached in" if (cached / "config.json").is_file() else \
             "copied from the package on the first run into" if packaged_model(cached.name) else \
             "built on the first run (a supervised warm start of minutes, once) into"
-        return Finding("model", Verdict.OK, f"the embedded Tic-Tac-Toe model, {state} {cached}")
+        return Finding("model", Verdict.OK, f"the embedded {game} model, {state} {cached}")
     if is_hub_model(cfg.model):
         return _hub_model(path, cfg.model.revision, hub_cache_dir())
     folder = Path(path).expanduser()

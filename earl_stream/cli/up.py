@@ -47,6 +47,7 @@ def prepare(cfg: RunConfig, *, resume: bool = False) -> tuple[RunConfig, Path]:
     """Resolve the model (building the embedded one once; pinning a Hub id to its commit and the sha256 of
     its files, which every worker checks its own copy against; a resumed run keeps the commit it was
     started with, even if the branch has moved since) and write the run's config file."""
+    from earl_stream.model.default import embedded_game
     from earl_stream.model.hub import is_hub_id, pin_model
     from earl_stream.model.loading import check_model_dir
 
@@ -56,11 +57,12 @@ def prepare(cfg: RunConfig, *, resume: bool = False) -> tuple[RunConfig, Path]:
     if resume and path.is_file():
         cfg = _keep_pinned_model(cfg, load_config(path))
     cfg = pin_model(cfg)
-    if not cfg.model.path:
+    game = embedded_game(cfg.model.path)
+    if game is not None:
         from earl_stream.model import ensure_default_model
 
-        log.info("preparing the embedded tiny model (built once, then cached)")
-        model_dir = ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
+        log.info("preparing the embedded tiny model of %s (built once, then cached)", game)
+        model_dir = ensure_default_model(game=game, warm_start_steps=cfg.model.warm_start_steps,
                                          warm_start_seconds=cfg.model.warm_start_seconds)
         cfg = replace(cfg, f"model.path={model_dir}")
     elif cfg.launcher.kind == "local" and not is_hub_id(cfg.model.path):

@@ -30,14 +30,16 @@ class LoraConfig:
 class ModelConfig:
     path: str = _f("", "directory of a Hugging Face causal LM + tokenizer (~ and $VARS expanded when the config is "
                    "loaded), or a Hugging Face Hub id org/name (a local folder of that name wins); empty = the "
-                   "embedded tiny model")
+                   "embedded tiny model; default:<game> = the embedded model of that game (default:tictactoe_image: "
+                   "a tiny vision-language model that plays from pictures)")
     revision: str = _f("", "branch, tag or commit of a Hub id model.path (empty = main); `up` pins it to the commit it "
                        "resolves to, which every worker loads")
     manifest: dict[str, str] = _f({}, "set by `up` for a Hub model (leave empty): sha256 of each file of the pinned "
                                   "snapshot; a worker whose cached copy differs refuses to start")
     warm_start_steps: int = _f(1350, "supervised warm-start steps of the embedded model (built once per value, "
                                "then cached)", minimum=0)
-    warm_start_seconds: float = _f(900.0, "upper bound on the warm start's wall time", minimum=0)
+    warm_start_seconds: float = _f(1800.0, "upper bound on the warm start's wall time (the embedded vision-language "
+                                   "model's 1,350 steps take ~16 min on 2 CPU cores)", minimum=0)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     freeze_vision: bool = _f(False, "a vision-language model (Idefics3 / SmolVLM): train the language model only; its "
                              "vision tower and connector keep their weights (no gradients, no optimizer state)")

@@ -4,7 +4,12 @@ This module owns where the cached build lives (`default_model_dir`) and building
 under a file lock, so that concurrent callers wait for one build and never see a half-written model
 (`ensure_default_model`). What is built is `earl_stream.model.tiny.init_model` followed by
 `earl_stream.model.warmstart.warm_start` on the game, which is named by an environment spec and
-resolved through the environment registry, not imported here.
+resolved through the environment registry, not imported here. A game whose observations are pictures
+(`tictactoe_image`) gets a tiny vision-language model instead (`model.tiny_vlm.init_vlm_model`, Idefics3 with a
+picture of 9 image tokens, one per 32-pixel patch), warm-started the same way from its pictures.
+
+`model.path` names an embedded model as `default:<game>` (`embedded_game`); an empty path is
+`default:tictactoe`.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_GAME", "DEFAULT_MODEL_NAME", "DEFAULT_WARM_START_STEPS", "cache_dir", "default_model_dir",
-           "ensure_default_model"]
+__all__ = ["DEFAULT_GAME", "DEFAULT_MODEL_NAME", "DEFAULT_WARM_START_STEPS", "EMBEDDED_PREFIX", "cache_dir",
+           "default_model_dir", "embedded_game", "ensure_default_model", "shows_pictures"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,34 @@ DEFAULT_MODEL_NAME = f"{DEFAULT_GAME}-{_RECIPE}"
 # and RL from it holds more of what it learns (bench/results/learning_seed_per_game_cosine400_noent_warm1350.json
 # at commit cbeffc5).
 DEFAULT_WARM_START_STEPS = 1350
+# A game shown as pictures: a vision-language model's recipe, versioned on its own.
+_VISION_RECIPE = "vlm-warm-v1"
+VISION_MODEL = dict(family="idefics3", hidden_size=128, num_layers=4, intermediate_size=512, vision_hidden_size=64,
+                    image_size=96, initializer_range=0.1)
+EMBEDDED_PREFIX = "default:"
+
+
+def embedded_game(path: str) -> str | None:
+    """The game whose embedded model `model.path` names: "" -> the default game, "default:<game>" -> that game;
+    None for any other path (a folder or a Hub id)."""
+    if not path:
+        return DEFAULT_GAME
+    if not path.startswith(EMBEDDED_PREFIX):
+        return None
+    game = path[len(EMBEDDED_PREFIX):].strip()
+    if not game:
+        from earl_stream.errors import ConfigError
+        raise ConfigError(f"model.path={path!r} names no game: write default:<game>, e.g. default:tictactoe_image")
+    return game
+
+
+def shows_pictures(game: str) -> bool:
+    """Whether `game`'s first observation carries pictures (then its embedded model is a vision-language one)."""
+    from earl_stream.env import resolve_env
+    from earl_stream.env.images import split_observation
+    from earl_stream.model.warmstart import _drive
+
+    return bool(split_observation(_drive(resolve_env(game)().reset(0)))[1])
 
 
 def cache_dir() -> Path:
@@ -44,9 +77,11 @@ def cache_dir() -> Path:
 
 def default_model_dir(game: str = DEFAULT_GAME, warm_start_steps: int = DEFAULT_WARM_START_STEPS) -> Path:
     """`cache_dir()/models/<game>-warm-v4`, e.g. `~/.cache/earl_stream/models/tictactoe-warm-v4`; a warm start of
-    other than the default steps (`model.warm_start_steps`) is another model: `<game>-warm-v4-<steps>steps`."""
+    other than the default steps (`model.warm_start_steps`) is another model: `<game>-warm-v4-<steps>steps`. A game
+    shown as pictures: `<game>-vlm-warm-v1` (e.g. `tictactoe_image-vlm-warm-v1`)."""
     suffix = "" if warm_start_steps == DEFAULT_WARM_START_STEPS else f"-{warm_start_steps}steps"
-    return cache_dir() / "models" / f"{game}-{_RECIPE}{suffix}"
+    recipe = _VISION_RECIPE if game != DEFAULT_GAME and shows_pictures(game) else _RECIPE
+    return cache_dir() / "models" / f"{game}-{recipe}{suffix}"
 
 
 @contextlib.contextmanager
@@ -88,7 +123,7 @@ def _unpack(archive: Path, name: str, into: Path) -> None:
 
 
 def ensure_default_model(*, game: str = DEFAULT_GAME, warm_start_steps: int = DEFAULT_WARM_START_STEPS,
-                         warm_start_seconds: float = 900) -> Path:
+                         warm_start_seconds: float = 1800) -> Path:
     """Return `default_model_dir(game, warm_start_steps)`, copying it from the package where one of that name ships
     with it, else building it first (init + warm start on `game`) if it is not there yet.
 
@@ -103,6 +138,7 @@ def ensure_default_model(*, game: str = DEFAULT_GAME, warm_start_steps: int = DE
         if (final / "config.json").is_file():
             return final
         from earl_stream.model.tiny import init_model
+        from earl_stream.model.tiny_vlm import init_vlm_model
         from earl_stream.model.warmstart import warm_start
 
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
@@ -119,7 +155,10 @@ def ensure_default_model(*, game: str = DEFAULT_GAME, warm_start_steps: int = DE
             return final
         try:
             started = time.monotonic()
-            init_model(tmp)
+            if final.name.startswith(f"{game}-{_VISION_RECIPE}"):
+                init_vlm_model(tmp, **VISION_MODEL)  # type: ignore[arg-type]
+            else:
+                init_model(tmp)
             # a fixed number of steps (not a time budget): the same model on a busy or an idle machine
             report = warm_start(tmp, game, seconds=warm_start_seconds, max_steps=warm_start_steps, batch_size=16)
             meta: dict[str, Any] = {"name": final.name, "warm_start": report.as_dict(),

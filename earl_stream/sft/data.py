@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from earl_stream.errors import ConfigError
 from earl_stream.model.chat import ChatFormat
+from earl_stream.records import SampleImage
 
 __all__ = ["Example", "TranscriptError", "load_transcripts", "tokenize_chat"]
 
@@ -34,14 +35,20 @@ class TranscriptError(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One tokenized transcript: input_ids [T] int32, loss_mask [T] uint8 (1 on assistant tokens)."""
+    """One tokenized transcript: input_ids [T] int32, loss_mask [T] uint8 (1 on assistant tokens), and for a
+    vision-language model its `images` (each the span of positions its processor tokens take, in order)."""
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
+    images: tuple[SampleImage, ...] = ()
 
     def __post_init__(self) -> None:
         if self.input_ids.shape != self.loss_mask.shape or self.input_ids.ndim != 1:
             raise ValueError(f"input_ids {self.input_ids.shape} and loss_mask {self.loss_mask.shape} must be equal [T]")
+        for img in self.images:
+            if img.start < 0 or img.tokens <= 0 or img.start + img.tokens > self.num_tokens:
+                raise ValueError(f"an image at [{img.start}, {img.start + img.tokens}) is outside the example's "
+                                 f"{self.num_tokens} tokens")
 
     @property
     def num_tokens(self) -> int:

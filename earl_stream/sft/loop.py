@@ -31,6 +31,7 @@ from earl_stream.workers import checkpoint as ckpt
 from earl_stream.workers.mesh import Placement, TrainerMesh
 from earl_stream.workers.packed_attention import strip_run_state
 from earl_stream.workers.sharding import apply_plan, shard_model
+from earl_stream.workers.vision_inputs import VisionInputs
 
 __all__ = ["SFTConfig", "SFTReport", "lr_factor", "place_model", "run_sft", "save_model_dir"]
 
@@ -81,11 +82,12 @@ def place_model(model: torch.nn.Module, cfg: SFTConfig, *, rank: int = 0, world:
 
 def run_sft(model: torch.nn.Module, tokenizer: Any, batches: Batches, cfg: SFTConfig, placement: Placement, *,
             steps: int, out: str | os.PathLike[str] | None = None, rank: int = 0,
-            progress: Report | None = None) -> SFTReport:
+            progress: Report | None = None, vision: VisionInputs | None = None) -> SFTReport:
     """Train `steps` steps (or until `cfg.seconds`) on `batches(step)`; then, with `out`, write the
     final checkpoint and the Hugging Face model directory there. Every rank of the pool calls it.
     `progress` gets every step (steps done, `steps`, its loss); without one a line is logged every
-    `cfg.log_every` steps."""
+    `cfg.log_every` steps. `vision`: a vision-language model's image inputs, for batches whose examples carry
+    images (`sft.step`)."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
     label = str(rank)
@@ -101,7 +103,7 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, batches: Batches, cfg: SFTCo
             group["lr"] = cfg.lr * lr_factor(cfg, len(losses), spent)
         batch = batches(len(losses))
         result: SFTStepResult = sft_step(model, opt, batch, placement, micro_batch_tokens=cfg.micro_batch_tokens,
-                                         context_weight=cfg.context_weight, grad_clip=cfg.grad_clip)
+                                         context_weight=cfg.context_weight, grad_clip=cfg.grad_clip, vision=vision)
         losses.append(result.loss)
         examples += result.examples
         tokens += result.tokens

@@ -11,10 +11,15 @@ is the cross-entropy of the next token, weighted per token so that the step's lo
 the means taken with the step's global counts, so the loss and its gradient do not depend on how the
 step was split over data ranks, sequence slices or micro-batches (gradients are summed across ranks,
 as in `workers.train_step`). The training loop around it is `sft.loop`.
+
+A vision-language model's examples carry their images (`Example.images`): the forward merges each micro-batch's
+pictures as the RL trainer's does (`workers.vision_inputs.VisionInputs`, every image with its span's ids, so a
+sequence slice that cuts a picture still places its own part), and an image's placeholder tokens are no labels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -29,6 +34,7 @@ from earl_stream.store.layout import partition
 from earl_stream.workers.batches import dummy_batch, packed_local_batch, rank_windows
 from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
+from earl_stream.workers.vision_inputs import BatchImage, RowImages, VisionInputs, place_images
 from earl_stream.workers.vocab_parallel import forward_logprobs
 
 __all__ = ["SFTStepResult", "sft_step", "step_weights"]
@@ -60,7 +66,18 @@ def _config(model: torch.nn.Module) -> Any:
 
 
 def _row(e: Example) -> dict[str, np.ndarray]:
-    return {"input_ids": e.input_ids, "loss_mask": e.loss_mask, "context_mask": (1 - e.loss_mask).astype(np.uint8)}
+    context = (1 - e.loss_mask).astype(np.uint8)
+    for img in e.images:  # a picture's tokens are the processor's placeholders: nothing to predict
+        context[img.start: img.start + img.tokens] = 0
+    return {"input_ids": e.input_ids, "loss_mask": e.loss_mask, "context_mask": context}
+
+
+def _images(examples: Sequence[Example], mb: Sequence[int], window: tuple[int, int],
+            lengths: Sequence[int]) -> list[BatchImage]:
+    """The pictures of packed micro-batch `mb` placed in this rank's `window` (each with its span's ids)."""
+    rows: RowImages = {i: [(img, examples[i].input_ids[img.start: img.start + img.tokens]) for img in examples[i].images]
+                       for i in mb if examples[i].images}
+    return place_images(mb, window[0], list(mb), rows, lengths) if rows else []
 
 
 def _micro_batches(examples: Sequence[Example], placement: Placement, micro_batch_tokens: int) -> list[dict[str, Any]]:
@@ -79,25 +96,32 @@ def _micro_batches(examples: Sequence[Example], placement: Placement, micro_batc
             out.append(batch)
             continue
         mb = part.micro_batches[k]
-        out.append(packed_local_batch([_row(examples[i]) for i in mb], [lengths[i] for i in mb], windows[k],
-                                      layout.cp_size))
+        batch = packed_local_batch([_row(examples[i]) for i in mb], [lengths[i] for i in mb], windows[k],
+                                   layout.cp_size)
+        batch["images"] = _images(examples, mb, windows[k], lengths)
+        out.append(batch)
     return out
 
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, examples: Sequence[Example],
              placement: Placement, *, micro_batch_tokens: int = 8192, context_weight: float = 0.0,
-             grad_clip: float = 1.0) -> SFTStepResult:
+             grad_clip: float = 1.0, vision: VisionInputs | None = None) -> SFTStepResult:
     """One optimizer step on `examples` (the same list on every rank of the pool); returns the step's
-    losses (every rank gets the same)."""
+    losses (every rank gets the same). `vision`: a vision-language model's image inputs (required when an
+    example has images)."""
+    if vision is None and any(e.images for e in examples):
+        raise ValueError("examples with images need the model's VisionInputs (vision=...)")
     start = time.monotonic()
     w_own, w_ctx = step_weights(examples, context_weight)
     sums = torch.zeros(2, dtype=torch.float64)
     group = placement.tp_group
-    vocab_start = placement.vocab_start(int(_config(model).vocab_size))
+    vocab_start = placement.vocab_start(int(_config(model).get_text_config().vocab_size))
     dtype = placement.autocast_dtype
     for batch in _micro_batches(examples, placement, micro_batch_tokens):
         dev = {k: v.to(placement.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        with packed_segments([model], batch.get("segments")):
+        pictures = batch.get("images") or []
+        merged = vision.merged(model, pictures) if vision is not None and pictures else contextlib.nullcontext()
+        with packed_segments([model], batch.get("segments")), merged:
             with torch.autocast(placement.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 _, logp = forward_logprobs(model, dev, group=group, vocab_start=vocab_start)
             own, ctx = dev["loss_mask"].float(), dev["context_mask"].float()

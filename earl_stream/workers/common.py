@@ -59,8 +59,12 @@ def register(client: P.ControlClient, role: P.Role, *, host: str, rank: int = -1
 
 def model_path(cfg: RunConfig) -> Path:
     """The model directory of the run: the user's, this host's checked copy of the Hub model the run pinned
-    (`model.hub.local_model_dir`: a copy that differs is a ModelError), or the embedded tiny model (built once)."""
-    if cfg.model.path:
+    (`model.hub.local_model_dir`: a copy that differs is a ModelError), or an embedded tiny model (empty or
+    `default:<game>`: built once)."""
+    from earl_stream.model.default import embedded_game
+
+    game = embedded_game(cfg.model.path)
+    if game is None:
         from earl_stream.model.hub import local_model_dir
 
         found = local_model_dir(cfg.model)
@@ -68,8 +72,8 @@ def model_path(cfg: RunConfig) -> Path:
         return found
     from earl_stream.model import ensure_default_model
 
-    return ensure_default_model(warm_start_steps=cfg.model.warm_start_steps,
-                                                   warm_start_seconds=cfg.model.warm_start_seconds)
+    return ensure_default_model(game=game, warm_start_steps=cfg.model.warm_start_steps,
+                                warm_start_seconds=cfg.model.warm_start_seconds)
 
 
 def pin_to_cpus(cpus: str, threads: int) -> list[int]:

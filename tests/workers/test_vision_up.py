@@ -34,3 +34,25 @@ def test_up_trains_a_vision_language_policy_on_image_tictactoe(tmp_path: Path) -
     # every step, each rank pulls the pictures of its own samples (a board per turn the policy answered): a part of
     # the step's pictures, not all of them
     assert len(pulled) >= 3 and all(n >= 2 and 0 < mine < step for n, mine, step in pulled), log[-2000:]
+
+
+def test_up_on_the_embedded_vision_language_model(tmp_path: Path) -> None:
+    """`model.path=default:tictactoe_image`: the shipped warm-started VLM is copied from the package into the cache
+    and `up` trains it on the picture game; its games are mostly legal moves (the warm start's), not the random
+    model's illegal replies."""
+    import os
+
+    summary = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", "2", "--summary", str(summary),
+           "model.path=default:tictactoe_image", f"run_dir={tmp_path / 'run'}", "envs.0.spec=tictactoe_image",
+           "trainer.groups_per_step=2", "trainer.group_size=8", "supervisor.heartbeat_s=0.2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "EARL_STREAM_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "cache" / "models" / "tictactoe_image-vlm-warm-v1" / "config.json").is_file()
+    got = json.loads(summary.read_text())
+    assert got["samples_trained"] >= 2 * 16 and got["samples_lost"] == 0
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    assert "tictactoe_image-vlm-warm-v1" in config  # every worker loads the unpacked directory
+    # the warm start plays legal moves and wins about half its games; a random model's replies are illegal (0 wins)
+    assert got["win_rate_last"] is not None and got["win_rate_last"] >= 0.2, got
