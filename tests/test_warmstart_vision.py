@@ -134,3 +134,22 @@ def test_model_path_names_an_embedded_model_by_its_game(tmp_path: Path, monkeypa
     monkeypatch.setenv("EARL_STREAM_CACHE", str(tmp_path))
     assert default_model_dir(GAME) == tmp_path / "models" / "tictactoe_image-vlm-warm-v1"
     assert default_model_dir("connect_four") == tmp_path / "models" / "connect_four-warm-v4"
+
+
+def test_the_embedded_vision_language_model_ships_with_the_package(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`default:tictactoe_image` is copied from the package (no 16-minute warm start on first use): the shipped
+    build is the current recipe's, its full 1,350 steps, and it loads with its processor."""
+    import json
+
+    from earl_stream.model import default as default_model
+
+    monkeypatch.setenv("EARL_STREAM_CACHE", str(tmp_path))
+    name = default_model_dir(GAME).name
+    assert default_model.packaged_model(name) is not None, f"{name} is not shipped"
+    built = default_model.ensure_default_model(game=GAME)
+    meta = json.loads((built / "earl_stream_model.json").read_text())
+    assert meta["name"] == name and meta["warm_start"]["steps"] == default_model.DEFAULT_WARM_START_STEPS
+    assert meta["warm_start"]["legal_rate"] >= 0.9
+    policy, _ = _policy(built)
+    assert policy.processor is not None and sum(p.numel() for p in policy.model.parameters()) > 1_000_000
