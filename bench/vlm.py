@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import subprocess
@@ -49,7 +50,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ARMS = ("reuse", "no_reuse")
 LEARN_KEYS = ("learning", "final_win_rate", "seconds_to_0_8", "start_win_rate", "learn_seconds", "target_win_rate",
-              "stats_window", "not_measured")
+              "stats_window", "learn_machine", "not_measured")
 KV_KEYS = ("kv_reuse", "kv_reuse_speedup", "repeats", "seconds_per_run", "episodes_at_once", "model")
 PULL_KEYS = ("pull", "pull_bytes_fraction")
 PULL_LINE = re.compile(r"step (\d+): (\d+) images pulled \((\d+) bytes of PNG, of the step's (\d+)\)")
@@ -222,6 +223,7 @@ def main() -> int:
     ap.add_argument("--learn-seconds", type=float, default=900.0, help="seconds from launch per learning run")
     ap.add_argument("--target", type=float, default=0.8, help="win rate the learning runs report the time to")
     ap.add_argument("--window", type=int, default=256, help="games in the win-rate window (supervisor.stats_window)")
+    ap.add_argument("--conditions", default="", help="what else ran on the machine, recorded with the result")
     ap.add_argument("--json", default=str(HERE / "results" / "vlm.json"))
     args = ap.parse_args()
     if args.repeats < 1:
@@ -252,12 +254,15 @@ def main() -> int:
             result["pull"] = pulls
             result["pull_bytes_fraction"] = {plan: p["mean_fraction"] for plan, p in pulls.items()}
         learned = []
+        load_before = os.getloadavg()
         for seed in range(args.learn_seeds):
             learned.append(learn_run(args.learn_seconds, args.target, args.window, seed, Path(tmp)))
             print(f"learning seed {seed}: {({k: v for k, v in learned[-1].items() if k != 'curve'})}", flush=True)
         if learned:
             result.update(summarise_learning(learned, args.target), learn_seconds=args.learn_seconds,
-                          stats_window=args.window)
+                          stats_window=args.window,
+                          learn_machine={"load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+                                         "conditions": args.conditions or "nothing else started by this script"})
     skipped = {part: keys for part, keys, ran in (("kv_reuse", KV_KEYS, args.seconds > 0),
                                                   ("pull", PULL_KEYS, args.up_steps > 0),
                                                   ("learning", LEARN_KEYS, args.learn_seeds > 0)) if not ran}
