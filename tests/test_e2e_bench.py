@@ -133,3 +133,25 @@ def test_a_resumed_ablation_keeps_its_runs_by_setting_and_seed_and_refuses_other
     assert kept_ablation_runs({"async_vs_ceiling": {}}, 240.0, 0.9) == {}
     with pytest.raises(SystemExit, match="not 300.0 s to 0.9"):
         kept_ablation_runs(previous, 300.0, 0.9)
+
+
+def test_the_trl_arm_reports_the_window_after_its_first_step_in_the_same_units() -> None:
+    """bench/e2e_trl.py's result on a recorded clock: samples/s and loss tokens/s (the trained first moves) over
+    the steps after the first, and the time to the target over its own window of games."""
+    from types import SimpleNamespace
+
+    from e2e_trl import Setting, trl_result
+
+    setting = Setting(group_size=2, groups_per_step=2, window=4)  # 4 samples (games) a step
+    ends = [10.0, 12.0, 14.0, 16.0]  # the first step ends at 10 s; 3 steps in the 6 s after it
+    clock = SimpleNamespace(ends=ends, snapshots=[(0.0, 0.0, 0, 0.0), (1.0, 2.0, 30, 0.0), (2.0, 4.0, 60, 0.0),
+                                                  (3.0, 6.0, 90, 9.0)],
+                            logs=[{"completions/mean_length": 2.0}] * 4)
+    outcomes = [(10.0 + i, "win" if i >= 6 else "loss") for i in range(16)]
+    out = trl_result(clock, SimpleNamespace(outcomes=outcomes), 0.9, 2, "0.0", setting)  # type: ignore[arg-type]
+    assert out["steps"] == 3 and out["samples_per_s"] == pytest.approx(12 / 6)
+    assert out["loss_tokens_per_s"] == pytest.approx(3 * 2.0 * 4 / 6)  # each step's 4 first moves of 2 tokens
+    assert out["generated_tokens_per_s"] == pytest.approx((24 + 90) / 6)  # trained moves + the playouts' tokens
+    # windows of 4 games every 4: games 0-3 (0 wins), 4-7 (2), 8-11 (4 = 1.0 >= 0.9: reached at game 11's time)
+    assert [p["win"] for p in out["curve"]] == [0.0, 0.5, 1.0, 1.0] and out["time_to_target_s"] == 21.0
+    assert out["cpu_seconds_per_sample"] == pytest.approx(9.0 / 12)
