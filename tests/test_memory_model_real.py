@@ -71,3 +71,24 @@ def test_not_measured_names_the_full_grids_missing_cases() -> None:
     missing = mr._not_measured(held)
     assert set(missing) == {"dp2 4096", "dp2 8192", "fsdp2 4096", "fsdp2 8192"}
     assert "GiB per rank x 2 ranks: more than this shared 24 GiB host had free" in missing["dp2 8192"]
+
+
+def _measured(case: str, plan: str, tokens: int, predicted: int, peaks: tuple[int, int], shape: str = "") -> dict:
+    return {"case": case, "plan": plan, "tokens": tokens, "predicted_total_bytes": predicted, "relative_error": 0.0,
+            **({"shape": shape} if shape else {}), "ranks": [{"measured_total_bytes": p} for p in peaks]}
+
+
+def test_the_reserve_learnt_at_smaller_contexts_is_scored_at_larger_ones() -> None:
+    rows = [_measured("dp2 2048", "dp2", 2048, 1000, (1060, 1075)),  # listed first: replayed in order of tokens
+            _measured("dp2 1024", "dp2", 1024, 500, (560, 570)),     # fullest rank 70 over: the reserve learnt
+            _measured("tp2@heads8 1024", "tp2", 1024, 400, (380, 390), "heads8"),  # under its prediction: 0 learnt
+            _measured("tp2@heads8 2048", "tp2", 2048, 800, (900, 880), "heads8"),
+            _measured("fsdp2+rc 4096", "fsdp2+rc", 4096, 300, (900, 900))]  # alone in its layout: not scored
+    got = mr.learnt_reserve(rows)
+    by_case = {r["case"]: r for r in got["learnt_reserve_rows"]}
+    assert set(by_case) == {"dp2 2048", "tp2@heads8 2048"}
+    assert by_case["dp2 2048"]["learnt_from"] == ["dp2 1024"] and by_case["dp2 2048"]["reserve_bytes"] == 70
+    assert by_case["dp2 2048"]["relative_error"] == pytest.approx((1070 - 1075) / 1075)
+    assert by_case["tp2@heads8 2048"]["reserve_bytes"] == 0  # a layout under its prediction learns nothing
+    assert got["max_underprediction_with_learnt_reserve"] == pytest.approx(100 / 900)
+    assert mr.learnt_reserve(rows[-1:]) == {"max_underprediction_with_learnt_reserve": None, "learnt_reserve_rows": []}
