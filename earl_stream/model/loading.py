@@ -27,8 +27,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from earl_stream.errors import ModelError
 
-__all__ = ["TOKENIZER_FILES", "Policy", "check_model_dir", "count_parameters", "is_vision_dir", "load_model",
-           "load_policy", "load_tokenizer", "load_vision_model", "one_line", "placeholder_token_ids", "torch_dtype"]
+__all__ = ["TOKENIZER_FILES", "VISION_POLICY_TYPES", "Policy", "check_model_dir", "check_vision_policy",
+           "count_parameters", "is_vision_dir", "load_model", "load_policy", "load_tokenizer", "load_vision_model",
+           "one_line", "placeholder_token_ids", "torch_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -128,6 +129,21 @@ def load_model(
     return model, tokenizer
 
 
+VISION_POLICY_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")  # the vision-language families run end to end
+_MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")  # 3-D RoPE positions
+
+
+def check_vision_policy(model_type: str) -> None:
+    """Refuse (ModelError, one line) a vision-language family that neither the built-in engine nor the trainer can
+    run as a policy: those whose decoder takes 3-D (multimodal RoPE) positions. They feed images to
+    `VISION_POLICY_TYPES`; other multimodal checkpoints (Gemma 3 4B+) run as text models."""
+    if model_type in _MROPE_TYPES:
+        raise ModelError(f"model_type {model_type!r} is a vision-language model earl_stream does not run as a policy "
+                         "yet: its decoder takes 3-D (multimodal RoPE) position ids, which the built-in engine and the "
+                         f"trainer do not lay out; the vision-language families it runs: {', '.join(VISION_POLICY_TYPES)}"
+                         " (e.g. model.path=default:tictactoe_image)")
+
+
 def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
                       revision: str = "") -> tuple[PreTrainedModel, Any]:
     """Load the vision-language model (`AutoModelForImageTextToText`) and its processor (`AutoProcessor`: the
@@ -137,6 +153,7 @@ def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torc
     config = _config(p)
     if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         raise ModelError(f"model in {p} has model_type {config.model_type!r}, which is not a vision-language model")
+    check_vision_policy(config.model_type)
     try:
         processor = AutoProcessor.from_pretrained(p, local_files_only=True)
     except Exception as exc:

@@ -42,7 +42,8 @@ import msgspec
 
 from earl_stream import metrics as M
 from earl_stream.config import RunConfig
-from earl_stream.errors import ConfigError
+from earl_stream.errors import ConfigError, ModelError
+from earl_stream.model.loading import check_vision_policy
 from earl_stream.protocol import WEIGHT_VERSIONS_KEPT, RolloutPlan, TrainerOom, TrainerPlan
 from earl_stream.records import images_info
 from earl_stream.store.layout import Layout, materialised_tokens, partition
@@ -191,7 +192,13 @@ class Planner:
             if s.enabled:
                 log.warning("selector off: the supervisor cannot read the model config (model.path=%r)", cfg.model.path)
             return
-        shape = self.shape = ModelShape.from_hf(json.loads(config_file.read_text()))
+        raw = json.loads(config_file.read_text())
+        if raw.get("vision_config") is not None:
+            try:  # a vision-language family the workers cannot run: refused here, before any worker loads it
+                check_vision_policy(str(raw.get("model_type")))
+            except ModelError as exc:
+                raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from None
+        shape = self.shape = ModelShape.from_hf(raw)
         if shape.calibrate:
             self.memory_calibration = {"quirks": list(shape.quirks), "scale": None,
                                        "pending": "the first measured step's peak_memory_bytes"}

@@ -20,11 +20,12 @@ import torch
 from transformers import PreTrainedModel
 
 from earl_stream.errors import EngineError
+from earl_stream.model.loading import VISION_POLICY_TYPES
 from earl_stream.workers.engines.base import PromptImage
 
 __all__ = ["ENGINE_VISION_TYPES", "takes_images", "vision_inputs"]
 
-ENGINE_VISION_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")
+ENGINE_VISION_TYPES: tuple[str, ...] = VISION_POLICY_TYPES
 _BATCHED = ("pixel_values", "pixel_attention_mask")  # per-image tensors stacked under one batch row
 
 
