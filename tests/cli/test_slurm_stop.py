@@ -23,8 +23,9 @@ from earl_stream.security.secret import create_secret_file
 
 # Stands in for srun around one task on this host, with the signal handling of Slurm 22.05's srun
 # (src/srun/libsrun/srun_job.c): a SIGTERM kills the step's tasks at once ("forcing job termination"); a single
-# SIGINT is passed on to them only under --disable-status (without it srun prints their state). Its task
-# stands in for the earl-stream process: on a signal it notes it, takes $FAKE_STOP_S_<step> seconds to finish
+# SIGINT is passed on to them only under --disable-status (without it srun prints their state). Its task, a Python
+# process like torchrun (a bash loop once lost a SIGINT on a loaded machine: its trap never ran), stands in for the
+# earl-stream process: on a signal it notes it, takes $FAKE_STOP_S_<step> seconds to finish
 # its work and exits 0. The supervisor's step writes its ready file.
 FAKE_SRUN = f"""#!{sys.executable}
 import json, os, signal, subprocess, sys, time
@@ -49,14 +50,22 @@ def on_signal(signum, _frame):  # Slurm signals every process of the step: here 
 
 signal.signal(signal.SIGINT, on_signal)
 signal.signal(signal.SIGTERM, on_signal)
-task = subprocess.Popen(["bash", "-c", '''
-    took=$1
-    on() {{ echo "task $1 $(date +%s.%N)" >> "$0"; sleep "$took"; echo "task exit $(date +%s.%N)" >> "$0"; exit 0; }}
-    trap "on INT" INT
-    trap "on TERM" TERM
-    echo "task started ${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:--}}" >> "$0"
-    while :; do sleep 0.05; done''', str(events), os.environ.get(f"FAKE_STOP_S_{{name}}", "0")],
-    start_new_session=True)
+task = subprocess.Popen([sys.executable, "-c", '''
+import os, signal, sys, time
+events, took = sys.argv[1], float(sys.argv[2])
+def note(line):
+    with open(events, "a") as out:
+        out.write(line + "\\\\n")
+def on(signum, _frame):
+    note(f"task {{signal.Signals(signum).name[3:]}} {{time.time()}}")
+    time.sleep(took)
+    note(f"task exit {{time.time()}}")
+    os._exit(0)
+signal.signal(signal.SIGINT, on)
+signal.signal(signal.SIGTERM, on)
+note(f"task started {{os.environ.get('TORCH_ELASTIC_SHUTDOWN_TIMEOUT', '-')}}")
+while True:
+    time.sleep(0.05)''', str(events), os.environ.get(f"FAKE_STOP_S_{{name}}", "0")], start_new_session=True)
 code = task.wait()
 sys.exit(128 - code if code < 0 else code)
 """
