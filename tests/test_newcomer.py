@@ -373,3 +373,11 @@ def test_version_is_one_number_everywhere() -> None:
     assert newest and newest.group(1) == declared
     cff = (root / "CITATION.cff").read_text()
     assert f"version: {declared}" in cff
+
+
+def test_the_readme_diagram_fits_100_columns() -> None:
+    """The README's first screen: its architecture diagram (its first code block) reads in a 100-column terminal."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    diagram = readme.split("```\n", 2)[1]
+    assert "supervisor" in diagram and "trainer pool" in diagram
+    assert max(len(line) for line in diagram.splitlines()) <= 100
