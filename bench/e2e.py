@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_rates import HEARTBEAT_S, LOAD_LINE, MODE_OVERRIDES, PINNED_POOLS, Snapshot, Watch, log_window, trainer_steps, watch_up
-from provenance import scrub, write_result
+from provenance import keep_parts, scrub, write_result
 from stats import mean_ci95, ratio_ci95
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -323,12 +323,9 @@ def keep_other_part(previous: dict[str, Any], result: dict[str, Any], part: str)
                                                                      result.get("target_win_rate")):
         print(f"e2e: {part}: the previous file measured another model or target; its other part is dropped", flush=True)
         return result
-    merged = {**result, **{k: previous[k] for k in other if k in previous}}
-    merged["part_wall_seconds"] = {**(previous.get("part_wall_seconds") or {}), **result["part_wall_seconds"]}
-    # `provenance` will be this part's; the other part keeps the one it was measured at
     other_part = "staleness" if part == "comparison" else "comparison"
-    kept = (previous.get("part_provenance") or {}).get(other_part) or previous.get("provenance")
-    merged["part_provenance"] = {other_part: kept} if kept else {}
+    merged = keep_parts(previous, result, {other_part: other})  # the other part keeps the provenance it was measured at
+    merged["part_wall_seconds"] = {**(previous.get("part_wall_seconds") or {}), **result["part_wall_seconds"]}
     return merged
 
 

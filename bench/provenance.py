@@ -213,6 +213,23 @@ def write_result(out: str | Path, result: dict[str, Any], depends_on: list[str] 
     return path
 
 
+def keep_parts(previous: dict[str, Any], result: dict[str, Any], parts: dict[str, tuple[str, ...]],
+               shared: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`result` with the keys of each of `parts` (parts this run did not measure) kept from `previous`, the file it
+    replaces, where `previous` holds that part (one of its keys set; `shared` keys, which describe more than one
+    part, do not count), and the provenance each kept part was measured at (`previous`'s `part_provenance` entry,
+    else its own provenance) in `part_provenance`."""
+    merged, known, kept = dict(result), previous.get("part_provenance") or {}, {}
+    for part, keys in parts.items():
+        if any(previous.get(k) is not None for k in keys if k not in shared):
+            merged.update({k: previous[k] for k in keys if k in previous})
+            if where := known.get(part) or previous.get("provenance"):
+                kept[part] = where
+    if kept:
+        merged["part_provenance"] = kept
+    return merged
+
+
 def stale_since(result: dict[str, Any]) -> list[str]:
     """Commits after the result's own that changed a path it depends on ([] when current or unknown)."""
     prov = result.get("provenance") or {}

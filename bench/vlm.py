@@ -197,21 +197,6 @@ def summarise_learning(runs: list[dict[str, Any]], target: float) -> dict[str, A
     return out
 
 
-def keep_skipped_parts(previous: dict[str, Any], result: dict[str, Any], skipped: dict[str, tuple[str, ...]]) -> dict[str, Any]:
-    """`result` with each skipped part's keys kept from `previous` (the file it replaces), and the provenance that
-    part was measured at in `part_provenance`."""
-    merged = dict(result)
-    parts = dict(previous.get("part_provenance") or {})
-    out_parts: dict[str, Any] = {}
-    for part, keys in skipped.items():
-        if any(previous.get(k) is not None for k in keys if k not in ("model", "repeats")):
-            merged.update({k: previous[k] for k in keys if k in previous})
-            out_parts[part] = parts.get(part) or previous.get("provenance")
-    if out_parts:
-        merged["part_provenance"] = out_parts
-    return merged
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per arm of the KV-reuse part, interleaved")
@@ -266,10 +251,11 @@ def main() -> int:
     skipped = {part: keys for part, keys, ran in (("kv_reuse", KV_KEYS, args.seconds > 0),
                                                   ("pull", PULL_KEYS, args.up_steps > 0),
                                                   ("learning", LEARN_KEYS, args.learn_seeds > 0)) if not ran}
+    from provenance import keep_parts, write_result
+
     out = Path(args.json)
     if skipped and out.is_file():
-        result = keep_skipped_parts(json.loads(out.read_text()), result, skipped)
-    from provenance import write_result
+        result = keep_parts(json.loads(out.read_text()), result, skipped, shared=("model", "repeats"))
 
     path = write_result(out, result, depends_on=["bench/vlm.py", "earl_stream/workers/engines",
                                                  "earl_stream/model/vision.py", "earl_stream/workers/train_step.py",

@@ -14,8 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from provenance import keep_parts  # noqa: E402
 from stats import mean_ci95, ratio_ci95  # noqa: E402
-from vlm import KV_KEYS, LEARN_KEYS, PULL_KEYS, PULL_LINE, keep_skipped_parts, summarise_kv, summarise_learning  # noqa: E402
+from vlm import KV_KEYS, LEARN_KEYS, PULL_KEYS, PULL_LINE, summarise_kv, summarise_learning  # noqa: E402
 
 TURNS = {"reuse": [11.0, 12.5, 11.8], "no_reuse": [9.1, 9.6, 8.8]}
 
@@ -67,11 +68,11 @@ def test_a_skipped_part_keeps_its_keys_and_their_provenance() -> None:
                 "repeats": 3, "pull": {"dp2": {}}, "pull_bytes_fraction": {"dp2": 0.5}, "final_win_rate": None,
                 "not_measured": {"final_win_rate": "not built"}, "provenance": {"commit": "a569031"}}
     learned = {"final_win_rate": [0.9], "seconds_to_0_8": [112.2]}
-    out = keep_skipped_parts(previous, learned, {"kv_reuse": KV_KEYS, "pull": PULL_KEYS})
+    out = keep_parts(previous, learned, {"kv_reuse": KV_KEYS, "pull": PULL_KEYS}, shared=("model", "repeats"))
     assert out["kv_reuse_speedup"] == {"ratio": 1.25} and out["pull_bytes_fraction"] == {"dp2": 0.5}
     assert out["final_win_rate"] == [0.9] and "not_measured" not in out  # the part that ran replaces its keys
     assert out["part_provenance"] == {"kv_reuse": {"commit": "a569031"}, "pull": {"commit": "a569031"}}
-    again = keep_skipped_parts({**out, "provenance": {"commit": "ffff"}}, {"kv_reuse_speedup": {"ratio": 1.3}},
-                               {"pull": PULL_KEYS, "learning": LEARN_KEYS})
+    again = keep_parts({**out, "provenance": {"commit": "ffff"}}, {"kv_reuse_speedup": {"ratio": 1.3}},
+                       {"pull": PULL_KEYS, "learning": LEARN_KEYS}, shared=("model", "repeats"))
     assert again["part_provenance"]["pull"] == {"commit": "a569031"}  # kept at the commit it was measured at
     assert again["part_provenance"]["learning"] == {"commit": "ffff"} and again["seconds_to_0_8"] == [112.2]
