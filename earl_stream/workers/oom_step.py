@@ -108,6 +108,9 @@ def cap_address_space(environ: dict[str, str] | None = None) -> int | None:
         return None
     if (ranks := env.get(AS_CAP_RANKS_ENV, "")) and env.get("RANK", "0") not in ranks.split(","):
         return None
+    # the intra-op thread pool first: its threads' stacks mapped before the cap, not by the first parallel op after
+    # it, where a failed thread creation aborts the process (libgomp) instead of raising an allocation failure
+    torch.ones(1 << 20).sum()
     cap = _vm_size() + headroom
     resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
     log.warning("address space capped at %d MiB (%s=%d: a test or benchmark of allocation failures)", cap >> 20,
