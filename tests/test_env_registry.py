@@ -79,6 +79,20 @@ def test_sync_and_async_environments_are_driven_alike() -> None:
     asyncio.run(go())
 
 
+def test_an_environment_that_never_awaits_is_driven_without_an_event_loop() -> None:
+    from earl_stream.env.api import run_now
+
+    assert run_now(env_reset(SyncEcho("> "), 7)) == "> start 7"
+    assert run_now(env_reset(make_env("tictactoe"), 0)) == "1 2 3\n4 5 6\n7 8 9"
+
+    async def waits() -> str:
+        await asyncio.sleep(0)
+        return "never"
+
+    with pytest.raises(EnvError, match="suspended"):
+        run_now(waits())
+
+
 def test_bad_results_and_crashes_become_env_errors() -> None:
     async def go() -> None:
         with pytest.raises(EnvError, match="reset.*str"):

@@ -4,15 +4,15 @@
 `AgentEnvironment` (an episode that is a program talking to the policy through the OpenAI API:
 `task(seed)`, `async run(client, task)`); how an environment's optional attributes are read
 (`env_options`, `seeds_per_episode`); how sync or async implementations are driven (`env_reset`,
-`env_step`). How a spec string becomes a class is `earl_stream.env.registry`'s.
+`env_step`, and `run_now` for a caller without an event loop). How a spec string becomes a class is `earl_stream.env.registry`'s.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from earl_stream.env.images import Observation, split_observation
 from earl_stream.errors import EnvError
@@ -30,8 +30,10 @@ __all__ = [
     "env_reset",
     "env_step",
     "is_agent_env",
+    "run_now",
     "seeds_per_episode",
 ]
+T = TypeVar("T")
 
 DEFAULT_AGENT_TIMEOUT_S = 300.0
 DEFAULT_MAX_TURN_TOKENS = 32
@@ -162,3 +164,15 @@ class AgentEnvironment(Protocol):
 def is_agent_env(env: object) -> bool:
     """Whether `env` is played as an agent (has `run` and `task`, and no `step`)."""
     return callable(getattr(env, "run", None)) and callable(getattr(env, "task", None)) and not hasattr(env, "step")
+
+
+def run_now(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (`env_reset` / `env_step` of a game whose methods never await) to its
+    result without an event loop; works inside a running event loop too, where asyncio.run would refuse. EnvError
+    if it suspends (an environment that awaits needs an event loop)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise EnvError("the environment suspended: this caller drives environments that never await")

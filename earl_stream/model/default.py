@@ -62,11 +62,11 @@ def embedded_game(path: str) -> str | None:
 
 def shows_pictures(game: str) -> bool:
     """Whether `game`'s first observation carries pictures (then its embedded model is a vision-language one)."""
-    from earl_stream.env import resolve_env
+    from earl_stream.env import env_reset, resolve_env
+    from earl_stream.env.api import run_now
     from earl_stream.env.images import split_observation
-    from earl_stream.model.warmstart import _drive
 
-    return bool(split_observation(_drive(resolve_env(game)().reset(0)))[1])
+    return bool(split_observation(run_now(env_reset(resolve_env(game)(), 0)))[1])
 
 
 def cache_dir() -> Path:

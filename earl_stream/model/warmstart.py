@@ -27,15 +27,16 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from earl_stream.env import Observation, StepResult, resolve_env
+from earl_stream.env.api import run_now
 from earl_stream.env.images import observation_text, split_observation
 from earl_stream.errors import EnvError
 from earl_stream.model.chat import ChatFormat
@@ -52,7 +53,6 @@ __all__ = ["CAPTION_PROMPT", "Describable", "Game", "GameFactory", "Turns", "War
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 _WARMUP_STEPS = 20
 _MIN_LR_FRACTION = 0.1
 _DECAY_FRACTION = 0.3
@@ -125,19 +125,6 @@ class WarmStartReport:
         return asdict(self)
 
 
-def _drive(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine that never suspends (a `Game`'s methods), without an event loop.
-
-    Works inside a running event loop too, where asyncio.run would refuse.
-    """
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    coro.close()
-    raise RuntimeError("the environment suspended; warm start needs one that never awaits")
-
-
 Turns = ChatFormat | VisionChat  # how an episode's turns become tokens: text only, or with pictures
 
 
@@ -163,14 +150,14 @@ def synthetic_episode(fmt: Turns, tokenizer: PreTrainedTokenizerBase, seed: int,
     0 on prompts and observations; with a `VisionChat`, its pictures' spans.
     """
     env = game()
-    ids, images = _first_turn(fmt, env.system_prompt, _drive(env.reset(seed)))
+    ids, images = _first_turn(fmt, env.system_prompt, run_now(env.reset(seed)))
     mask = [0] * len(ids)
     while True:
         move = rng.choice(env.legal_moves())
         reply = list(tokenizer.encode(str(move), add_special_tokens=False)) + [fmt.end_token_id]
         ids += reply
         mask += [1] * len(reply)
-        result: StepResult = _drive(env.step(str(move)))
+        result: StepResult = run_now(env.step(str(move)))
         if result.done:
             return Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8), tuple(images))
         nxt, more = _next_turn(fmt, result.observation, len(ids))
@@ -187,10 +174,10 @@ def caption_example(fmt: VisionChat, tokenizer: PreTrainedTokenizerBase, seed: i
     """A picture of a position reached by random legal play (the model's and the opponent's moves), the prompt
     `CAPTION_PROMPT`, and the game's `render()` text as the reply (mask 1 on it and the end-of-turn token)."""
     env = game()
-    observation = _drive(env.reset(seed))
+    observation = run_now(env.reset(seed))
     seen = [(observation, cast(Describable, env).render())]
     while True:
-        result: StepResult = _drive(env.step(str(rng.choice(env.legal_moves()))))
+        result: StepResult = run_now(env.step(str(rng.choice(env.legal_moves()))))
         if result.done:
             break
         seen.append((result.observation, cast(Describable, env).render()))
@@ -286,7 +273,7 @@ class _Playing:
 
     def __init__(self, fmt: Turns, game: GameFactory, seed: int) -> None:
         self.env = game()
-        self.ids, self.images = _first_turn(fmt, self.env.system_prompt, _drive(self.env.reset(seed)))
+        self.ids, self.images = _first_turn(fmt, self.env.system_prompt, run_now(self.env.reset(seed)))
         self.reply: list[int] = []
         self.outcome = ""
 
@@ -329,7 +316,7 @@ def evaluate_game(
                 still.append(g)
                 continue
             moves += 1
-            result = _drive(g.env.step(fmt.reply_text(g.reply)))
+            result = run_now(g.env.step(fmt.reply_text(g.reply)))
             if token not in fmt.stop_token_ids:
                 g.reply.append(fmt.end_token_id)  # close a turn cut at max_turn_tokens
             g.ids += g.reply
