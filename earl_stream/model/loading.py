@@ -130,7 +130,7 @@ def load_model(
 
 
 VISION_POLICY_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")  # the vision-language families run end to end
-_MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")  # 3-D RoPE positions
+_MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # 3-D (multimodal) RoPE positions
 
 
 def check_vision_policy(model_type: str) -> None:
