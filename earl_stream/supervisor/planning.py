@@ -43,7 +43,6 @@ import msgspec
 from earl_stream import metrics as M
 from earl_stream.config import RunConfig
 from earl_stream.errors import ConfigError, ModelError
-from earl_stream.model.loading import check_vision_policy
 from earl_stream.protocol import WEIGHT_VERSIONS_KEPT, RolloutPlan, TrainerOom, TrainerPlan
 from earl_stream.records import images_info
 from earl_stream.store.layout import Layout, materialised_tokens, partition
@@ -194,6 +193,8 @@ class Planner:
             return
         raw = json.loads(config_file.read_text())
         if raw.get("vision_config") is not None:
+            from earl_stream.model.loading import check_vision_policy  # transformers: only for such a model
+
             try:  # a vision-language family the workers cannot run: refused here, before any worker loads it
                 check_vision_policy(str(raw.get("model_type")))
             except ModelError as exc:
