@@ -90,7 +90,9 @@ class _Direction:
 
     def decrypt_in_place(self, data: memoryview) -> None:
         if self.cipher is not None:
-            self.cipher.update_into(data, data)  # a stream cipher: the same keystream decrypts
+            # A stream cipher: the same keystream decrypts. Into a new buffer, then back: cryptography >= 51 refuses
+            # update_into with overlapping input and output ("data and buf must not overlap").
+            data[:] = self.cipher.update(data)
 
     def authenticate(self, sent: memoryview) -> None:
         """Add the bytes as they are on the wire (the ciphertext when encrypting) to the frame's MAC."""
