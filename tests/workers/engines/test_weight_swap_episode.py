@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,12 @@ class SwapInTurn:
                 seen.append(tok)
                 if len(seen) == 3:
                     loop.call_soon_threadsafe(self._start)
+                    # The engine thread waits (here, between two steps) until the swap is staged: on a busy machine
+                    # the turn's last 37 tokens could otherwise be decoded before the event loop starts the swap.
+                    deadline = time.monotonic() + 60.0
+                    while not self.engine._swapper.pending and self.engine.policy_version == 0 \
+                            and time.monotonic() < deadline:
+                        time.sleep(0.001)
 
             request = dataclasses.replace(request, on_token=on_token)
         return await self.batcher.generate(request, **kw)
