@@ -1,7 +1,8 @@
 """End to end with the vLLM backend (run by `make test-vllm`; skipped where vllm is absent):
 `earl-stream up rollout.engine=vllm` trains for real on CPU, rollout loads every new policy version
 into the live vLLM engine, and vLLM's slow start (30-60 s on CPU) does not cost the rollout worker
-its lease (the worker heartbeats while its engine starts)."""
+its lease (the worker heartbeats while its engine starts); LoRA adapters and the embedded vision-language
+model (image Tic-Tac-Toe) too."""
 
 from __future__ import annotations
 
@@ -73,3 +74,23 @@ def test_up_trains_lora_with_the_vllm_engine_serving_adapters(tmp_path: Path, ti
     versions = [int(v) for v in re.findall(r"LoRA version (\d+) loaded into vLLM as adapter", rollout_log)]
     assert versions and max(versions) >= 1, rollout_log[-3000:]
     assert "merging them into the base" not in rollout_log
+
+
+def test_up_trains_the_embedded_vision_language_model_with_vllm(tmp_path: Path) -> None:
+    """Image Tic-Tac-Toe on vLLM: the rollout worker renders each board as a picture with the processor alone,
+    vLLM encodes the pictures, and every new policy version (its vision tower too) is loaded into it."""
+    summary_path, run_dir = tmp_path / "summary.json", tmp_path / "run"
+    cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", "2", "--summary", str(summary_path),
+           "model.path=default:tictactoe_image", "envs.0.spec=tictactoe_image", f"run_dir={run_dir}",
+           "rollout.engine=vllm", "rollout.workers=1", "rollout.max_batch_size=16", "trainer.groups_per_step=2",
+           "trainer.group_size=4", "rollout.groups_in_flight=2", "supervisor.heartbeat_s=0.5",
+           "supervisor.lease_s=10", "trainer.max_staleness=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    logs = run_dir / "logs"
+    rollout_log = (logs / "rollout-0.log").read_text() if (logs / "rollout-0.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + rollout_log[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 2 and summary["samples_trained"] >= 2 * 2 * 4 and summary["samples_lost"] == 0
+    assert "vLLM" in rollout_log and "Idefics3" in rollout_log, rollout_log[-3000:]
+    versions = [int(v) for v in re.findall(r"loaded policy version (\d+)", rollout_log)]
+    assert versions and max(versions) >= 1, rollout_log[-3000:]

@@ -28,8 +28,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from earl_stream.errors import ModelError
 
 __all__ = ["TOKENIZER_FILES", "VISION_POLICY_TYPES", "Policy", "check_model_dir", "check_vision_policy",
-           "count_parameters", "is_vision_dir", "load_model", "load_policy", "load_tokenizer", "load_vision_model",
-           "one_line", "placeholder_token_ids", "torch_dtype"]
+           "count_parameters", "is_vision_dir", "load_model", "load_policy", "load_processor", "load_tokenizer",
+           "load_vision_model", "one_line", "placeholder_token_ids", "torch_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -144,11 +144,10 @@ def check_vision_policy(model_type: str) -> None:
                          " (e.g. model.path=default:tictactoe_image)")
 
 
-def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
-                      revision: str = "") -> tuple[PreTrainedModel, Any]:
-    """Load the vision-language model (`AutoModelForImageTextToText`) and its processor (`AutoProcessor`: the
-    tokenizer with its chat template, and the image processor) in `path`, model in eval mode. Raises ModelError
-    (one line) for a directory that holds no such model or whose processor cannot load."""
+def load_processor(path: str | os.PathLike[str], *, revision: str = "") -> Any:
+    """The processor (`AutoProcessor`: the tokenizer with its chat template, and the image processor) of the
+    vision-language model in `path`, which earl_stream runs as a policy; ModelError (one line) otherwise. What a
+    rollout worker whose engine loads the weights itself (vLLM) renders turns with."""
     p = check_model_dir(path, revision)
     config = _config(p)
     if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
@@ -160,6 +159,16 @@ def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torc
         raise ModelError(f"cannot load the processor in {p}: {one_line(exc)}") from None
     if not getattr(processor, "chat_template", None) and not getattr(processor.tokenizer, "chat_template", None):
         raise ModelError(f"the processor in {p} has no chat template; earl_stream renders every turn with it")
+    return processor
+
+
+def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
+                      revision: str = "") -> tuple[PreTrainedModel, Any]:
+    """Load the vision-language model (`AutoModelForImageTextToText`) and its processor (`AutoProcessor`: the
+    tokenizer with its chat template, and the image processor) in `path`, model in eval mode. Raises ModelError
+    (one line) for a directory that holds no such model or whose processor cannot load."""
+    p = check_model_dir(path, revision)
+    processor = load_processor(p)
     try:
         model = AutoModelForImageTextToText.from_pretrained(p, local_files_only=True, dtype=dtype)
     except Exception as exc:

@@ -79,7 +79,7 @@ class VisionChat:
             self._inputs[key] = inputs
             if len(self._inputs) > _CACHE:
                 self._inputs.pop(next(iter(self._inputs)))
-        return PromptImage(image.start, image.tokens, inputs, key)
+        return PromptImage(image.start, image.tokens, inputs, key, image.image)
 
     def _encode(self, text: str, images: Sequence[Image]) -> tuple[list[int], list[SampleImage]]:
         if not images:

@@ -36,7 +36,7 @@ from earl_stream.errors import ConfigError, EarlError, EngineError, EnvError, St
 from earl_stream.evaluation.runner import ItemSpec
 from earl_stream.evaluation.worker import play_eval_tasks
 from earl_stream.model.chat import ChatFormat
-from earl_stream.model.loading import is_vision_dir, load_policy, load_tokenizer, torch_dtype
+from earl_stream.model.loading import is_vision_dir, load_policy, load_processor, load_tokenizer, torch_dtype
 from earl_stream.model.vision import VisionChat
 from earl_stream.openai_api.http import bind_socket
 from earl_stream.records import TRANSCRIPTS_KEPT, SampleRecord, transcript_key
@@ -136,10 +136,10 @@ class RolloutWorker:
         with at most the KV tokens that memory holds, until the supervisor's plan arrives."""
         model_dir, r = model_path(self.cfg), self.cfg.rollout
         model = None
-        self.processor = None  # a vision-language policy's (the built-in engine only)
-        if r.engine != "torch" and is_vision_dir(model_dir):
-            raise ConfigError(f"model.path holds a vision-language model: rollout.engine={r.engine} does not take its "
-                              "images here yet; use rollout.engine=torch (Idefics3 / SmolVLM)")
+        self.processor = None  # a vision-language policy's
+        if r.engine == "sglang" and is_vision_dir(model_dir):
+            raise ConfigError("model.path holds a vision-language model: rollout.engine=sglang does not take its images "
+                              "here yet; use rollout.engine=torch or vllm (Idefics3 / SmolVLM)")
         if r.engine == "torch":
             device = resolve_device(r.device, key="rollout.device", local_rank=int(os.environ.get("LOCAL_RANK", "0")))
             self.memory = engine_memory(r.memory_bytes, str(device), r.workers + self.cfg.trainer.nproc)
@@ -151,7 +151,11 @@ class RolloutWorker:
         else:  # vLLM and SGLang place and size themselves: no CUDA probe in this process (0: nothing reported)
             self.memory = EngineMemory(r.memory_bytes, "rollout.memory_bytes" if r.memory_bytes else f"{r.engine}'s own")
             kv_tokens = self._kv_capacity(model_dir, self.memory)
-            self.tokenizer = load_tokenizer(model_dir)
+            if is_vision_dir(model_dir):  # the engine loads the weights; the turns are rendered here
+                self.processor = load_processor(model_dir)
+                self.tokenizer = self.processor.tokenizer
+            else:
+                self.tokenizer = load_tokenizer(model_dir)
         lora = self.cfg.model.lora
         return make_engine(r.engine, model_dir, model, max_batch_size=r.max_batch_size, seed=self.cfg.seed,
                            kv_budget_tokens=min(kv_tokens or 65536, 65536), weight_swap=r.swap_mode,

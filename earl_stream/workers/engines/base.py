@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from earl_stream.env.images import Image
 from earl_stream.errors import EngineError
 
 
@@ -42,12 +43,14 @@ class PromptImage:
     """An image in a request's prompt: positions [start, start + tokens) of `prompt_ids` are its image tokens,
     which the model's vision tower fills from `inputs` (the processor's tensors for this image alone, e.g.
     Idefics3's pixel_values [1, 3, H, W] and pixel_attention_mask [1, H, W]). `key` names its pixels (a hash of
-    its PNG bytes): prompts share a prefill only where their token ids and image keys are equal."""
+    its PNG bytes): prompts share a prefill only where their token ids and image keys are equal. `picture` is the
+    image itself, for a backend that runs its own processor (vLLM)."""
 
     start: int
     tokens: int
     inputs: Mapping[str, torch.Tensor] = field(compare=False, repr=False)
     key: bytes = b""
+    picture: Image | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

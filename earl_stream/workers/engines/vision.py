@@ -9,7 +9,7 @@ once. It owns `takes_images` (the models it feeds images to; the decode path sen
 
 Runs: Idefics3 (SmolVLM) and SmolVLM2 checkpoints: images enter as pixel_values [1, N, 3, H, W] with their
 pixel_attention_mask, on 1-D positions. Not yet: Qwen2-VL / Qwen2.5-VL / Qwen3-VL, whose multimodal RoPE needs
-3-D position ids per row that the engine's batch layout does not carry (vLLM serves them).
+3-D position ids per row that the engine's batch layout does not carry (nor does the trainer's).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def vision_inputs(model: PreTrainedModel, images: Sequence[PromptImage], device:
     if not takes_images(model):
         kind = str(getattr(model.config, "model_type", ""))
         raise EngineError(f"the built-in engine feeds images to {ENGINE_VISION_TYPES} models, not {kind!r}: Qwen2-VL "
-                          "and its kin need 3-D RoPE positions the engine does not lay out (serve them with vLLM)")
+                          "and its kin need 3-D RoPE positions the engine does not lay out")
     out: dict[str, torch.Tensor] = {}
     for key in _BATCHED:
         parts = [img.inputs[key] for img in images if key in img.inputs]

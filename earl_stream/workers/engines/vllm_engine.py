@@ -26,6 +26,14 @@ version (the version their results carry). Each restart counts as a shed (`oom_s
 rollout worker's heartbeat reports as `oom_sheds`, and `earl_rollout_oom_shed_total`); after
 `max_restarts` or at the floor it raises `EngineOutOfMemory`, naming the knobs.
 
+Images: a vision-language model (Idefics3 / SmolVLM) is served with its own processor (vLLM then starts its
+tokenizer). A request's prompt ids hold each image already laid out as its processor's tokens (`PromptImage` spans);
+vLLM takes token prompts with the unexpanded placeholder and lays the image out itself, so each span is sent as the
+model's one image token and the picture as `multi_modal_data`, and the layout vLLM made is checked against ours
+(an EngineError names the request if they differ). Its image-token ids are masked out of sampling
+(`allowed_token_ids`), as the built-in engine and the trainer mask them. vLLM's prefix cache keys blocks by the
+images' hashes too, so an episode's earlier pictures are not encoded again.
+
 Streaming: `vllm.LLM.generate` returns whole turns, so a request's `on_token` is never called; the
 OpenAI endpoint's streamed replies then arrive in one piece when the turn ends (per-token output
 would need vLLM's AsyncLLM, which this backend does not use).
@@ -45,7 +53,9 @@ from typing import Any
 
 import torch
 
+from earl_stream.env.images import decode_image
 from earl_stream.errors import EngineError
+from earl_stream.model.loading import VISION_POLICY_TYPES
 from earl_stream.model.lora import adapter_problems, is_adapter_state
 from earl_stream.workers.engines.base import EngineCapacity, FinishReason, GenerateRequest, GenerateResult, check_request
 from earl_stream.workers.engines.model_files import clamp_capacity, read_model_shape, shm_root, state_problems, write_checkpoint
@@ -61,6 +71,19 @@ VLLM_INSTALL_HINT = (
     "`make test-vllm` builds such an environment in .venv-vllm"
 )
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+def _image_token_id(config: Mapping[str, Any]) -> int | None:
+    """The image token of a vision-language model earl_stream gives images (Idefics3 / SmolVLM: `image_token_id`
+    of its config.json); None for a text model and for other multimodal checkpoints, which generate text as any
+    model does."""
+    if config.get("model_type") not in VISION_POLICY_TYPES:
+        return None
+    found = config.get("image_token_id")
+    if found is None:
+        raise EngineError(f"the {config.get('model_type')} model's config.json names no image_token_id: vLLM cannot "
+                          "be given its images")
+    return int(found)
 
 
 class _NoTokenizerWarmupWarning(logging.Filter):
@@ -109,6 +132,10 @@ class VllmEngine(VllmRestarts):
         self._shape = read_model_shape(self._model_dir)
         self._config = json.loads((self._model_dir / "config.json").read_text())
         self._max_len = min(self._shape.max_positions, kv_budget_tokens)
+        self._image_token = _image_token_id(self._config)
+        # A vision-language model never samples its image token (the trainer masks it out of its log-probs too).
+        self._sampled_ids = None if self._image_token is None else \
+            [t for t in range(self._shape.vocab_size) if t != self._image_token]
         self._root = shm_root()
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._root, True)
         self._loads = 0
@@ -230,8 +257,14 @@ class VllmEngine(VllmRestarts):
 
     def _reset_cache(self, version: int) -> None:
         """After a load: no KV computed with the old weights is reused; requests are of `version` now."""
-        if not self._live().reset_prefix_cache():
+        llm = self._live()
+        if not llm.reset_prefix_cache():
             _LOG.warning("vLLM did not reset its prefix cache after loading version %d", version)
+        if self._image_token is not None:
+            # Nor image features from the old tower. A reload clears the worker's encoder cache but not the
+            # scheduler's record of it (vLLM 0.32: "Encoder cache miss" on the next picture), nor the sender's.
+            llm.llm_engine.reset_encoder_cache()
+            llm.reset_mm_cache()
         self._version = version
 
     def _base_state(self) -> dict[str, torch.Tensor]:
@@ -300,7 +333,8 @@ class VllmEngine(VllmRestarts):
             enforce_eager=current_platform.is_cpu(),
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # stop only where our requests say, never at the model's defaults
-            skip_tokenizer_init=True,  # token ids in, token ids out
+            # Token ids in, token ids out; a vision-language model's processor (vLLM lays out images) needs its tokenizer.
+            skip_tokenizer_init=self._image_token is None,
         )
 
     def _kv_bytes(self, kv_budget_tokens: int, dtype: str | None = None) -> int:
@@ -323,10 +357,11 @@ class VllmEngine(VllmRestarts):
                 ignore_eos=True,  # the model's EOS stops a sequence only if the request lists it
                 logprobs=0,  # only the sampled token's log-prob
                 detokenize=False,
+                allowed_token_ids=self._sampled_ids,
             )
             for r in reqs
         ]
-        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in reqs]
+        prompts = [self._prompt(r) for r in reqs]
         llm = self._live()
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora.request)
@@ -338,7 +373,29 @@ class VllmEngine(VllmRestarts):
             raise EngineError(message) from exc
         return [self._result(r, out) for r, out in zip(reqs, outputs)]
 
+    def _prompt(self, req: GenerateRequest) -> dict[str, Any]:
+        """vLLM's prompt for `req`: its ids, and for a request with images each image's span as the one image token
+        vLLM expands again (with the pictures as its multimodal data)."""
+        if not req.images:
+            return {"prompt_token_ids": list(req.prompt_ids)}
+        if self._image_token is None:
+            raise EngineError(f"a request carries {len(req.images)} image(s) but {self._model_dir} is not a "
+                              "vision-language model")
+        ids, pictures, at = [], [], 0
+        for img in req.images:
+            if img.picture is None:
+                raise EngineError("an image of the request carries no picture (vLLM runs its own processor)")
+            ids += [*req.prompt_ids[at:img.start], self._image_token]
+            pictures.append(decode_image(img.picture))
+            at = img.start + img.tokens
+        ids += req.prompt_ids[at:]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}
+
     def _result(self, req: GenerateRequest, output: Any) -> GenerateResult:
+        if req.images and list(output.prompt_token_ids) != list(req.prompt_ids):
+            raise EngineError(f"vLLM laid out the images of a {len(req.prompt_ids)}-token prompt as "
+                              f"{len(output.prompt_token_ids)} tokens, not as the processor's chat did: its image "
+                              "processor settings differ from the model directory's")
         completion = output.outputs[0]
         tokens = [int(t) for t in completion.token_ids]
         steps = completion.logprobs
