@@ -35,7 +35,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, VisionChat]:
-    # head dims of 32 (text 128 / 4 heads, tower 64 / 2): vLLM's CPU attention takes no smaller
+    # a wider model than the CPU tests' (head dims of 32: text 128 / 4 heads, tower 64 / 2 heads)
     d = init_vlm_model(tmp_path_factory.mktemp("vlm") / "idefics3", family="idefics3", image_size=64,
                        hidden_size=128, vision_hidden_size=64)
     model, processor = load_vision_model(d)
