@@ -137,7 +137,8 @@ class RolloutWorker:
         model_dir, r = model_path(self.cfg), self.cfg.rollout
         model = None
         self.processor = None  # a vision-language policy's
-        if r.engine == "sglang" and is_vision_dir(model_dir):
+        vision = is_vision_dir(model_dir)
+        if r.engine == "sglang" and vision:
             raise ConfigError("model.path holds a vision-language model: rollout.engine=sglang does not take its images "
                               "here yet; use rollout.engine=torch or vllm (Idefics3 / SmolVLM)")
         if r.engine == "torch":
@@ -151,7 +152,7 @@ class RolloutWorker:
         else:  # vLLM and SGLang place and size themselves: no CUDA probe in this process (0: nothing reported)
             self.memory = EngineMemory(r.memory_bytes, "rollout.memory_bytes" if r.memory_bytes else f"{r.engine}'s own")
             kv_tokens = self._kv_capacity(model_dir, self.memory)
-            if is_vision_dir(model_dir):  # the engine loads the weights; the turns are rendered here
+            if vision:  # the engine loads the weights; the turns are rendered here
                 self.processor = load_processor(model_dir)
                 self.tokenizer = self.processor.tokenizer
             else:
