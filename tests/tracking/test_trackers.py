@@ -71,7 +71,8 @@ def _read_tensorboard(run: TrackerRun) -> tuple[dict[int, dict[str, float]], str
 
 def _wandb_records(path: Path) -> list[Any]:
     """The protobuf records of a W&B transaction log (run-ID.wandb): a 7-byte header, then LevelDB-log blocks
-    of 32 KiB, each chunk with a 7-byte header (CRC, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    of 32 KiB, each chunk with a 7-byte header (CRC, length, type: 1 full, 2 first, 3 middle, 4 last). Read while
+    W&B's service may still be writing: a record whose chunks are not all in the file yet is left out."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -83,8 +84,8 @@ def _wandb_records(path: Path) -> list[Any]:
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
-            break
+        if (length == 0 and kind == 0) or pos + 7 + length > len(data):
+            break  # the zero padding of a block, or a chunk the service is still writing
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
