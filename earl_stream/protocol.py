@@ -373,6 +373,20 @@ class Finished(Msg, tag="finished", frozen=True):
     reason: str = ""
 
 
+class EvalPending(Msg, tag="eval_pending", frozen=True):
+    """The trainer, after its last step: is an evaluation round (eval.every; the final version's one included)
+    still being played?"""
+
+    worker_id: str = ""
+
+
+class EvalPendingReply(Msg, tag="eval_pending_reply", frozen=True):
+    pending: bool = False
+    version: int = -1  # the oldest unfinished round's version (-1: none)
+    done: int = 0  # its episodes back
+    total: int = 0
+
+
 class Scale(Msg, tag="scale", frozen=True):
     """Set the desired size of a pool (only the rollout pool scales live). Scaling down drains the
     surplus workers (no new prompts; each exits once its samples are trained and released); scaling
@@ -421,7 +435,7 @@ AnyMsg = (
     Register | Registered | Heartbeat | HeartbeatReply | RequestPrompts | Prompts | PutMeta | Claim | Claimed
     | Release | PlanAdopted | PublishVersion | Finished | StatusRequest | StatusReply | Ack | ErrorReply | EnvAttach | EnvDetach
     | EnvList | EnvListReply | RecentEpisodes | RecentEpisodesReply | Scale | ScaleReply | RecoverSamples | Recovered
-    | PutEval | TrainerOom | OomReplanned | RevokeKey | RevokeReply
+    | PutEval | TrainerOom | OomReplanned | RevokeKey | RevokeReply | EvalPending | EvalPendingReply
 )
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)

@@ -128,3 +128,6 @@ class EvalConfig:
     temperature: float = _f(0.0, "sampling temperature of evaluation episodes (0 = greedy)", minimum=0)
     share: float = _f(0.5, "at most this fraction of a rollout worker's groups_in_flight slots plays evaluation "
                       "episodes at once (at least one): the rest keeps playing training groups", minimum=0)
+    final_timeout_s: float = _f(600.0, "after the run's last step (`steps`), seconds the trainer waits for the round of "
+                                "the final version, which the whole rollout pool then plays (as verl validates after "
+                                "its last step); 0 = the run ends without it", minimum=0)

@@ -24,7 +24,7 @@ _READ = (P.StatusRequest, P.EnvList, P.RecentEpisodes)
 _OPERATE = (P.Scale, P.EnvAttach, P.EnvDetach, P.Finished, P.RevokeKey)
 # what workers send about their own work (Finished: the trainer's end of the run, from a live trainer rank only)
 _WORK = (P.Register, P.Heartbeat, P.RequestPrompts, P.PutMeta, P.RecoverSamples, P.Claim, P.PlanAdopted, P.Release,
-         P.PublishVersion, P.Finished, P.PutEval, P.TrainerOom)
+         P.PublishVersion, P.Finished, P.PutEval, P.EvalPending, P.TrainerOom)
 
 _ALLOWED: dict[KeyRole, tuple[type, ...]] = {
     KeyRole.READONLY: _READ,

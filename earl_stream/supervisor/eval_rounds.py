@@ -15,7 +15,9 @@ A round whose tasks are all back gives, per environment, success, pass@k (k = 1.
 (`evaluation.passk`) with the policy versions that played it (a worker plays a task with weights at least
 as new as the round's version); they are exported as `earl_eval_*` gauges and in the status (`eval`).
 A new round is skipped while an earlier one is unfinished (evaluation slower than `every` versions of
-training would otherwise pile up). Tasks held by a worker declared dead go back to the queue; a repeated
+training would otherwise pile up), except the final version's (`steps`, where eval.final_timeout_s > 0), which is
+always played, and by every slot of a worker: training is over, the trainer waits for it (`EvalPending`), and the
+run's curve ends at the policy it saved. Tasks held by a worker declared dead go back to the queue; a repeated
 request id gets the tasks it was first given (a lost reply). Pure bookkeeping, no I/O, persisted with the
 supervisor's state.
 """
@@ -64,6 +66,7 @@ class EvalRounds:
         self.cfg = cfg.eval
         self.batch = cfg.trainer.group_size
         self.cap = max(1, math.floor(cfg.eval.share * cfg.rollout.groups_in_flight))
+        self.final_version = cfg.steps if cfg.eval.final_timeout_s > 0 else 0  # 0: no final round
         self.state = EvalState()
         self.sets: dict[str, HeldOutSet] = {}
         self.errors: dict[str, str] = {}
@@ -90,13 +93,14 @@ class EvalRounds:
     # -- rounds -------------------------------------------------------------------------------
 
     def on_version(self, version: int) -> None:
-        """Decide the round of `version` (once per version): due at multiples of `every`."""
+        """Decide the round of `version` (once per version): due at multiples of `every` and at the final one."""
         if not self.enabled or not self.sets or version <= self.state.considered:
             return
         self.state.considered = version
-        if version % self.cfg.every:
+        final = version == self.final_version > 0
+        if version % self.cfg.every and not final:
             return
-        if self.state.rounds:
+        if self.state.rounds and not final:
             self.state.skipped.append(version)
             log.info("evaluation round of version %d skipped: the round of version %d is not finished", version,
                      self.state.rounds[0].version)
@@ -113,15 +117,27 @@ class EvalRounds:
         self.state.rounds.append(Round(version=version, tasks=tasks, pending=list(tasks)))
         log.info("evaluation round of version %d: %d episodes", version, len(tasks))
 
-    def issue(self, worker_id: str, request_id: str) -> list[P.EvalTask]:
-        """A batch of tasks for this request of `worker_id`, or [] (no round, or its eval slots are full)."""
+    def training_over(self, version: int) -> bool:
+        """Whether `version` is the final one with a final round: the pool plays only evaluation from then on."""
+        return self.enabled and bool(self.sets) and version >= self.final_version > 0
+
+    def pending(self) -> P.EvalPendingReply:
+        """The oldest unfinished round and how far it is (pending False: none)."""
+        if not self.state.rounds:
+            return P.EvalPendingReply()
+        r = self.state.rounds[0]
+        return P.EvalPendingReply(pending=True, version=r.version, done=len(r.results), total=len(r.tasks))
+
+    def issue(self, worker_id: str, request_id: str, *, every_slot: bool = False) -> list[P.EvalTask]:
+        """A batch of tasks for this request of `worker_id`, or [] (no round, or its eval slots are full;
+        `every_slot`: no cap, training is over)."""
         seen = self.state.requests.setdefault(worker_id, {})
         if request_id and request_id in seen:
             return [t for r in self.state.rounds for tid in seen[request_id]
                     if (t := r.tasks.get(tid)) is not None and r.assigned.get(tid) == worker_id]
         busy = sum(1 for ids in seen.values() if any(self._open(tid, worker_id) for tid in ids))
         round_ = next((r for r in self.state.rounds if r.pending), None)
-        if round_ is None or busy >= self.cap:
+        if round_ is None or (busy >= self.cap and not every_slot):
             return []
         ids, round_.pending = round_.pending[:self.batch], round_.pending[self.batch:]
         for tid in ids:

@@ -12,7 +12,8 @@ win/draw rate, each environment's outcomes, context-length percentiles), the sta
 samples (`staleness`: versions between each sample's oldest token and the policy it trained -> samples,
 read from the ledger's claim of the step), rollout throughput and the largest store a rollout worker holds,
 the trainer plan and any re-plan, and the evaluation rounds (eval.every) that finished since the last record
-(`eval`: env -> the new points, oldest first). `summary.json` and `learning_curve.png` are made from these
+(`eval`: env -> the new points, oldest first; the last step's record is written once the final version's round
+finished, eval.final_timeout_s, so that it holds it). `summary.json` and `learning_curve.png` are made from these
 records when the run ends (`cli/run_files.py`).
 
 Durable across a restart: a reopened log reads the last step already written and skips every step at or
@@ -119,10 +120,10 @@ class MetricsLog:
         rec["plan"], rec["plan_version"] = plan.get("name"), plan.get("version")
         rec["replanned"] = replanned
         rec["replan"] = _replan(plans.get("trainer_history") or [], status.get("policy_version")) if replanned else None
-        rec["eval"] = self._new_eval_points(status.get("eval") or {})
+        rec["eval"] = self.new_eval_points(status.get("eval") or {})
         return rec
 
-    def _new_eval_points(self, evals: dict[str, Any]) -> dict[str, list[dict[str, Any]]] | None:
+    def new_eval_points(self, evals: dict[str, Any]) -> dict[str, list[dict[str, Any]]] | None:
         """env -> the evaluation points (status "eval" history) newer than any already recorded; the newest
         one in full (stderr, pass@k, the versions that played it). None when no round finished."""
         out: dict[str, list[dict[str, Any]]] = {}

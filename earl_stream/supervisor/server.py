@@ -107,6 +107,7 @@ class Supervisor:
         self._route_pool: tuple[int, list[tuple[str, str]], int] | None = None
         self._ids = 0
         self.metrics_log: MetricsLog | None = None  # RUN_DIR/metrics.jsonl, one line per step (set by serve())
+        self._held_record: tuple[int, dict[str, Any]] | None = None  # the final step's, until its eval round ends
         self.revoked_workers: set[str] = set()  # worker ids `keys revoke` refused (revocation.py; set by serve())
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -206,15 +207,36 @@ class Supervisor:
     def _on_requestprompts(self, msg: P.RequestPrompts, now: float) -> P.Msg:
         if self.finished or msg.worker_id not in self.workers or self.workers[msg.worker_id].draining:
             return P.Prompts(prompts=[])
+        over = self.evals.training_over(self.policy_version)  # only the final evaluation round is left to play
         if self.evals.enabled and msg.request_id not in self.ledger.requests.get(msg.worker_id, {}):
             self.evals.on_version(self.policy_version)
-            if tasks := self.evals.issue(msg.worker_id, msg.request_id):  # between training groups
+            if tasks := self.evals.issue(msg.worker_id, msg.request_id, every_slot=over):  # between training groups
                 return P.Prompts(eval_tasks=tasks)
+        if over:
+            return P.Prompts(prompts=[])
         return P.Prompts(prompts=self.ledger.issue(msg.worker_id, msg.max_groups, msg.request_id, now))
+
+    def _on_evalpending(self, msg: P.EvalPending, now: float) -> P.Msg:
+        self.evals.on_version(self.policy_version)  # the final round is decided here if no worker asked yet
+        return self.evals.pending()
 
     def _on_puteval(self, msg: P.PutEval, now: float) -> P.Msg:
         self.evals.put(msg.worker_id, msg.results)
+        if not self.evals.state.rounds:
+            self._write_held_record(now)
         return P.Ack()
+
+    def _write_held_record(self, now: float) -> None:
+        """The final step's record, held until its evaluation round finished (or the run ended): written now,
+        with the rounds that finished since it was made."""
+        if self._held_record is None or self.metrics_log is None:
+            return
+        step, rec = self._held_record
+        self._held_record = None
+        later = self.metrics_log.new_eval_points(self.evals.status()) or {}
+        rec["eval"] = {env: (rec.get("eval") or {}).get(env, []) + later.get(env, [])
+                       for env in {*(rec.get("eval") or {}), *later}} or None
+        self.metrics_log.append(step, rec)
 
     def _on_putmeta(self, msg: P.PutMeta, now: float) -> P.Msg:
         self.ledger.add_rows(msg.worker_id, msg.rows)
@@ -296,12 +318,17 @@ class Supervisor:
         steps = self.metrics_log
         # a publish without a loss (the trainer's first, or after its resume) ends no step
         if steps is not None and "loss" in msg.metrics and msg.version > steps.last_step:
-            steps.append(msg.version, steps.record(self.status(now), self.trainer_metrics,
-                                                   replanned_at(self.planner.trainer_history, msg.version - 1),
-                                                   staleness_histogram(self.ledger, msg.version - 1)))
+            rec = steps.record(self.status(now), self.trainer_metrics,
+                               replanned_at(self.planner.trainer_history, msg.version - 1),
+                               staleness_histogram(self.ledger, msg.version - 1))
+            if self.evals.training_over(msg.version):  # the last step: its record waits for the final round
+                self._held_record = (msg.version, rec)
+            else:
+                steps.append(msg.version, rec)
         return P.Ack()
 
     def _on_finished(self, msg: P.Finished, now: float) -> P.Msg:
+        self._write_held_record(now)
         log.info("run finished (%s): telling workers to stop", msg.reason)
         self.finished = True
         return P.Ack()

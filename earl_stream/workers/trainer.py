@@ -194,11 +194,41 @@ class TrainerRank:
             log.info("trainer rank %d: stopping after step %d, %s", self.rank, step,
                      f"checkpoint written at version {step}" if fresh else
                      f"the checkpoint of version {step} was already written" if step else "nothing trained to checkpoint")
+        done = bool(self.cfg.steps) and step >= self.cfg.steps
+        if done and not stopped:
+            self._await_final_eval(step)
         if self.rank == 0:
             self._release_checkpointed()
-            if self.cfg.steps and step >= self.cfg.steps:
+            if done:
                 self._call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
         self.close()
+
+    def _await_final_eval(self, step: int) -> None:
+        """With eval.every, after the last step: keep serving the final weights until the evaluation rounds, the
+        final version's included, are played (at most eval.final_timeout_s), every rank together, so that the run's
+        evaluation curve ends at the policy it saved (the supervisor hands the rollout pool only evaluation now)."""
+        e = self.cfg.eval
+        if not e.every or e.final_timeout_s <= 0:
+            return
+        deadline, said = time.monotonic() + e.final_timeout_s, 0.0
+        while True:
+            answer = self._call(P.EvalPending(worker_id=self.worker_id)) if self.rank == 0 else None
+            reply = answer if isinstance(answer, P.EvalPendingReply) else None  # None: another rank, or no answer
+            pending = reply is not None and reply.pending
+            stop, waiting, late = any_rank([bool(self.stop), pending, time.monotonic() > deadline], self.world_size)
+            if stop or not waiting:
+                return
+            if late:
+                log.warning("step %d done: the evaluation round of version %d did not finish within "
+                            "eval.final_timeout_s=%.0fs (%d of %d episodes back); the run ends without it", step,
+                            reply.version if reply else -1, e.final_timeout_s, reply.done if reply else 0,
+                            reply.total if reply else 0)
+                return
+            if reply is not None and time.monotonic() - said > 10:
+                said = time.monotonic()
+                log.info("step %d done: waiting for the evaluation round of version %d (%d of %d episodes back)",
+                         step, reply.version, reply.done, reply.total)
+            self.stop.wait(0.2)
 
     def _claim(self, step: int) -> list | None:
         """The step's metadata once every rank has it, or None when the pool agreed to stop first.

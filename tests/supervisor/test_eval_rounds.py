@@ -1,7 +1,8 @@
 """Evaluation rounds in the supervisor's state machine (supervisor/eval_rounds.py): due at multiples of
 eval.every, handed out between training groups on at most eval.share of a worker's slots, never in the
-ledger, finished into success / pass@k points; requeued when a worker dies; a game without held-out items
-played on evaluation seeds; refused environments."""
+ledger, finished into success / pass@k points; requeued when a worker dies; the final version's round played by
+every slot while the trainer waits; a game without held-out items played on evaluation seeds; refused
+environments."""
 
 from __future__ import annotations
 
@@ -89,6 +90,35 @@ def test_tasks_of_a_dead_worker_are_played_again_and_a_busy_round_skips_the_next
     restored = Supervisor(sup.cfg)
     restored.restore(sup.snapshot(), 0.0)
     assert restored.status(0.0)["eval"]["parity"]["history"] == status["history"]
+
+
+def test_the_final_version_is_evaluated_by_every_slot_while_the_trainer_waits() -> None:
+    """steps=3, every=2: version 3 is not a multiple, yet its round is decided (beside an unfinished one, not
+    skipped); once the trainer published it, requests get only evaluation, on every slot, and `EvalPending`
+    tells the trainer when the rounds are played. eval.final_timeout_s=0: no final round."""
+    sup = _sup("steps=3", "eval.share=0")
+    held = _ask(sup, "0.0").eval_tasks  # version 0's round: 4 of its 6 tasks, on this worker's one eval slot
+    assert len(held) == 4 and not _ask(sup, "1.0").eval_tasks
+    sup.handle(P.PublishVersion(version=3, weights_address="x"), 0.0)
+    pending = sup.handle(P.EvalPending(worker_id="rollout-0"), 0.0)
+    assert pending == P.EvalPendingReply(pending=True, version=0, done=0, total=6)
+    assert [r.version for r in sup.evals.state.rounds] == [0, 3] and 3 not in sup.evals.state.skipped
+    issued = sup.ledger.counters.prompts_issued
+    batches = [_ask(sup, f"{i}.1").eval_tasks for i in range(5)]  # the cap is off: every request gets a batch
+    assert [len(b) for b in batches] == [2, 4, 2, 0, 0] and sup.ledger.counters.prompts_issued == issued
+    assert [{t.version for t in b} for b in batches[:3]] == [{0}, {3}, {3}]
+    sup.handle(P.PutEval(worker_id="rollout-0", results=_results(held + batches[0], set())), 0.0)
+    assert sup.handle(P.EvalPending(), 0.0) == P.EvalPendingReply(pending=True, version=3, done=0, total=6)
+    sup.handle(P.PutEval(worker_id="rollout-0", results=_results(batches[1] + batches[2], {(0, 0)})), 0.0)
+    assert sup.handle(P.EvalPending(), 0.0) == P.EvalPendingReply(pending=False)
+    assert [p["version"] for p in sup.status(0.0)["eval"]["parity"]["history"]] == [0, 3]
+    assert not _ask(sup, "9.0").prompts  # training is over: no training groups either
+    off = _sup("steps=3", "eval.final_timeout_s=0")
+    assert _ask(off, "0.0").eval_tasks  # version 0's round
+    off.handle(P.PublishVersion(version=3, weights_address="x"), 0.0)
+    assert off.handle(P.EvalPending(), 0.0) == P.EvalPendingReply(pending=True, version=0, done=0, total=6)
+    assert [r.version for r in off.evals.state.rounds] == [0]
+    assert _ask(off, "1.0").eval_tasks and _ask(off, "2.0").prompts  # its 2 eval slots, then training goes on
 
 
 def test_a_game_without_held_out_items_is_evaluated_on_seeds_training_never_issues() -> None:
