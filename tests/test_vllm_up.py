@@ -13,13 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from earl_stream.workers.engines.registry import unavailable_reason
+from engine_skip import require_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-_REASON = unavailable_reason("vllm")
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_engine("vllm")
 
 STEPS = 3
 

@@ -9,17 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_skip import require_engine
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from earl_stream.errors import EngineError
 from earl_stream.model import load_model
 from earl_stream.workers.engines import EngineCapacity, FinishReason, GenerateRequest
-from earl_stream.workers.engines.registry import unavailable_reason
 
 pytestmark = pytest.mark.vllm
-_REASON = unavailable_reason("vllm")
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_engine("vllm")
 
 from earl_stream.workers.engines.vllm_engine import VllmEngine  # noqa: E402  (after the skip: needs vllm)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_skip import require_engine
 
 from earl_stream.errors import EngineError
 from earl_stream.model import load_model
@@ -18,12 +19,9 @@ from earl_stream.model.lora import LoraSpec, adapter_state, apply_lora, state_by
 from earl_stream.store import ShardClient, ShardNode
 from earl_stream.store.weights import publish_weights, pull_weights
 from earl_stream.workers.engines import GenerateRequest
-from earl_stream.workers.engines.registry import unavailable_reason
 
 pytestmark = pytest.mark.vllm
-_REASON = unavailable_reason("vllm")
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_engine("vllm")
 
 from earl_stream.workers.engines.vllm_engine import VllmEngine  # noqa: E402  (after the skip: needs vllm)
 

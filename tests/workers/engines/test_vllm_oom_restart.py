@@ -31,12 +31,10 @@ PROMPTS, LONG, SHORT, NEW = 8, 500, 16, 8
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # K and V x 2 layers x 2 KV heads x head_dim 32 x fp32 (the model below)
 
 if __name__ not in ("__main__", "__mp_main__"):  # pytest's import, not the child's (nor vLLM's spawned ones)
-    from earl_stream.workers.engines.registry import unavailable_reason
+    from engine_skip import require_engine
 
     pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux")]
-    _REASON = unavailable_reason("vllm")
-    if _REASON is not None:
-        pytest.skip(_REASON, allow_module_level=True)
+    require_engine("vllm")
 
 
 def _model_dir(out: Path) -> Path:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from earl_stream_envs.board_images import tictactoe_picture
+from engine_skip import require_engine
 
 from earl_stream.env import Observation
 from earl_stream.model.loading import load_vision_model
@@ -21,12 +22,9 @@ from earl_stream.model.tiny_vlm import init_vlm_model
 from earl_stream.model.vision import VisionChat
 from earl_stream.records import SampleImage
 from earl_stream.workers.engines import GenerateRequest
-from earl_stream.workers.engines.registry import unavailable_reason
 
 pytestmark = pytest.mark.vllm
-_REASON = unavailable_reason("vllm")
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_engine("vllm")
 
 from earl_stream.workers.engines.vllm_engine import VllmEngine  # noqa: E402  (after the skip: needs vllm)
 
