@@ -1,4 +1,4 @@
-"""On-policy distillation with a teacher worth learning from, against GRPO alone (issue 49, item 2).
+"""On-policy distillation with a teacher worth learning from, against GRPO alone.
 
     python bench/distill.py [--seeds 3] [--minutes 5] [--teacher-steps 450] [--teacher-run DIR] [--window 256]
                             [--target 0.9] [--coef 0.1] [--quick] [--out bench/results/distill.json]

@@ -1,6 +1,6 @@
 """End-to-end benchmark: earl_stream asynchronous vs earl_stream synchronous vs TRL's GRPOTrainer,
 on the same tiny model, the same game (Tic-Tac-Toe as X against a seeded random opponent), the same
-GRPO hyper-parameters (estimator, group size, no KL term) and the same machine (issue 49, item 5).
+GRPO hyper-parameters (estimator, group size, no KL term) and the same machine.
 
     python bench/e2e.py --json bench/results/e2e.json [--part comparison|staleness|all] [--repeats 3]
     python bench/e2e.py --quick ...     # one repeat, 60 s a run, staleness 0 and 1: checks, not results

@@ -14,7 +14,7 @@ every evaluation round of the `on` arms (policy version, wall seconds, success, 
 
 Without --config the workload is the embedded default model (`up`'s own) on the arithmetic task of
 configs/smollm2_arithmetic.yaml (the model cannot do arithmetic: its curve measures the machinery, not
-learning); with SmolLM2 imported (`make real-model`) pass that config for the issue's run.
+learning); with SmolLM2 imported (`make real-model`) pass that config for a run that learns.
 """
 
 from __future__ import annotations

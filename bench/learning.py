@@ -5,7 +5,7 @@ record the win/draw/loss curve against the random opponent.
     python bench/learning.py --env connect_four --minutes 15      # bench/results/learning_connect_four.json
 
 Writes the curve as JSON and a PNG next to it. Rates are over the last `--window` (512) games. A player
-making random legal moves as X wins about 0.58 of its Tic-Tac-Toe games. Goals (issue 16, 2 cores, 15
+making random legal moves as X wins about 0.58 of its Tic-Tac-Toe games. Goals (2 cores, 15
 minutes): win rate >= 0.9 within 5 minutes (`time_to_target_s`), then second-half mean >= 0.95 and
 second-half minimum >= 0.9. Each point also carries every outcome's rate (`outcomes`: win, draw, loss,
 illegal) and the window's standard error clustered by GRPO group (`win_stderr`: where a group's games share

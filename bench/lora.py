@@ -1,5 +1,5 @@
 """LoRA against the full fine-tune (and TRL's GRPOTrainer + peft): held-out gain over seeds, weight-sync bytes and
-seconds per version, the trainer's peak memory (issue 49, item 3).
+seconds per version, the trainer's peak memory.
 
     python bench/lora.py --json bench/results/lora.json [--steps 12] [--seeds 3] [--trl-seeds 1] [--problems 200]
     python bench/lora.py --resume ...    # keep the runs --json already holds, run only the missing ones

@@ -34,13 +34,13 @@
     with the CUDA caching allocator's own counters, exact to its 512-byte rounding: the step's peak
     (`max_memory_allocated`) with weights, gradients and AdamW states allocated, against the model's
     `total_bytes` (states + step), and the step's part above the states against `dynamic_bytes`.
-(f) The real model at real scale (`bench/memory_model_real.py`, issue 32 item 4; `--only-real-model` refreshes it,
+(f) The real model at real scale (`bench/memory_model_real.py`; `--only-real-model` refreshes it,
     merging: the cases it runs replace theirs, the others are kept, each row stamped with its commit):
     SmolLM2-135M per rank under dp2 and fsdp2 (its 9 heads rule out tp2 and sp2; tp3/sp3 on 3 ranks instead) at
     1K-8K tokens per micro-batch, in fp32 and bf16 (`dp2+bf16:1024`), tp2 and sp2 on its 8-head / 4-KV-head shape
     (`tp2@heads8:1024`), and a dp2 -> fsdp2 switch with AdamW state, against `predict_train_memory` (and the
     library's switch prediction, where it has one): `max_relative_error_real_model` and
-    `max_underprediction_real_model` over every row held (issue 45: an under-prediction crashes), and
+    `max_underprediction_real_model` over every row held (an under-prediction crashes), and
     `max_underprediction_with_learnt_reserve`: the same against the model plus the reserve the selector learns
     from the ranks' peaks, learnt at a layout's smaller token counts and scored at its larger ones.
 """

@@ -1,4 +1,4 @@
-"""Part (f) of bench/memory_model.py: the memory model at real scale (issue 32, item 4).
+"""Part (f) of bench/memory_model.py: the memory model at real scale.
 
     python bench/memory_model.py --only-real-model [--quick] [--real-grid dp2:1024,fsdp2:2048,tp2@heads8:1024,...]
 

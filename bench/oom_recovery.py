@@ -1,4 +1,4 @@
-"""Issue 46's benchmark: a run whose memory model is wrong on purpose meets real allocation failures and
+"""Recovery from out-of-memory errors: a run whose memory model is wrong on purpose meets real allocation failures and
 recovers from each without a crash, a lost sample or a sample trained twice.
 
     make real-model   # SmolLM2-135M-Instruct into ~/.cache/earl_stream (once)

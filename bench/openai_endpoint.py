@@ -15,7 +15,7 @@ same engine, batcher and sampling (temperature 1) in one process, as a rollout w
 
 Measured: generated tokens per second of wall time for the whole workload (and episodes/s); the
 median over repetitions, the modes alternating (the machine is shared). With an agent process the
-endpoint mode uses a second core where there is one (the built-in loop cannot: it is one event loop). The goal (issue 17): the
+endpoint mode uses a second core where there is one (the built-in loop cannot: it is one event loop). The goal: the
 endpoint costs at most 20% tokens/s. Prefix mismatches are counted (must be 0).
 
     nice -n 10 python bench/openai_endpoint.py [--quick] [--episodes 32] [--reps 3] [--json PATH]

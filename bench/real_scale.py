@@ -505,7 +505,8 @@ def summarize(kind: str, args: argparse.Namespace, run_dir: Path, status: dict[s
 
 
 def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """The issue's keys from the runs (missing strategies give None)."""
+    """The result's keys from the runs: adaptive against the best static plan and the dynamic policy (missing
+    strategies give None)."""
     adaptive, dynamic = runs.get("adaptive"), runs.get("dynamic_sp")
     static = {k.split(":", 1)[1]: r for k, r in runs.items() if k.startswith("static:")}
     levels = args.levels
@@ -548,7 +549,7 @@ def aggregate(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         # the same per rank-CPU-second (the runs follow each other on a shared machine whose load varies)
         "vs_best_static_min_cpu": min(ratios_cpu) if ratios_cpu else None,
         "vs_best_static_per_phase_cpu": per_phase_cpu,
-        # the issue's definition: trained tokens over the run (same steps and time budget; a crash ends a run)
+        # trained tokens over the run (same steps and time budget; a crash ends a run)
         "vs_dynamic_sp": round(adaptive["trained_tokens"] / dynamic["trained_tokens"], 3)
         if adaptive and dynamic and dynamic["trained_tokens"] else None,
         # and per second of training while both ran (the phases the dynamic policy survived weigh in)

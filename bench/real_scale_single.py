@@ -2,7 +2,7 @@
 
     python bench/real_scale_single.py --device cuda --dtype bf16 --cap-gib 24 --json bench/results/real_scale_gpu.json
 
-The single-rank form of bench/real_scale.py (issue 32, item 7): what happens to the trainer of one
+The single-rank form of bench/real_scale.py: what happens to the trainer of one
 device when the episodes it trains grow from 1K to 16K tokens (--lengths), under a real memory cap
 (--cap-gib: on CUDA `torch.cuda.set_per_process_memory_fraction`, so that an allocation past it is
 the CUDA allocator's own OutOfMemoryError; on CPU RLIMIT_DATA). Each phase trains --steps steps of

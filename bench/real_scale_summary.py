@@ -60,7 +60,7 @@ def _survived(run: Run, phase: int) -> bool:
 
 
 def summarize_repeats(repeats: dict[str, list[Run]], levels: int, dynamic_sp_real: bool = False) -> dict[str, Any]:
-    """The issue's keys over every strategy's repeats (`repeats`: strategy -> its runs, first repeat first).
+    """The result's keys over every strategy's repeats (`repeats`: strategy -> its runs, first repeat first).
 
     `vs_best_static_end_to_end`: the best crash-free static plan's mean end-to-end seconds over the adaptive
     run's (> 1: adaptive faster), with the 95% interval of that ratio; `phase_vs_fastest_static`: per phase,

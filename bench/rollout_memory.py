@@ -1,4 +1,4 @@
-"""The rollout engine under a real memory cap while multi-turn contexts grow (issue 32, item 5).
+"""The rollout engine under a real memory cap while multi-turn contexts grow.
 
     python bench/rollout_memory.py [--device cuda] [--memory-mib 1024] [--quick] [--json PATH]
     python bench/rollout_memory.py --prefill [--repeats 3] [--json bench/results/rollout_prefill_chunks.json]
@@ -19,7 +19,7 @@ against the memory model's prediction (weights + fused copies + the KV budget). 
 `decode_bytes` (CUDA memory allocated at its decode steps, at most), and over the run
 `peak_kv_tokens` and `peak_bytes` (torch.cuda.max_memory_allocated)).
 
---prefill (issue 46, chunked prefills; CPU): one prompt of 2,048 or 4,096 tokens prefilled by the built-in engine
+--prefill (chunked prefills; CPU): one prompt of 2,048 or 4,096 tokens prefilled by the built-in engine
 (the 2-layer fp32 toy model of tests/workers/engines/test_engine_transient.py) in a fresh process per run, whole
 and in chunks of 256, 512 and 1,024 positions (`rollout.prefill_chunk_tokens`), the arms interleaved (round robin
 per repeat). Per run: the RSS high-water growth of the first long prefill over a short warm-up (KV included;

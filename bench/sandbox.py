@@ -1,8 +1,8 @@
-"""Benchmark: what sandboxing untrusted code costs (issue 51), episodes per second of wall time with `sandbox.mode`
+"""Benchmark: what sandboxing untrusted code costs, episodes per second of wall time with `sandbox.mode`
 none, process and bwrap, in two arms.
 
-Environment arm (`env`, the issue's goal): a tool-using environment loaded from a file (`arithmetic.py`, written
-at start: each step evaluates the arithmetic expression the policy wrote, the code that needs a sandbox), played
+Environment arm (`env`, the arm the goal is set on): a tool-using environment loaded from a file (`arithmetic.py`,
+written at start: each step evaluates the arithmetic expression the policy wrote, the code that needs a sandbox), played
 by the built-in agent loop on the embedded tiny model, up to 3 turns an episode, `--env-episodes` concurrent
 episodes a round. Sandboxed, its `reset`/`step` run in the worker's environment runner (`open_env_runners`), whose child is
 started ahead of need (`EnvRunners.check`, as at attach time) and reused by every round of that mode; under none

@@ -1,4 +1,4 @@
-"""Benchmark: a summarising agent under `rollout.non_append=split` vs `refuse` (issue 35, the `split` key of
+"""Benchmark: a summarising agent under `rollout.non_append=split` vs `refuse` (the `split` key of
 bench/results/weight_swap.json).
 
 The agent is the calculator task's OpenAI-API agent (`earl_stream_envs.calculator_agent`) with `summarize_after=3`: after its

@@ -33,7 +33,7 @@ TOKEN_FIELDS: dict[str, np.dtype] = {
 # (`routing_info`), which says its width per token and checks its bytes. Optional: dense models have none.
 ROUTED_EXPERTS = "routed_experts"
 
-# Images (vision-language policies, issue 50): `SampleRecord.images` holds each image an episode showed, as
+# Images (vision-language policies): `SampleRecord.images` holds each image an episode showed, as
 # PNG bytes and the span [start, start + tokens) of `input_ids` its image tokens take. Stored as one field of
 # uint8 (the PNGs back to back); the metadata carries `info[IMAGES]` = {"spans": [[start, tokens, width, height,
 # bytes], ...], "crc32"} (`images_info`). A consumer pulls whole images, those whose spans meet its token

@@ -1,4 +1,4 @@
-"""Hostile agent programs in the rollout worker's sandboxed agent processes (issue 51), against the real endpoint,
+"""Hostile agent programs in the rollout worker's sandboxed agent processes, against the real endpoint,
 engine and `openai` client, started as a worker starts them (`open_agent_runners` from a run config): each tries to
 read the run's secret, keys and checkpoints, connect to the worker's TCP endpoint and to a supervisor port, fork
 without bound, spin and allocate for ever. Under bwrap each attempt fails or ends its episode with

@@ -1,12 +1,12 @@
 """The models users start from, trained for real by `earl-stream up` with the selector on (its default).
 
-Each named dense family issue 47 lists trains a few steps: Llama 3 (its rope scaling), Qwen3 (q/k norms,
+Each named dense family trains a few steps: Llama 3 (its rope scaling), Qwen3 (q/k norms,
 free head_dim), Mistral, Gemma 3 text (sliding windows, the Hugging Face forward in the engine), Phi-3 (fused
 projections), SmolLM3 (layers without rotary embeddings); Qwen2.5 is the architecture of the default tiny model
 (Qwen2ForCausalLM), which every other run of `up` trains; of the mixtures of experts Mixtral trains
 here (Qwen3-MoE with routing replay is tests/test_moe_live.py's).
 A model type no code of earl_stream names (GLM-4, built here from its transformers config) trains
-under both plans the issue asks of an unknown family, dp2 and fsdp2. The math of every family under
+under both plans, dp2 and fsdp2. The math of every family under
 every plan is tests/test_families_parallel.py's; the engine's output per family is
 tests/workers/engines/test_families.py's; the memory model's per family is
 tests/supervisor/test_model_families.py's.

@@ -1,4 +1,4 @@
-"""Every dense family trains under every plan with the math of one process (issue 47).
+"""Every dense family trains under every plan with the math of one process.
 
 For each family of `model.tiny_families` (Llama 3, Qwen2, Qwen3, Mistral, Gemma 3 text, Phi-3,
 SmolLM3, OLMo 2, Granite), two gloo ranks run the real `train_step` on the same claim under dp2,

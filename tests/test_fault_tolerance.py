@@ -212,7 +212,7 @@ def test_lost_ids_of_every_rank_reach_rank_0(tmp_path: Path) -> None:
 @pytest.mark.faults
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc to size the cap")
 def test_one_rank_fails_to_allocate_and_the_pool_leaves_the_step_together(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Issue 46 on a pool of two: only rank 1 runs under an address-space cap, so its first long-context
+    """Out-of-memory recovery on a pool of two: only rank 1 runs under an address-space cap, so its first long-context
     step fails to allocate while rank 0, which fits, goes on (computing, or already in the gradients'
     all-reduce: timing decides; the in-collective case is pinned down by tests/workers/test_pool_abort.py). Both leave
     the step within trainer.oom_abort_seconds (+ slack), the pool re-forms its process group and trains the

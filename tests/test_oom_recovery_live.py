@@ -1,4 +1,4 @@
-"""Never die of OOM (issue 46, the trainer's part): a one-rank `up` whose trainer rank runs under an
+"""Never die of OOM (the trainer's part): a one-rank `up` whose trainer rank runs under an
 address-space cap (`RLIMIT_AS`, set by the rank once its model and optimizer are built:
 $EARL_TRAINER_AS_HEADROOM_BYTES) while the selector is told a budget far larger, so that its first plan
 (a whole step of long prompts in one micro-batch) fails to allocate for real. The step is abandoned with

@@ -1,4 +1,4 @@
-"""No idle after a re-plan (issue 45): contexts grow through several re-plans while the rollout worker's
+"""No idle after a re-plan: contexts grow through several re-plans while the rollout worker's
 batches run longer than the supervisor's lease. The trainer's idle time before each step after a re-plan
 stays within the switch's own seconds plus one rollout of a group, and no worker is declared dead.
 

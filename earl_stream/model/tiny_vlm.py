@@ -1,4 +1,4 @@
-"""Tiny, fully offline vision-language models of the families users start from (issue 50).
+"""Tiny, fully offline vision-language models of the families users start from.
 
 Owns `init_vlm_model`: a small randomly initialised image-text-to-text model with a real vision tower and the
 real processor classes of its family, written with `save_pretrained` so that tests and benchmarks load it

@@ -1,4 +1,4 @@
-"""Token-in/token-out rendering of multi-turn chats with images, for vision-language models (issue 50).
+"""Token-in/token-out rendering of multi-turn chats with images, for vision-language models.
 
 `VisionChat` is `ChatFormat` for a model with a processor: an observation's images become the processor's image
 tokens inside the turn's token ids, each a `SampleImage` (its PNG and the span of positions its tokens take, what an

@@ -32,7 +32,7 @@ bf16 weights and so runs a bf16 stream) the residual stream, the embedding and t
 saves its fp32 input and normalised value and each linear after it its own bf16 cast, (8 + c e) sbh for c linears
 (q, k, v: 3; gate, up: 2), the residual gradient is fp32, and the logits are the LM head's bf16 output (earl_stream's
 fp32 logits buffer is then a transient upcast). Under FSDP2 the root's unsharded weights (embedding, final norm,
-LM head) stay gathered from its forward to the end of the backward. Both measured (issue 45).
+LM head) stay gathered from its forward to the end of the backward. Both measured.
 The peak is not the saved total alone but the largest of: (a) everything saved plus the loss's
 [b, s, V] fp32 buffers (`TrainPlan.logit_copies`); (b) the lm_head backward (the logits' grad and
 the weight-gradient temporary); (c) the last layer's backward: the other layers' saved tensors plus
@@ -280,7 +280,7 @@ def layer_activation_bytes(shape: ModelShape, plan: TrainPlan) -> LayerActivatio
 def _fp32_stream(plan: TrainPlan) -> bool:
     """Autocast over fp32 weights (trainer.dtype=bf16 without FSDP, whose mixed-precision policy gathers bf16
     weights instead) keeps the residual stream, the embedding's output and the norms in fp32; only the
-    linears', attention's and the LM head's outputs are bf16 (measured with saved-tensor hooks, issue 45)."""
+    linears', attention's and the LM head's outputs are bf16 (measured with saved-tensor hooks)."""
     return plan.precision is Precision.AUTOCAST_BF16 and not plan.fsdp
 
 

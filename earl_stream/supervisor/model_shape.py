@@ -32,7 +32,7 @@ class VisionTower:
 
     Each image token is `patches_per_token` patches (the pixel shuffle's scale_factor squared); a tile is
     `tile_patches` patches (image_size / patch_size, squared), attended to within the tile. Per patch, measured
-    with saved-tensor hooks on the tower as transformers runs it (issue 50): each layer saves (8 h + 2 I) e bytes
+    with saved-tensor hooks on the tower as transformers runs it: each layer saves (8 h + 2 I) e bytes
     (LayerNorm inputs and outputs, q, k, v, the attention output and the out_proj's input, fc1's output and the
     GELU's) and the attention's fp32 log-sum-exp (4 bytes per head), or under eager attention the fp32 softmax of
     the tile's scores (and its cast copy when e < 4); outside the layers, the patch embedding's pixel input, the

@@ -1,5 +1,5 @@
 """A trainer step that failed to allocate, retried under a new plan (`trainer.oom_recovery`): the trainer's
-side of issue 46's "abandon, re-plan, retry".
+side of out-of-memory recovery (abandon the step, re-plan, retry).
 
 Owns `OomRetry`: it runs a rank's part of a step under `oom_step.run_guarded` (one rank) or
 `pool_abort.PoolGuard` (a pool of several ranks: every rank leaves the failed step within

@@ -1,4 +1,4 @@
-"""The trainer's images (issue 50): a vision-language policy's forward over a micro-batch recomputes the vision tower
+"""The trainer's images: a vision-language policy's forward over a micro-batch recomputes the vision tower
 for the images whose tokens the micro-batch holds, and puts each image's features where its image tokens are.
 
 A sample's pictures come from the store whole (`store.experience.pull_images`: every image whose span meets the

@@ -1,4 +1,4 @@
-"""Images in observations (issue 50, item 1): `Observation` checks and converts what an environment shows
+"""Images in observations: `Observation` checks and converts what an environment shows
 (PIL images, uint8 arrays, encoded bytes) into PNG bytes once; a bad image fails its episode with a clear error;
 images cross an environment host's messages (a sandbox child, an environment server) byte for byte and are checked
 again on arrival; the OpenAI endpoint's `image_url` parts are data URLs, checked the same way; the image board games

@@ -1,4 +1,4 @@
-"""The tiny vision-language models of tests (issue 50, item 2): each family is written with its real classes and
+"""The tiny vision-language models of tests: each family is written with its real classes and
 loads back through `AutoModelForImageTextToText` / `AutoProcessor.from_pretrained(dir)`, as a user's checkpoint."""
 
 from __future__ import annotations

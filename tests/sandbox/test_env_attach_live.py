@@ -1,4 +1,4 @@
-"""An environment file attached to a live run (issue 51): its module's top-level code runs only in the rollout
+"""An environment file attached to a live run: its module's top-level code runs only in the rollout
 worker's sandboxed child, never in the worker, and its episodes train; a file that cannot be imported fails
 `env attach` with what the import said, and the run goes on."""
 

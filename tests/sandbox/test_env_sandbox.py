@@ -1,4 +1,4 @@
-"""Environments from outside the project in the rollout worker's sandboxed environment runners (issue 51), real
+"""Environments from outside the project in the rollout worker's sandboxed environment runners, real
 child processes started as a worker starts them (`open_env_runners` from a run config): a hostile environment
 loaded from a file tries, in its `step`, to read the run's secret, keys and checkpoints, connect to a port on the
 host, fork without bound, allocate without bound, spin and sleep for ever, and exit. Each attempt fails inside (and

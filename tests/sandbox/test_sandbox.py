@@ -1,4 +1,4 @@
-"""Hostile programs in the sandbox (issue 51): each tries to read the run's secret, keys and checkpoints, open a
+"""Hostile programs in the sandbox: each tries to read the run's secret, keys and checkpoints, open a
 socket to a server of the host, fork without bound, allocate without bound and spin for ever. Under bwrap every
 attempt fails or ends the program with the limit named; `process` (the fallback) keeps the limits and the secret's
 file mode, and is documented to see the host's files and network."""

@@ -1,4 +1,4 @@
-"""Images of vision-language episodes in the experience store (issue 50, item 4): stored beside the token
+"""Images of vision-language episodes in the experience store: stored beside the token
 fields as the PNGs back to back, described and crc-checked by the metadata; a consumer pulls whole images whose
 spans meet its token ranges (a sequence-parallel rank gets every image its slice touches), straight from the
 producer, through the central dispatcher, and after a restart from durable experience, byte for byte."""

@@ -238,7 +238,7 @@ def test_per_layer_bytes_equal_what_autograd_saves(attn: str) -> None:
 
 def test_per_layer_bytes_under_autocast_equal_what_autograd_saves() -> None:
     """trainer.dtype=bf16 without FSDP: the residual stream and the norms stay fp32 and each linear saves its own
-    bf16 cast of its input (issue 45: 2-byte activations everywhere under-predicted SmolLM2's step by ~10%)."""
+    bf16 cast of its input (2-byte activations everywhere under-predicted SmolLM2's step by ~10%)."""
     import torch
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The model's shape read from the model itself (issue 47): every tiny family of `model.tiny_families` and
+"""The model's shape read from the model itself: every tiny family of `model.tiny_families` and
 `model.tiny_moe` gets a shape whose parameters are the real model's, exactly; the memory model predicts one
 real CPU training step of each within 5% (measured as bench/memory_model.py (b) does, in one fresh process,
 `family_step_peak.py`); a model type no code names gets a shape and trainer plans; layouts the trainer

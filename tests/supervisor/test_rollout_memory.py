@@ -1,5 +1,5 @@
-"""The rollout plan sized from the rollout engine's own memory and rollout.dtype (issue 32, item 5),
-and episodes longer than any plan can run stopped and counted (its "bad input" section).
+"""The rollout plan sized from the rollout engine's own memory and rollout.dtype,
+and episodes longer than any plan can run (bad input) stopped and counted.
 
 In-process: the Planner and the Supervisor's message handler, no sockets."""
 

@@ -1,4 +1,4 @@
-"""The rollout memory model corrected by a shed's bytes (issue 46): the engine's failed allocation (what it asked,
+"""The rollout memory model corrected by a shed's bytes: the engine's failed allocation (what it asked,
 what was in use) says by how much the model was off, and the correction makes that state not fit; without the
 bytes (0, or an old peer that does not send them) every shed counts x1.25 as before.
 

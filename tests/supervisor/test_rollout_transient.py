@@ -1,5 +1,5 @@
 """The built-in rollout engine's prefill and decode transients in the rollout memory model, and the correction the
-rollout selector learns from the allocation failures the engines shed (issue 46, item 2).
+rollout selector learns from the allocation failures the engines shed.
 
 In-process: the memory model, the RolloutSelector, and the Supervisor's message handler (no sockets)."""
 

@@ -1,4 +1,4 @@
-"""Bad input, live (issue 32): episodes that outgrow the largest plan the trainer pool can run are
+"""Bad input, live: episodes that outgrow the largest plan the trainer pool can run are
 stopped by the rollout worker at the rollout plan's `max_episode_tokens`, counted in the status as
 `samples_too_long`, and the run goes on training; no process crashes. Real supervisor, rollout worker
 and trainer processes on loopback, `long_recall` growing one fact turn (~35 tokens) per prompt group."""

@@ -1,4 +1,4 @@
-"""A vision-language policy plays an image game through the built-in agent loop (issue 50): every turn's board
+"""A vision-language policy plays an image game through the built-in agent loop: every turn's board
 picture enters the context as the processor's image tokens, the engine encodes each picture once (later turns
 reuse the KV), and the episode's record keeps the pictures with their token spans. The log-probs the engine
 sampled with equal a fresh forward of the whole episode (tokens and pictures) within 1e-4: what the trainer's

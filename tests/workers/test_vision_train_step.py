@@ -1,4 +1,4 @@
-"""A vision-language policy trains on its episodes' pictures (issue 50, item 4): the real `train_step` pulls each
+"""A vision-language policy trains on its episodes' pictures: the real `train_step` pulls each
 sample's images with its rows (`store.experience.pull_images`), recomputes the vision tower and puts the features
 over the image tokens (`workers.vision_inputs`). Its forward equals the model's own (transformers' merger) on the
 same tokens and pixels; the step under dp2, fsdp2 and sp2 (slices that cut images, packed micro-batches of several

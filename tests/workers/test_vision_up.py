@@ -1,4 +1,4 @@
-"""End to end with a vision-language policy (issue 50): `earl-stream up` on a tiny Idefics3 model and the image
+"""End to end with a vision-language policy: `earl-stream up` on a tiny Idefics3 model and the image
 Tic-Tac-Toe runs rollout workers whose episodes show board pictures, and a trainer pool of two ranks that pulls
 those pictures with their samples and recomputes the vision tower (`workers.vision_inputs`)."""
 

@@ -1,7 +1,7 @@
 """LoRA versions in the built-in engine, applied unmerged: the base weights never change, and each adapted linear
 adds its adapter's low-rank product in the forward (y = W x + B (A x), alpha / r already folded into B on the wire,
 see `earl_stream.model.lora`). A new version costs its adapter's bytes and a pointer swap, not a merge of B @ A
-into every adapted weight (the merge was 91% of a LoRA version's sync time on SmolLM2-135M, issue 49).
+into every adapted weight (the merge was 91% of a LoRA version's sync time on SmolLM2-135M).
 
 It owns `LowRank` (one adapted linear's A and B in the engine's dtype and device, and the update they add),
 `fuse_low_rank` (the adapters of projections the fast decoder runs as one matmul, q/k/v and gate/up, as one

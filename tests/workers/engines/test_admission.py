@@ -1,4 +1,4 @@
-"""Admission under a KV budget (issue 32, item 5): as multi-turn contexts grow the built-in engine runs
+"""Admission under a KV budget: as multi-turn contexts grow the built-in engine runs
 fewer rows at once and never holds more KV than its budget; a request too large even alone is refused
 (never run); an episode past the rollout plan's bound stops as too long. Real engine, batcher and
 agent loop on a tiny model built here; counted in rows and KV positions, not timed."""

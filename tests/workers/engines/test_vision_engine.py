@@ -1,4 +1,4 @@
-"""Vision-language models in the built-in engine (issue 50, item 3): a tiny Idefics3 (SmolVLM's architecture),
+"""Vision-language models in the built-in engine: a tiny Idefics3 (SmolVLM's architecture),
 its prompts rendered by `VisionChat` from image observations. Greedy tokens equal `transformers` generate with
 the same images; a second turn reuses the first turn's KV (its image is not encoded again) and still equals
 generate over the whole two-turn context; rows with and without images share a batch; a request with images

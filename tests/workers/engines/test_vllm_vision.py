@@ -1,4 +1,4 @@
-"""A vision-language model served by vLLM (issue 50, item 3; run by `make test-vllm`, skipped where vllm is absent):
+"""A vision-language model served by vLLM (run by `make test-vllm`, skipped where vllm is absent):
 a tiny Idefics3 (SmolVLM's architecture) whose prompts `VisionChat` renders from image observations. Greedy tokens
 equal `transformers` generate with the same pictures, on the first turn and on a second turn that reaches vLLM's
 prefix cache; rows with and without images share a batch; sampled log-probs equal the trainer's forward (the image
