@@ -10,8 +10,8 @@ Every benchmark writes its JSON through `write_result`, which adds a `provenance
 - `machine`: CPU model, cores, memory, OS, Python and torch versions, and the GPU name, count and
   driver where CUDA is available;
 - `depends_on`: the paths (files or folders, relative to the repository) whose code the result
-  measures. `bench/report.py` marks a result stale when any of them changed in a commit after
-  `commit`.
+  measures. `bench/report.py` marks a result stale when the code of any of them (docstrings and comments
+  aside) differs from `commit`.
 
 No absolute paths of this machine go into a result: `relative` turns one into a repository path or
 its file name.
@@ -228,16 +228,6 @@ def keep_parts(previous: dict[str, Any], result: dict[str, Any], parts: dict[str
     if kept:
         merged["part_provenance"] = kept
     return merged
-
-
-def stale_since(result: dict[str, Any]) -> list[str]:
-    """Commits after the result's own that changed a path it depends on ([] when current or unknown)."""
-    prov = result.get("provenance") or {}
-    commit, deps = prov.get("commit"), prov.get("depends_on") or []
-    if not commit or not deps:
-        return []
-    out = _git("log", "--format=%h", f"{commit}..HEAD", "--", *deps)
-    return out.split() if out else []
 
 
 if __name__ == "__main__":

@@ -81,13 +81,43 @@ def measured_at(data: dict[str, Any], path: Path) -> tuple[str, str]:
 
 
 def changed_since(commit: str, depends_on: list[str], not_measured: list[str] = ()) -> list[str]:  # type: ignore[assignment]
-    """The measured paths whose content in this checkout differs from `commit` (None-safe: [] if unknown),
-    less the `not_measured` paths inside them (code the benchmark never runs, e.g. another engine)."""
+    """The measured paths whose code in this checkout differs from `commit` (None-safe: [] if unknown), less
+    the `not_measured` paths inside them (code the benchmark never runs, e.g. another engine). A Python file whose
+    only changes are in docstrings and comments has the same code (`same_code`): the result stays current."""
     if not commit or not depends_on:
         return []
     # a measured path gone since (moved or deleted) shows as changed: git names its deletion
     rc, out = _git("diff", "--name-only", commit, "--", *depends_on, *(f":(exclude){p}" for p in not_measured))
-    return sorted(out.splitlines()) if rc == 0 else []
+    if rc != 0:
+        return []
+    return sorted(p for p in out.splitlines() if not _prose_only(commit, p))
+
+
+def _prose_only(commit: str, path: str) -> bool:
+    """Whether the Python file `path` differs from its version at `commit` in docstrings and comments only."""
+    if not path.endswith(".py") or not (ROOT / path).is_file():
+        return False
+    rc, old = _git("show", f"{commit}:{path}")
+    return rc == 0 and same_code(old, (ROOT / path).read_text())
+
+
+def same_code(old: str, new: str) -> bool:
+    """Whether two Python sources are the same program: equal syntax trees once every module, class and function
+    docstring is left out (comments and layout are not in the tree). Unparsable source is never the same."""
+    try:
+        return _code_tree(old) == _code_tree(new)
+    except (SyntaxError, ValueError):
+        return False
+
+
+def _code_tree(source: str) -> str:
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body and \
+                isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) and \
+                isinstance(node.body[0].value.value, str):
+            node.body = node.body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def currency(data: dict[str, Any], path: Path, depends_on: list[str], not_measured: list[str] = ()  # type: ignore[assignment]

@@ -93,6 +93,19 @@ def test_code_a_benchmark_never_runs_does_not_make_it_stale() -> None:
     assert set(everything) - set(rest) == set(real_scale["not_measured"])
 
 
+def test_a_change_to_docstrings_and_comments_only_leaves_a_result_current() -> None:
+    """The stale check compares code: a module, class or function docstring and comments may change; a string
+    that is not a docstring, a statement or a name may not."""
+    from bench.report import same_code
+
+    old = '"""Module."""\nimport os\n\n\nclass A:\n    """A."""\n\n    def f(self) -> str:\n        """F."""\n        return "x"\n'
+    assert same_code(old, old.replace('"""A."""', '"""Another text,\n    on two lines."""').replace("import os", "import os  # why"))
+    assert same_code(old, old.replace('    """A."""\n\n', ""))  # a docstring removed
+    assert not same_code(old, old.replace('return "x"', 'return "y"'))
+    assert not same_code(old, old.replace("import os", "import sys"))
+    assert not same_code(old, old + "x = (\n")  # unparsable: never the same
+
+
 def test_no_result_holds_a_machine_path() -> None:
     """bench/results/ holds no absolute path of the machine a benchmark ran on (`bench/provenance.py` scrubs them
     at the write; `python bench/provenance.py FILE` scrubs an older file)."""
