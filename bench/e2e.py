@@ -377,7 +377,7 @@ def summarise_comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any
         else:
             notes.append("time_to_target_vs_trl.default_model is null: a run did not reach the target within its "
                          f"window (async {reached['async']}, trl {reached['trl']} seconds)")
-    notes.append("time_to_target_vs_trl.smollm2 is not measured by this script yet (issue 49, item 5)")
+    notes.append("time_to_target_vs_trl.smollm2 (SmolLM2-135M against TRL) is not measured by this script yet")
     return {
         "async_vs_ceiling": _ci(ceiling), "async_vs_ceiling_per_run": ceiling,
         "async_vs_sync": _ratio(rate.get("async", []), rate.get("sync", [])),

@@ -88,7 +88,7 @@ def run_arm(name: str, up_args: list[str], minutes: float, work: Path) -> dict[s
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="run config (default: the embedded default model on the arithmetic task)")
-    ap.add_argument("--minutes", type=float, default=30.0, help="length of each arm (the issue: 30)")
+    ap.add_argument("--minutes", type=float, default=30.0, help="length of each arm")
     ap.add_argument("--repeats", type=int, default=1, help="off/on pairs, alternated")
     ap.add_argument("--every", type=int, default=5, help="eval.every of the `on` arm (versions)")
     ap.add_argument("--problems", type=int, default=64, help="eval.problems")

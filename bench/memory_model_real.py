@@ -354,7 +354,7 @@ def learnt_reserve(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"max_underprediction_with_learnt_reserve": worst if scored else None, "learnt_reserve_rows": scored}
 
 
-NOTE = ("Issue 45 item 5, measured on a shared 2-core, 24 GiB host (other work ran beside it: step times are not "
+NOTE = ("Measured on a shared 2-core, 24 GiB host (other work ran beside it: step times are not "
         "comparable; peak RSS is) by bench/memory_model.py --only-real-model, whose runs merge: each row's "
         "`measured_at` names the date and commit whose tree measured it (`grid_run`: the cases held; `last_run`: the "
         "latest invocation's grid and commit). tp2 and sp2 run on `heads8`, SmolLM2-135M's config with 8 attention "

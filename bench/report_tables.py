@@ -249,7 +249,7 @@ def render_dispatch_cluster(d: dict[str, Any]) -> list[str]:
     out += ["- *ideal*: the central controller's link-bound seconds (it gathers every row whole, then scatters each "
             "rank's part: step + delivered bytes through its one link) over the pull's (the bytes of its busiest link); "
             "a controller that overlapped gathering and scattering would be bound by the larger of the two, giving "
-            "the issue's N/2 for dp (`ideal_speedup_pipelined_controller` in the JSON). *pull of its link bound*: the "
+            "N/2 for dp (`ideal_speedup_pipelined_controller` in the JSON). *pull of its link bound*: the "
             "pull's own efficiency, independent of how slow central is.",
             "- Weights: `rank0` every rollout host pulls rank 0's full copy; `sharded` each trainer rank's own "
             f"half ({cfg.get('trainer_hosts_for_weights')} trainer hosts); `relay` a chain "
