@@ -71,6 +71,7 @@ class SupervisorState(msgspec.Struct):
     checkpoint_version: int = -1  # the step of the trainer's latest checkpoint (-1: none, or an older snapshot)
     run_id: str = ""  # random, made when the run's state was first written ("" in older snapshots)
     evals: bytes = b""  # evaluation rounds (supervisor/eval_rounds.py; "" in older snapshots)
+    held_record: bytes = b""  # JSON [step, record]: the last step's metrics.jsonl record, held for its eval round
 
 
 class Supervisor:
@@ -399,7 +400,8 @@ class Supervisor:
                                 trainer_metrics=self.trainer_metrics, plans=self.planner.snapshot(),
                                 rollout_replicas=self.rollout_replicas, wal_seq=wal_seq,
                                 checkpoint_version=self.checkpoint_version, run_id=self.run_id,
-                                evals=self.evals.snapshot())
+                                evals=self.evals.snapshot(),
+                                held_record=json.dumps(self._held_record).encode() if self._held_record else b"")
         return msgspec.msgpack.encode(state)
 
     def restore(self, data: bytes, now: float) -> int:
@@ -416,6 +418,9 @@ class Supervisor:
         self.checkpoint_version = state.checkpoint_version
         self.run_id = state.run_id or self.run_id
         self.evals.restore(state.evals)
+        if state.held_record:
+            step, rec = json.loads(state.held_record)
+            self._held_record = (int(step), rec)
         if state.plans is not None:
             self.planner.restore(state.plans)
         # A finished run resumed with more steps (`up --resume --steps M`) goes on training.

@@ -121,6 +121,30 @@ def test_the_final_version_is_evaluated_by_every_slot_while_the_trainer_waits() 
     assert _ask(off, "1.0").eval_tasks and _ask(off, "2.0").prompts  # its 2 eval slots, then training goes on
 
 
+def test_the_last_step_record_waits_for_the_final_round_across_a_restart(tmp_path: Path) -> None:
+    """metrics.jsonl's record of the last step is held until the final round finished, then written with it, also
+    by a supervisor restored from a snapshot taken in between (the publish is not replayed then)."""
+    from earl_stream.supervisor.metrics_log import MetricsLog, read_records
+
+    sup = _sup("steps=2")
+    sup.metrics_log = MetricsLog(tmp_path)
+    first = _ask(sup, "0.0").eval_tasks + _ask(sup, "1.0").eval_tasks
+    sup.handle(P.PutEval(worker_id="rollout-0", results=_results(first, set())), 0.0)
+    sup.handle(P.PublishVersion(version=1, weights_address="x", metrics={"loss": 0.5}), 0.0)
+    sup.handle(P.PublishVersion(version=2, weights_address="x", metrics={"loss": 0.25}), 0.0)
+    assert [r["step"] for r in read_records(tmp_path)] == [1]  # step 2's waits for version 2's round
+    restored = _sup("steps=2")
+    restored.metrics_log = MetricsLog(tmp_path)
+    restored.restore(sup.snapshot(), 0.0)
+    restored.handle(P.Register(role=P.Role.ROLLOUT, host="h", pid=1, worker_id="rollout-0"), 0.0)
+    final = _ask(restored, "2.0").eval_tasks + _ask(restored, "3.0").eval_tasks
+    assert {t.version for t in final} == {2} and len(final) == 6
+    restored.handle(P.PutEval(worker_id="rollout-0", results=_results(final, {(0, 0)})), 0.0)
+    records = read_records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2] and records[1]["loss"] == 0.25
+    assert [p["version"] for r in records for p in (r["eval"] or {}).get("parity", [])] == [0, 2]
+
+
 def test_a_game_without_held_out_items_is_evaluated_on_seeds_training_never_issues() -> None:
     """The embedded default (Tic-Tac-Toe defines no held_out()) with eval.every: its tasks reset the game with
     evaluation seeds, disjoint from every seed the ledger hands out, and its points carry win/draw/loss rates."""
