@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -93,6 +94,7 @@ def changed_since(commit: str, depends_on: list[str], not_measured: list[str] = 
     return sorted(p for p in out.splitlines() if not _prose_only(commit, p))
 
 
+@functools.cache  # results measured at one commit share its files: one `git show` each
 def _prose_only(commit: str, path: str) -> bool:
     """Whether the Python file `path` differs from its version at `commit` in docstrings and comments only."""
     if not path.endswith(".py") or not (ROOT / path).is_file():

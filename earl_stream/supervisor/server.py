@@ -224,10 +224,10 @@ class Supervisor:
     def _on_puteval(self, msg: P.PutEval, now: float) -> P.Msg:
         self.evals.put(msg.worker_id, msg.results)
         if not self.evals.state.rounds:
-            self._write_held_record(now)
+            self._write_held_record()
         return P.Ack()
 
-    def _write_held_record(self, now: float) -> None:
+    def _write_held_record(self) -> None:
         """The final step's record, held until its evaluation round finished (or the run ended): written now,
         with the rounds that finished since it was made."""
         if self._held_record is None or self.metrics_log is None:
@@ -329,7 +329,7 @@ class Supervisor:
         return P.Ack()
 
     def _on_finished(self, msg: P.Finished, now: float) -> P.Msg:
-        self._write_held_record(now)
+        self._write_held_record()
         log.info("run finished (%s): telling workers to stop", msg.reason)
         self.finished = True
         return P.Ack()
