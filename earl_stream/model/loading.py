@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import (
     AutoConfig,
+    AutoImageProcessor,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoProcessor,
@@ -26,8 +27,9 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from earl_stream.errors import ModelError
+from earl_stream.model.mrope import MROPE_TYPES, MropeProcessor
 
-__all__ = ["TOKENIZER_FILES", "VISION_POLICY_TYPES", "Policy", "check_model_dir", "check_vision_policy",
+__all__ = ["TOKENIZER_FILES", "VISION_POLICY_TYPES", "VISION_TRAIN_TYPES", "Policy", "check_model_dir", "check_vision_policy",
            "count_parameters", "is_vision_dir", "load_model", "load_policy", "load_processor", "load_tokenizer",
            "load_vision_model", "one_line", "placeholder_token_ids", "torch_dtype"]
 
@@ -130,17 +132,20 @@ def load_model(
 
 
 VISION_POLICY_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")  # the vision-language families run end to end
-_MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # 3-D (multimodal) RoPE positions
+VISION_TRAIN_TYPES: tuple[str, ...] = (*VISION_POLICY_TYPES, *MROPE_TYPES)  # those the trainer and SFT train
+_LATER_MROPE_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # 3-D positions interleaved, and features fed to several layers
 
 
-def check_vision_policy(model_type: str) -> None:
-    """Refuse (ModelError, one line) a vision-language family that neither the built-in engine nor the trainer can
-    run as a policy: those whose decoder takes 3-D (multimodal RoPE) positions. They feed images to
-    `VISION_POLICY_TYPES`; other multimodal checkpoints (Gemma 3 4B+) run as text models."""
-    if model_type in _MROPE_TYPES:
+def check_vision_policy(model_type: str, *, rollout: bool = True) -> None:
+    """Refuse (ModelError, one line) a vision-language family earl_stream cannot run: with `rollout`, as the policy
+    of a run (its rollout engines lay out its images too: `VISION_POLICY_TYPES`), else as a model the trainer and
+    `earl-stream sft` train (`VISION_TRAIN_TYPES`: also Qwen2-VL and Qwen2.5-VL, whose 3-D positions the trainer lays
+    out). Other multimodal checkpoints (Gemma 3 4B+) run as text models."""
+    if model_type in _LATER_MROPE_TYPES or (rollout and model_type in MROPE_TYPES):
+        trained = "" if model_type in _LATER_MROPE_TYPES else " (the trainer and `earl-stream sft` do)"
         raise ModelError(f"model_type {model_type!r} is a vision-language model earl_stream does not run as a policy "
-                         "yet: its decoder takes 3-D (multimodal RoPE) position ids, which the built-in engine and the "
-                         f"trainer do not lay out; the vision-language families it runs: {', '.join(VISION_POLICY_TYPES)}"
+                         "yet: its decoder takes 3-D (multimodal RoPE) position ids, which the rollout engines do not "
+                         f"lay out{trained}; the vision-language families it runs: {', '.join(VISION_POLICY_TYPES)}"
                          " (e.g. model.path=default:tictactoe_image)")
 
 
@@ -152,7 +157,13 @@ def load_processor(path: str | os.PathLike[str], *, revision: str = "") -> Any:
     config = _config(p)
     if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         raise ModelError(f"model in {p} has model_type {config.model_type!r}, which is not a vision-language model")
-    check_vision_policy(config.model_type)
+    check_vision_policy(config.model_type, rollout=False)
+    if config.model_type in MROPE_TYPES:  # the tokenizer and the image processor (see model.mrope)
+        try:
+            images = AutoImageProcessor.from_pretrained(p, local_files_only=True)
+        except Exception as exc:
+            raise ModelError(f"cannot load the image processor in {p}: {one_line(exc)}") from None
+        return MropeProcessor(load_tokenizer(p), images)
     try:
         processor = AutoProcessor.from_pretrained(p, local_files_only=True)
     except Exception as exc:
@@ -178,14 +189,14 @@ def load_vision_model(path: str | os.PathLike[str], *, dtype: torch.dtype = torc
 
 
 def placeholder_token_ids(config: Any) -> tuple[int, ...]:
-    """The token ids a vision-language model's forward replaces by image features (Idefics3 / SmolVLM:
-    `image_token_id`; none for a text model). A policy never samples them: one in a reply would stand for a picture
-    that is not there (the forward's merge fails on the count). The engine masks them out of sampling and the
-    trainer out of its log-probs, so both see the same distribution."""
+    """The token ids a vision-language model's forward replaces by image (or video) features (`image_token_id`,
+    and Qwen2-VL's `video_token_id`; none for a text model). A policy never samples them: one in a reply would
+    stand for a picture that is not there (the forward's merge fails on the count). The engine masks them out of
+    sampling and the trainer out of its log-probs, so both see the same distribution."""
     if getattr(config, "vision_config", None) is None:
         return ()
-    found = getattr(config, "image_token_id", None)
-    return (int(found),) if found is not None else ()
+    found = (getattr(config, name, None) for name in ("image_token_id", "video_token_id"))
+    return tuple(int(t) for t in found if t is not None)
 
 
 def is_vision_dir(path: str | os.PathLike[str]) -> bool:

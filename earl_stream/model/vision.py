@@ -9,7 +9,9 @@ are encoded once) and the trainer's forward sees the same tokens and pixels. Sam
 agent loop's.
 
 Families: Idefics3 / SmolVLM (an image is `<fake_token_around_image><global-img>`, the `<image>` tokens,
-`<fake_token_around_image>`: the span that a `PromptImage` covers, so that a kept KV never cuts an image).
+`<fake_token_around_image>`: the span that a `PromptImage` covers, so that a kept KV never cuts an image), and
+Qwen2-VL / Qwen2.5-VL through `model.mrope.MropeProcessor` (an image is `<|vision_start|>`, one `<|image_pad|>` per
+merged patch, `<|vision_end|>`; its tensors are the patches and their grid, `image_grid_thw`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from typing import Any
 from earl_stream.env.images import Image, Observation, decode_image, split_observation
 from earl_stream.errors import ModelError
 from earl_stream.model.chat import ChatFormat
+from earl_stream.model.mrope import MropeProcessor
 from earl_stream.records import SampleImage
 from earl_stream.workers.engines.base import PromptImage
 
 __all__ = ["VisionChat"]
 
-_PER_IMAGE = ("pixel_values", "pixel_attention_mask")
+_PER_IMAGE = ("pixel_values", "pixel_attention_mask")  # Idefics3: [images, tiles, ...], one image's at [0]
+_PATCHES = ("pixel_values", "image_grid_thw")  # Qwen2-VL: [patches, ...] and [images, 3], one image's whole
 _CACHE = 256  # pictures whose processor tensors are kept (a board game repeats its boards)
 
 
@@ -39,12 +43,13 @@ class VisionChat:
         self.chat = ChatFormat(self.tokenizer)
         self.end_token_id, self.stop_token_ids = self.chat.end_token_id, self.chat.stop_token_ids
         kind = type(processor).__name__
-        if kind not in ("Idefics3Processor", "SmolVLMProcessor"):
-            raise ModelError(f"VisionChat renders Idefics3 and SmolVLM processors, not {kind}")
+        self.mrope = isinstance(processor, MropeProcessor)
+        if kind not in ("Idefics3Processor", "SmolVLMProcessor") and not self.mrope:
+            raise ModelError(f"VisionChat renders Idefics3, SmolVLM and Qwen2-VL processors, not {kind}")
         ids = self.tokenizer.convert_tokens_to_ids
-        self.image_token_id = int(ids("<image>"))
-        self._around = int(ids("<fake_token_around_image>"))
-        self._global = int(ids("<global-img>"))
+        self.image_token_id = processor.pad_id if self.mrope else int(ids("<image>"))
+        self._around = processor.start_id if self.mrope else int(ids("<fake_token_around_image>"))
+        self._global = processor.end_id if self.mrope else int(ids("<global-img>"))
         self._inputs: dict[bytes, dict[str, Any]] = {}
 
     @staticmethod
@@ -75,7 +80,10 @@ class VisionChat:
         inputs = self._inputs.get(key)
         if inputs is None:
             out = self.processor.image_processor([decode_image(image.image)], return_tensors="pt")
-            inputs = {name: out[name][0] for name in _PER_IMAGE if name in out}  # every tile of the image
+            if self.mrope:
+                inputs = {name: out[name] for name in _PATCHES}
+            else:
+                inputs = {name: out[name][0] for name in _PER_IMAGE if name in out}  # every tile of the image
             self._inputs[key] = inputs
             if len(self._inputs) > _CACHE:
                 self._inputs.pop(next(iter(self._inputs)))
@@ -93,9 +101,11 @@ class VisionChat:
         return ids, [SampleImage(start, end - start, image) for (start, end), image in zip(spans, images)]
 
     def _spans(self, ids: list[int]) -> list[tuple[int, int]]:
-        """[start, end) of each image's block: its tiles' `<image>` runs (with image splitting, one run per tile,
-        each after `<fake_token_around_image>` and a `<row_i_col_j>` tag) up to the run after `<global-img>`, and
-        the markers around them."""
+        """[start, end) of each image's block: Qwen2-VL, `<|vision_start|>` to `<|vision_end|>`; Idefics3, its
+        tiles' `<image>` runs (with image splitting, one run per tile, each after `<fake_token_around_image>` and a
+        `<row_i_col_j>` tag) up to the run after `<global-img>`, and the markers around them."""
+        if self.mrope:
+            return self._marked_spans(ids)
         spans: list[tuple[int, int]] = []
         start, i = -1, 0
         while i < len(ids):
@@ -114,4 +124,18 @@ class VisionChat:
             i = j
         if start >= 0:
             raise ModelError("an image's tokens end without its global image")
+        return spans
+
+    def _marked_spans(self, ids: list[int]) -> list[tuple[int, int]]:
+        """Qwen2-VL's blocks: an opening marker, its image tokens only, the closing marker."""
+        spans: list[tuple[int, int]] = []
+        for i, t in enumerate(ids):
+            if t != self._around:
+                continue
+            j = i + 1
+            while j < len(ids) and ids[j] == self.image_token_id:
+                j += 1
+            if j == i + 1 or j == len(ids) or ids[j] != self._global:
+                raise ModelError("an image's tokens are not one run of image tokens between its two markers")
+            spans.append((i, j + 1))
         return spans

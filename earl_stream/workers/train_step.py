@@ -50,7 +50,7 @@ from earl_stream.workers.mesh import Placement, clip_gradients, reduce_gradients
 from earl_stream.workers.packed_attention import packed_segments
 from earl_stream.workers.routing_replay import RoutingReplay
 from earl_stream.workers.ulysses import sp_state
-from earl_stream.workers.vision_inputs import RowImages, VisionInputs, place_images, pull_row_images
+from earl_stream.workers.vision_inputs import Described, RowImages, VisionInputs, place_images, place_spans, pull_row_images
 from earl_stream.workers.vocab_parallel import forward_logprobs, vocab_entropy
 
 FIELDS = ("input_ids", "loss_mask", "behaviour_logprobs")
@@ -161,6 +161,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
                for k in range(mini.passes)}
     if replay is not None:
         replay.add_to_batches(batches, minis, routed, lengths)
+    if vision is not None and vision.mrope and with_images:
+        _add_rope(batches, minis, metas, lengths, vision)
     rewards = np.array([m.reward for m in metas], dtype=np.float64)
     kl_in_reward = 0.0
     if algo.updates > 1 or (run.kl_in_reward and ref_model is not None):
@@ -318,6 +320,20 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
     return batch
 
 
+def _add_rope(batches: dict[tuple[int, int], dict[str, Any]], minis: Sequence[_Mini], metas: Sequence[SampleMeta],
+              lengths: Sequence[int], vision: VisionInputs) -> None:
+    """Give a 3-D RoPE decoder's micro-batches `rope`: every image of their samples, pulled or not (one before a
+    sequence-parallel rank's slice shifts the positions of its text), from the samples' metadata."""
+    described: Described = {i: [(s[0], s[1], s[2], s[3]) for s in d[0]] for i, m in enumerate(metas)
+                            if (d := images_info(json.loads(m.info_json))) is not None}
+    for (u, k), batch in batches.items():
+        if batch.get("rows"):
+            mini = minis[u]
+            placed = place_spans(mini.micro_batches[k] if mini.packed else None, mini.windows[k][0], batch["rows"],
+                                 described, lengths)
+            batch["rope"] = vision.spans(placed)
+
+
 _STATS = ("pg_loss", "mismatch_abs", "clip_frac", "entropy", "ratio_dev", "is_masked", "kl", "stale", "distill_kl")
 
 
@@ -360,9 +376,9 @@ class _MicroBatchRunner:
     def _forward(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.placement.autocast_dtype
         with torch.autocast(self.placement.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            pictures = batch.get("images")
-            if pictures and self.vision is not None:  # the forward merges the micro-batch's pictures
-                with self.vision.merged(model, pictures):
+            pictures, rope = batch.get("images") or [], batch.get("rope")
+            if (pictures or rope) and self.vision is not None:  # the forward merges the micro-batch's pictures
+                with self.vision.merged(model, pictures, rope):
                     return forward_logprobs(model, batch, **self.vocab)
             return forward_logprobs(model, batch, **self.vocab)
 

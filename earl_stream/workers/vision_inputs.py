@@ -17,26 +17,31 @@ model's forward use them. It does so from a forward pre-hook of the model, after
 weights the root holds (the embedding table, the tower's and connector's): the forward is called with input_ids
 as for any model and the hook replaces them with the embeddings.
 
-Families: Idefics3 / SmolVLM (the model's `model.get_image_features`, image tokens `config.image_token_id`).
+Families: Idefics3 / SmolVLM and Qwen2-VL / Qwen2.5-VL (the model's `model.get_image_features`, image tokens
+`config.image_token_id`). The Qwen2-VL family's decoder takes 3-D positions (`model.mrope`): the forward pre-hook
+also turns the micro-batch's 1-D positions into them, from the sizes of every image of its samples (`ImageSpan`:
+the images before a sequence-parallel rank's slice shift its text too, pulled or not; `place_spans` places them
+from what the samples' metadata records of their images, `Described`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from earl_stream.errors import ConfigError, ModelError
+from earl_stream.model.mrope import ImageSpan, image_grid, mrope_positions
 from earl_stream.records import SampleImage
 from earl_stream.store.experience import Puller, pull_images, pull_samples
 from earl_stream.store.schema import SampleMeta
 
-__all__ = ["BatchImage", "RowImages", "VisionInputs", "is_vision_model", "place_images", "pull_row_images",
-           "vision_parameters"]
+__all__ = ["BatchImage", "Described", "RowImages", "VisionInputs", "is_vision_model", "place_images", "place_spans",
+           "pull_row_images", "vision_parameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,7 @@ class BatchImage:
 
 
 RowImages = dict[int, list[tuple[SampleImage, "np.ndarray | None"]]]  # claim row -> its images (and span ids)
+Described = dict[int, list[tuple[int, int, int, int]]]  # claim row -> each image's (start, tokens, width, height)
 
 
 def pull_row_images(client: Puller, metas: Sequence[SampleMeta], part: Sequence[int],
@@ -75,32 +81,48 @@ def pull_row_images(client: Puller, metas: Sequence[SampleMeta], part: Sequence[
         into[i] = [(img, spans.get((i, img.start))) for img in found]
 
 
+def _placed(packing: Sequence[int] | None, start: int, rows: Sequence[int],
+            lengths: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(batch row, offset, claim row) of each pulled row of a micro-batch (see `place_images`)."""
+    if packing is None:
+        return [(r, -start, i) for r, i in enumerate(rows)]
+    out: list[tuple[int, int, int]] = []
+    o = 0
+    for i in packing:
+        if i in rows:
+            out.append((0, o - start, i))
+        o += lengths[i]
+    return out
+
+
 def place_images(packing: Sequence[int] | None, start: int, rows: Sequence[int], images: RowImages,
                  lengths: Sequence[int]) -> list[BatchImage]:
     """Where a micro-batch's images go: `rows` are its claim rows that were pulled, in batch order; `start` is the
     rank's window start. Packed (`packing`: the micro-batch's claim rows in packing order, lost ones included: their
     spans stay in place), one batch row in which a sample starts at its offset; padded (None), a row per sample."""
-    if packing is None:
-        return [BatchImage(r, -start, img, ids) for r, i in enumerate(rows) for img, ids in images.get(i, ())]
-    out: list[BatchImage] = []
-    o = 0
-    for i in packing:
-        if i in rows:
-            out += [BatchImage(0, o - start, img, ids) for img, ids in images.get(i, ())]
-        o += lengths[i]
-    return out
+    return [BatchImage(r, o, img, ids) for r, o, i in _placed(packing, start, rows, lengths) for img, ids in images.get(i, ())]
+
+
+def place_spans(packing: Sequence[int] | None, start: int, rows: Sequence[int], described: Described,
+                lengths: Sequence[int]) -> list[tuple[int, int, tuple[int, int, int, int]]]:
+    """(batch row, offset, (start, tokens, width, height)) of every image of a micro-batch's samples, placed as
+    `place_images` places the pulled ones: what `VisionInputs.spans` turns into 3-D RoPE spans."""
+    return [(r, o, d) for r, o, i in _placed(packing, start, rows, lengths) for d in described.get(i, ())]
 
 
 def is_vision_model(model: torch.nn.Module) -> bool:
-    """Whether `model` is an image-text-to-text model this trainer can feed images (Idefics3 / SmolVLM)."""
+    """Whether `model` is an image-text-to-text model this trainer can feed images (Idefics3 / SmolVLM: its tower
+    is `vision_model`; Qwen2-VL / Qwen2.5-VL: `visual`)."""
     inner = getattr(model, "model", None)
-    return inner is not None and hasattr(inner, "get_image_features") and hasattr(inner, "vision_model")
+    return inner is not None and hasattr(inner, "get_image_features") and (
+        hasattr(inner, "vision_model") or hasattr(inner, "visual"))
 
 
 def vision_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The vision tower's and its connector's parameters (what `model.freeze_vision` freezes)."""
+    """The vision tower's and its connector's parameters (what `model.freeze_vision` freezes; Qwen2-VL's merger
+    is part of its `visual`)."""
     inner: Any = getattr(model, "model", None)
-    parts = [getattr(inner, name, None) for name in ("vision_model", "connector")]
+    parts = [getattr(inner, name, None) for name in ("vision_model", "connector", "visual")]
     return [p for part in parts if part is not None for p in part.parameters()]
 
 
@@ -112,20 +134,39 @@ class VisionInputs:
 
         if not is_vision_model(model):
             raise ModelError(f"{type(model).__name__} is not a vision-language model earl_stream trains with images "
-                             "(Idefics3 / SmolVLM)")
+                             "(Idefics3 / SmolVLM, Qwen2-VL / Qwen2.5-VL)")
         self.chat = VisionChat(processor)
+        self.mrope = self.chat.mrope  # the decoder takes 3-D positions
         config: Any = model.config
         self.image_token_id = int(config.image_token_id)
         if self.image_token_id != self.chat.image_token_id:
             raise ModelError(f"the model's image token {self.image_token_id} is not its processor's "
                              f"({self.chat.image_token_id})")
 
+    def spans(self, placed: Sequence[tuple[int, int, tuple[int, int, int, int]]]) -> list[ImageSpan]:
+        """The 3-D RoPE spans of `place_spans`' images (each one's grid from its size and the image processor)."""
+        ip = self.chat.processor.image_processor
+        return [ImageSpan(r, o, s, t, *image_grid(ip, w, h)) for r, o, (s, t, w, h) in placed]
+
     @contextlib.contextmanager
-    def merged(self, model: torch.nn.Module, images: Sequence[BatchImage]) -> Iterator[None]:
-        """While inside, `model`'s forward takes its input_ids with `images` merged (`embeds`)."""
+    def merged(self, model: torch.nn.Module, images: Sequence[BatchImage],
+               spans: Sequence[ImageSpan] | None = None) -> Iterator[None]:
+        """While inside, `model`'s forward takes its input_ids with `images` merged (`embeds`) and, for a decoder
+        with 3-D positions, its 1-D position_ids (none: 0.. per row) laid out for `spans`, every image of the
+        micro-batch's samples (None: `images` are all of them)."""
+        if self.mrope and spans is None:
+            spans = self.spans([(b.row, b.offset, (b.image.start, b.image.tokens, b.image.image.width,
+                                                    b.image.image.height)) for b in images])
+
         def hook(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             ids = kwargs.pop("input_ids")
             kwargs["inputs_embeds"] = self.embeds(module, ids, images)
+            if self.mrope:
+                flat = kwargs.get("position_ids")
+                if flat is None:
+                    flat = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+                # the text positions first: what the model's own packed-sequence mask reads
+                kwargs["position_ids"] = torch.cat([flat[None], mrope_positions(flat, spans or ())])
             return args, kwargs
 
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -142,10 +183,7 @@ class VisionInputs:
         if not images:
             return embeds
         inputs = [self.chat.prompt_image(b.image).inputs for b in images]  # the engine's tensors, every tile
-        pix = {k: torch.cat([i[k] for i in inputs]).to(input_ids.device)[None] for k in inputs[0]}
-        out = hf.model.get_image_features(pix["pixel_values"], pix.get("pixel_attention_mask"), return_dict=True)
-        features = out.pooler_output  # [tiles, tokens per tile, hidden]
-        tiles = torch.split(features, [int(i["pixel_values"].shape[0]) for i in inputs])
+        tiles = self._features(hf, inputs, input_ids.device)
         rows: list[int] = []
         cols: list[int] = []
         picked: list[torch.Tensor] = []
@@ -176,3 +214,14 @@ class VisionInputs:
         index = (torch.tensor(rows, dtype=torch.long, device=embeds.device),
                  torch.tensor(cols, dtype=torch.long, device=embeds.device))
         return embeds.index_put(index, values)
+
+    def _features(self, hf: Any, inputs: Sequence[Mapping[str, torch.Tensor]], device: torch.device
+                  ) -> Sequence[torch.Tensor]:
+        """Each image's features: Idefics3, [tiles, tokens per tile, hidden]; Qwen2-VL, [tokens, hidden]."""
+        if self.mrope:  # patches of every image back to back, and their grids
+            pixels = torch.cat([i["pixel_values"] for i in inputs]).to(device)
+            grids = torch.cat([i["image_grid_thw"] for i in inputs]).to(device)
+            return hf.model.get_image_features(pixels, grids, return_dict=True).pooler_output
+        pix = {k: torch.cat([i[k] for i in inputs]).to(device)[None] for k in inputs[0]}
+        out = hf.model.get_image_features(pix["pixel_values"], pix.get("pixel_attention_mask"), return_dict=True)
+        return torch.split(out.pooler_output, [int(i["pixel_values"].shape[0]) for i in inputs])

@@ -70,19 +70,26 @@ def test_a_vision_model_loads_with_its_processor_and_the_text_loader_says_what_i
         load_vision_model(init_model(tmp_path / "text", num_layers=1, hidden_size=32, intermediate_size=64))
 
 
-def test_a_3d_rope_family_is_refused_as_a_policy_with_what_runs_instead(tmp_path: Path) -> None:
-    """Qwen2.5-VL's decoder takes 3-D position ids that neither the engine nor the trainer lays out: the supervisor
-    refuses it at start (before any worker loads it) and so does the loader, each in one line naming what runs."""
+def test_a_3d_rope_family_loads_for_training_and_is_refused_as_a_run_policy_with_what_runs_instead(tmp_path: Path) -> None:
+    """Qwen2.5-VL's decoder takes 3-D position ids: the trainer lays them out (it loads, with the tokenizer and
+    image processor as its processor), the rollout engines do not yet, so the supervisor refuses it as a run's
+    policy at start (before any worker loads it), in one line naming what runs; Qwen3-VL is refused by both."""
     import json
 
     from earl_stream.config import ModelConfig, RunConfig
     from earl_stream.errors import ConfigError
     from earl_stream.model import load_policy
+    from earl_stream.model.loading import check_vision_policy
+    from earl_stream.model.mrope import MropeProcessor
     from earl_stream.supervisor.planning import Planner
 
     d = init_vlm_model(tmp_path / "qwen", family="qwen2_5_vl", image_size=56)
-    with pytest.raises(ModelError, match=r"'qwen2_5_vl' is a vision-language model .* 3-D .* runs: idefics3, smolvlm"):
-        load_policy(d)
-    with pytest.raises(ConfigError, match=r"model.path=.*'qwen2_5_vl' .* not run as a policy yet"):
+    policy = load_policy(d)
+    assert type(policy.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert isinstance(policy.processor, MropeProcessor) and policy.tokenizer is policy.processor.tokenizer
+    with pytest.raises(ConfigError, match=r"model.path=.*'qwen2_5_vl' .* not run as a policy yet.*trainer.*runs: "
+                                          r"idefics3, smolvlm"):
         Planner(RunConfig(model=ModelConfig(path=str(d))))
+    with pytest.raises(ModelError, match=r"'qwen3_vl' is a vision-language model .* 3-D"):
+        check_vision_policy("qwen3_vl", rollout=False)
     assert json.loads((d / "config.json").read_text())["model_type"] == "qwen2_5_vl"

@@ -3,7 +3,9 @@ sample's images with its rows (`store.experience.pull_images`), recomputes the v
 over the image tokens (`workers.vision_inputs`). Its forward equals the model's own (transformers' merger) on the
 same tokens and pixels; the step under dp2, fsdp2 and sp2 (slices that cut images, packed micro-batches of several
 rows) equals the single-process step within 1e-5 (loss, gradient norm, updated weights); `model.freeze_vision`
-leaves the tower as it was; a text-only trainer refuses samples with pictures."""
+leaves the tower as it was; a text-only trainer refuses samples with pictures. Both families: Idefics3 (SmolVLM)
+and Qwen2.5-VL, whose decoder takes 3-D positions (`model.mrope`: under sp2 a rank's slice after a picture it does
+not hold is still shifted by it)."""
 
 from __future__ import annotations
 
@@ -60,13 +62,21 @@ def _hf_logprobs(model: Any, chat: Any, ids: list[int], images: list[Any]) -> np
     """log p(ids[t] | ids[:t]) for t >= 1 from the model's own forward (its merger puts the pictures in), the image
     token out of the distribution as the engine samples (0 where the label is one: a placeholder, never a choice)."""
     prompt = [chat.prompt_image(i) for i in images]
-    logits = model(input_ids=torch.tensor([ids]),
-                   pixel_values=torch.cat([p.inputs["pixel_values"] for p in prompt])[None],
-                   pixel_attention_mask=torch.cat([p.inputs["pixel_attention_mask"] for p in prompt])[None]).logits[0]
-    logits[:, chat.image_token_id] = float("-inf")
+    x = torch.tensor([ids])
+    if chat.mrope:  # Qwen2.5-VL: patches and grids; its own 3-D positions from the image tokens
+        logits = model(input_ids=x, pixel_values=torch.cat([p.inputs["pixel_values"] for p in prompt]),
+                       image_grid_thw=torch.cat([p.inputs["image_grid_thw"] for p in prompt]),
+                       mm_token_type_ids=(x == chat.image_token_id).int()).logits[0]
+    else:
+        logits = model(input_ids=x, pixel_values=torch.cat([p.inputs["pixel_values"] for p in prompt])[None],
+                       pixel_attention_mask=torch.cat([p.inputs["pixel_attention_mask"] for p in prompt])[None]).logits[0]
+    from earl_stream.model.loading import placeholder_token_ids
+
+    never = torch.tensor(placeholder_token_ids(model.config))  # Qwen2.5-VL: its video token too
+    logits[:, never] = float("-inf")
     labels = torch.tensor(ids[1:])
     lp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, labels[:, None])[:, 0]
-    return lp.masked_fill(labels == chat.image_token_id, 0.0).numpy()
+    return lp.masked_fill(torch.isin(labels, never), 0.0).numpy()
 
 
 def _load(model_dir: str) -> tuple[Any, Any]:
@@ -122,11 +132,12 @@ def _same(got: tuple[float, float, dict[str, torch.Tensor]], ref: tuple[float, f
     assert scale > 1e-4 and worst <= REL_TOL * scale, f"{what}: weights differ by {worst:.3g} (change {scale:.3g})"
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl"])
+def vlm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from earl_stream.model.tiny_vlm import init_vlm_model
 
-    return init_vlm_model(tmp_path_factory.mktemp("vlm") / "m", family="idefics3", image_size=64)
+    size = 64 if request.param == "idefics3" else 56
+    return init_vlm_model(tmp_path_factory.mktemp("vlm") / "m", family=request.param, image_size=size)
 
 
 def test_the_trainers_forward_with_images_equals_the_models_own(vlm_dir: Path) -> None:
@@ -162,7 +173,7 @@ def test_a_frozen_vision_tower_stays_and_a_text_only_trainer_refuses_pictures(vl
         init = {k: v.clone() for k, v in _load(str(vlm_dir))[0].state_dict().items()}
         _, _, after = _step(str(vlm_dir), claim, Placement.single(micro_batch_tokens=4096), freeze=True)
         moved = {k for k, v in after.items() if not torch.equal(v, init[k])}
-        assert moved and not any(k.startswith(("model.vision_model.", "model.connector.")) for k in moved)
+        assert moved and not any(k.startswith(("model.vision_model.", "model.connector.", "model.visual.")) for k in moved)
         text, _ = load_model(tiny_model_dir)
         placement = Placement.single(micro_batch_tokens=4096)
         with pytest.raises(ConfigError, match="showed images but the trainer's model is text-only"):

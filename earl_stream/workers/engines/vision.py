@@ -9,7 +9,8 @@ once. It owns `takes_images` (the models it feeds images to; the decode path sen
 
 Runs: Idefics3 (SmolVLM) and SmolVLM2 checkpoints: images enter as pixel_values [1, N, 3, H, W] with their
 pixel_attention_mask, on 1-D positions. Not yet: Qwen2-VL / Qwen2.5-VL / Qwen3-VL, whose multimodal RoPE needs
-3-D position ids per row that the engine's batch layout does not carry (nor does the trainer's).
+3-D position ids per row (and, decoding, each row's shift from its images) that the engine's batch layout does not
+carry; the trainer lays them out (`model.mrope`).
 """
 
 from __future__ import annotations
