@@ -131,22 +131,25 @@ def load_model(
     return model, tokenizer
 
 
-VISION_POLICY_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")  # the vision-language families run end to end
-VISION_TRAIN_TYPES: tuple[str, ...] = (*VISION_POLICY_TYPES, *MROPE_TYPES)  # those the trainer and SFT train
+VISION_POLICY_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")  # vision-language families every engine runs
+VISION_TRAIN_TYPES: tuple[str, ...] = (*VISION_POLICY_TYPES, *MROPE_TYPES)  # the trainer, SFT and the built-in engine
 _LATER_MROPE_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # 3-D positions interleaved, and features fed to several layers
 
 
-def check_vision_policy(model_type: str, *, rollout: bool = True) -> None:
-    """Refuse (ModelError, one line) a vision-language family earl_stream cannot run: with `rollout`, as the policy
-    of a run (its rollout engines lay out its images too: `VISION_POLICY_TYPES`), else as a model the trainer and
-    `earl-stream sft` train (`VISION_TRAIN_TYPES`: also Qwen2-VL and Qwen2.5-VL, whose 3-D positions the trainer lays
-    out). Other multimodal checkpoints (Gemma 3 4B+) run as text models."""
-    if model_type in _LATER_MROPE_TYPES or (rollout and model_type in MROPE_TYPES):
-        trained = "" if model_type in _LATER_MROPE_TYPES else " (the trainer and `earl-stream sft` do)"
-        raise ModelError(f"model_type {model_type!r} is a vision-language model earl_stream does not run as a policy "
-                         "yet: its decoder takes 3-D (multimodal RoPE) position ids, which the rollout engines do not "
-                         f"lay out{trained}; the vision-language families it runs: {', '.join(VISION_POLICY_TYPES)}"
-                         " (e.g. model.path=default:tictactoe_image)")
+def check_vision_policy(model_type: str, *, engine: str | None = None) -> None:
+    """Refuse (ModelError, one line) a vision-language family earl_stream cannot run: as a model the trainer and
+    `earl-stream sft` train (`engine` None: `VISION_TRAIN_TYPES`), or as the policy of a run whose rollout workers
+    use `engine` (the built-in "torch" engine: the same; vLLM and SGLang: `VISION_POLICY_TYPES`, they are not given
+    the 3-D positions of the Qwen2-VL family here). Other multimodal checkpoints (Gemma 3 4B+) run as text models."""
+    if model_type in _LATER_MROPE_TYPES:
+        raise ModelError(f"model_type {model_type!r} is a vision-language model earl_stream does not run yet: its "
+                         "decoder takes interleaved 3-D (multimodal RoPE) positions and image features in several "
+                         f"layers; the vision-language families it runs: {', '.join(VISION_TRAIN_TYPES)}")
+    if engine not in (None, "torch") and model_type in MROPE_TYPES:
+        raise ModelError(f"model_type {model_type!r} is a vision-language model earl_stream runs with "
+                         f"rollout.engine=torch only: its decoder takes 3-D (multimodal RoPE) positions, which the "
+                         f"{engine} engine is not given here; with {engine}, the families it runs: "
+                         f"{', '.join(VISION_POLICY_TYPES)} (e.g. model.path=default:tictactoe_image)")
 
 
 def load_processor(path: str | os.PathLike[str], *, revision: str = "") -> Any:
@@ -157,7 +160,7 @@ def load_processor(path: str | os.PathLike[str], *, revision: str = "") -> Any:
     config = _config(p)
     if config.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         raise ModelError(f"model in {p} has model_type {config.model_type!r}, which is not a vision-language model")
-    check_vision_policy(config.model_type, rollout=False)
+    check_vision_policy(config.model_type)
     if config.model_type in MROPE_TYPES:  # the tokenizer and the image processor (see model.mrope)
         try:
             images = AutoImageProcessor.from_pretrained(p, local_files_only=True)

@@ -84,12 +84,36 @@ def hf_config(config: Any, *, ignore_fields: Iterable[str] = ()) -> Any:
         raise ConfigError(f"model_type={kind!r}: transformers refuses this config ({exc})") from None
 
 
+class _DecoderWithHead(torch.nn.Module):
+    """A vision-language model's language model laid out as a causal LM (`model`, the decoder; `lm_head`), for a
+    text config transformers builds no causal LM from (Qwen2-VL's and Qwen2.5-VL's)."""
+
+    def __init__(self, cfg: Any) -> None:
+        from transformers import AutoModel
+
+        super().__init__()
+        self.model: Any = AutoModel.from_config(cfg)
+        self.lm_head = torch.nn.Linear(int(cfg.hidden_size), int(cfg.vocab_size), bias=False)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.get_input_embeddings().weight
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
 def meta_model(cfg: Any) -> torch.nn.Module:
     """The causal LM of `cfg` on the meta device: shapes only, no memory, no weights read."""
     from transformers import AutoModelForCausalLM
 
+    from earl_stream.model.mrope import MROPE_TYPES
+
     try:
         with torch.device("meta"):
+            if str(getattr(cfg, "model_type", "")) in {f"{t}_text" for t in MROPE_TYPES}:
+                return _DecoderWithHead(cfg)  # a Qwen2-VL-family model's own text model
             return AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:  # ValueError (no causal LM for the type), or the model's own checks failing
         raise ConfigError(f"model_type={cfg.model_type!r}: transformers builds no causal LM from this config "

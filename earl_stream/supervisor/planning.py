@@ -196,7 +196,7 @@ class Planner:
             from earl_stream.model.loading import check_vision_policy  # transformers: only for such a model
 
             try:  # a vision-language family the workers cannot run: refused here, before any worker loads it
-                check_vision_policy(str(raw.get("model_type")))
+                check_vision_policy(str(raw.get("model_type")), engine=cfg.rollout.engine)
             except ModelError as exc:
                 raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from None
         shape = self.shape = ModelShape.from_hf(raw)

@@ -70,13 +70,13 @@ def test_a_vision_model_loads_with_its_processor_and_the_text_loader_says_what_i
         load_vision_model(init_model(tmp_path / "text", num_layers=1, hidden_size=32, intermediate_size=64))
 
 
-def test_a_3d_rope_family_loads_for_training_and_is_refused_as_a_run_policy_with_what_runs_instead(tmp_path: Path) -> None:
-    """Qwen2.5-VL's decoder takes 3-D position ids: the trainer lays them out (it loads, with the tokenizer and
-    image processor as its processor), the rollout engines do not yet, so the supervisor refuses it as a run's
-    policy at start (before any worker loads it), in one line naming what runs; Qwen3-VL is refused by both."""
+def test_a_3d_rope_family_runs_on_the_built_in_engine_and_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    """Qwen2.5-VL's decoder takes 3-D position ids, which the trainer and the built-in engine lay out: it loads (its
+    tokenizer and image processor as its processor) and plans; with vLLM, which is not given them, the supervisor
+    refuses it at start (before any worker loads it), in one line naming what runs there; Qwen3-VL is refused."""
     import json
 
-    from earl_stream.config import ModelConfig, RunConfig
+    from earl_stream.config import ModelConfig, RolloutConfig, RunConfig
     from earl_stream.errors import ConfigError
     from earl_stream.model import load_policy
     from earl_stream.model.loading import check_vision_policy
@@ -87,9 +87,10 @@ def test_a_3d_rope_family_loads_for_training_and_is_refused_as_a_run_policy_with
     policy = load_policy(d)
     assert type(policy.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     assert isinstance(policy.processor, MropeProcessor) and policy.tokenizer is policy.processor.tokenizer
-    with pytest.raises(ConfigError, match=r"model.path=.*'qwen2_5_vl' .* not run as a policy yet.*trainer.*runs: "
-                                          r"idefics3, smolvlm"):
-        Planner(RunConfig(model=ModelConfig(path=str(d))))
-    with pytest.raises(ModelError, match=r"'qwen3_vl' is a vision-language model .* 3-D"):
-        check_vision_policy("qwen3_vl", rollout=False)
+    assert Planner(RunConfig(model=ModelConfig(path=str(d)))).shape is not None
+    with pytest.raises(ConfigError, match=r"model.path=.*'qwen2_5_vl' .* rollout.engine=torch only.*with vllm, the "
+                                          r"families it runs: idefics3, smolvlm"):
+        Planner(RunConfig(model=ModelConfig(path=str(d)), rollout=RolloutConfig(engine="vllm")))
+    with pytest.raises(ModelError, match=r"'qwen3_vl' is a vision-language model .* interleaved 3-D"):
+        check_vision_policy("qwen3_vl")
     assert json.loads((d / "config.json").read_text())["model_type"] == "qwen2_5_vl"

@@ -1,6 +1,7 @@
-"""End to end with a vision-language policy: `earl-stream up` on a tiny Idefics3 model and the image
-Tic-Tac-Toe runs rollout workers whose episodes show board pictures, and a trainer pool of two ranks that pulls
-those pictures with their samples and recomputes the vision tower (`workers.vision_inputs`)."""
+"""End to end with a vision-language policy: `earl-stream up` on a tiny Idefics3 model (and a tiny Qwen2.5-VL, whose
+3-D positions the built-in engine and the trainer lay out) and the image Tic-Tac-Toe runs rollout workers whose
+episodes show board pictures, and a trainer pool of two ranks that pulls those pictures with their samples and
+recomputes the vision tower (`workers.vision_inputs`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_up_trains_a_vision_language_policy_on_image_tictactoe(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["idefics3", "qwen2_5_vl"])
+def test_up_trains_a_vision_language_policy_on_image_tictactoe(tmp_path: Path, family: str) -> None:
     from earl_stream.model.tiny_vlm import init_vlm_model
 
-    model_dir = init_vlm_model(tmp_path / "vlm", family="idefics3", image_size=64)
+    model_dir = init_vlm_model(tmp_path / "vlm", family=family, image_size=64 if family == "idefics3" else 56)
     summary = tmp_path / "s.json"
     cmd = [sys.executable, "-m", "earl_stream", "up", "--steps", "3", "--summary", str(summary),
            f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}", "envs.0.spec=tictactoe_image",

@@ -77,7 +77,7 @@ def hf_chunks(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor
         raise ValueError("a prefill with images runs in one forward, not in chunks")
     for start, end in bounds:
         out = model(input_ids=ids[:, start:end], attention_mask=mask[:, : kept + end],
-                    position_ids=positions[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    position_ids=positions[..., start:end], past_key_values=cache, use_cache=True, logits_to_keep=1,
                     **(vision or {}))
         logits, cache = out.logits[:, -1, :], out.past_key_values
     assert logits is not None

@@ -21,7 +21,7 @@ from earl_stream.workers.engines.fast_decoder import FastDecoder
 from earl_stream.workers.engines.routing import RoutingRecorder
 from earl_stream.workers.engines.running import Row, RunningBatch, fill_kept, merged_kept, prefill_layout, select_rows
 from earl_stream.workers.engines.static_kv import StaticKV
-from earl_stream.workers.engines.vision import vision_inputs
+from earl_stream.workers.engines.vision import rope_prefill, takes_3d_positions, vision_inputs
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,12 @@ class ForwardPasses:
         `version`; `counts`: the engine's counters, incremented here."""
         lay = prefill_layout(rows, self.sharing, self.pad_id)
         sources, index, cached, width_c, width_n = lay.sources, lay.index, lay.cached, lay.width_c, lay.width_n
-        ids, mask, positions = lay.ids.to(self.device), lay.mask.to(self.device), lay.positions.to(self.device)
+        positions, shift = lay.positions, torch.zeros(len(lay.sources), dtype=torch.long)
+        if takes_3d_positions(self.model):  # Qwen2-VL: 3-D positions, and each row's shift from its images
+            positions, shift = rope_prefill(self.model, [r.req.images for r in lay.sources],
+                                            [len(r.prompt) for r in lay.sources], positions)
+        ids, mask, positions = lay.ids.to(self.device), lay.mask.to(self.device), positions.to(self.device)
+        shift = shift.to(mask.device)
         cache: DynamicCache | StaticKV | None
         chunks = self.chunk_tokens if self.routing is None and not lay.images and \
             (self.fast is not None or hf_can_chunk(self.model)) else 0  # an image's tokens run in one forward
@@ -76,8 +81,8 @@ class ForwardPasses:
             counts["shared_prefix_tokens"] += sum(len(r.prompt) for r in rows) - sum(len(r.prompt) for r in sources)
             idx = torch.tensor(index, dtype=torch.long, device=mask.device)
             select_rows(cache, idx)
-            logits, mask = logits[idx], mask[idx]
-        return RunningBatch(rows, cache, mask, mask.sum(-1), logits.float())
+            logits, mask, shift = logits[idx], mask[idx], shift[idx]
+        return RunningBatch(rows, cache, mask, mask.sum(-1) + shift, logits.float())
 
     def decode(self, batch: RunningBatch, tokens: torch.Tensor, version: int, counts: dict[str, int]) -> None:
         """Feed every row its last sampled token (tokens [B] int64): one forward, next-token logits into the batch."""

@@ -1,8 +1,8 @@
-"""Vision-language models in the built-in engine: a tiny Idefics3 (SmolVLM's architecture),
-its prompts rendered by `VisionChat` from image observations. Greedy tokens equal `transformers` generate with
-the same images; a second turn reuses the first turn's KV (its image is not encoded again) and still equals
-generate over the whole two-turn context; rows with and without images share a batch; a request with images
-to a text-only model, or with images that leave its prompt, is refused."""
+"""Vision-language models in the built-in engine: a tiny Idefics3 (SmolVLM's architecture) and a tiny Qwen2.5-VL (3-D
+positions: `model.mrope`), their prompts rendered by `VisionChat` from image observations. Greedy tokens equal
+`transformers` generate with the same images; a second turn reuses the first turn's KV (its image is not encoded
+again) and still equals generate over the whole two-turn context; rows with and without images share a batch; a
+request with images to a text-only model, or with images that leave its prompt, is refused."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from earl_stream_envs.board_images import tictactoe_picture
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from earl_stream.env import Observation
 from earl_stream.env.images import decode_image
@@ -25,11 +25,14 @@ from earl_stream.workers.engines.base import GenerateRequest, PromptImage
 from earl_stream.workers.engines.torch_engine import TorchEngine
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object]:
-    d = init_vlm_model(tmp_path_factory.mktemp("vlm") / "idefics3", family="idefics3", image_size=64)
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl"])
+def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object]:
+    from earl_stream.model.loading import load_processor
+
+    size = 64 if request.param == "idefics3" else 56
+    d = init_vlm_model(tmp_path_factory.mktemp("vlm") / request.param, family=request.param, image_size=size)
     model = AutoModelForImageTextToText.from_pretrained(d).eval()
-    return model, AutoProcessor.from_pretrained(d)
+    return model, load_processor(d)
 
 
 def _board(cells: str) -> Observation:
@@ -38,7 +41,12 @@ def _board(cells: str) -> Observation:
 
 def _hf_greedy(model: object, chat: VisionChat, ids: list[int], images: list[SampleImage], n: int) -> list[int]:
     inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
-    if images:
+    if images and chat.mrope:  # Qwen2.5-VL: patches and grids; generate lays out its own 3-D positions
+        prompt = [chat.prompt_image(i) for i in images]
+        inputs["pixel_values"] = torch.cat([i.inputs["pixel_values"] for i in prompt])
+        inputs["image_grid_thw"] = torch.cat([i.inputs["image_grid_thw"] for i in prompt])
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == chat.image_token_id).int()
+    elif images:
         prompt = [chat.prompt_image(i) for i in images]
         inputs["pixel_values"] = torch.cat([i.inputs["pixel_values"] for i in prompt])[None]
         inputs["pixel_attention_mask"] = torch.cat([i.inputs["pixel_attention_mask"] for i in prompt])[None]
@@ -87,10 +95,12 @@ def test_rows_with_and_without_images_share_a_batch(vlm: tuple[object, object]) 
     reqs = [GenerateRequest(a_ids, 5, temperature=0.0, images=_prompt(chat, a_img)),
             GenerateRequest(b_ids, 5, temperature=0.0), GenerateRequest(c_ids, 5, temperature=0.0, images=_prompt(chat, c_img)),
             GenerateRequest(c_ids, 5, temperature=0.0, images=_prompt(chat, a_img))]  # the ids of every board are alike
-    got = [list(r.token_ids) for r in engine.generate(reqs)]
+    results = engine.generate(reqs)
+    got = [list(r.token_ids) for r in results]
     want = [_hf_greedy(model, chat, a_ids, a_img, 5), _hf_greedy(model, chat, b_ids, [], 5),
             _hf_greedy(model, chat, c_ids, c_img, 5), _hf_greedy(model, chat, c_ids, a_img, 5)]
-    assert got == want and a_ids == c_ids and got[0] != got[2]  # the picture alone tells a from c
+    assert got == want and a_ids == c_ids
+    assert list(results[0].logprobs) != list(results[2].logprobs)  # the picture alone tells a from c
     assert engine.stats.shared_prefix_tokens == len(a_ids)  # request 3 (a's ids and picture) shares a's prefill, not c's
 
 
