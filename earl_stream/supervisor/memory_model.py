@@ -289,30 +289,38 @@ def _stream_bytes(plan: TrainPlan) -> int:
     return 4 if _fp32_stream(plan) else plan.precision.element_bytes[3]
 
 
+def _largest_image_tokens(shape: ModelShape, plan: TrainPlan) -> float:
+    """Image tokens of the largest image a row can hold: a tile (Idefics3 tiles every image), or for Qwen2-VL,
+    whose images come in any size, every image token of the row."""
+    tower = shape.vision
+    assert tower is not None
+    return float(tower.tile_tokens) if tower.family == "idefics3" else plan.image_share * plan.seq_len
+
+
 def vision_tokens_per_device(shape: ModelShape, plan: TrainPlan) -> float:
     """Image tokens one device runs the vision tower over in a micro-batch: `plan.image_share` of its tokens (every
-    tp rank runs the tower on the same ones), and under sequence parallelism two more tiles (a rank runs the tower
-    over every image its slice cuts, whole)."""
+    tp rank runs the tower on the same ones), and under sequence parallelism two more images (a rank runs the tower
+    over every image its slice cuts, whole; an Idefics3 image is cut by tiles, a Qwen2-VL one whole)."""
     tower = shape.vision
     if tower is None or plan.image_share <= 0:
         return 0.0
     tokens = plan.image_share * plan.micro_batch * plan.seq_len
-    return min(tokens, tokens / plan.sp + 2 * tower.tile_tokens) if plan.sp > 1 else tokens
+    return min(tokens, tokens / plan.sp + 2 * _largest_image_tokens(shape, plan)) if plan.sp > 1 else tokens
 
 
 def vision_activation_bytes(shape: ModelShape, plan: TrainPlan) -> float:
     """What a vision-language model's tower saves for the backward on one device (`model_shape.VisionTower`),
     alive from the forward's start to the end of the backward: the image tokens of the device's tokens
-    (`plan.image_share` of them), and under sequence parallelism two more tiles (a rank runs the tower over
-    every image its slice cuts, whole: an image of several tiles cut at both ends holds more). 0 for a frozen
-    tower (nothing it computes needs a gradient) or a text-only model."""
+    (`plan.image_share` of them), and under sequence parallelism two more images (`vision_tokens_per_device`).
+    0 for a frozen tower (nothing it computes needs a gradient) or a text-only model."""
     tower = shape.vision
     if tower is None or plan.vision_frozen or plan.image_share <= 0:
         return 0.0
     tokens = vision_tokens_per_device(shape, plan)
     e = plan.precision.element_bytes[3]
     return tokens * tower.saved_bytes_per_token(e, eager=plan.attention is Attention.EAGER,
-                                                full_recompute=plan.recompute is Recompute.FULL)
+                                                full_recompute=plan.recompute is Recompute.FULL,
+                                                image_patches=tower.patches_per_token * _largest_image_tokens(shape, plan))
 
 
 @functools.cache  # a function of the shape and tp alone; the selector asks it for every plan it weighs

@@ -27,16 +27,27 @@ from earl_stream.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class VisionTower:
-    """The vision tower of an Idefics3 / SmolVLM model (a SigLIP ViT: pre-LayerNorm layers, a GELU MLP) and its
-    connector (pixel shuffle, one linear): what the trainer's forward saves per image token.
+    """The vision tower of a vision-language model and its connector: what the trainer's forward saves per image
+    token, and its FLOPs. Two families (`family`):
 
-    Each image token is `patches_per_token` patches (the pixel shuffle's scale_factor squared); a tile is
-    `tile_patches` patches (image_size / patch_size, squared), attended to within the tile. Per patch, measured
-    with saved-tensor hooks on the tower as transformers runs it: each layer saves (8 h + 2 I) e bytes
-    (LayerNorm inputs and outputs, q, k, v, the attention output and the out_proj's input, fc1's output and the
-    GELU's) and the attention's fp32 log-sum-exp (4 bytes per head), or under eager attention the fp32 softmax of
-    the tile's scores (and its cast copy when e < 4); outside the layers, the patch embedding's pixel input, the
-    post-LayerNorm's input and the connector's. Full recomputation keeps each layer's input only."""
+    - "idefics3" (Idefics3 / SmolVLM: a SigLIP ViT, pre-LayerNorm layers, a GELU MLP; a pixel-shuffle connector).
+      Each image token is `patches_per_token` patches (the pixel shuffle's scale_factor squared); a tile is
+      `tile_patches` patches (image_size / patch_size, squared), attended to within the tile. Per patch, measured
+      with saved-tensor hooks on the tower as transformers runs it: each layer saves (8 h + 2 I) e bytes
+      (LayerNorm inputs and outputs, q, k, v, the attention output and the out_proj's input, fc1's output and the
+      GELU's) and the attention's fp32 log-sum-exp (4 bytes per head), or under eager attention the fp32 softmax
+      of the tile's scores (and its cast copy when e < 4); outside the layers, the patch embedding's pixel input,
+      the post-LayerNorm's input and the connector's.
+    - "qwen2_vl" (Qwen2-VL / Qwen2.5-VL: a ViT of RMSNorm layers with a SwiGLU MLP and 2-D rotary positions,
+      attention within windows of `tile_patches` patches except in `full_layers` layers; a 2x2 patch merger).
+      Each image token is `patches_per_token` (merge size squared) patches. Per patch, measured the same way on
+      Qwen2.5-VL's tower: each layer saves (13 h + 4 I) e bytes, two fp32 RMS statistics and the fp32
+      log-sum-exp per head, or under eager attention the softmax over the span it attends (a window; in a
+      full-attention layer the whole image, `image_patches`) in place of the output and the log-sum-exp; outside
+      the layers, the pixel input (channels x temporal patch x patch squared), 5 h e bytes and two fp32 statistics
+      (the merger's norm and MLP) and the fp32 rotary tables (2 x head_dim).
+
+    Full recomputation keeps each layer's input only."""
 
     layers: int
     hidden_size: int
@@ -46,13 +57,28 @@ class VisionTower:
     channels: int
     tile_patches: int
     patches_per_token: int
+    family: str = "idefics3"
+    temporal_patch_size: int = 1
+    full_layers: int = 0  # qwen2_vl: layers attending over the whole image, not a window
 
     @classmethod
     def from_config(cls, cfg: Any) -> VisionTower | None:
-        """The tower of an Idefics3-style config (None for other families: their towers are not modelled)."""
-        if getattr(cfg, "model_type", "") not in VISION_TOWER_TYPES:
+        """The tower of an Idefics3-style or Qwen2-VL-style config (None for other families: their towers are not
+        modelled)."""
+        kind = getattr(cfg, "model_type", "")
+        v: Any = getattr(cfg, "vision_config", None)
+        if kind in ("qwen2_vl", "qwen2_5_vl") and v is not None:
+            merge = int(v.spatial_merge_size)
+            qwen2 = kind == "qwen2_vl"  # Qwen2-VL: every layer attends over the whole image, a GELU MLP
+            if qwen2:
+                return None  # its tower (embed_dim, mlp_ratio, LayerNorm) was not measured: calibrated instead
+            window = int(v.window_size) // int(v.patch_size)
+            return cls(layers=int(v.depth), hidden_size=int(v.hidden_size), intermediate_size=int(v.intermediate_size),
+                       num_heads=int(v.num_heads), patch_size=int(v.patch_size), channels=int(getattr(v, "in_channels", 3)),
+                       tile_patches=window * window, patches_per_token=merge * merge, family="qwen2_vl",
+                       temporal_patch_size=int(v.temporal_patch_size), full_layers=len(v.fullatt_block_indexes or ()))
+        if kind not in VISION_TOWER_TYPES:
             return None
-        v = cfg.vision_config
         scale = int(getattr(cfg, "scale_factor", 1) or 1)
         return cls(layers=int(v.num_hidden_layers), hidden_size=int(v.hidden_size),
                    intermediate_size=int(v.intermediate_size), num_heads=int(v.num_attention_heads),
@@ -61,11 +87,17 @@ class VisionTower:
 
     @property
     def tile_tokens(self) -> int:
-        """Image tokens of one tile."""
+        """Image tokens of one tile (Qwen2-VL: of one attention window)."""
         return self.tile_patches // self.patches_per_token
 
-    def saved_bytes_per_token(self, activation_bytes: int, *, eager: bool, full_recompute: bool) -> float:
-        """Bytes the forward saves for the backward per image token (all its patches, every layer)."""
+    def saved_bytes_per_token(self, activation_bytes: int, *, eager: bool, full_recompute: bool,
+                              image_patches: float = 0.0) -> float:
+        """Bytes the forward saves for the backward per image token (all its patches, every layer).
+        `image_patches`: the patches of the largest image (Qwen2-VL's full-attention layers under eager attention
+        attend over it; 0: a window's)."""
+        if self.family == "qwen2_vl":
+            return self._qwen_saved_bytes(activation_bytes, eager=eager, full_recompute=full_recompute,
+                                          image_patches=image_patches)
         e, h = activation_bytes, self.hidden_size
         if full_recompute:
             layer = h * e
@@ -76,14 +108,35 @@ class VisionTower:
         outside = self.channels * self.patch_size ** 2 * e + 2 * h * e
         return self.patches_per_token * (self.layers * layer + outside)
 
+    def _qwen_saved_bytes(self, e: int, *, eager: bool, full_recompute: bool, image_patches: float) -> float:
+        h, inter = self.hidden_size, self.intermediate_size
+        layers: float
+        if full_recompute:
+            layers = self.layers * h * e
+        elif eager:
+            softmax = self.num_heads * (4 + (e if e < 4 else 0))
+            full_span = max(float(image_patches), float(self.tile_patches))
+            base = (12 * h + 4 * inter) * e + 8
+            layers = self.layers * base + softmax * ((self.layers - self.full_layers) * self.tile_patches
+                                                    + self.full_layers * full_span)
+        else:
+            layers = self.layers * ((13 * h + 4 * inter) * e + 4 * self.num_heads + 8)
+        pixels = self.channels * self.temporal_patch_size * self.patch_size ** 2 * e
+        rotary = 2 * (h // self.num_heads) * 4
+        return self.patches_per_token * (layers + pixels + 5 * h * e + rotary + 8)
+
     def flops_per_token(self, text_hidden: int) -> float:
         """Forward FLOPs of the tower and the connector per image token: per patch the patch embedding (2 P^2 C h)
-        and each layer's projections (8 h^2), MLP (4 h I) and attention's two products over the tile (4 T h); the
-        connector's linear from the shuffled patches (h x patches per token) to the decoder's width. Norms and
+        and each layer's projections (8 h^2), MLP (4 h I; Qwen2-VL's SwiGLU: 6 h I) and attention's two products
+        over the tile (4 T h; Qwen2-VL: over a window); the connector's linear from the shuffled patches (h x
+        patches per token) to the decoder's width (Qwen2-VL's merger: a 4 h x 4 h linear first). Norms and
         activations are left out, as the decoder's count leaves them out."""
         h, t = self.hidden_size, self.tile_patches
-        per_patch = self.layers * (8 * h * h + 4 * h * self.intermediate_size + 4 * t * h)
-        per_patch += 2 * self.patch_size ** 2 * self.channels * h
+        qwen = self.family == "qwen2_vl"
+        per_patch = self.layers * (8 * h * h + (6 if qwen else 4) * h * self.intermediate_size + 4 * t * h)
+        per_patch += 2 * self.patch_size ** 2 * self.channels * self.temporal_patch_size * h
+        if qwen:  # the merger's first linear, 4 h to 4 h per image token
+            per_patch += 8 * h * h
         return self.patches_per_token * (per_patch + 2 * h * text_hidden)
 
 
@@ -156,7 +209,7 @@ class ModelShape:
     def _vision(cls, cfg: Any) -> ModelShape:
         """A vision-language model: the shape of its language model, whose parameter tensors also hold the vision
         tower's and the connector's (their weights, gradients and optimizer state count), and the tower's
-        dimensions (`VisionTower`: Idefics3 / SmolVLM); another family's tower activations are not modelled (a
+        dimensions (`VisionTower`: Idefics3 / SmolVLM, Qwen2.5-VL); another family's tower activations are not modelled (a
         quirk: predictions are calibrated from the first measured step)."""
         from earl_stream.supervisor.model_structure import read_structure, vision_tensors
 

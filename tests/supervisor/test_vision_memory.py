@@ -114,11 +114,10 @@ def test_a_plans_peak_carries_the_towers_activations_for_its_image_tokens() -> N
         predict_train_memory(shape, dataclasses.replace(text, image_share=1.5))
 
 
-def test_other_families_towers_are_not_modelled() -> None:
-    """Qwen2.5-VL's windowed, gated tower is not modelled (`from_config` gives None: `ModelShape._vision` then marks
-    it a quirk, calibrated from the first measured step)."""
-    cfg = transformers.Qwen2_5_VLConfig(vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64,
-                                                       "num_heads": 2, "out_hidden_size": 64})
+def test_qwen2_vls_tower_is_not_modelled() -> None:
+    """Qwen2-VL's tower (LayerNorm, a GELU MLP, every layer over the whole image) was not measured: `from_config`
+    gives None and `ModelShape._vision` marks it a quirk, calibrated from the first measured step."""
+    cfg = transformers.Qwen2VLConfig(vision_config={"depth": 1, "embed_dim": 32, "num_heads": 2, "hidden_size": 64})
     assert VisionTower.from_config(cfg) is None
 
 
@@ -196,3 +195,57 @@ def test_the_towers_flops_per_image_token_are_what_it_computes(tower: dict[str, 
     assert plan_features(shape, plan).flops - text_only == pytest.approx(3 * tower_flops)
     frozen = dataclasses.replace(plan, vision_frozen=True)
     assert plan_features(shape, frozen).flops - text_only == pytest.approx(tower_flops)
+
+
+def _qwen_config(*, layers: int, hidden: int, inter: int, heads: int, attn: str) -> Any:
+    text = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2,  # (not TEXT: Idefics3Config writes its model_type in)
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}
+    cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config={
+        "depth": layers, "hidden_size": hidden, "intermediate_size": inter, "num_heads": heads, "out_hidden_size": 64,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+        "fullatt_block_indexes": [layers - 1]})
+    cfg._attn_implementation = attn
+    cfg.vision_config._attn_implementation = attn
+    return cfg
+
+
+def _qwen_saved_bytes(model: Any, grid: tuple[int, int, int]) -> int:
+    """As `_saved_bytes`, for one Qwen2.5-VL image of `grid` (temporal, rows, columns) patches."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * 14 * 14)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model.model.get_image_features(pixels, torch.tensor([grid]), return_dict=True).pooler_output
+        torch.cat(list(out)).sum().backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("tower", [dict(layers=2, hidden=64, inter=128, heads=2), dict(layers=3, hidden=96, inter=192,
+                                                                                      heads=4)], ids=["h64", "h96"])
+def test_qwen2_5_vl_towers_saved_bytes_are_what_it_saves(tower: dict[str, int], attn: str) -> None:
+    """Qwen2.5-VL's windowed tower (8 x 8-patch windows, its last layer over the whole image) and merger: per image
+    token, for images of one window, four windows and a wide one, within 1% (sdpa and eager)."""
+    cfg = _qwen_config(**tower, attn=attn)
+    shape = ModelShape.from_hf(cfg)
+    vision = shape.vision
+    assert vision is not None and vision.family == "qwen2_vl" and vision.tile_patches == 64 and not shape.calibrate
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).train()
+    for grid in ((1, 8, 8), (1, 16, 16), (1, 8, 24)):
+        patches = grid[1] * grid[2]
+        measured = _qwen_saved_bytes(model, grid)
+        predicted = patches // 4 * vision.saved_bytes_per_token(4, eager=attn == "eager", full_recompute=False,
+                                                                image_patches=patches)
+        assert abs(measured - predicted) <= 0.01 * measured, (grid, measured, predicted)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kept = _qwen_saved_bytes(model, (1, 16, 16))
+    assert kept <= 1.05 * 64 * vision.saved_bytes_per_token(4, eager=attn == "eager", full_recompute=True)
