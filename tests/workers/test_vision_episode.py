@@ -1,9 +1,9 @@
-"""A vision-language policy plays an image game through the built-in agent loop: every turn's board
-picture enters the context as the processor's image tokens, the engine encodes each picture once (later turns
-reuse the KV), and the episode's record keeps the pictures with their token spans. The log-probs the engine
-sampled with equal a fresh forward of the whole episode (tokens and pictures) within 1e-4: what the trainer's
-forward will recompute (both leave the image token out of the distribution: a reply never holds one, even from a
-policy that favours it)."""
+"""A vision-language policy plays an image game through the built-in agent loop: every turn's board picture enters
+the context as the processor's image tokens (a tiny Idefics3, a tiny Qwen2.5-VL), the engine encodes each picture
+once (later turns reuse the KV), and the episode's record keeps the pictures with their token spans. The log-probs
+the engine sampled with equal a fresh forward of the whole episode (tokens and pictures) within 1e-4: what the
+trainer's forward will recompute (both leave the image token out of the distribution: a reply never holds one,
+even from a policy that favours it)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from earl_stream.env import Observation, StepResult, make_env
+from earl_stream.model.loading import load_processor, placeholder_token_ids
 from earl_stream.model.tiny_vlm import init_vlm_model
 from earl_stream.model.vision import VisionChat
 from earl_stream.workers.agent_loop import EpisodeFailed, Sampling, play_episode
@@ -69,11 +70,18 @@ def _check(model, chat, records) -> None:  # type: ignore[no-untyped-def]
         assert ids.count(chat.image_token_id) == 4 * len(record.images)  # no reply holds an image token
         assert len(record.images) >= record.turns  # a picture per observation the model answered
         prompt = [chat.prompt_image(i) for i in record.images]
+        x = torch.tensor([ids])
+        pixels = torch.cat([p.inputs["pixel_values"] for p in prompt])
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids]),
-                           pixel_values=torch.cat([p.inputs["pixel_values"] for p in prompt])[None],
-                           pixel_attention_mask=torch.cat([p.inputs["pixel_attention_mask"] for p in prompt])[None]).logits[0]
-        logits[:, chat.image_token_id] = float("-inf")  # never sampled (model.loading.placeholder_token_ids)
+            if chat.mrope:  # Qwen2.5-VL: patches, grids, and its own 3-D positions
+                logits = model(input_ids=x, pixel_values=pixels,
+                               image_grid_thw=torch.cat([p.inputs["image_grid_thw"] for p in prompt]),
+                               mm_token_type_ids=(x == chat.image_token_id).int()).logits[0]
+            else:
+                logits = model(input_ids=x, pixel_values=pixels[None],
+                               pixel_attention_mask=torch.cat([p.inputs["pixel_attention_mask"] for p in prompt])[None]
+                               ).logits[0]
+        logits[:, list(placeholder_token_ids(model.config))] = float("-inf")  # never sampled
         logprobs = torch.log_softmax(logits.float(), -1)
         mask = record.loss_mask.astype(bool)
         positions = np.nonzero(mask)[0]
@@ -81,10 +89,11 @@ def _check(model, chat, records) -> None:  # type: ignore[no-untyped-def]
         np.testing.assert_allclose(record.behaviour_logprobs[mask], want, atol=1e-4)
 
 
-def test_an_image_episode_records_its_pictures_and_the_logprobs_a_forward_recomputes(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    d = init_vlm_model(tmp_path / "vlm", family="idefics3", image_size=64)
+@pytest.mark.parametrize("family", ["idefics3", "qwen2_5_vl"])
+def test_an_image_episode_records_its_pictures_and_the_logprobs_a_forward_recomputes(tmp_path, family) -> None:  # type: ignore[no-untyped-def]
+    d = init_vlm_model(tmp_path / "vlm", family=family, image_size=64 if family == "idefics3" else 56)
     model = AutoModelForImageTextToText.from_pretrained(d).eval()
-    chat = VisionChat(AutoProcessor.from_pretrained(d))
+    chat = VisionChat(load_processor(d))
     records, engine = _play(model, chat, [make_env("tictactoe_image"), Shown(), Shown()])
     assert [r.turns for r in records[1:]] == [3, 3] and engine.stats.reused_tokens > 0  # earlier turns' KV reused
     _check(model, chat, records)
