@@ -5,6 +5,7 @@ and the selector's plans with the image share it observes."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,9 @@ def _config(*, layers: int, hidden: int, inter: int, heads: int, image: int, sca
     return cfg
 
 
-def _saved_bytes(model: Any, tiles: int, image: int) -> int:
-    """Bytes of the tensors the tower and connector save for the backward (each storage once; the parameters,
-    counted as weights, left out) for `tiles` tiles of one image."""
+def _saved_during(model: Any, backward: Callable[[], None]) -> int:
+    """Bytes of the tensors saved for the backward while `backward` runs a forward and its backward (each storage
+    once; the parameters, counted as weights, left out)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -40,10 +41,16 @@ def _saved_bytes(model: Any, tiles: int, image: int) -> int:
             seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
         return t
 
-    pixels = torch.randn(1, tiles, 3, image, image)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.get_image_features(pixels, None, return_dict=True).pooler_output.sum().backward()
+        backward()
     return sum(seen.values())
+
+
+def _saved_bytes(model: Any, tiles: int, image: int) -> int:
+    """What the tower and connector save for `tiles` tiles of one image."""
+    pixels = torch.randn(1, tiles, 3, image, image)
+    return _saved_during(model, lambda: model.model.get_image_features(pixels, None, return_dict=True)
+                         .pooler_output.sum().backward())
 
 
 TOWERS = [dict(layers=2, hidden=128, inter=512, heads=4, image=128, scale=2),
@@ -211,21 +218,14 @@ def _qwen_config(*, layers: int, hidden: int, inter: int, heads: int, attn: str)
 
 
 def _qwen_saved_bytes(model: Any, grid: tuple[int, int, int]) -> int:
-    """As `_saved_bytes`, for one Qwen2.5-VL image of `grid` (temporal, rows, columns) patches."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
+    """What Qwen2.5-VL's tower and merger save for one image of `grid` (temporal, rows, columns) patches."""
     pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * 14 * 14)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+
+    def run() -> None:
         out = model.model.get_image_features(pixels, torch.tensor([grid]), return_dict=True).pooler_output
         torch.cat(list(out)).sum().backward()
-    return sum(seen.values())
+
+    return _saved_during(model, run)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
+from vlm_inputs import hf_image_kwargs
 
 from earl_stream.env import Observation, StepResult, make_env
 from earl_stream.model.loading import load_processor, placeholder_token_ids
@@ -69,18 +70,9 @@ def _check(model, chat, records) -> None:  # type: ignore[no-untyped-def]
         assert record.images and all(ids[i.start] == chat._around for i in record.images)
         assert ids.count(chat.image_token_id) == 4 * len(record.images)  # no reply holds an image token
         assert len(record.images) >= record.turns  # a picture per observation the model answered
-        prompt = [chat.prompt_image(i) for i in record.images]
         x = torch.tensor([ids])
-        pixels = torch.cat([p.inputs["pixel_values"] for p in prompt])
         with torch.no_grad():
-            if chat.mrope:  # Qwen2.5-VL: patches, grids, and its own 3-D positions
-                logits = model(input_ids=x, pixel_values=pixels,
-                               image_grid_thw=torch.cat([p.inputs["image_grid_thw"] for p in prompt]),
-                               mm_token_type_ids=(x == chat.image_token_id).int()).logits[0]
-            else:
-                logits = model(input_ids=x, pixel_values=pixels[None],
-                               pixel_attention_mask=torch.cat([p.inputs["pixel_attention_mask"] for p in prompt])[None]
-                               ).logits[0]
+            logits = model(input_ids=x, **hf_image_kwargs(chat, x, [chat.prompt_image(i) for i in record.images])).logits[0]
         logits[:, list(placeholder_token_ids(model.config))] = float("-inf")  # never sampled
         logprobs = torch.log_softmax(logits.float(), -1)
         mask = record.loss_mask.astype(bool)

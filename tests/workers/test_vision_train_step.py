@@ -61,15 +61,10 @@ def _records(model: Any, chat: Any) -> list[Any]:
 def _hf_logprobs(model: Any, chat: Any, ids: list[int], images: list[Any]) -> np.ndarray:
     """log p(ids[t] | ids[:t]) for t >= 1 from the model's own forward (its merger puts the pictures in), the image
     token out of the distribution as the engine samples (0 where the label is one: a placeholder, never a choice)."""
-    prompt = [chat.prompt_image(i) for i in images]
+    from vlm_inputs import hf_image_kwargs
+
     x = torch.tensor([ids])
-    if chat.mrope:  # Qwen2.5-VL: patches and grids; its own 3-D positions from the image tokens
-        logits = model(input_ids=x, pixel_values=torch.cat([p.inputs["pixel_values"] for p in prompt]),
-                       image_grid_thw=torch.cat([p.inputs["image_grid_thw"] for p in prompt]),
-                       mm_token_type_ids=(x == chat.image_token_id).int()).logits[0]
-    else:
-        logits = model(input_ids=x, pixel_values=torch.cat([p.inputs["pixel_values"] for p in prompt])[None],
-                       pixel_attention_mask=torch.cat([p.inputs["pixel_attention_mask"] for p in prompt])[None]).logits[0]
+    logits = model(input_ids=x, **hf_image_kwargs(chat, x, [chat.prompt_image(i) for i in images])).logits[0]
     from earl_stream.model.loading import placeholder_token_ids
 
     never = torch.tensor(placeholder_token_ids(model.config))  # Qwen2.5-VL: its video token too

@@ -14,6 +14,7 @@ import pytest
 import torch
 from earl_stream_envs.board_images import tictactoe_picture
 from transformers import AutoModelForImageTextToText
+from vlm_inputs import hf_image_kwargs
 
 from earl_stream.env import Observation
 from earl_stream.env.images import decode_image
@@ -41,15 +42,8 @@ def _board(cells: str) -> Observation:
 
 def _hf_greedy(model: object, chat: VisionChat, ids: list[int], images: list[SampleImage], n: int) -> list[int]:
     inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
-    if images and chat.mrope:  # Qwen2.5-VL: patches and grids; generate lays out its own 3-D positions
-        prompt = [chat.prompt_image(i) for i in images]
-        inputs["pixel_values"] = torch.cat([i.inputs["pixel_values"] for i in prompt])
-        inputs["image_grid_thw"] = torch.cat([i.inputs["image_grid_thw"] for i in prompt])
-        inputs["mm_token_type_ids"] = (inputs["input_ids"] == chat.image_token_id).int()
-    elif images:
-        prompt = [chat.prompt_image(i) for i in images]
-        inputs["pixel_values"] = torch.cat([i.inputs["pixel_values"] for i in prompt])[None]
-        inputs["pixel_attention_mask"] = torch.cat([i.inputs["pixel_attention_mask"] for i in prompt])[None]
+    if images:
+        inputs.update(hf_image_kwargs(chat, inputs["input_ids"], [chat.prompt_image(i) for i in images]))
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None)  # type: ignore[attr-defined]
     return out[0, len(ids):].tolist()
