@@ -43,7 +43,9 @@ CONTEXT_FIELDS = ("p50", "p90", "p99", "max")  # the episode window's context-le
 
 
 class MetricsLog:
-    """Appends one line per step to `run_dir/metrics.jsonl` (flushed per line) and skips steps already there."""
+    """Appends one line per step to `run_dir/metrics.jsonl` (flushed per line) and skips steps already there.
+    The last step's record can be held (`hold`) until the final evaluation round is played, then written with
+    the rounds that finished since (`release`); a supervisor snapshot keeps it (`held_json`, `restore_held`)."""
 
     def __init__(self, run_dir: str | os.PathLike[str], run_id: str = "") -> None:
         self.path = Path(run_dir) / FILE_NAME
@@ -52,6 +54,7 @@ class MetricsLog:
         self.started = time.time()  # the run's start, for wall_seconds (kept from the file's first record)
         self._rollout: tuple[float, float] | None = None  # (time, tokens_produced) at the last record
         self._eval_seen: dict[str, int] = {}  # env -> the newest evaluated version already in a record
+        self._held: tuple[int, dict[str, Any]] | None = None  # (step, record) waiting for the final round
         self._open_existing()
 
     def _open_existing(self) -> None:
@@ -122,6 +125,30 @@ class MetricsLog:
         rec["replan"] = _replan(plans.get("trainer_history") or [], status.get("policy_version")) if replanned else None
         rec["eval"] = self.new_eval_points(status.get("eval") or {})
         return rec
+
+    def hold(self, step: int, record: dict[str, Any]) -> None:
+        """Keep step `step`'s `record` unwritten until `release` (the final step's, waiting for its round)."""
+        self._held = (step, record)
+
+    def release(self, evals: dict[str, Any]) -> None:
+        """Write the held record (if any) with the evaluation points of `evals` (status "eval") newer than it."""
+        if self._held is None:
+            return
+        (step, rec), self._held = self._held, None
+        later = self.new_eval_points(evals) or {}
+        rec["eval"] = {env: (rec.get("eval") or {}).get(env, []) + later.get(env, [])
+                       for env in {*(rec.get("eval") or {}), *later}} or None
+        self.append(step, rec)
+
+    def held_json(self) -> bytes:
+        """The held record as JSON [step, record] (b"": none), for a snapshot."""
+        return json.dumps(self._held).encode() if self._held else b""
+
+    def restore_held(self, data: bytes) -> None:
+        """Hold again what `held_json` gave."""
+        if data:
+            step, rec = json.loads(data)
+            self._held = (int(step), rec)
 
     def new_eval_points(self, evals: dict[str, Any]) -> dict[str, list[dict[str, Any]]] | None:
         """env -> the evaluation points (status "eval" history) newer than any already recorded; the newest

@@ -108,7 +108,6 @@ class Supervisor:
         self._route_pool: tuple[int, list[tuple[str, str]], int] | None = None
         self._ids = 0
         self.metrics_log: MetricsLog | None = None  # RUN_DIR/metrics.jsonl, one line per step (set by serve())
-        self._held_record: tuple[int, dict[str, Any]] | None = None  # the final step's, until its eval round ends
         self.revoked_workers: set[str] = set()  # worker ids `keys revoke` refused (revocation.py; set by serve())
 
     # -- dispatch -----------------------------------------------------------------------------
@@ -223,21 +222,9 @@ class Supervisor:
 
     def _on_puteval(self, msg: P.PutEval, now: float) -> P.Msg:
         self.evals.put(msg.worker_id, msg.results)
-        if not self.evals.state.rounds:
-            self._write_held_record()
+        if not self.evals.state.rounds and self.metrics_log is not None:  # the held last step's record: now
+            self.metrics_log.release(self.evals.status())
         return P.Ack()
-
-    def _write_held_record(self) -> None:
-        """The final step's record, held until its evaluation round finished (or the run ended): written now,
-        with the rounds that finished since it was made."""
-        if self._held_record is None or self.metrics_log is None:
-            return
-        step, rec = self._held_record
-        self._held_record = None
-        later = self.metrics_log.new_eval_points(self.evals.status()) or {}
-        rec["eval"] = {env: (rec.get("eval") or {}).get(env, []) + later.get(env, [])
-                       for env in {*(rec.get("eval") or {}), *later}} or None
-        self.metrics_log.append(step, rec)
 
     def _on_putmeta(self, msg: P.PutMeta, now: float) -> P.Msg:
         self.ledger.add_rows(msg.worker_id, msg.rows)
@@ -323,13 +310,14 @@ class Supervisor:
                                replanned_at(self.planner.trainer_history, msg.version - 1),
                                staleness_histogram(self.ledger, msg.version - 1))
             if self.evals.training_over(msg.version):  # the last step: its record waits for the final round
-                self._held_record = (msg.version, rec)
+                steps.hold(msg.version, rec)
             else:
                 steps.append(msg.version, rec)
         return P.Ack()
 
     def _on_finished(self, msg: P.Finished, now: float) -> P.Msg:
-        self._write_held_record()
+        if self.metrics_log is not None:  # a held record goes out with the rounds that finished
+            self.metrics_log.release(self.evals.status())
         log.info("run finished (%s): telling workers to stop", msg.reason)
         self.finished = True
         return P.Ack()
@@ -401,7 +389,7 @@ class Supervisor:
                                 rollout_replicas=self.rollout_replicas, wal_seq=wal_seq,
                                 checkpoint_version=self.checkpoint_version, run_id=self.run_id,
                                 evals=self.evals.snapshot(),
-                                held_record=json.dumps(self._held_record).encode() if self._held_record else b"")
+                                held_record=self.metrics_log.held_json() if self.metrics_log is not None else b"")
         return msgspec.msgpack.encode(state)
 
     def restore(self, data: bytes, now: float) -> int:
@@ -418,9 +406,8 @@ class Supervisor:
         self.checkpoint_version = state.checkpoint_version
         self.run_id = state.run_id or self.run_id
         self.evals.restore(state.evals)
-        if state.held_record:
-            step, rec = json.loads(state.held_record)
-            self._held_record = (int(step), rec)
+        if self.metrics_log is not None:
+            self.metrics_log.restore_held(state.held_record)
         if state.plans is not None:
             self.planner.restore(state.plans)
         # A finished run resumed with more steps (`up --resume --steps M`) goes on training.

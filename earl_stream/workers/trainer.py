@@ -46,6 +46,7 @@ from earl_stream.store.weights import drop_weights, publish_weights
 from earl_stream.workers import checkpoint as ckpt
 from earl_stream.workers.collectives import all_gather_flags, all_gather_str, any_rank, broadcast_bytes, broadcast_str, max_over_ranks
 from earl_stream.workers.common import RENDEZVOUS_ENV, StopFlag, model_path, pin_to_cpus, register, worker_key
+from earl_stream.workers.final_eval import await_final_eval
 from earl_stream.workers.host_memory import free_unused_memory, set_malloc_mmap_threshold
 from earl_stream.workers.mesh import RankPlan, TrainerMesh, pool_backend
 from earl_stream.workers.oom_retry import OomRetry
@@ -195,40 +196,14 @@ class TrainerRank:
                      f"checkpoint written at version {step}" if fresh else
                      f"the checkpoint of version {step} was already written" if step else "nothing trained to checkpoint")
         done = bool(self.cfg.steps) and step >= self.cfg.steps
-        if done and not stopped:
-            self._await_final_eval(step)
+        if done and not stopped:  # the final version's evaluation round, played on the weights just saved
+            await_final_eval(step, self.cfg.eval, rank=self.rank, world_size=self.world_size, worker_id=self.worker_id,
+                             call=self._call, stop=self.stop)
         if self.rank == 0:
             self._release_checkpointed()
             if done:
                 self._call(P.Finished(worker_id=self.worker_id, reason=f"{step} steps done"))
         self.close()
-
-    def _await_final_eval(self, step: int) -> None:
-        """With eval.every, after the last step: keep serving the final weights until the evaluation rounds, the
-        final version's included, are played (at most eval.final_timeout_s), every rank together, so that the run's
-        evaluation curve ends at the policy it saved (the supervisor hands the rollout pool only evaluation now)."""
-        e = self.cfg.eval
-        if not e.every or e.final_timeout_s <= 0:
-            return
-        deadline, said = time.monotonic() + e.final_timeout_s, 0.0
-        while True:
-            answer = self._call(P.EvalPending(worker_id=self.worker_id)) if self.rank == 0 else None
-            reply = answer if isinstance(answer, P.EvalPendingReply) else None  # None: another rank, or no answer
-            pending = reply is not None and reply.pending
-            stop, waiting, late = any_rank([bool(self.stop), pending, time.monotonic() > deadline], self.world_size)
-            if stop or not waiting:
-                return
-            if late:
-                log.warning("step %d done: the evaluation round of version %d did not finish within "
-                            "eval.final_timeout_s=%.0fs (%d of %d episodes back); the run ends without it", step,
-                            reply.version if reply else -1, e.final_timeout_s, reply.done if reply else 0,
-                            reply.total if reply else 0)
-                return
-            if reply is not None and time.monotonic() - said > 10:
-                said = time.monotonic()
-                log.info("step %d done: waiting for the evaluation round of version %d (%d of %d episodes back)",
-                         step, reply.version, reply.done, reply.total)
-            self.stop.wait(0.2)
 
     def _claim(self, step: int) -> list | None:
         """The step's metadata once every rank has it, or None when the pool agreed to stop first.
@@ -345,7 +320,7 @@ class TrainerRank:
             self._call(P.PublishVersion(worker_id=self.worker_id, version=version,
                                         weights_address=self.node.address, metrics=metrics))
 
-    def _call(self, msg: P.Msg) -> object:
+    def _call(self, msg: P.Msg) -> P.Msg | None:
         """A call that survives a supervisor restart (the messages it is used for are idempotent)."""
         return self.client.call_retry(msg, deadline_s=self.cfg.trainer.claim_timeout_s, what=type(msg).__name__)
 
