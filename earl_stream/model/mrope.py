@@ -15,6 +15,7 @@ processor class also builds a video processor, which transformers builds only wi
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,6 +102,12 @@ class MropeProcessor:
         self.start_id, self.pad_id, self.end_id = int(ids(START)), int(ids(PAD)), int(ids(END))
         if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in (self.start_id, self.pad_id, self.end_id):
             raise ModelError(f"the tokenizer has no {START}, {PAD} or {END} token")
+
+    def save_pretrained(self, out: str | os.PathLike[str]) -> None:
+        """Write the tokenizer (with its chat template) and the image processor to `out`, as `load_processor`
+        reads them back."""
+        self.tokenizer.save_pretrained(out)
+        self.image_processor.save_pretrained(out)
 
     def __call__(self, *, text: str, images: Sequence[Any], add_special_tokens: bool = False,
                  return_tensors: str = "pt") -> dict[str, torch.Tensor]:

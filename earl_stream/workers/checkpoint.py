@@ -96,6 +96,8 @@ def save_checkpoint(run_dir: str | os.PathLike[str], state: RunState, model: tor
                     collective: bool = True) -> Path:
     """Write `checkpoints/step_{state.step:06d}` and point `latest` at it; returns its directory.
 
+    `tokenizer`: what the model's directory needs beside its weights (a tokenizer, or a vision-language policy's
+    processor: anything with `save_pretrained`); rank 0 writes it with a whole-model export (None: none).
     collective=True: every rank of the default process group calls this at the same step (it runs
     DCP's collectives). collective=False: rank 0 alone, e.g. when the pool stops and the ranks may not
     agree on the step; valid only while every rank holds a full replica of model and optimizer

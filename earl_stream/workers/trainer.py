@@ -395,7 +395,9 @@ class TrainerRank:
         self.phase = f"checkpoint of step {step}"
         state = ckpt.RunState(step=step, policy_version=self.version, rng=torch.get_rng_state(),
                               unreleased=list(self.unreleased), world_size=self.world_size)
-        out = ckpt.save_checkpoint(self.cfg.run_dir, state, self.model, self.optimizer, self.tokenizer,
+        # a vision-language policy's processor (tokenizer, image processor): the checkpoint loads as a policy again
+        files = self.vision.chat.processor if self.vision is not None else self.tokenizer
+        out = ckpt.save_checkpoint(self.cfg.run_dir, state, self.model, self.optimizer, files,
                                    rank=self.rank, collective=self.world_size > 1)
         self.checkpointed_step = step
         return out

@@ -36,6 +36,15 @@ def test_up_trains_a_vision_language_policy_on_image_tictactoe(tmp_path: Path, f
     # every step, each rank pulls the pictures of its own samples (a board per turn the policy answered): a part of
     # the step's pictures, not all of them
     assert len(pulled) >= 3 and all(n >= 2 and 0 < mine < step for n, mine, step in pulled), log[-2000:]
+    # the run's checkpoint, exported, is a vision-language policy again: its processor was saved beside the weights
+    from earl_stream.model import load_policy
+
+    out = tmp_path / "exported"
+    export = subprocess.run([sys.executable, "-m", "earl_stream", "model", "export", str(tmp_path / "run"), str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == 0, export.stderr[-2000:]
+    policy = load_policy(out)
+    assert policy.processor is not None and type(policy.model).__name__ == type(load_policy(model_dir).model).__name__
 
 
 def test_up_on_the_embedded_vision_language_model(tmp_path: Path) -> None:
