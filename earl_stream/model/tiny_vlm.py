@@ -14,7 +14,9 @@ Families:
 - `qwen2_5_vl`: a windowed ViT with 2x2 patch merging and a Qwen2 decoder with multimodal (3-D) RoPE; an image
   is `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`. Its processor class needs a
   video processor, which transformers builds only with torchvision installed: without it the model and the
-  image processor are written, and `AutoProcessor` refuses to load the directory (as it would a user's).
+  image processor are written, and `AutoProcessor` refuses to load the directory (as it would a user's);
+  earl_stream reads the tokenizer and image processor (`model.mrope.MropeProcessor`).
+- `qwen2_vl`: Qwen2-VL, the same layout with a ViT that attends over the whole image (LayerNorm, a GELU MLP).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from earl_stream.model.tiny import END, _train_tokenizer
 __all__ = ["VLM_CHAT_TEMPLATE", "VLM_FAMILIES", "init_vlm_model"]
 logger = logging.getLogger(__name__)
 
-VLM_FAMILIES: tuple[str, ...] = ("idefics3", "qwen2_5_vl")
+VLM_FAMILIES: tuple[str, ...] = ("idefics3", "qwen2_5_vl", "qwen2_vl")
 
 # The tiny model's turn format (`<|role|>\n...<|end|>\n`) over content parts; `{image}` is the family's
 # placeholder that its processor expands into the image's tokens.
@@ -48,15 +50,17 @@ _TEMPLATE = (
 )
 # Idefics3's processor makes its own tokens the tokenizer's only extra special ones (at every load), so its turns
 # end with one of them, `<end_of_utterance>`, as SmolVLM's do.
-_END = {"idefics3": "<end_of_utterance>", "qwen2_5_vl": END}
+_END = {"idefics3": "<end_of_utterance>", "qwen2_5_vl": END, "qwen2_vl": END}
 VLM_CHAT_TEMPLATE: dict[str, str] = {
     "idefics3": _TEMPLATE.replace("{image}", "<image>").replace("{end}", _END["idefics3"]),
     "qwen2_5_vl": _TEMPLATE.replace("{image}", "<|vision_start|><|image_pad|><|vision_end|>").replace("{end}", END),
 }
+VLM_CHAT_TEMPLATE["qwen2_vl"] = VLM_CHAT_TEMPLATE["qwen2_5_vl"]
 _IMAGE_TOKENS = {
     "idefics3": ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"],
     "qwen2_5_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
+_IMAGE_TOKENS["qwen2_vl"] = _IMAGE_TOKENS["qwen2_5_vl"]
 
 
 def _text_config(tokenizer: Any, hidden_size: int, num_layers: int, intermediate_size: int,
@@ -87,34 +91,46 @@ def _idefics3(tokenizer: Any, text: dict[str, Any], image_size: int, vision_hidd
     return transformers.Idefics3ForConditionalGeneration(config), processor, images
 
 
-def _qwen2_5_vl(tokenizer: Any, text: dict[str, Any], image_size: int, vision_hidden: int) -> tuple[Any, Any, Any]:
+def _qwen2_5_vl(tokenizer: Any, text: dict[str, Any], image_size: int, vision_hidden: int,
+                qwen2: bool = False) -> tuple[Any, Any, Any]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _IMAGE_TOKENS["qwen2_5_vl"]}
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # t, h, w: halves of the rotary dims
     text = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}}
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=text, tie_word_embeddings=False, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        vision_config={"depth": 2, "hidden_size": vision_hidden, "intermediate_size": 2 * vision_hidden,
-                       "num_heads": 2, "out_hidden_size": text["hidden_size"], "patch_size": 14,
-                       "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
-                       "fullatt_block_indexes": [1]})
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    common = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_heads": 2}
+    if qwen2:  # Qwen2-VL: `embed_dim` is the tower's width, `hidden_size` the merger's output
+        config: Any = transformers.Qwen2VLConfig(
+            text_config=text, tie_word_embeddings=False, **tokens,
+            vision_config={**common, "depth": 2, "embed_dim": vision_hidden, "mlp_ratio": 2,
+                           "hidden_size": text["hidden_size"]})
+    else:
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text, tie_word_embeddings=False, **tokens,
+            vision_config={**common, "depth": 2, "hidden_size": vision_hidden, "intermediate_size": 2 * vision_hidden,
+                           "out_hidden_size": text["hidden_size"], "window_size": 56, "fullatt_block_indexes": [1]})
     pixels = image_size * image_size
     images = Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=2 * pixels, patch_size=14, merge_size=2,
                                       temporal_patch_size=2)
+    kind = transformers.Qwen2VLProcessor if qwen2 else transformers.Qwen2_5_VLProcessor
     try:
-        processor: Any = transformers.Qwen2_5_VLProcessor(image_processor=images, tokenizer=tokenizer,
-                                                          chat_template=VLM_CHAT_TEMPLATE["qwen2_5_vl"])
+        processor: Any = kind(image_processor=images, tokenizer=tokenizer, chat_template=VLM_CHAT_TEMPLATE["qwen2_5_vl"])
     except (AttributeError, ImportError, TypeError, ValueError) as exc:  # no video processor without torchvision
-        logger.warning("Qwen2_5_VLProcessor cannot be built here (%s: %s); writing the image processor and "
-                       "tokenizer only", type(exc).__name__, exc)
+        logger.warning("%s cannot be built here (%s: %s); writing the image processor and tokenizer only",
+                       kind.__name__, type(exc).__name__, exc)
         processor = None
-    return transformers.Qwen2_5_VLForConditionalGeneration(config), processor, images
+    model = (transformers.Qwen2VLForConditionalGeneration if qwen2 else transformers.Qwen2_5_VLForConditionalGeneration)
+    return model(config), processor, images
 
 
-_BUILDERS = {"idefics3": _idefics3, "qwen2_5_vl": _qwen2_5_vl}
+def _qwen2_vl(tokenizer: Any, text: dict[str, Any], image_size: int, vision_hidden: int) -> tuple[Any, Any, Any]:
+    return _qwen2_5_vl(tokenizer, text, image_size, vision_hidden, qwen2=True)
+
+
+_BUILDERS = {"idefics3": _idefics3, "qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl}
 
 
 def init_vlm_model(out_dir: str | os.PathLike[str], *, family: str = "idefics3", hidden_size: int = 64,
@@ -122,7 +138,8 @@ def init_vlm_model(out_dir: str | os.PathLike[str], *, family: str = "idefics3",
                    image_size: int = 64, vocab_size: int = 512, seed: int = 0, initializer_range: float = 0.1) -> Path:
     """Write a randomly initialised vision-language model of `family` (one of VLM_FAMILIES), its tokenizer and its
     processor to `out_dir`; return the path. float32; the same arguments give the same bytes. `image_size`:
-    the side every image is resized to (idefics3: 64 gives 4 image tokens per image; qwen2_5_vl: 56 gives 4)."""
+    the side every image is resized to (idefics3: 64 gives 4 image tokens per image; qwen2_5_vl, qwen2_vl: 56
+    gives 4)."""
     if family not in _BUILDERS:
         raise ModelError(f"family={family!r} is not one of {VLM_FAMILIES}")
     out = Path(out_dir)

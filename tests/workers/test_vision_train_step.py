@@ -3,8 +3,8 @@ sample's images with its rows (`store.experience.pull_images`), recomputes the v
 over the image tokens (`workers.vision_inputs`). Its forward equals the model's own (transformers' merger) on the
 same tokens and pixels; the step under dp2, fsdp2 and sp2 (slices that cut images, packed micro-batches of several
 rows) equals the single-process step within 1e-5 (loss, gradient norm, updated weights); `model.freeze_vision`
-leaves the tower as it was; a text-only trainer refuses samples with pictures. Both families: Idefics3 (SmolVLM)
-and Qwen2.5-VL, whose decoder takes 3-D positions (`model.mrope`: under sp2 a rank's slice after a picture it does
+leaves the tower as it was; a text-only trainer refuses samples with pictures. Idefics3 (SmolVLM), and Qwen2.5-VL
+and Qwen2-VL, whose decoders take 3-D positions (`model.mrope`: under sp2 a rank's slice after a picture it does
 not hold is still shifted by it)."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _same(got: tuple[float, float, dict[str, torch.Tensor]], ref: tuple[float, f
     assert scale > 1e-4 and worst <= REL_TOL * scale, f"{what}: weights differ by {worst:.3g} (change {scale:.3g})"
 
 
-@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl", "qwen2_vl"])
 def vlm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from earl_stream.model.tiny_vlm import init_vlm_model
 

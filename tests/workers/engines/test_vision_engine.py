@@ -1,5 +1,5 @@
-"""Vision-language models in the built-in engine: a tiny Idefics3 (SmolVLM's architecture) and a tiny Qwen2.5-VL (3-D
-positions: `model.mrope`), their prompts rendered by `VisionChat` from image observations. Greedy tokens equal
+"""Vision-language models in the built-in engine: a tiny Idefics3 (SmolVLM's architecture) a tiny Qwen2.5-VL and a tiny
+Qwen2-VL (3-D positions: `model.mrope`), their prompts rendered by `VisionChat` from image observations. Greedy tokens equal
 `transformers` generate with the same images; a second turn reuses the first turn's KV (its image is not encoded
 again) and still equals generate over the whole two-turn context; rows with and without images share a batch; a
 request with images to a text-only model, or with images that leave its prompt, is refused."""
@@ -26,7 +26,7 @@ from earl_stream.workers.engines.base import GenerateRequest, PromptImage
 from earl_stream.workers.engines.torch_engine import TorchEngine
 
 
-@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl", "qwen2_vl"])
 def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object]:
     from earl_stream.model.loading import load_processor
 
