@@ -1,4 +1,4 @@
-"""Vision-language models in the built-in engine: a tiny Idefics3 (SmolVLM's architecture) a tiny Qwen2.5-VL and a tiny
+"""Vision-language models in the built-in engine: a tiny Idefics3 (SmolVLM's architecture), a tiny Qwen2.5-VL, a tiny
 Qwen2-VL (3-D positions: `model.mrope`), their prompts rendered by `VisionChat` from image observations. Greedy tokens equal
 `transformers` generate with the same images; a second turn reuses the first turn's KV (its image is not encoded
 again) and still equals generate over the whole two-turn context; rows with and without images share a batch; a
