@@ -125,7 +125,7 @@ BENCHMARKS: list[dict[str, Any]] = [
     {"name": "real_scale", "depends_on": ["earl_stream/supervisor", "earl_stream/workers", "envs/long_recall.py", "bench/real_scale.py"],
      "title": "Real scale: SmolLM2-135M under a per-rank memory cap as contexts grow 8x",
      "script": "bench/real_scale.py", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
-     "files": ["real_scale.json", "real_scale_gpu.json"], "render": render_real_scale},
+     "files": ["real_scale.json", "real_scale_heads8.json", "real_scale_gpu.json"], "render": render_real_scale},
     {"name": "lora", "depends_on": ["earl_stream/model/lora.py", "earl_stream/store/weights.py", "bench/lora.py",
                                     "bench/lora_trl.py"],
      "title": "LoRA vs the full fine-tune vs TRL's GRPOTrainer + peft: held-out gain, sync, peak",
