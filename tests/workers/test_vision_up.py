@@ -16,7 +16,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("family", ["idefics3", "qwen2_5_vl"])
+# Qwen2.5-VL's run is in the live tier (make test-live): ~47 s on 2 cores, kept out of make test for its time
+@pytest.mark.parametrize("family", ["idefics3", pytest.param("qwen2_5_vl", marks=pytest.mark.live)])
 def test_up_trains_a_vision_language_policy_on_image_tictactoe(tmp_path: Path, family: str) -> None:
     from earl_stream.model.tiny_vlm import init_vlm_model
 
