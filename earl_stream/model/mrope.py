@@ -42,6 +42,11 @@ class ImageSpan:
     rows: int
     cols: int
 
+    @property
+    def shift(self) -> int:
+        """How far the image moves the positions of the text after it: max(rows, cols) less its tokens."""
+        return max(self.rows, self.cols) - self.rows * self.cols
+
 
 def image_grid(image_processor: Any, width: int, height: int) -> tuple[int, int]:
     """(rows, columns) of merged patches the Qwen2-VL image processor `image_processor` makes of a width x height
@@ -74,8 +79,8 @@ def mrope_positions(position_ids: torch.Tensor, spans: Sequence[ImageSpan]) -> t
         pads.append((s, before))
         sample_pos = cols - s.offset
         after = (position_ids[s.row] == sample_pos) & (sample_pos >= s.start + 1 + count)  # the text after it
-        out[:, s.row] += (after * (max(s.rows, s.cols) - count)).to(out.dtype)
-        shift[(s.row, s.offset)] = before + max(s.rows, s.cols) - count
+        out[:, s.row] += (after * s.shift).to(out.dtype)
+        shift[(s.row, s.offset)] = before + s.shift
     for s, before in pads:
         first = s.offset + s.start + 1  # column of the image's first pad
         lo, hi = max(0, -first), min(s.rows * s.cols, n - first)

@@ -136,7 +136,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
         fields += (distill.FIELD,)
     pull_start = time.monotonic()
     ranges = {i: r for mini in minis for i, r in (mini.ranges or {}).items()} or None  # sp'd rows: their slice
-    with_images, claim_image_bytes = _claim_images(metas, vision)
+    described, claim_image_bytes = _claim_images(metas, vision)
+    with_images = bool(described)
     pulled, lost, images = _pull(client, metas, [i for mini in minis for i in mini.rows], ranges, fields, with_images)
     if placement.world > 1:
         # Before any forward pass every rank drops the groups any rank lost: an sp or tp group's ranks
@@ -162,7 +163,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metas: 
     if replay is not None:
         replay.add_to_batches(batches, minis, routed, lengths)
     if vision is not None and vision.mrope and with_images:
-        _add_rope(batches, minis, metas, lengths, vision)
+        _add_rope(batches, minis, described, lengths, vision)
     rewards = np.array([m.reward for m in metas], dtype=np.float64)
     kl_in_reward = 0.0
     if algo.updates > 1 or (run.kl_in_reward and ref_model is not None):
@@ -260,15 +261,16 @@ def _plan(metas: Sequence[SampleMeta], layout: Layout, placement: Placement, mic
     return out
 
 
-def _claim_images(metas: Sequence[SampleMeta], vision: VisionInputs | None) -> tuple[bool, int]:
-    """Whether the claim's images are pulled (any sample showed one), and the PNG bytes of all of them (what a rank
-    that pulled every picture of the step would move). ConfigError when one did and the trainer's model takes no
-    images."""
-    described = [d for m in metas if (d := images_info(json.loads(m.info_json))) is not None]
-    if described and vision is None:
+def _claim_images(metas: Sequence[SampleMeta], vision: VisionInputs | None) -> tuple[Described, int]:
+    """Each claim row's images as its metadata records them (start, tokens, width, height; empty: the claim's
+    images are not pulled), and the PNG bytes of all of them (what a rank that pulled every picture of the step
+    would move). ConfigError when a sample showed one and the trainer's model takes no images."""
+    infos = {i: d[0] for i, m in enumerate(metas) if (d := images_info(json.loads(m.info_json))) is not None}
+    if infos and vision is None:
         raise ConfigError("the claimed samples showed images but the trainer's model is text-only: train a "
                           "vision-language model (Idefics3 / SmolVLM) on image environments")
-    return bool(described), sum(span[4] for spans, _ in described for span in spans)
+    described: Described = {i: [(s[0], s[1], s[2], s[3]) for s in spans] for i, spans in infos.items()}
+    return described, sum(span[4] for spans in infos.values() for span in spans)
 
 
 def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout: Layout, min_version: int,
@@ -320,12 +322,10 @@ def _batch(mini: _Mini, k: int, pulled: dict[int, dict[str, np.ndarray]], layout
     return batch
 
 
-def _add_rope(batches: dict[tuple[int, int], dict[str, Any]], minis: Sequence[_Mini], metas: Sequence[SampleMeta],
+def _add_rope(batches: dict[tuple[int, int], dict[str, Any]], minis: Sequence[_Mini], described: Described,
               lengths: Sequence[int], vision: VisionInputs) -> None:
     """Give a 3-D RoPE decoder's micro-batches `rope`: every image of their samples, pulled or not (one before a
-    sequence-parallel rank's slice shifts the positions of its text), from the samples' metadata."""
-    described: Described = {i: [(s[0], s[1], s[2], s[3]) for s in d[0]] for i, m in enumerate(metas)
-                            if (d := images_info(json.loads(m.info_json))) is not None}
+    sequence-parallel rank's slice shifts the positions of its text), as the samples' metadata records them."""
     for (u, k), batch in batches.items():
         if batch.get("rows"):
             mini = minis[u]

@@ -60,10 +60,9 @@ def rope_prefill(model: PreTrainedModel, images: Sequence[Sequence[PromptImage]]
     its length) for rows whose prompts are `lengths` long and hold `images` (all of them: kept or new), their new
     tokens right-aligned in `positions` [S, n] (each token's position in its prompt)."""
     n = positions.shape[1]
-    spans = [s for b, (imgs, length) in enumerate(zip(images, lengths)) for s in _spans(model, b, n - length, imgs)]
-    shift = torch.tensor([sum(max(s.rows, s.cols) - s.rows * s.cols for s in _spans(model, b, 0, imgs))
-                          for b, imgs in enumerate(images)], dtype=torch.long)
-    return mrope_positions(positions, spans), shift
+    rows = [_spans(model, b, n - length, imgs) for b, (imgs, length) in enumerate(zip(images, lengths))]
+    shift = torch.tensor([sum(s.shift for s in row) for row in rows], dtype=torch.long)
+    return mrope_positions(positions, [s for row in rows for s in row]), shift
 
 
 def vision_inputs(model: PreTrainedModel, images: Sequence[PromptImage], device: torch.device) -> dict[str, torch.Tensor]:
