@@ -49,11 +49,11 @@ def _placement(plan: RankPlan, rank: int) -> Placement:
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("fsdp", [True, False])
 def test_shared_micro_batches_come_first_in_the_same_order_on_every_rank(packed: bool, fsdp: bool) -> None:
-    from earl_stream.workers.train_step import _plan
+    from earl_stream.workers.step_batches import plan_updates
 
     plan = RankPlan(dp=1 if fsdp else 2, fsdp=2 if fsdp else 1, micro_batch_tokens=60)
     metas = _metas(LENGTHS)
-    minis = [_plan(metas, plan.layout(r), _placement(plan, r), 60, AlgoConfig(), packed=packed,
+    minis = [plan_updates(metas, plan.layout(r), _placement(plan, r), 60, AlgoConfig(), packed=packed,
                    dynamic=DynamicSp(tokens=THRESHOLD, degree=2, rank=r))[0] for r in range(2)]
     own: list[set[int]] = []
     for r, mini in enumerate(minis):
@@ -77,10 +77,10 @@ def test_shared_micro_batches_come_first_in_the_same_order_on_every_rank(packed:
 
 
 def test_each_update_shares_its_own_long_rows() -> None:
-    from earl_stream.workers.train_step import _plan
+    from earl_stream.workers.step_batches import plan_updates
 
     plan = RankPlan(fsdp=2, micro_batch_tokens=60)
-    minis = _plan(_metas(LENGTHS), plan.layout(1), _placement(plan, 1), 60, AlgoConfig(mini_batches=2),
+    minis = plan_updates(_metas(LENGTHS), plan.layout(1), _placement(plan, 1), 60, AlgoConfig(mini_batches=2),
                   dynamic=DynamicSp(tokens=THRESHOLD, degree=2, rank=1))
     assert [m.micro_batches[: m.shared] for m in minis] == [[[1], [3]], [[7]]]
 
