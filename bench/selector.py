@@ -115,8 +115,9 @@ def _lengths(step: int, phase: int) -> list[int]:
     return [top] + [int(rng.integers(top // 2, top + 1)) for _ in range(GROUPS * GROUP_SIZE - 1)]
 
 
-def _claim(step: int, lengths: list[int]) -> tuple[list[Any], LocalPuller]:
-    """Metadata rows + token rows (random ids, loss on all but the prompt, uniform behaviour log-probs)."""
+def _claim(step: int, lengths: list[int], vocab: int = MODEL["vocab_size"]) -> tuple[list[Any], LocalPuller]:
+    """Metadata rows + token rows (random ids below `vocab`, loss on all but the prompt, uniform behaviour
+    log-probs)."""
     import numpy as np
 
     from earl_stream.store.schema import SCHEMA_VERSION, SampleMeta, sample_key
@@ -127,9 +128,9 @@ def _claim(step: int, lengths: list[int]) -> tuple[list[Any], LocalPuller]:
         sid, group = f"s{step}-{i}", i // GROUP_SIZE
         mask = np.zeros(n, np.uint8)
         mask[PROMPT:] = 1
-        rows[sample_key(sid, "input_ids")] = rng.integers(5, MODEL["vocab_size"], n).astype(np.int32)
+        rows[sample_key(sid, "input_ids")] = rng.integers(5, vocab, n).astype(np.int32)
         rows[sample_key(sid, "loss_mask")] = mask
-        rows[sample_key(sid, "behaviour_logprobs")] = (mask * -np.log(MODEL["vocab_size"])).astype(np.float32)
+        rows[sample_key(sid, "behaviour_logprobs")] = (mask * -np.log(vocab)).astype(np.float32)
         metas.append(SampleMeta(schema_version=SCHEMA_VERSION, sample_id=sid, prompt_ordinal=step * GROUPS + group,
                                 episode_id=sid, group_id=f"g{step}-{group}", env="bench", turns=1,
                                 prompt_tokens=PROMPT, response_tokens=n - PROMPT, total_tokens=n,

@@ -62,7 +62,8 @@ class SelectorConfig:
                                    "by this (< 1: a model that under-predicts on purpose, to exercise the recovery "
                                    "from allocation failures; trainer.oom_recovery); leave it at 1", minimum=0)
     cost_model_path: str = _f("", "JSON of a step cost-model calibration to start from (StepCostModel.to_dict(), "
-                              "or a file with it under \"cost_model\" like bench/results/selector.json); empty = defaults")
+                              "or a file with it under \"cost_model\", as bench/cost_calibration.py writes for a "
+                              "model on this machine's trainer pool); empty = defaults (a GPU node's)")
     cost_model_min_steps: int = _f(8, "refit the cost model from the trainer's measured step times after this many "
                                    "steps, and as often again after that; 0 = never", minimum=0)
     cost_model_window: int = _f(64, "most recent measured training steps the cost model is refit on", minimum=2)
