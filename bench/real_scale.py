@@ -32,12 +32,16 @@ Two model settings (--setting):
 
 Every arm is one `earl-stream up` on the same seeds, environment, steps and cap:
 - adaptive: the selector on (it re-plans dp/FSDP2/tp/sp, recomputation and the micro-batch budget as the context
-  percentiles cross its thresholds), told the cap less --reserve-gib;
+  percentiles cross its thresholds), told the cap less --reserve-gib, starting from a cost model calibrated on
+  these CPUs (--cost-model; for heads8 on its own model by bench/cost_calibration.py, as a user calibrates once
+  on new hardware; each adaptive run records the file it started from);
 - static:<plan>: one layout for the whole run, no memory model (the selector is told 1 TiB), and verl-style
   dynamic batching: micro-batches filled up to a token cap (bench/real_scale_site sets the selector's largest
   micro-batch). The cap is what a user tunes until the plan fits: before the plan's first run the benchmark
   probes it (--probe-steps steps with every episode at the longest length), from the whole step on one rank down
   to the longest episode, halving, and keeps the largest that survives (`token_caps`, with every probe). A plan
+  whose first run is OOM-killed at that cap in a shorter phase (whose micro-batches hold more rows) runs again
+  at half of it, as its user would (the crashed run is kept among the probes, `full_run`). A plan
   that survives no cap runs at the smallest and meets its crash; one the pool or the model cannot run "does not
   start", with its reason;
 - dynamic_sp (heads8): verl's dynamic context parallelism as the trainer runs it (`trainer.dynamic_sp_tokens`):
@@ -327,10 +331,18 @@ def run(kind: str, args: argparse.Namespace, out_dir: Path, token_cap: int = 0, 
         _remove_cgroups(kind)
     result = summarize(kind, args, run_dir, last, ended, timed_out, time.monotonic() - start, sampler, cg, steps)
     result["token_cap"] = token_cap or None
+    if kind == "adaptive":  # the calibration its selector started from (a campaign resumed with another shows it)
+        result["cost_model"] = _shown_path(args.cost_model) if args.cost_model else None
     if evaluate and not result["crashed"] and not result["stopped"] and result["started"]:
         result["heldout"] = heldout(run_dir, args)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1.6 GB of weights and AdamW state per run
     return result
+
+
+def _shown_path(path: str) -> str:
+    """`path` relative to the repository when it is inside it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
 def heldout(model: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -371,6 +383,16 @@ def find_token_cap(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[s
             break
     found = next((p["tokens"] for p in probes if p["survived"]), None)
     return {"tokens": found, "probes": probes, "longest_episode_tokens": longest}
+
+
+def retune(kind: str, repeat: int, r: dict[str, Any], cap: dict[str, Any] | None) -> bool:
+    """Whether a static plan's first run, OOM-killed at the token cap its probes found, runs again at half that
+    cap (not below the longest episode). The probes fill micro-batches with the longest phase's episodes; a
+    shorter phase packs more rows into the same cap (7 x 290 tokens against 2 x 800 under 2,048), and the user
+    who tunes the cap until the run fits lowers it."""
+    if not kind.startswith("static:") or repeat or not r["crashed"] or not cap or not cap.get("tokens"):
+        return False
+    return cap["tokens"] // 2 >= cap.get("longest_episode_tokens", 0)
 
 
 def estimate_seconds(args: argparse.Namespace, kinds: list[str], rate: float) -> dict[str, float]:
@@ -635,9 +657,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heldout-problems", type=int, default=48, help="held-out items (spread over the phases)")
     ap.add_argument("--rate", type=float, default=60.0, help="trained tokens/s this machine gives (the estimate)")
     ap.add_argument("--initial-len", type=int, default=128, help="design length of the first plan (every strategy)")
-    ap.add_argument("--cost-model", default=str(ROOT / "bench" / "results" / "selector.json"),
-                    help="the selector's starting cost model (selector.cost_model_path) for every run: by default the "
-                         "calibration measured on these CPUs (bench/selector.py); '' = the library's GPU-like defaults")
+    ap.add_argument("--cost-model", default=None,
+                    help="the selector's starting cost model (selector.cost_model_path) for every run; by default the "
+                         "calibration measured on these CPUs: for heads8 its own (bench/cost_calibration.py on the "
+                         "8-head model, bench/results/cost_model_heads8.json), for smollm2 bench/selector.py's; '' = "
+                         "the library's GPU-like defaults")
     ap.add_argument("--run-minutes", type=float, default=40.0, help="wall-clock limit of one strategy's run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="one more `up` override for every run (repeatable)")
@@ -658,6 +682,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.levels * args.steps_per_phase
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.json = args.json or f"bench/results/real_scale{'_heads8' if args.setting == 'heads8' else ''}.json"
+    if args.cost_model is None:
+        args.cost_model = str(ROOT / "bench" / "results" / ("cost_model_heads8.json" if args.setting == "heads8"
+                                                           else "selector.json"))
     return args
 
 
@@ -706,6 +733,12 @@ def main(argv: list[str] | None = None) -> int:
             cap = min(p["tokens"] for p in caps[plan]["probes"]) if caps[plan]["probes"] else 0
         r = run(kind, args, runs_dir, token_cap=cap, evaluate=kind == "adaptive" and repeat == 0
                 and args.setting == "smollm2")
+        while retune(kind, repeat, r, caps.get(plan)):  # the cap fit the longest phase, not a shorter one: lower it
+            caps[plan]["probes"].append({"tokens": cap, "full_run": True, "started": True, "survived": False,
+                                         "crashed": True, "reason": r["crash_reason"], "wall_seconds": r["wall_seconds"]})
+            cap = caps[plan]["tokens"] = cap // 2
+            print(f"   {kind} crashed in phase {r['crash_phase']} at the cap its probes found: again at {cap}", flush=True)
+            r = run(kind, args, runs_dir, token_cap=cap)
         print(f"   started {r['started']} crashed {r['crashed']} ({r['crash_reason']}) steps {r['steps']} "
               f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
         return r
