@@ -14,6 +14,7 @@ from typing import Any
 from bench.report_tables import (
     render_algorithms,
     render_context_growth,
+    render_cost_calibration,
     render_dispatch,
     render_dispatch_cluster,
     render_distill,
@@ -126,6 +127,13 @@ BENCHMARKS: list[dict[str, Any]] = [
      "title": "Real scale: SmolLM2-135M under a per-rank memory cap as contexts grow 8x",
      "script": "bench/real_scale.py", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
      "files": ["real_scale.json", "real_scale_heads8.json", "real_scale_gpu.json"], "render": render_real_scale},
+    {"name": "cost_calibration", "depends_on": ["earl_stream/supervisor/cost_model.py", "earl_stream/workers",
+                                                "bench/cost_calibration.py", "bench/selector.py"],
+     "title": "The selector's step cost model calibrated on these CPUs (the 8-head real-scale model)",
+     "script": "bench/cost_calibration.py",
+     "command": "python bench/cost_calibration.py --model-dir ~/.cache/earl_stream/models/smollm2-shape-8h4kv-random "
+                "--json bench/results/cost_model_heads8.json",
+     "files": ["cost_model_heads8.json"], "render": render_cost_calibration},
     {"name": "lora", "depends_on": ["earl_stream/model/lora.py", "earl_stream/store/weights.py", "bench/lora.py",
                                     "bench/lora_trl.py"],
      "title": "LoRA vs the full fine-tune vs TRL's GRPOTrainer + peft: held-out gain, sync, peak",

@@ -40,8 +40,9 @@ Every arm is one `earl-stream up` on the same seeds, environment, steps and cap:
   micro-batch). The cap is what a user tunes until the plan fits: before the plan's first run the benchmark
   probes it (--probe-steps steps with every episode at the longest length), from the whole step on one rank down
   to the longest episode, halving, and keeps the largest that survives (`token_caps`, with every probe). A plan
-  whose first run is OOM-killed at that cap in a shorter phase (whose micro-batches hold more rows) runs again
-  at half of it, as its user would (the crashed run is kept among the probes, `full_run`). A plan
+  whose first run is OOM-killed (in a shorter phase, whose micro-batches hold more rows, or at the smallest of
+  --max-probes caps that all failed) runs again at half that cap while it is no shorter than the longest
+  episode, as its user would (each crashed run is kept among the probes, `full_run`). A plan
   that survives no cap runs at the smallest and meets its crash; one the pool or the model cannot run "does not
   start", with its reason;
 - dynamic_sp (heads8): verl's dynamic context parallelism as the trainer runs it (`trainer.dynamic_sp_tokens`):
@@ -385,14 +386,14 @@ def find_token_cap(kind: str, args: argparse.Namespace, out_dir: Path) -> dict[s
     return {"tokens": found, "probes": probes, "longest_episode_tokens": longest}
 
 
-def retune(kind: str, repeat: int, r: dict[str, Any], cap: dict[str, Any] | None) -> bool:
-    """Whether a static plan's first run, OOM-killed at the token cap its probes found, runs again at half that
-    cap (not below the longest episode). The probes fill micro-batches with the longest phase's episodes; a
-    shorter phase packs more rows into the same cap (7 x 290 tokens against 2 x 800 under 2,048), and the user
-    who tunes the cap until the run fits lowers it."""
-    if not kind.startswith("static:") or repeat or not r["crashed"] or not cap or not cap.get("tokens"):
+def retune(kind: str, repeat: int, r: dict[str, Any], cap: int, longest: int) -> bool:
+    """Whether a static plan's first run, OOM-killed at token cap `cap`, runs again at half of it (not below the
+    longest episode), as the user who tunes the cap until the run fits would. The probes fill micro-batches with
+    the longest phase's episodes, and a shorter phase packs more rows into the same cap (7 x 290 tokens against
+    2 x 800 under 2,048); and --max-probes may stop the halving before the cap that fits."""
+    if not kind.startswith("static:") or repeat or not r["crashed"] or not cap:
         return False
-    return cap["tokens"] // 2 >= cap.get("longest_episode_tokens", 0)
+    return cap // 2 >= longest
 
 
 def estimate_seconds(args: argparse.Namespace, kinds: list[str], rate: float) -> dict[str, float]:
@@ -733,12 +734,15 @@ def main(argv: list[str] | None = None) -> int:
             cap = min(p["tokens"] for p in caps[plan]["probes"]) if caps[plan]["probes"] else 0
         r = run(kind, args, runs_dir, token_cap=cap, evaluate=kind == "adaptive" and repeat == 0
                 and args.setting == "smollm2")
-        while retune(kind, repeat, r, caps.get(plan)):  # the cap fit the longest phase, not a shorter one: lower it
+        retuned = False
+        while retune(kind, repeat, r, cap, (caps.get(plan) or {}).get("longest_episode_tokens", 0)):
             caps[plan]["probes"].append({"tokens": cap, "full_run": True, "started": True, "survived": False,
                                          "crashed": True, "reason": r["crash_reason"], "wall_seconds": r["wall_seconds"]})
-            cap = caps[plan]["tokens"] = cap // 2
-            print(f"   {kind} crashed in phase {r['crash_phase']} at the cap its probes found: again at {cap}", flush=True)
+            cap, retuned = cap // 2, True
+            print(f"   {kind} was OOM-killed in phase {r['crash_phase']}: again at a {cap}-token cap", flush=True)
             r = run(kind, args, runs_dir, token_cap=cap)
+        if retuned:
+            caps[plan]["tokens"] = None if r["crashed"] else cap
         print(f"   started {r['started']} crashed {r['crashed']} ({r['crash_reason']}) steps {r['steps']} "
               f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
         return r

@@ -352,6 +352,17 @@ def render_selector(d: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
+def render_cost_calibration(d: dict[str, Any]) -> list[str]:
+    """Each measured configuration (wall and CPU seconds, the fit's), then the fitted coefficients."""
+    rows = [[r["layout"], r["seq_len"], str(r["recompute"]).lower(), r["micro_batches"], r["wall_seconds"],
+             r["cpu_seconds"], r["predicted_seconds"]] for r in d.get("calibration", [])]
+    out = _table(["layout", "tokens per row", "recompute", "micro-batches", "wall s", "CPU s", "fitted s"], rows)
+    coef = ", ".join(f"`{k}` {fmt(v)}" for k, v in d.get("cost_model", {}).items())
+    out.append(f"Fitted on wall seconds: {coef}. Relative error of the fit: mean "
+               f"{fmt(d.get('fit_mean_relative_error'))}, largest {fmt(d.get('fit_max_relative_error'))}.")
+    return out + [""]
+
+
 def render_learning(d: dict[str, Any]) -> list[str]:
     keys = ("env", "budget_minutes", "window_games", "target_win_rate", "start_win_rate", "max_win_rate",
             "final_win_rate", "mean_win_rate_second_half", "min_win_rate_second_half", "median_win_stderr_second_half",

@@ -117,19 +117,18 @@ def test_the_campaign_runs_a_first_pass_then_interleaved_repeats_and_resumes_whe
     assert next_run(kinds, runs, later, 3) is None
 
 
-def test_a_static_plan_killed_in_a_shorter_phase_at_its_probed_cap_runs_again_at_half_of_it() -> None:
-    """bench/real_scale.retune: only a static plan's first run, only an OOM crash, never below the longest episode
+def test_a_static_plan_oom_killed_at_its_cap_runs_again_at_half_of_it_down_to_the_longest_episode() -> None:
+    """bench/real_scale.retune: only a static plan's first run, only after a crash, never below the longest episode
     (tp2 on heads8 survived its 2,048-token probes at 821 tokens, then died at 290 tokens with 7 rows a micro-batch)."""
     from real_scale import retune
 
     crashed, ok = {"crashed": True}, {"crashed": False}
-    cap = {"tokens": 2048, "longest_episode_tokens": 821}
-    assert retune("static:tp2", 0, crashed, cap)
-    assert not retune("static:tp2", 0, ok, cap)
-    assert not retune("static:tp2", 1, crashed, cap)  # a repeat runs at the cap its first run settled on
-    assert not retune("adaptive", 0, crashed, cap) and not retune("dynamic_sp", 0, crashed, cap)
-    assert not retune("static:tp2", 0, crashed, {"tokens": 1024, "longest_episode_tokens": 821})  # 512 < 821
-    assert not retune("static:dp2", 0, crashed, {"tokens": None, "longest_episode_tokens": 821})  # no cap fit
+    assert retune("static:tp2", 0, crashed, 2048, 821)
+    assert not retune("static:tp2", 0, ok, 2048, 821)
+    assert not retune("static:tp2", 1, crashed, 2048, 821)  # a repeat runs at the cap its first run settled on
+    assert not retune("adaptive", 0, crashed, 2048, 821) and not retune("dynamic_sp", 0, crashed, 2048, 821)
+    assert not retune("static:dp2", 0, crashed, 1024, 821)  # 512 tokens would refuse the longest episodes
+    assert not retune("static:dp2", 0, crashed, 0, 821)  # no cap: nothing to lower
 
 
 def test_the_benchmarks_page_shows_each_strategy_end_to_end_and_the_same_plan_phases() -> None:
