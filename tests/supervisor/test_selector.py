@@ -378,3 +378,30 @@ def test_dynamic_sp_plans_hold_rows_as_shared_micro_batches(tiny: ModelShape) ->
     # a threshold above what one rank holds: the rows between would not fit there, so nothing is shared
     too_high = TrainerSelector(tiny, budget, base=FLASH, dynamic_sp_tokens=3000, **only_dp)
     assert isinstance(too_high.initial(4096), Infeasible)
+
+
+def test_plans_are_ranked_by_the_whole_step_they_run_not_by_one_full_micro_batch() -> None:
+    """A step of 8 sequences under a budget of 7 rows runs a micro-batch of 7 and one of 1, paying the
+    per-micro-batch costs twice: scored per micro-batch (as if both were full) sp2 beat tp2 on the 8-head real-scale
+    model at 128 tokens, which the calibration measured 1.5x slower (bench/results/cost_model_heads8.json)."""
+    from earl_stream.supervisor.cost_model import StepCostModel
+
+    heads8 = ModelShape.from_hf({"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+                                 "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1536,
+                                 "vocab_size": 49152, "tie_word_embeddings": True, "head_dim": 72})
+    cpu = StepCostModel(seconds_per_flop=1.294e-11, seconds_per_byte=2.156e-9, seconds_per_score=5e-12,
+                        fixed_seconds=0.7036, step_fixed_seconds=1.1303, seconds_per_collective=0.0,
+                        seconds_per_fsdp_repeat_byte=3.871e-9)
+    from earl_stream.supervisor.memory_model import LOGIT_COPIES_EARL_VOCAB_PARALLEL
+
+    base = TrainPlan(1, 128, logit_copies=LOGIT_COPIES_EARL_VOCAB_PARALLEL, published_versions=2)  # as planning's
+    sel = TrainerSelector(heads8, PoolBudget(2, 4608 * MIB, 717 * MIB), base=base, cost_model=cpu, step_sequences=8)
+    d = sel.initial(128)
+    assert isinstance(d, PlanDecision)
+    micro_batches = -(-8 // (d.plan.dp * d.plan.micro_batch))
+    full, rest = divmod(-(-8 // d.plan.dp), d.plan.micro_batch)
+    runs = [d.plan] * full + ([dataclasses.replace(d.plan, micro_batch=rest)] if rest else [])
+    assert len(runs) == micro_batches
+    step_tokens = d.plan.dp * -(-8 // d.plan.dp) * 128
+    assert d.predicted_tokens_per_s == pytest.approx(step_tokens / cpu.predict_step(heads8, runs) * sel._fill(d.plan.micro_batch))
+    assert (d.plan.tp, d.plan.sp) == (2, 1) and d.plan.micro_batch == 8  # one micro-batch of the whole step
