@@ -704,15 +704,19 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, Any] = {"heldout_before": previous.get("heldout_before")}
     kinds = args.only.split(",") if args.only else strategies(args.nproc, args.setting)
 
+    replaced: dict[str, tuple[Any, list[Any]]] = {}  # --only without --resume: kept until their re-run replaces them
+
     def result_now() -> dict[str, Any]:
-        every = {kind: [r, *later.get(kind, [])] for kind, r in runs.items()}
-        after = (runs.get("adaptive") or {}).get("heldout")
-        dyn = runs.get("dynamic_sp")
-        return {**aggregate(runs, args),
+        first = {**{k: r for k, (r, _) in replaced.items() if r is not None and k not in runs}, **runs}
+        more = {**{k: rs for k, (_, rs) in replaced.items() if k not in runs}, **later}
+        every = {kind: [r, *more.get(kind, [])] for kind, r in first.items()}
+        after = (first.get("adaptive") or {}).get("heldout")
+        dyn = first.get("dynamic_sp")
+        return {**aggregate(first, args),
                 **summarize_repeats(every, args.levels, dynamic_sp_real=bool(dyn and dyn["started"])),
                 "heldout_before": extra["heldout_before"], "heldout_after": after, "token_caps": caps,
                 "phase_episode_tokens": phase_lengths(args), "estimate": extra.get("estimate"),
-                "settings": {k: v for k, v in vars(args).items() if k != "json"}, "runs": runs, "repeat_runs": later}
+                "settings": {k: v for k, v in vars(args).items() if k != "json"}, "runs": first, "repeat_runs": more}
 
     if args.rebuild:
         write_result(out, result_now(), indent=1)
@@ -747,9 +751,9 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens {r['trained_tokens']} plans {r['plans_used']} {r['start_error'][-200:]}", flush=True)
         return r
 
-    if not args.resume:
+    if not args.resume:  # run these again; what the file holds of them stays in it until a re-run replaces it
         for kind in kinds:
-            runs.pop(kind, None), later.pop(kind, None)
+            replaced[kind] = (runs.pop(kind, None), later.pop(kind, None) or [])
     while (due := next_run(kinds, runs, later, args.repeats)) is not None:
         kind, repeat = due
         r = measure(kind, repeat)
