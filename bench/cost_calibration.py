@@ -15,10 +15,9 @@ up, then --rounds more are measured (interleaved: a load drift hits every config
 configuration's median is kept. `StepCostModel.fit_steps` (relative errors: short steps count as much as
 long ones) fits those medians.
 
-Seconds are wall seconds of the pool (the slower rank's step): what a training step costs the run. CPU
-seconds (also recorded) leave out the time a rank waits in a collective for its peer, which is what makes
-tensor and sequence parallelism expensive on CPUs: a cost model fitted on them ranks tp2 above dp2 where
-the wall clock says the opposite.
+Seconds are wall seconds of the pool (the slower rank's step): what a training step costs the run, a rank's
+waits in collectives for its peer included (CPU seconds, also recorded, leave them out; on the 8-head
+real-scale model here wall was 5-12% above CPU).
 
 The JSON holds `cost_model` (load it with `selector.cost_model_path=<this file>`), the measured and fitted
 seconds of every configuration (`calibration`), the fit's mean and largest relative error, the model and
@@ -39,18 +38,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from selector import MALLOC_ENV, Rank, _claim, _status  # noqa: E402  (bench/, beside this script)
+from selector import MALLOC_ENV, Rank, _claim, _status, configurations  # noqa: E402  (bench/, beside this script)
 
 from bench.provenance import write_result  # noqa: E402
 
 WORLD = 2
 ATTENTION = {"sdpa": "flash", "eager": "eager"}  # transformers' attn_implementation -> the memory model's Attention
-
-
-def configurations(layouts: list[str], short: int, long: int) -> list[tuple[str, int, bool, int]]:
-    """(layout, tokens per row, recompute, micro-batches per step) of every measured step."""
-    return [(layout, s, rc, mbs) for layout in layouts for s, mbs in ((short, 1), (short, 2), (long, 1))
-            for rc in (False, True)]
 
 
 class ModelRank(Rank):

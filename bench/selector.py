@@ -81,8 +81,13 @@ STATIC = [(layout, rc) for layout in ("dp2", "fsdp2", "tp2", "sp2") for rc in (F
 # (layout, tokens per row, recompute, micro-batches per step): two lengths 4x apart so that compute is told
 # from constant costs, and 1 vs 2 micro-batches so that a step's constant (optimizer) is told from a
 # micro-batch's (and from the collectives' per-call cost)
-CALIBRATION = [(layout, s, rc, mbs) for layout in ("dp2", "fsdp2", "tp2", "sp2")
-               for s, mbs in ((128, 1), (128, 2), (512, 1)) for rc in (False, True)]
+def configurations(layouts: list[str], short: int, long: int) -> list[tuple[str, int, bool, int]]:
+    """(layout, tokens per row, recompute, micro-batches per step) of every calibration step."""
+    return [(layout, s, rc, mbs) for layout in layouts for s, mbs in ((short, 1), (short, 2), (long, 1))
+            for rc in (False, True)]
+
+
+CALIBRATION = configurations(["dp2", "fsdp2", "tp2", "sp2"], 128, 512)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
