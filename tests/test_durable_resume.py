@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,23 +31,55 @@ def _up(run: Path, model_dir: Path, steps: int, *, resume: bool, interrupt_after
            *(["--resume"] if resume else []), f"model.path={model_dir}", f"run_dir={run}",
            f"trainer.groups_per_step={GROUPS}", f"trainer.group_size={GROUP_SIZE}", "trainer.max_staleness=2",
            "trainer.checkpoint_every=2", "rollout.groups_in_flight=4", "rollout.workers=1",
-           "supervisor.heartbeat_s=0.2"]
+           "supervisor.heartbeat_s=0.2", "supervisor.lease_s=60"]  # a frozen trainer is not declared dead
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    frozen: list[int] = []
     try:
         if interrupt_after:
             latest = run / "checkpoints" / "latest"
             wait_for(lambda: latest.exists() and int(latest.read_text().split("_")[1]) >= interrupt_after
                      or proc.poll() is not None, 180, f"a checkpoint of step {interrupt_after}")
-            # stop while samples wait in the store (the trainer consumes them at a step boundary)
-            wait_for(lambda: _status(run).get("samples_in_store", 0) >= GROUP_SIZE or proc.poll() is not None, 60,
-                     "samples waiting in the store")
+            # stop while samples wait in the store. A rollout-bound run trains each group as it lands, so
+            # whether one still waits at the Ctrl-C would be a matter of timing: once some wait, the trainer
+            # pool is frozen (a long step) and the count asked again (a claim already on its way may have
+            # taken them: then it goes on and the test waits again). The rollout worker is left running: it
+            # pulls each new version's weights from the trainer ranks. `up` stops the pool with SIGTERM
+            # then SIGCONT: it finishes the step it was in, claims nothing more, and leaves.
+            trainers = [w["pid"] for w in _status(run).get("workers", []) if w["role"] == "trainer" and w["alive"]]
+
+            def frozen_with_samples_waiting() -> bool:
+                if proc.poll() is not None:
+                    return True
+                if _status(run).get("samples_in_store", 0) < GROUP_SIZE:
+                    return False
+                for pid in trainers:
+                    os.kill(pid, signal.SIGSTOP)
+                frozen[:] = trainers
+                time.sleep(0.5)  # a claim the supervisor answers meanwhile shows in the count below
+                if _status(run).get("samples_in_store", 0) >= GROUP_SIZE:
+                    return True
+                for pid in frozen:
+                    _resume(pid)
+                frozen.clear()
+                return False
+
+            wait_for(frozen_with_samples_waiting, 120, "samples waiting in the store with the trainer pool frozen")
             proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=240)
     finally:
+        for pid in frozen:
+            _resume(pid)
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-3000:]  # a requested stop (Ctrl-C) exits 0, as the end of the run does
     return json.loads(summary.read_text()), out
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def _status(run: Path) -> dict:
