@@ -60,7 +60,10 @@ Repeats (--repeats, default 3): a first pass runs every arm once; static plans t
 repeated; then the others run again, interleaved (adaptive, dynamic_sp, static:a, ..., adaptive, ...), so load
 drifts hit every arm alike. From all repeats (bench/real_scale_summary.py): repeats, end_to_end_seconds (first
 step's start to last step's end: re-plans, switches and idle waits included), vs_best_static_end_to_end (the best
-crash-free static plan's mean over adaptive's, with ci95), per_phase (plans and tokens/s with ci95),
+crash-free static plan's mean over adaptive's, with ci95), static_oracle (each phase trained by the static plan
+fastest in it, switches free: the most any plan choice could gain over the best static plan), tuning_seconds and
+vs_best_static_with_tuning (what the probes that found each static cap took, and the comparison with the best
+static plan's added: the main comparison gives the static plans their caps for free), per_phase (plans and tokens/s with ci95),
 phase_vs_fastest_static and same_plan_phases (a phase where both sides ran the same plan is never a speedup or a
 loss), vs_fastest_static_min_differing, reward_per_phase, dynamic_sp_real, heldout_before, heldout_after,
 token_caps, and repeat_runs (the repeats after the first).
@@ -97,7 +100,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from live_up import LiveUp, stop_on_sigterm  # noqa: E402  (bench/, beside this script)
-from real_scale_summary import summarize_repeats  # noqa: E402
+from real_scale_summary import summarize_repeats, tuning  # noqa: E402
 
 from bench.provenance import write_result  # noqa: E402
 
@@ -600,8 +603,8 @@ def table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
                     f"{' -> '.join(r['plans_used']) or r['start_error'][-80:]}")
     keys = ("adaptive_crashed", "adaptive_truncated", "vs_best_static_min", "vs_best_static_min_cpu", "vs_dynamic_sp",
             "plans_used", "switch_peak_bytes", "context_growth", "static_crashed_any", "repeats", "end_to_end_seconds",
-            "vs_best_static_end_to_end", "same_plan_phases", "vs_fastest_static_min_differing", "reward_per_phase",
-            "dynamic_sp_real", "heldout_before", "heldout_after", "token_caps")
+            "vs_best_static_end_to_end", "static_oracle", "vs_best_static_with_tuning", "same_plan_phases",
+            "vs_fastest_static_min_differing", "reward_per_phase", "dynamic_sp_real", "heldout_before", "heldout_after", "token_caps")
     return "\n".join(rows + [f"{k}: {result[k]}" for k in keys])
 
 
@@ -701,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     later: dict[str, list[dict[str, Any]]] = dict(previous.get("repeat_runs", {}))  # its repeats after the first
     caps: dict[str, Any] = dict(previous.get("token_caps", {}))
     caps.update({k: {"tokens": v, "probes": [], "given": True} for k, v in json.loads(args.token_caps or "{}").items()})
-    extra: dict[str, Any] = {"heldout_before": previous.get("heldout_before")}
+    extra: dict[str, Any] = {"heldout_before": previous.get("heldout_before"), "estimate": previous.get("estimate")}
     kinds = args.only.split(",") if args.only else strategies(args.nproc, args.setting)
 
     replaced: dict[str, tuple[Any, list[Any]]] = {}  # --only without --resume: kept until their re-run replaces them
@@ -712,8 +715,8 @@ def main(argv: list[str] | None = None) -> int:
         every = {kind: [r, *more.get(kind, [])] for kind, r in first.items()}
         after = (first.get("adaptive") or {}).get("heldout")
         dyn = first.get("dynamic_sp")
-        return {**aggregate(first, args),
-                **summarize_repeats(every, args.levels, dynamic_sp_real=bool(dyn and dyn["started"])),
+        repeated = summarize_repeats(every, args.levels, dynamic_sp_real=bool(dyn and dyn["started"]))
+        return {**aggregate(first, args), **repeated, **tuning(caps, repeated["vs_best_static_end_to_end"]),
                 "heldout_before": extra["heldout_before"], "heldout_after": after, "token_caps": caps,
                 "phase_episode_tokens": phase_lengths(args), "estimate": extra.get("estimate"),
                 "settings": {k: v for k, v in vars(args).items() if k != "json"}, "runs": first, "repeat_runs": more}

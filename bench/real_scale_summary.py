@@ -59,13 +59,32 @@ def _survived(run: Run, phase: int) -> bool:
     return bool(run.get("started")) and run["phases"][phase]["steps"] > 0 and run.get("crash_phase") != phase
 
 
+def _phase_seconds(run: Run, phase: int) -> float:
+    """Seconds the steps of `phase` took (step times only: what a plan choice changes)."""
+    return sum(st["seconds"] for st in run.get("step_log") or [] if st["phase"] == phase)
+
+
+def static_oracle(survivors: dict[str, list[Run]], best: str | None, levels: int) -> dict[str, Any] | None:
+    """The ceiling of any selector on this workload: each phase trained by the static plan that was fastest
+    in it (mean step seconds over its repeats), switches free. `vs_best_static`: the best static plan's step
+    seconds over the oracle's; the adaptive arm can beat that plan by at most this (plus what it does that
+    no static plan did, e.g. a token cap no single plan survives the longest phase with)."""
+    if best is None:
+        return None
+    mean = {n: [statistics.fmean(_phase_seconds(r, k) for r in runs) for k in range(levels)] for n, runs in survivors.items()}
+    choice = [min(mean, key=lambda n: mean[n][k]) for k in range(levels)]
+    oracle = sum(mean[n][k] for k, n in enumerate(choice))
+    return {"phase_plans": choice, "step_seconds": round(oracle, 2), "best_static_step_seconds": round(sum(mean[best]), 2),
+            "vs_best_static": round(sum(mean[best]) / oracle, 3) if oracle else None}
+
+
 def summarize_repeats(repeats: dict[str, list[Run]], levels: int, dynamic_sp_real: bool = False) -> dict[str, Any]:
     """The result's keys over every strategy's repeats (`repeats`: strategy -> its runs, first repeat first).
 
     `vs_best_static_end_to_end`: the best crash-free static plan's mean end-to-end seconds over the adaptive
     run's (> 1: adaptive faster), with the 95% interval of that ratio; `phase_vs_fastest_static`: per phase,
     adaptive's mean tokens/s over the fastest static plan that survived the phase, `same_plan` where both ran
-    the same plan.
+    the same plan; `static_oracle`: how much a selector choosing among the static plans per phase could gain.
     """
     static = {k.split(":", 1)[1]: runs for k, runs in repeats.items() if k.startswith("static:")}
     adaptive = repeats.get("adaptive") or []
@@ -111,6 +130,7 @@ def summarize_repeats(repeats: dict[str, list[Run]], levels: int, dynamic_sp_rea
         "repeats": {kind: len(runs) for kind, runs in repeats.items()},
         "end_to_end_seconds": e2e,
         "vs_best_static_end_to_end": versus_e2e,
+        "static_oracle": static_oracle(survivors, best, levels),
         "per_phase": per_phase,
         "phase_vs_fastest_static": versus_phase,
         "same_plan_phases": same,
@@ -119,6 +139,18 @@ def summarize_repeats(repeats: dict[str, list[Run]], levels: int, dynamic_sp_rea
         "reward_per_phase": rewards,
         "dynamic_sp_real": dynamic_sp_real,
     }
+
+
+def tuning(caps: dict[str, Any], versus: dict[str, Any] | None) -> dict[str, Any]:
+    """What finding each static plan's token cap cost (`token_caps`' probes, OOM-killed ones included: the
+    user's trial and error the adaptive arm does not need), and the best static plan's end-to-end seconds with
+    that cost added over adaptive's (`vs_best_static_with_tuning`; None without a comparison)."""
+    seconds = {plan: round(sum(p.get("wall_seconds") or 0 for p in c.get("probes") or []), 1) for plan, c in caps.items()}
+    ratio = None
+    if versus and versus.get("best_static") in seconds:
+        best = versus["best_static_seconds"]["mean"] + seconds[versus["best_static"]]
+        ratio = round(best / versus["adaptive_seconds"]["mean"], 3)
+    return {"tuning_seconds": seconds, "vs_best_static_with_tuning": ratio}
 
 
 def _phase_reward(runs: list[Run], phase: int) -> float | None:

@@ -140,6 +140,17 @@ def render_real_scale(d: dict[str, Any]) -> list[str]:
         low, high = (versus.get("ci95") or [None, None])
         out += [f"End to end, the best crash-free static plan (`{versus.get('best_static')}`) over adaptive: "
                 f"**{fmt(versus.get('ratio'))}x** [95% {fmt(low)}, {fmt(high)}] (> 1: adaptive faster; goal >= 1.10).", ""]
+    oracle = d.get("static_oracle") or {}
+    if oracle:
+        out += [f"The ceiling of any choice among these static plans (each phase trained by the one fastest in it, "
+                f"{' / '.join(oracle.get('phase_plans') or [])}, switches free): {fmt(oracle.get('step_seconds'))} s of "
+                f"steps against the best static plan's {fmt(oracle.get('best_static_step_seconds'))} s, "
+                f"**{fmt(oracle.get('vs_best_static'))}x**.", ""]
+    if d.get("vs_best_static_with_tuning") is not None:
+        spent = (d.get("tuning_seconds") or {}).get(versus.get("best_static"))
+        out += [f"Finding that plan's token cap took {fmt(spent)} s of probes (some OOM-killed), which the adaptive "
+                f"arm did not need; counted in, the best static plan over adaptive is "
+                f"**{fmt(d.get('vs_best_static_with_tuning'))}x**.", ""]
     phase_rows = [[p["phase"], p.get("adaptive_plan"), p.get("fastest_static"), p.get("static_plan"), p.get("ratio"),
                    "same plan" if p.get("same_plan") else ""] for p in d.get("phase_vs_fastest_static", [])]
     if phase_rows:

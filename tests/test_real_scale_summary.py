@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from real_scale_summary import end_to_end_seconds, phase_plans, summarize_repeats  # noqa: E402
+from real_scale_summary import end_to_end_seconds, phase_plans, summarize_repeats, tuning  # noqa: E402
 
 RECORDED = Path(__file__).resolve().parent / "bench_data" / "real_scale_runs_2026-11-28.json"
 
@@ -148,3 +148,35 @@ def test_the_benchmarks_page_shows_each_strategy_end_to_end_and_the_same_plan_ph
     assert f"**{ratio['ratio']:.3g}x** [95% {ratio['ci95'][0]:.3g}, {ratio['ci95'][1]:.3g}]" in page
     same = [p["phase"] for p in s["phase_vs_fastest_static"] if p["same_plan"]]
     assert page.count("same plan |") == len(same) and "fsdp2+rc: " in page
+
+
+def test_the_static_oracle_is_each_phase_trained_by_its_fastest_static_plan() -> None:
+    runs, levels = _recorded()
+    fast_early = _shifted(runs["static:dp2+rc"], 1.0)
+    slow_late = _shifted(runs["static:fsdp2+rc"], 1.0)
+    for st in fast_early["step_log"]:  # dp2+rc: half the time in phases 0-1, twice it in 2-3
+        st["seconds"] *= 0.5 if st["phase"] < 2 else 2.0
+    s = summarize_repeats({"adaptive": [runs["adaptive"]], "static:dp2+rc": [fast_early],
+                           "static:fsdp2+rc": [slow_late]}, levels)
+    oracle = s["static_oracle"]
+    assert oracle["phase_plans"][:2] == ["dp2+rc", "dp2+rc"] and oracle["phase_plans"][2:] == ["fsdp2+rc"] * 2
+    by_phase = [sum(st["seconds"] for st in r["step_log"] if st["phase"] == k) for r in (fast_early, slow_late)
+                for k in range(levels)]
+    early, late = by_phase[:levels], by_phase[levels:]
+    assert oracle["step_seconds"] == pytest.approx(early[0] + early[1] + late[2] + late[3], abs=0.02)
+    assert oracle["vs_best_static"] > 1.0  # mixing plans beats either one alone here
+    # one plan fastest everywhere: the oracle is that plan, and no selector can beat it
+    s = summarize_repeats({"adaptive": [runs["adaptive"]], "static:fsdp2+rc": [slow_late],
+                           "static:dp2+rc": [_shifted(slow_late, 1.5, plan="dp2+rc")]}, levels)
+    assert s["static_oracle"]["phase_plans"] == ["fsdp2+rc"] * levels and s["static_oracle"]["vs_best_static"] == 1.0
+
+
+def test_tuning_counts_every_probe_of_the_best_static_plan_against_the_adaptive_run() -> None:
+    caps = {"fsdp2": {"tokens": 1024, "probes": [{"tokens": 4096, "crashed": True, "wall_seconds": 74.4},
+                                                  {"tokens": 1024, "survived": True, "wall_seconds": 268.5}]},
+            "dp2": {"tokens": None, "probes": []}}
+    versus = {"best_static": "fsdp2", "best_static_seconds": {"mean": 307.3}, "adaptive_seconds": {"mean": 315.4}}
+    t = tuning(caps, versus)
+    assert t["tuning_seconds"] == {"fsdp2": 342.9, "dp2": 0}
+    assert t["vs_best_static_with_tuning"] == pytest.approx((307.3 + 342.9) / 315.4, abs=1e-3)
+    assert tuning(caps, None)["vs_best_static_with_tuning"] is None
