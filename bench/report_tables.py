@@ -145,7 +145,7 @@ def render_real_scale(d: dict[str, Any]) -> list[str]:
         out += [f"The ceiling of any choice among these static plans (each phase trained by the one fastest in it, "
                 f"{' / '.join(oracle.get('phase_plans') or [])}, switches free): {fmt(oracle.get('step_seconds'))} s of "
                 f"steps against the best static plan's {fmt(oracle.get('best_static_step_seconds'))} s, "
-                f"**{fmt(oracle.get('vs_best_static'))}x**.", ""]
+                f"**{oracle['vs_best_static']:.2f}x**." if oracle.get("vs_best_static") is not None else "**—**.", ""]
     if d.get("vs_best_static_with_tuning") is not None:
         spent = (d.get("tuning_seconds") or {}).get(versus.get("best_static"))
         out += [f"Finding that plan's token cap took {fmt(spent)} s of probes (some OOM-killed), which the adaptive "

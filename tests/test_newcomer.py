@@ -168,6 +168,7 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
     endpoint = _result("openai_endpoint")["models"]["default"]["tictactoe"]["endpoint_over_builtin_tokens_per_s"]
     calculator = _result("openai_endpoint_smollm2_calculator")["models"]["smollm2"]["calculator"]
     real, lora, scale = _result("real_model"), _result("lora"), _result("real_scale")
+    heads8 = _result("real_scale_heads8")
     expected = {
         "learning start": f"{learning['start_win_rate']:.3f}",
         "learning first at target": f"{learning['target_win_rate']} first at {learning['time_to_target_s']:.0f} s",
@@ -209,6 +210,9 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
         "real scale end to end": f"{scale['vs_best_static_end_to_end']['ratio']:.2f}x end to end "
                                  f"[{scale['vs_best_static_end_to_end']['ci95'][0]:.2f}, "
                                  f"{scale['vs_best_static_end_to_end']['ci95'][1]:.2f}]",
+        "real scale heads8 end to end": f"{heads8['vs_best_static_end_to_end']['ratio']:.2f}x end to end "
+                                        f"[{heads8['vs_best_static_end_to_end']['ci95'][0]:.2f}, "
+                                        f"{heads8['vs_best_static_end_to_end']['ci95'][1]:.2f}] (8 heads)",
         "real scale worst phase": (f"{scale['vs_fastest_static_min_differing']:.2f}x in phase"
                                    if scale["vs_fastest_static_min_differing"] is not None
                                    else "the same plan as the fastest static plan in every phase"),
