@@ -180,3 +180,16 @@ def test_tuning_counts_every_probe_of_the_best_static_plan_against_the_adaptive_
     assert t["tuning_seconds"] == {"fsdp2": 342.9, "dp2": 0}
     assert t["vs_best_static_with_tuning"] == pytest.approx((307.3 + 342.9) / 315.4, abs=1e-3)
     assert tuning(caps, None)["vs_best_static_with_tuning"] is None
+
+
+def test_a_static_plan_that_crashed_later_still_bounds_the_phases_it_survived() -> None:
+    runs, levels = _recorded()
+    crashed = runs["static:dp2"]["crash_phase"]
+    assert crashed == 3  # OOM-killed in the last phase of the recorded run
+    dp2 = _shifted(runs["static:dp2"], 1.0)
+    for st in dp2["step_log"]:
+        st["seconds"] *= 0.1  # far faster while it lasts
+    s = summarize_repeats({"adaptive": [runs["adaptive"]], "static:dp2": [dp2],
+                           "static:dp2+rc": [runs["static:dp2+rc"]]}, levels)
+    assert s["static_oracle"]["phase_plans"] == ["dp2"] * crashed + ["dp2+rc"] * (levels - crashed)
+    assert s["vs_best_static_end_to_end"]["best_static"] == "dp2+rc"  # the crashed plan is never the best static
