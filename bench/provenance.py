@@ -202,11 +202,15 @@ def scrub_file(path: Path) -> bool:
     return True
 
 
-def write_result(out: str | Path, result: dict[str, Any], depends_on: list[str] | None = None, indent: int = 2) -> Path:
+def write_result(out: str | Path, result: dict[str, Any], depends_on: list[str] | None = None, indent: int = 2,
+                 measured: dict[str, Any] | None = None) -> Path:
     """Write `result` as JSON to `out` with its `provenance` added (the code it measures: `depends_on`, else
-    what bench/catalog.py names for that file); returns the path written."""
+    what bench/catalog.py names for that file); returns the path written. `measured`: the provenance of the
+    measurement when this only recomputes a summary of it (kept, with `summary_rebuilt` saying when and where)."""
     payload = scrub(dict(result))
-    payload["provenance"] = provenance(depends_on if depends_on is not None else catalogued_depends_on(out))
+    now = provenance(depends_on if depends_on is not None else catalogued_depends_on(out))
+    payload["provenance"] = now if not measured else {
+        **measured, "summary_rebuilt": {"when": now.get("when"), "commit": now.get("commit"), "dirty": now.get("dirty")}}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=indent, default=str) + "\n")

@@ -721,9 +721,11 @@ def main(argv: list[str] | None = None) -> int:
                 "phase_episode_tokens": phase_lengths(args), "estimate": extra.get("estimate"),
                 "settings": {k: v for k, v in vars(args).items() if k != "json"}, "runs": first, "repeat_runs": more}
 
-    if args.rebuild:
-        write_result(out, result_now(), indent=1)
-        print(table(result_now(), runs))
+    if args.rebuild:  # a summary of the runs recorded: when and where they were measured stays the file's
+        rebuilt = result_now()
+        rebuilt["settings"] = previous.get("settings") or rebuilt["settings"]
+        write_result(out, rebuilt, indent=1, measured=previous.get("provenance"))
+        print(table(rebuilt, runs))
         return 0
     extra["estimate"] = estimate_seconds(args, kinds, args.rate)
     print(f"estimate ({args.setting}, {args.rate:g} trained tokens/s): {extra['estimate']}", flush=True)

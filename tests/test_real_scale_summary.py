@@ -193,3 +193,16 @@ def test_a_static_plan_that_crashed_later_still_bounds_the_phases_it_survived() 
                            "static:dp2+rc": [runs["static:dp2+rc"]]}, levels)
     assert s["static_oracle"]["phase_plans"] == ["dp2"] * crashed + ["dp2+rc"] * (levels - crashed)
     assert s["vs_best_static_end_to_end"]["best_static"] == "dp2+rc"  # the crashed plan is never the best static
+
+
+def test_a_rebuilt_summary_keeps_when_and_where_its_runs_were_measured(tmp_path: Path) -> None:
+    from provenance import write_result
+
+    measured = {"when": "2026-12-06T09:58:32+00:00", "commit": "2243e195370b7b58f287e1f22935b802d0ff28f8",
+                "dirty": False, "depends_on": ["bench/real_scale.py"]}
+    out = write_result(tmp_path / "r.json", {"x": 1}, depends_on=["bench/real_scale.py"], measured=measured)
+    prov = json.loads(out.read_text())["provenance"]
+    assert {k: prov[k] for k in measured} == measured  # the measurement's, not this rebuild's
+    assert prov["summary_rebuilt"]["commit"] and prov["summary_rebuilt"]["when"] != measured["when"]
+    fresh = json.loads(write_result(tmp_path / "f.json", {"x": 1}, depends_on=["bench/real_scale.py"]).read_text())
+    assert "summary_rebuilt" not in fresh["provenance"] and fresh["provenance"]["when"] != measured["when"]
