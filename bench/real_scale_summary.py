@@ -71,7 +71,7 @@ def static_oracle(static: dict[str, list[Run]], best: str | None, levels: int) -
     what no static plan ran (e.g. a plan at a micro-batch budget that survives a phase its static run did not)."""
     if best is None:
         return None
-    choice: list[str | None] = []
+    choice: list[str] = []
     seconds = 0.0
     for k in range(levels):
         alive = {n: statistics.fmean(_phase_seconds(r, k) for r in runs) for n, runs in static.items()

@@ -142,10 +142,11 @@ def render_real_scale(d: dict[str, Any]) -> list[str]:
                 f"**{fmt(versus.get('ratio'))}x** [95% {fmt(low)}, {fmt(high)}] (> 1: adaptive faster; goal >= 1.10).", ""]
     oracle = d.get("static_oracle") or {}
     if oracle:
+        ratio = oracle.get("vs_best_static")
         out += [f"The ceiling of any choice among these static plans (each phase trained by the one fastest in it, "
                 f"{' / '.join(oracle.get('phase_plans') or [])}, switches free): {fmt(oracle.get('step_seconds'))} s of "
                 f"steps against the best static plan's {fmt(oracle.get('best_static_step_seconds'))} s, "
-                f"**{oracle['vs_best_static']:.2f}x**." if oracle.get("vs_best_static") is not None else "**—**.", ""]
+                f"**{'—' if ratio is None else f'{ratio:.2f}'}x**.", ""]
     if d.get("vs_best_static_with_tuning") is not None:
         spent = (d.get("tuning_seconds") or {}).get(versus.get("best_static"))
         out += [f"Finding that plan's token cap took {fmt(spent)} s of probes (some OOM-killed), which the adaptive "
