@@ -20,7 +20,10 @@ Keys: `async_vs_ceiling` {mean, low, high, n}: each async run's steps/s over the
 `async_vs_sync` (samples/s, ratio of means with its 95% interval); `loss_tokens_per_s` per system (tokens
 that receive gradient: earl_stream's trainer log, TRL's trained completion tokens), mean [95%];
 `time_to_target_vs_trl` {default_model: earl_stream async's seconds to the target win rate over TRL's, ratio
-of means with its interval, null when a side never reached it; smollm2: not measured by this script yet}.
+of means with its interval, null when a side never reached it; smollm2: part `smollm2`'s}.
+
+Part `smollm2` (bench/e2e_smollm2.py): SmolLM2-135M-Instruct on configs/smollm2_arithmetic.yaml's task, earl_stream
+against TRL training every weight, `--seeds` seeds each, time to +10 points of held-out success and loss tokens/s.
 
 Part `staleness`: `trainer.max_staleness` in `--staleness` (0, 1, 2, 4, 8) x `--seeds` seeds (the config's
 `seed`), interleaved seed by seed, pinned as async, `--ablation-seconds` after the first step each: the
@@ -47,9 +50,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from e2e_smollm2 import add_arguments as add_smollm2_arguments
+from e2e_smollm2 import run_part as run_smollm2
 from pipeline_rates import HEARTBEAT_S, LOAD_LINE, MODE_OVERRIDES, PINNED_POOLS, Snapshot, Watch, log_window, trainer_steps, watch_up
 from provenance import keep_parts, scrub, write_result
-from stats import mean_ci95, ratio_ci95
+from stats import interval, ratio_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP_SIZE, GROUPS_PER_STEP, LR, SEED, WINDOW = 8, 8, 1e-3, 0, 256
@@ -162,8 +167,9 @@ def run_trl(model_dir: Path, seconds: float, target: float, work: Path, threads:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="bench/results/e2e.json", help="where to write the results")
-    ap.add_argument("--part", choices=("comparison", "staleness", "all"), default="all",
-                    help="which campaign: async vs sync vs TRL, the staleness ablation, or both (~1 h each here)")
+    ap.add_argument("--part", choices=("comparison", "staleness", "smollm2", "all"), default="all",
+                    help="which campaign: async vs sync vs TRL, the staleness ablation, SmolLM2 against TRL "
+                         "(bench/e2e_smollm2.py), or all three (~1 h each here)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per arm of the comparison (interleaved)")
     ap.add_argument("--seconds", type=float, default=200.0, help="measured seconds per comparison run (after its first step)")
     ap.add_argument("--only", default="async,sync,trl", help="arms of the comparison to run")
@@ -185,11 +191,15 @@ def main() -> int:
                     help="staleness part: keep the (max_staleness, seed) runs the --json file already holds (same "
                          "--ablation-seconds and target) and run only the missing ones, e.g. --seeds 1 in one "
                          "session and --seeds 3 --resume in the next")
-    ap.add_argument("--quick", action="store_true", help="1 repeat, 60 s a run, 30 s probes, staleness 0 and 1, 1 seed")
+    add_smollm2_arguments(ap)
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 60 s a run, 30 s probes, staleness 0 and 1, 1 seed; "
+                                                         "smollm2: 4 min a run, 50 problems")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.seconds, args.ablation_seconds, args.seeds, args.probe_seconds = 1, 60.0, 60.0, 1, 30.0
         args.staleness = "0,1"
+        args.smollm2_minutes, args.smollm2_problems = 4.0, 50
+    args.smollm2_work = args.smollm2_work or ("runs/e2e_smollm2_quick" if args.quick else "runs/e2e_smollm2")
     arms = [a for a in args.only.split(",") if a]
     if unknown := set(arms) - {"async", "sync", "trl"}:
         ap.error(f"--only: unknown {sorted(unknown)}")
@@ -249,12 +259,17 @@ def main() -> int:
                                                              "final_win_rate", "samples_per_s", "loss_tokens_per_s",
                                                              "samples_stale", "startup_s", "window_s")})
         result.update(ablation_seconds=args.ablation_seconds, staleness_ablation=summarise_staleness(ablation))
+    if args.part in ("smollm2", "all"):
+        from real_model import model_dir as smollm2_dir
+
+        result["smollm2"] = run_smollm2(args, smollm2_dir())
     result["machine"].update(load_avg_after=os.getloadavg(), note="shared machine: other jobs may run alongside "
                              "(each run's load_avg_after)")
     result["wall_seconds"] = round(time.time() - started, 1)
     result["part_wall_seconds"] = {args.part: result["wall_seconds"]}
     if args.part != "all" and out.exists():
         result = keep_other_part(json.loads(out.read_text()), result, args.part)
+    result = with_smollm2_ratio(result)
     write_result(out, result)
     if result.get("runs"):
         plot(result["runs"], out.with_suffix(".png"), args.target)
@@ -266,6 +281,7 @@ COMPARISON_KEYS = ("seconds_per_run", "repeats", "runs", "thread_probes", "async
                    "async_vs_trl", "samples_per_s", "loss_tokens_per_s", "time_to_target_vs_trl", "time_to_target_s",
                    "failed_runs", "notes")
 STALENESS_KEYS = ("ablation_seconds", "staleness_ablation")
+PARTS = {"comparison": COMPARISON_KEYS, "staleness": STALENESS_KEYS, "smollm2": ("smollm2",)}
 
 
 def probe_threads(arms: list[str], args: argparse.Namespace, model_dir: Path, work: Path) -> dict[str, Any]:
@@ -312,40 +328,29 @@ def kept_ablation_runs(previous: dict[str, Any], seconds: float, target: float) 
 
 
 def keep_other_part(previous: dict[str, Any], result: dict[str, Any], part: str) -> dict[str, Any]:
-    """`result` of one part with the other part's keys kept from `previous` (the file it replaces), so the two
-    campaigns (an hour each) can run apart. A previous file of another format (no key of the other part), or one
-    measured on another model or target, is replaced whole."""
-    other = STALENESS_KEYS if part == "comparison" else COMPARISON_KEYS
-    this_format = "async_vs_ceiling" in previous or "staleness_ablation" in previous
-    if not this_format or not any(k in previous for k in other):
+    """`result` of one part with the other parts' keys kept from `previous` (the file it replaces), so the
+    campaigns (an hour each) can run apart. A previous file of another format (no key of another part) is replaced
+    whole; one measured on another model or target keeps only its `smollm2` part (its own model and target)."""
+    others = {k: v for k, v in PARTS.items() if k != part}
+    if not any(k in previous for k in ("async_vs_ceiling", "staleness_ablation", "smollm2")):
         return result
     if (previous.get("model"), previous.get("target_win_rate")) != (scrub(result.get("model")),
                                                                      result.get("target_win_rate")):
-        print(f"e2e: {part}: the previous file measured another model or target; its other part is dropped", flush=True)
+        print(f"e2e: {part}: the previous file measured another model or target; its default-model parts are dropped",
+              flush=True)
+        others = {k: v for k, v in others.items() if k == "smollm2"}
+    if not any(k in previous for keys in others.values() for k in keys):
         return result
-    other_part = "staleness" if part == "comparison" else "comparison"
-    merged = keep_parts(previous, result, {other_part: other})  # the other part keeps the provenance it was measured at
+    merged = keep_parts(previous, result, others)  # each kept part keeps the provenance it was measured at
     merged["part_wall_seconds"] = {**(previous.get("part_wall_seconds") or {}), **result["part_wall_seconds"]}
-    return merged
+    return with_smollm2_ratio(merged)
 
 
-def _ci(values: list[float]) -> dict[str, float] | None:
-    """{mean, ci95: [low, high], n} of two or more values; one value alone: its mean, n = 1 (no interval is
-    invented)."""
-    if len(values) >= 2:
-        m = mean_ci95(values)
-        return {"mean": m["mean"], "ci95": [m["low"], m["high"]], "n": m["n"]}
-    return {"mean": values[0], "n": 1} if values else None
-
-
-def _ratio(a: list[float], b: list[float]) -> dict[str, Any] | None:
-    """mean(a) / mean(b) with its 95% interval (2+ repeats a side); one each: the ratio alone."""
-    if not a or not b:
-        return None
-    if len(a) >= 2 and len(b) >= 2:
-        r = ratio_ci95(a, b)
-        return {"mean": r["ratio"], "ci95": [r["low"], r["high"]], "n": min(len(a), len(b))}
-    return {"mean": sum(a) / len(a) / (sum(b) / len(b)), "n": min(len(a), len(b))}
+def with_smollm2_ratio(result: dict[str, Any]) -> dict[str, Any]:
+    """`time_to_target_vs_trl.smollm2` from the `smollm2` part, whichever part ran last."""
+    to_target = dict(result.get("time_to_target_vs_trl") or {"default_model": None})
+    to_target["smollm2"] = (result.get("smollm2") or {}).get("time_to_target_vs_trl")
+    return {**result, "time_to_target_vs_trl": to_target}
 
 
 def summarise_comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -365,7 +370,7 @@ def summarise_comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any
     to_target = None
     if reached.get("async") and reached.get("trl"):
         if all(t is not None for t in reached["async"] + reached["trl"]):
-            to_target = _ratio(reached["async"], reached["trl"])
+            to_target = ratio_interval(reached["async"], reached["trl"])
         elif None not in reached["async"] and all(t is None for t in reached["trl"]):
             # TRL never got there: each run's time is at least its length (launch to end), so the ratio of means is
             # at most async's mean over the runs' mean length
@@ -377,13 +382,12 @@ def summarise_comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any
         else:
             notes.append("time_to_target_vs_trl.default_model is null: a run did not reach the target within its "
                          f"window (async {reached['async']}, trl {reached['trl']} seconds)")
-    notes.append("time_to_target_vs_trl.smollm2 (SmolLM2-135M against TRL) is not measured by this script yet")
     return {
-        "async_vs_ceiling": _ci(ceiling), "async_vs_ceiling_per_run": ceiling,
-        "async_vs_sync": _ratio(rate.get("async", []), rate.get("sync", [])),
-        "async_vs_trl": _ratio(rate.get("async", []), rate.get("trl", [])),
-        "samples_per_s": {arm: _ci(v) for arm, v in rate.items()},
-        "loss_tokens_per_s": {arm: _ci(v) for arm, v in loss.items()},
+        "async_vs_ceiling": interval(ceiling), "async_vs_ceiling_per_run": ceiling,
+        "async_vs_sync": ratio_interval(rate.get("async", []), rate.get("sync", [])),
+        "async_vs_trl": ratio_interval(rate.get("async", []), rate.get("trl", [])),
+        "samples_per_s": {arm: interval(v) for arm, v in rate.items()},
+        "loss_tokens_per_s": {arm: interval(v) for arm, v in loss.items()},
         "time_to_target_vs_trl": {"default_model": to_target, "smollm2": None},
         "time_to_target_s": reached, "failed_runs": {arm: len(runs[arm]) - len(ok[arm]) for arm in runs},
         "notes": notes,
@@ -397,8 +401,8 @@ def summarise_staleness(ablation: dict[str, list[dict[str, Any]]]) -> dict[str, 
     for value, rs in ablation.items():
         times, finals = [r["time_to_target_s"] for r in rs], [r["final_win_rate"] for r in rs]
         out[value] = {"seconds_to_target": times, "final_win_rate": finals,
-                      "seconds_to_target_mean": _ci(times) if times and None not in times else None,
-                      "final_win_rate_mean": _ci([f for f in finals if f is not None]), "runs": rs}
+                      "seconds_to_target_mean": interval(times) if times and None not in times else None,
+                      "final_win_rate_mean": interval([f for f in finals if f is not None]), "runs": rs}
     return out
 
 

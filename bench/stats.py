@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 # two-sided 97.5% quantiles of Student's t by degrees of freedom (1..30); larger: the normal's 1.96
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -60,3 +61,22 @@ def ratio_of_means_ci95(a: Sequence[float], b: Sequence[float]) -> dict[str, flo
     df = (wa + wb) ** 2 / ((wa * wa / (len(a) - 1)) + (wb * wb / (len(b) - 1)) or 1e-300)
     half = t975(df) * se
     return {"mean": ratio, "low": ratio - half, "high": ratio + half, "n": min(len(a), len(b))}
+
+
+def interval(values: list[float]) -> dict[str, float] | None:
+    """{mean, ci95: [low, high], n} of two or more values; one value alone: its mean, n = 1 (no interval is
+    invented)."""
+    if len(values) >= 2:
+        m = mean_ci95(values)
+        return {"mean": m["mean"], "ci95": [m["low"], m["high"]], "n": m["n"]}
+    return {"mean": values[0], "n": 1} if values else None
+
+
+def ratio_interval(a: list[float], b: list[float]) -> dict[str, Any] | None:
+    """mean(a) / mean(b) with its 95% interval (2+ repeats a side); one each: the ratio alone."""
+    if not a or not b:
+        return None
+    if len(a) >= 2 and len(b) >= 2:
+        r = ratio_ci95(a, b)
+        return {"mean": r["ratio"], "ci95": [r["low"], r["high"]], "n": min(len(a), len(b))}
+    return {"mean": sum(a) / len(a) / (sum(b) / len(b)), "n": min(len(a), len(b))}

@@ -155,3 +155,79 @@ def test_the_trl_arm_reports_the_window_after_its_first_step_in_the_same_units()
     # windows of 4 games every 4: games 0-3 (0 wins), 4-7 (2), 8-11 (4 = 1.0 >= 0.9: reached at game 11's time)
     assert [p["win"] for p in out["curve"]] == [0.0, 0.5, 1.0, 1.0] and out["time_to_target_s"] == 21.0
     assert out["cpu_seconds_per_sample"] == pytest.approx(9.0 / 12)
+
+
+def _smollm2_runs() -> dict[str, list[dict]]:
+    """Two seeds a system; checkpoints every 2 steps, one TRL checkpoint past the 600 s budget."""
+    def ckpts(system: str, seed: int, times: list[float]) -> list[dict]:
+        return [{"step": 2 * (i + 1), "t": t, "path": f"{system}{seed}/{i}"} for i, t in enumerate(times)]
+    return {"earl_stream": [{"seed": s, "loss_tokens_per_s": 40.0 + s, "checkpoints": ckpts("e", s, [150, 300, 450, 590])}
+                            for s in (0, 1)],
+            "trl": [{"seed": s, "loss_tokens_per_s": 30.0 + s, "checkpoints": ckpts("t", s, [250, 500, 640])}
+                    for s in (0, 1)]}
+
+
+def test_smollm2_evaluations_score_each_runs_last_checkpoint_first_then_every_one_within_the_budget() -> None:
+    """Part smollm2's evaluation order: the base, each run's last checkpoint within the budget (one past it never),
+    then the rest in time order; a second pass (a resumed stage) measures nothing again."""
+    from e2e_smollm2 import evaluate_runs
+
+    measured: list[str] = []
+
+    def measure(path: str) -> dict:
+        measured.append(path)
+        return {"success": 0.2}
+
+    evals: dict = {}
+    evaluate_runs(_smollm2_runs(), evals, "base", 600.0, measure, lambda e: None)
+    assert measured == ["base", "e0/3", "e1/3", "t0/1", "t1/1", "e0/0", "e0/1", "e0/2", "e1/0", "e1/1", "e1/2",
+                        "t0/0", "t1/0"]
+    evaluate_runs(_smollm2_runs(), evals, "base", 600.0, measure, lambda e: None)
+    assert len(measured) == 13
+
+
+def test_smollm2_summary_times_to_target_and_bounds_the_ratio_when_trl_never_reached() -> None:
+    from e2e_smollm2 import summarise
+    from stats import ratio_ci95
+
+    runs = _smollm2_runs()
+    evals = {"base": {"success": 0.14}, "e0/3": {"success": 0.30}, "e0/0": {"success": 0.15}, "e0/1": {"success": 0.25},
+             "e1/3": {"success": 0.24}, "e1/0": {"success": 0.24}, "t0/1": {"success": 0.20}, "t1/1": {"success": 0.18},
+             "t0/2": {"success": 0.9}}  # past the budget: never counts
+    out = summarise(runs, evals, "base", 0.10, 600.0)
+    assert out["time_to_target_s"] == {"earl_stream": [300, 150], "trl": [None, None]}
+    assert out["time_to_target_vs_trl"]["mean"] is None
+    assert out["time_to_target_vs_trl"]["at_most"] == pytest.approx(225 / 600)
+    assert out["heldout_at_budget_per_seed"] == {"earl_stream": [0.30, 0.24], "trl": [0.20, 0.18]}
+    assert out["heldout_at_budget"]["trl"]["mean"] == pytest.approx(0.19)
+    m = statistics.fmean([40.0, 41.0])
+    assert out["loss_tokens_per_s"]["earl_stream"]["mean"] == pytest.approx(m)
+    # both systems reached it in every run: the ratio of means with its interval
+    evals.update({"t0/1": {"success": 0.25}, "t1/1": {"success": 0.26}, "t0/0": {"success": 0.2}, "t1/0": {"success": 0.3}})
+    out = summarise(_smollm2_runs(), evals, "base", 0.10, 600.0)
+    assert out["time_to_target_s"]["trl"] == [500, 250]
+    r = ratio_ci95([300, 150], [500, 250])
+    assert out["time_to_target_vs_trl"]["mean"] == pytest.approx(r["ratio"])
+    assert out["time_to_target_vs_trl"]["ci95"] == pytest.approx([r["low"], r["high"]])
+    # a run not evaluated yet: no ratio, and a note says why
+    del evals["e1/3"], evals["e1/0"]
+    out = summarise(_smollm2_runs(), evals, "base", 0.10, 600.0)
+    assert out["time_to_target_vs_trl"] is None and out["heldout_at_budget_per_seed"]["earl_stream"] == [0.30, None]
+
+
+def test_the_smollm2_part_is_kept_beside_the_default_model_parts_and_fills_its_ratio() -> None:
+    from e2e import keep_other_part
+
+    previous = {"model": "m", "target_win_rate": 0.9, "async_vs_ceiling": {"mean": 0.9}, "runs": {"async": []},
+                "time_to_target_vs_trl": {"default_model": {"at_most": 0.47}, "smollm2": None},
+                "part_wall_seconds": {"comparison": 2500.0}, "provenance": {"commit": "c0"}}
+    smollm2 = {"model": "m", "target_win_rate": 0.9, "smollm2": {"time_to_target_vs_trl": {"mean": 0.6}},
+               "part_wall_seconds": {"smollm2": 4000.0}}
+    merged = keep_other_part(previous, smollm2, "smollm2")
+    assert merged["time_to_target_vs_trl"] == {"default_model": {"at_most": 0.47}, "smollm2": {"mean": 0.6}}
+    assert merged["async_vs_ceiling"] == {"mean": 0.9} and merged["part_provenance"] == {"comparison": {"commit": "c0"}}
+    again = keep_other_part(merged, {**previous, "async_vs_ceiling": {"mean": 0.95}, "provenance": {"commit": "c1"},
+                                     "part_wall_seconds": {"comparison": 2400.0}}, "comparison")
+    assert again["smollm2"] == {"time_to_target_vs_trl": {"mean": 0.6}}
+    assert again["time_to_target_vs_trl"]["smollm2"] == {"mean": 0.6}
+    assert again["part_wall_seconds"] == {"comparison": 2400.0, "smollm2": 4000.0}
