@@ -347,10 +347,14 @@ def keep_other_part(previous: dict[str, Any], result: dict[str, Any], part: str)
 
 
 def with_smollm2_ratio(result: dict[str, Any]) -> dict[str, Any]:
-    """`time_to_target_vs_trl.smollm2` from the `smollm2` part, whichever part ran last."""
+    """`time_to_target_vs_trl.smollm2` from the `smollm2` part, whichever part ran last (a comparison part kept
+    from a file written before part smollm2 existed loses its note that the ratio is not measured)."""
     to_target = dict(result.get("time_to_target_vs_trl") or {"default_model": None})
     to_target["smollm2"] = (result.get("smollm2") or {}).get("time_to_target_vs_trl")
-    return {**result, "time_to_target_vs_trl": to_target}
+    notes = result.get("notes")
+    if result.get("smollm2") and notes:
+        notes = [n for n in notes if not n.startswith("time_to_target_vs_trl.smollm2")]
+    return {**result, "time_to_target_vs_trl": to_target, **({"notes": notes} if notes is not None else {})}
 
 
 def summarise_comparison(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

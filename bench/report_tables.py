@@ -488,7 +488,7 @@ def render_context_growth(d: dict[str, Any]) -> list[str]:
 def render_e2e(d: dict[str, Any]) -> list[str]:
     """bench/e2e.py: the repeated comparison (async, sync with all cores, TRL) and the staleness ablation; results
     of the earlier single-run format keep their old table (`_render_e2e_single`)."""
-    if "runs" not in d and "staleness_ablation" not in d:
+    if "runs" not in d and "staleness_ablation" not in d and "smollm2" not in d:
         return _render_e2e_single(d)
 
     def ci(x: Any) -> str:
@@ -519,7 +519,28 @@ def render_e2e(d: dict[str, Any]) -> list[str]:
                 for k, r in d["staleness_ablation"].items()]
         out += [f"Staleness ablation ({fmt(d.get('ablation_seconds'))} s a run after its first step):", ""]
         out += _table(["max_staleness", "s to target per seed", "final win rate per seed", "final mean [95%]"], rows)
+    if d.get("smollm2"):
+        out += _render_e2e_smollm2(d["smollm2"], ci)
     return out + _said(d)
+
+
+def _render_e2e_smollm2(p: dict[str, Any], ci: Any) -> list[str]:
+    """Part smollm2: per system, held-out success at the budget, loss tokens/s, seconds to the target per seed;
+    then each run's held-out curve (seconds from launch: success)."""
+    before, target = p.get("heldout_before") or {}, p.get("target_success")
+    out = [f"SmolLM2-135M-Instruct on {p.get('config')}, {fmt((p.get('budget_s') or 0) / 60)} min a run from launch, "
+           f"{p.get('seeds')} seeds a system; held-out success ({p.get('problems')} problems, greedy) from "
+           f"{fmt(before.get('success'))}, target {fmt(target)} (+{fmt(p.get('target_gain'))}).", ""]
+    rows = [[system, ci((p.get("heldout_at_budget") or {}).get(system)),
+             ci((p.get("loss_tokens_per_s") or {}).get(system)),
+             ", ".join(fmt(t) if t is not None else "never" for t in (p.get("time_to_target_s") or {}).get(system, [])),
+             (p.get("core_assignment") or {}).get(system, "")] for system in (p.get("runs") or {})]
+    out += _table(["system", "held-out at the budget", "loss tokens/s", "s to target per seed", "cores"], rows)
+    out += [f"Time to target, earl_stream / TRL: **{ci(p.get('time_to_target_vs_trl'))}** (goal <= 0.75).", ""]
+    curves = [[system, run.get("seed"), "; ".join(f"{fmt(h['t'])} s: {fmt(h['success'])}" for h in run.get("heldout", []))]
+              for system, runs in (p.get("runs") or {}).items() for run in runs]
+    out += _table(["system", "seed", "held-out success by checkpoint (seconds from launch)"], curves)
+    return out + ["**Notes:** " + " ".join(p.get("notes") or []), ""]
 
 
 def _render_e2e_single(d: dict[str, Any]) -> list[str]:

@@ -220,12 +220,14 @@ def test_the_smollm2_part_is_kept_beside_the_default_model_parts_and_fills_its_r
 
     previous = {"model": "m", "target_win_rate": 0.9, "async_vs_ceiling": {"mean": 0.9}, "runs": {"async": []},
                 "time_to_target_vs_trl": {"default_model": {"at_most": 0.47}, "smollm2": None},
+                "notes": ["default: bounded", "time_to_target_vs_trl.smollm2 is not measured by this script yet"],
                 "part_wall_seconds": {"comparison": 2500.0}, "provenance": {"commit": "c0"}}
     smollm2 = {"model": "m", "target_win_rate": 0.9, "smollm2": {"time_to_target_vs_trl": {"mean": 0.6}},
                "part_wall_seconds": {"smollm2": 4000.0}}
     merged = keep_other_part(previous, smollm2, "smollm2")
     assert merged["time_to_target_vs_trl"] == {"default_model": {"at_most": 0.47}, "smollm2": {"mean": 0.6}}
     assert merged["async_vs_ceiling"] == {"mean": 0.9} and merged["part_provenance"] == {"comparison": {"commit": "c0"}}
+    assert merged["notes"] == ["default: bounded"]  # the part that measures the ratio owns what is said of it
     again = keep_other_part(merged, {**previous, "async_vs_ceiling": {"mean": 0.95}, "provenance": {"commit": "c1"},
                                      "part_wall_seconds": {"comparison": 2400.0}}, "comparison")
     assert again["smollm2"] == {"time_to_target_vs_trl": {"mean": 0.6}}
