@@ -13,11 +13,12 @@ time from launch (start-up included):
   TRL has no dynamic sampling: groups of equal rewards stay in its batches with zero advantage.
 A checkpoint's time is the end of the step it holds, in seconds from launch; only those within the budget count.
 
-Stage `eval` (it needs no quiet machine: greedy success does not depend on timing) scores the base and every
-checkpoint within the budget on bench/heldout.py's 200 held-out problems, which neither system trains on (each
-run's last checkpoint first: `heldout_at_budget`). `time_to_target_s`: the time of a run's first checkpoint at or
-above the target (the base's success + `--smollm2-gain`; null when none was). Evaluations are cached in
-WORK/evals.json and runs in WORK/runs.json, so either stage resumes where it stopped.
+Stage `eval` (it needs no quiet machine: greedy success does not depend on timing) scores models on
+bench/heldout.py's 200 held-out problems, which neither system trains on: the base, each run's last checkpoint
+within the budget (`heldout_at_budget`), then each run's checkpoints in time order up to the first at or above the
+target (the base's success + `--smollm2-gain`): its time is the run's `time_to_target_s` (null when none was);
+`--smollm2-curves` scores the rest too. Evaluations are cached in WORK/evals.json and runs in WORK/runs.json, so
+either stage resumes where it stopped.
 
 Keys under `smollm2`: `runs` {earl_stream, trl: per seed}, `heldout_before`, `target_success`,
 `heldout_at_budget` and `loss_tokens_per_s` per system (mean [95%]), `time_to_target_s` per system (per seed),
@@ -87,10 +88,12 @@ def train_trl(model_dir: Path, seed: int, minutes: float, save_every: int, work:
 
 
 def evaluate_runs(runs: dict[str, list[dict[str, Any]]], evals: dict[str, Any], base: str, budget_s: float,
-                  measure: Callable[[str], dict[str, Any]], save: Callable[[dict[str, Any]], None]) -> None:
+                  gain: float, measure: Callable[[str], dict[str, Any]], save: Callable[[dict[str, Any]], None], *,
+                  curves: bool = False) -> None:
     """Fill `evals` {model directory: `measure`'s held-out result}: the base, each run's last checkpoint within
-    the budget, then every other checkpoint within it. Cached entries are not measured again; `save(evals)` after
-    each (the stage resumes where it stopped)."""
+    the budget, then each run's checkpoints in time order up to the first at or above the target (base + `gain`);
+    `curves`: then every other checkpoint within the budget. Cached entries are not measured again;
+    `save(evals)` after each (the stage resumes where it stopped)."""
 
     def score(path: str) -> dict[str, Any]:
         if path not in evals:
@@ -99,13 +102,18 @@ def evaluate_runs(runs: dict[str, list[dict[str, Any]]], evals: dict[str, Any], 
             save(evals)
         return dict(evals[path])
 
-    score(base)
+    target = score(base)["success"] + gain - 1e-12
     plans = [c for c in (in_budget(run, budget_s) for rs in runs.values() for run in rs) if c]
     for c in plans:
         score(c[-1]["path"])
-    for c in plans:
+    for c in plans:  # in time order up to the first at or above the target
         for ckpt in c:
-            score(ckpt["path"])
+            if score(ckpt["path"])["success"] >= target:
+                break
+    if curves:
+        for c in plans:
+            for ckpt in c:
+                score(ckpt["path"])
 
 
 def held_out_result(path: str, problems: int) -> dict[str, Any]:
@@ -122,6 +130,17 @@ def in_budget(run: dict[str, Any], budget_s: float) -> list[dict[str, Any]]:
     return sorted((c for c in run.get("checkpoints", []) if c["t"] <= budget_s), key=lambda c: c["t"])
 
 
+def first_hit(ckpts: list[dict[str, Any]], evals: dict[str, Any], target: float | None) -> float | None:
+    """The time of the first checkpoint at or above `target`, reading them in time order; None when none was, or
+    when one before it is not scored yet (the evaluation stage did not finish)."""
+    for c in ckpts:
+        if target is None or c["path"] not in evals:
+            return None
+        if evals[c["path"]]["success"] >= target - 1e-12:
+            return float(c["t"])
+    return None
+
+
 def summarise(runs: dict[str, list[dict[str, Any]]], evals: dict[str, Any], base: str, gain: float,
               budget_s: float) -> dict[str, Any]:
     """The part's keys from the recorded runs and the evaluations made so far (a run not yet evaluated: null)."""
@@ -136,9 +155,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], evals: dict[str, Any], base
             last = evals.get(ckpts[-1]["path"]) if ckpts else None
             run["heldout"] = [{**c, **evals[c["path"]]} for c in ckpts if c["path"] in evals]
             at_budget[system].append(last["success"] if last else None)
-            hit = next((c for c in ckpts if c["path"] in evals and target is not None
-                        and evals[c["path"]]["success"] >= target - 1e-12), None)
-            to_target[system].append(hit["t"] if hit else None)
+            to_target[system].append(first_hit(ckpts, evals, target))
     notes = [f"each run has {budget_s:.0f} s from launch; a checkpoint counts at the end of the step it holds"]
     earl, trl = to_target.get("earl_stream", []), to_target.get("trl", [])
     ratio: dict[str, Any] | None = None
@@ -185,9 +202,9 @@ def run_part(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                 print(json.dumps({k: v for k, v in run.items() if k not in ("curve", "checkpoints")})[:800], flush=True)
     evals: dict[str, Any] = json.loads(evals_file.read_text()) if evals_file.exists() else {}
     if args.smollm2_stage in ("eval", "all"):
-        evaluate_runs(runs, evals, str(model_dir), budget_s,
+        evaluate_runs(runs, evals, str(model_dir), budget_s, args.smollm2_gain,
                       lambda path: held_out_result(path, args.smollm2_problems),
-                      lambda e: evals_file.write_text(json.dumps(e, indent=1)))
+                      lambda e: evals_file.write_text(json.dumps(e, indent=1)), curves=args.smollm2_curves)
     out = summarise(runs, evals, str(model_dir), args.smollm2_gain, budget_s)
     return {**out, "model": "SmolLM2-135M-Instruct", "config": str(CONFIG.relative_to(ROOT)), "seeds": args.seeds,
             "problems": args.smollm2_problems, "save_every": args.save_every,
@@ -206,6 +223,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="part smollm2: train (needs a quiet machine), eval (does not), or both")
     ap.add_argument("--smollm2-problems", type=int, default=200, help="part smollm2: held-out problems per evaluation")
     ap.add_argument("--smollm2-gain", type=float, default=0.10, help="part smollm2: the target, over the base's success")
+    ap.add_argument("--smollm2-curves", action="store_true",
+                    help="part smollm2: score every checkpoint within the budget, not only up to the first at the "
+                         "target (whole held-out curves; ~1 min an evaluation here)")
     ap.add_argument("--smollm2-trl-threads", type=int, default=2, help="part smollm2: TRL's torch threads")
     ap.add_argument("--save-every", type=int, default=2, help="part smollm2: steps between checkpoints, both systems")
 

@@ -167,23 +167,29 @@ def _smollm2_runs() -> dict[str, list[dict]]:
                     for s in (0, 1)]}
 
 
-def test_smollm2_evaluations_score_each_runs_last_checkpoint_first_then_every_one_within_the_budget() -> None:
+def test_smollm2_evaluations_score_the_last_checkpoint_then_search_forward_to_the_first_hit() -> None:
     """Part smollm2's evaluation order: the base, each run's last checkpoint within the budget (one past it never),
-    then the rest in time order; a second pass (a resumed stage) measures nothing again."""
+    then each run's checkpoints in time order up to the first at or above the target; `curves` scores the rest;
+    a second pass (a resumed stage) measures nothing again."""
     from e2e_smollm2 import evaluate_runs
 
+    success = {"base": 0.14, "e0/0": 0.15, "e0/1": 0.25, "e0/2": 0.20, "e0/3": 0.30, "e1/0": 0.16, "e1/1": 0.2,
+               "e1/2": 0.22, "e1/3": 0.23, "t0/0": 0.17, "t0/1": 0.24, "t0/2": 0.9, "t1/0": 0.1, "t1/1": 0.2,
+               "t1/2": 0.9}
     measured: list[str] = []
 
     def measure(path: str) -> dict:
         measured.append(path)
-        return {"success": 0.2}
+        return {"success": success[path]}
 
     evals: dict = {}
-    evaluate_runs(_smollm2_runs(), evals, "base", 600.0, measure, lambda e: None)
-    assert measured == ["base", "e0/3", "e1/3", "t0/1", "t1/1", "e0/0", "e0/1", "e0/2", "e1/0", "e1/1", "e1/2",
-                        "t0/0", "t1/0"]
-    evaluate_runs(_smollm2_runs(), evals, "base", 600.0, measure, lambda e: None)
-    assert len(measured) == 13
+    evaluate_runs(_smollm2_runs(), evals, "base", 600.0, 0.10, measure, lambda e: None)
+    assert measured == ["base", "e0/3", "e1/3", "t0/1", "t1/1", "e0/0", "e0/1", "e1/0", "e1/1", "e1/2", "t0/0",
+                        "t1/0"]
+    evaluate_runs(_smollm2_runs(), evals, "base", 600.0, 0.10, measure, lambda e: None)
+    assert len(measured) == 12
+    evaluate_runs(_smollm2_runs(), evals, "base", 600.0, 0.10, measure, lambda e: None, curves=True)
+    assert measured[12:] == ["e0/2"]
 
 
 def test_smollm2_summary_times_to_target_and_bounds_the_ratio_when_trl_never_reached() -> None:
