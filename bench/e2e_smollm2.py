@@ -20,7 +20,8 @@ target (the base's success + `--smollm2-gain`): its time is the run's `time_to_t
 `--smollm2-curves` scores the rest too. Evaluations are cached in WORK/evals.json and runs in WORK/runs.json, so
 either stage resumes where it stopped.
 
-Keys under `smollm2`: `runs` {earl_stream, trl: per seed}, `heldout_before`, `target_success`,
+Keys under `smollm2`: `runs` {earl_stream, trl: per seed}, `train_seconds` (the runs' wall time, launch to stop:
+`part_wall_seconds` counts only the stage that wrote the file), `heldout_before`, `target_success`,
 `heldout_at_budget` and `loss_tokens_per_s` per system (mean [95%]), `time_to_target_s` per system (per seed),
 `time_to_target_vs_trl` (ratio of means with its interval; `at_most` when every earl_stream run reached the
 target and no TRL run did: TRL's time is then past the budget), `notes`.
@@ -206,7 +207,8 @@ def run_part(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                       lambda path: held_out_result(path, args.smollm2_problems),
                       lambda e: evals_file.write_text(json.dumps(e, indent=1)), curves=args.smollm2_curves)
     out = summarise(runs, evals, str(model_dir), args.smollm2_gain, budget_s)
-    return {**out, "model": "SmolLM2-135M-Instruct", "config": str(CONFIG.relative_to(ROOT)), "seeds": args.seeds,
+    return {**out, "train_seconds": round(sum(r.get("wall_seconds") or 0 for rs in runs.values() for r in rs), 1),
+            "model": "SmolLM2-135M-Instruct", "config": str(CONFIG.relative_to(ROOT)), "seeds": args.seeds,
             "problems": args.smollm2_problems, "save_every": args.save_every,
             "core_assignment": {"earl_stream": "rollout pool CPU 0, trainer CPU 1 (the config's)",
                                 "trl": f"all CPUs (not pinned), {args.smollm2_trl_threads} torch threads"},
