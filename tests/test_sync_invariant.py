@@ -58,6 +58,7 @@ class ByteParity:
 '''
 LINE = re.compile(r"step (\d+): loss (-?[\d.]+) grad-norm ([\d.]+) reward (-?[\d.]+) \((\d+) samples, (\d+) tokens\)"
                   r".*clipped ([\d.]+) \|ratio-1\| ([\d.]+)")
+STALE = re.compile(r"masked [\d.]+ \(stale ([\d.]+)\)")
 # Several updates per step at lr 1e-2 move log-probs by ~1.4 nats, so the float rounding of another
 # micro-batching (the selector's plan: 256 tokens; the sync loop: 8,192) flips clip decisions and then
 # sampled tokens: those runs keep the configured micro-batching (no selector) on both sides.
@@ -116,8 +117,11 @@ def test_async_at_staleness_zero_matches_the_sync_loop(tmp_path: Path, tiny_mode
         assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-2000:]
     finally:
         cluster.stop()
-    logged = [m.groups() for m in LINE.finditer((tmp_path / "trainer.log").read_text())]
+    trainer_log = (tmp_path / "trainer.log").read_text()
+    logged = [m.groups() for m in LINE.finditer(trainer_log)]
     assert [int(g[0]) for g in logged] == list(range(1, steps + 1))
+    # at staleness 0 no token may come from an older version (a stale heartbeat once rolled the rollout back)
+    assert [float(x) for x in STALE.findall(trainer_log)] == [0.0] * steps, trainer_log[-2000:]
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'sync'}", *overrides])
     sync = run_sync_loop(cfg)

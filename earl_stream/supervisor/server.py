@@ -158,11 +158,15 @@ class Supervisor:
             log.warning("%s cannot load %s: those environments get no new prompts", worker.worker_id, msg.env_errors)
             self.ledger.envs = self.envs.usable_specs()
         published = int(msg.stats.get("published_version", -1))
-        if worker.role == P.Role.TRAINER and worker.rank == 0 and published >= 0 and published != self.policy_version:
+        if worker.role == P.Role.TRAINER and worker.rank == 0 and published > self.policy_version:
             # the trainer is authoritative: after a supervisor restart from a slightly older snapshot,
             # its heartbeat brings the policy version back in line. Only rank 0's: its node holds the
             # manifest that names the other ranks' pieces (a rank > 0 serves only its own pieces, and
-            # may be a version ahead of or behind rank 0 for a moment around a publish)
+            # may be a version ahead of or behind rank 0 for a moment around a publish). Forward only: a
+            # heartbeat is built before it is sent, on its own socket, so one built just before a
+            # PublishVersion can arrive after it with the previous version; taking it rolled the rollout
+            # workers back to the older weights mid-episode. A real rollback (a trainer resumed from an older
+            # checkpoint) comes by PublishVersion, which is authoritative.
             log.info("policy version %d (from %s's heartbeat; was %d)", published, worker.worker_id, self.policy_version)
             self.policy_version, self.weights_address = published, worker.shard_address
         if msg.leaving and worker.role == P.Role.ROLLOUT and not worker.draining:

@@ -85,3 +85,18 @@ def test_only_trainer_rank_0_moves_the_policy_version_by_heartbeat(supervisor: s
     assert (hb.policy_version, hb.weights_address) == (2, "127.0.0.1:10")
     client.call(P.Heartbeat(worker_id=rank1.worker_id, stats={"published_version": 3}))
     assert client.call(P.Heartbeat(worker_id=rollout.worker_id)).weights_address == "127.0.0.1:10"
+
+
+def test_a_heartbeat_built_before_a_publish_does_not_roll_the_version_back(supervisor: str) -> None:
+    """The trainer's heartbeat thread reads its published version, then sends on its own socket: a heartbeat built
+    just before a publish can arrive after it, one version behind. Taking it pointed the rollout workers at the
+    older weights, which an in-place swap then applied mid-episode (a staleness-0 run trained on the older
+    version's tokens). Only a PublishVersion may move the version back (a trainer resumed from an older checkpoint)."""
+    client = P.ControlClient(supervisor, timeout_s=10)
+    rank0 = client.call(P.Register(role=P.Role.TRAINER, host="h", pid=2, rank=0, shard_address="127.0.0.1:10"))
+    rollout = client.call(P.Register(role=P.Role.ROLLOUT, host="h", pid=4, shard_address="127.0.0.1:12"))
+    client.call(P.PublishVersion(worker_id=rank0.worker_id, version=2, weights_address="127.0.0.1:10"))
+    client.call(P.Heartbeat(worker_id=rank0.worker_id, stats={"published_version": 1}))  # overtaken by the publish
+    assert client.call(P.Heartbeat(worker_id=rollout.worker_id)).policy_version == 2
+    client.call(P.PublishVersion(worker_id=rank0.worker_id, version=1, weights_address="127.0.0.1:10"))  # a resume
+    assert client.call(P.Heartbeat(worker_id=rollout.worker_id)).policy_version == 1
