@@ -131,15 +131,15 @@ def in_budget(run: dict[str, Any], budget_s: float) -> list[dict[str, Any]]:
     return sorted((c for c in run.get("checkpoints", []) if c["t"] <= budget_s), key=lambda c: c["t"])
 
 
-def first_hit(ckpts: list[dict[str, Any]], evals: dict[str, Any], target: float | None) -> float | None:
-    """The time of the first checkpoint at or above `target`, reading them in time order; None when none was, or
-    when one before it is not scored yet (the evaluation stage did not finish)."""
+def first_hit(ckpts: list[dict[str, Any]], evals: dict[str, Any], target: float | None) -> tuple[float | None, bool]:
+    """(the time of the first checkpoint at or above `target`, reading them in time order, or None when none was;
+    whether that is known: False when a checkpoint before the first hit (or any, without one) is not scored yet)."""
     for c in ckpts:
         if target is None or c["path"] not in evals:
-            return None
+            return None, False
         if evals[c["path"]]["success"] >= target - 1e-12:
-            return float(c["t"])
-    return None
+            return float(c["t"]), True
+    return None, True
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]], evals: dict[str, Any], base: str, gain: float,
@@ -148,6 +148,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]], evals: dict[str, Any], base
     before = evals.get(base)
     target = before["success"] + gain if before else None
     at_budget: dict[str, list[float | None]] = {}
+    unknown: list[str] = []
     to_target: dict[str, list[float | None]] = {}
     for system, rs in runs.items():
         at_budget[system], to_target[system] = [], []
@@ -156,11 +157,18 @@ def summarise(runs: dict[str, list[dict[str, Any]]], evals: dict[str, Any], base
             last = evals.get(ckpts[-1]["path"]) if ckpts else None
             run["heldout"] = [{**c, **evals[c["path"]]} for c in ckpts if c["path"] in evals]
             at_budget[system].append(last["success"] if last else None)
-            to_target[system].append(first_hit(ckpts, evals, target))
+            t, known = first_hit(ckpts, evals, target)
+            to_target[system].append(t)
+            if not known:
+                unknown.append(f"{system} seed {run.get('seed')}")
     notes = [f"each run has {budget_s:.0f} s from launch; a checkpoint counts at the end of the step it holds"]
     earl, trl = to_target.get("earl_stream", []), to_target.get("trl", [])
     ratio: dict[str, Any] | None = None
-    if earl and trl and None not in earl and None not in trl:
+    if unknown:
+        notes.append(f"time_to_target_vs_trl is null: the time to target of {', '.join(unknown)} is not known yet (a "
+                     "checkpoint before its first hit, or any without one, is not scored; `--smollm2-stage eval` "
+                     "resumes)")
+    elif earl and trl and None not in earl and None not in trl:
         ratio = ratio_interval([float(x) for x in earl if x is not None], [float(x) for x in trl if x is not None])
     elif earl and trl and None not in earl and all(x is None for x in trl):
         ratio = {"mean": None, "at_most": (sum(x for x in earl if x is not None) / len(earl)) / budget_s,
@@ -176,7 +184,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]], evals: dict[str, Any], base
         "heldout_at_budget_per_seed": at_budget,
         "loss_tokens_per_s": {s: interval([r["loss_tokens_per_s"] for r in rs if r.get("loss_tokens_per_s")])
                               for s, rs in runs.items()},
-        "time_to_target_s": to_target, "time_to_target_vs_trl": ratio, "runs": runs, "notes": notes,
+        "time_to_target_s": to_target, "time_to_target_unknown": unknown, "time_to_target_vs_trl": ratio, "runs": runs,
+        "notes": notes,
     }
 
 

@@ -199,7 +199,7 @@ def test_smollm2_summary_times_to_target_and_bounds_the_ratio_when_trl_never_rea
     runs = _smollm2_runs()
     evals = {"base": {"success": 0.14}, "e0/3": {"success": 0.30}, "e0/0": {"success": 0.15}, "e0/1": {"success": 0.25},
              "e1/3": {"success": 0.24}, "e1/0": {"success": 0.24}, "t0/1": {"success": 0.20}, "t1/1": {"success": 0.18},
-             "t0/2": {"success": 0.9}}  # past the budget: never counts
+             "t0/0": {"success": 0.17}, "t1/0": {"success": 0.1}, "t0/2": {"success": 0.9}}  # t0/2: past the budget
     out = summarise(runs, evals, "base", 0.10, 600.0)
     assert out["time_to_target_s"] == {"earl_stream": [300, 150], "trl": [None, None]}
     assert out["time_to_target_vs_trl"]["mean"] is None
@@ -219,6 +219,14 @@ def test_smollm2_summary_times_to_target_and_bounds_the_ratio_when_trl_never_rea
     del evals["e1/3"], evals["e1/0"]
     out = summarise(_smollm2_runs(), evals, "base", 0.10, 600.0)
     assert out["time_to_target_vs_trl"] is None and out["heldout_at_budget_per_seed"]["earl_stream"] == [0.30, None]
+    assert out["time_to_target_unknown"] == ["earl_stream seed 1"]
+    # a TRL run whose earlier checkpoints are unscored is unknown, never "did not reach": no bound is claimed
+    evals = {"base": {"success": 0.14}, **{f"e{s}/0": {"success": 0.3} for s in (0, 1)},
+             **{f"e{s}/3": {"success": 0.3} for s in (0, 1)}, "t0/1": {"success": 0.2}, "t1/1": {"success": 0.2},
+             "t0/0": {"success": 0.2}}
+    out = summarise(_smollm2_runs(), evals, "base", 0.10, 600.0)
+    assert out["time_to_target_s"]["trl"] == [None, None] and out["time_to_target_unknown"] == ["trl seed 1"]
+    assert out["time_to_target_vs_trl"] is None
 
 
 def test_the_smollm2_part_is_kept_beside_the_default_model_parts_and_fills_its_ratio() -> None:
