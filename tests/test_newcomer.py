@@ -159,6 +159,8 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
     dispatch = list(_result("dispatch")["layouts"].values())
     ray = [lay["speedup_vs_ray"] for lay in dispatch if lay.get("speedup_vs_ray")]
     selector, e2e = _result("selector"), _result("e2e")
+    smollm2 = e2e["smollm2"]
+    loss = smollm2["loss_tokens_per_s"]
     sharded = [c["max_abs_relative_error"] for c in memory["sharded"]["configs"] if c["plan"] != "dp1"]
     sync = _result("weight_sync")["full_over_sharded_total_seconds"]
     cluster = [_result(n) for n in ("dispatch_cluster", "dispatch_cluster_500mbit_run2")]
@@ -226,6 +228,10 @@ def test_the_readme_states_the_committed_benchmark_figures() -> None:
         "staleness 0": f"0: {_seconds(e2e['staleness_ablation']['0']['seconds_to_target_mean'])}",
         "staleness 1": f"1: {_seconds(e2e['staleness_ablation']['1']['seconds_to_target_mean'])}",
         "staleness 2": f"2: {_seconds(e2e['staleness_ablation']['2']['seconds_to_target_mean'])}",
+        "smollm2 vs trl": (f"SmolLM2 at 10 min: held-out {_ci(smollm2['heldout_at_budget']['earl_stream'])} vs "
+                           f"{_ci(smollm2['heldout_at_budget']['trl'])}, +10 points in <= "
+                           f"{smollm2['time_to_target_vs_trl']['at_most']:.2f}x the time"),
+        "smollm2 loss tokens": "SmolLM2: " + f"{loss['earl_stream']['mean'] / loss['trl']['mean']:.2f}x loss tokens/s",
         "staleness missed": "4, 8: missed in " + " and ".join(
             str(sum(t is None for t in e2e["staleness_ablation"][k]["seconds_to_target"])) for k in ("4", "8")),
     }
