@@ -45,10 +45,9 @@ class RolloutConfig:
                                    "appending to its KV cache chunk by chunk (same tokens and log-probs): a prefill's "
                                    "transient memory is then one chunk's activations and chunk x context mask, not the "
                                    "whole prompt's (the rollout memory model counts the chunk). 512: on the 2-layer "
-                                   "test model a 4,096-token prefill peaks at 38 MiB instead of 192 and, at "
-                                   "rollout.threads=1, takes 0.58x the CPU time (a whole prefill attends through a "
-                                   "full n x n mask); 256 saves 12 MiB more but ran 2.3x slower at 2 threads on a "
-                                   "loaded host (bench/results/rollout_prefill_chunks.json); 0 = whole prompts",
+                                   "test model a 4,096-token prefill peaks at a fifth of the memory and takes less CPU "
+                                   "time (a whole prefill attends through a full n x n mask); 256 saves a little more "
+                                   "memory but ran slower on a loaded host (docs/history.md); 0 = whole prompts",
                                    minimum=0)
     join_running_batch: bool = _f(True, "the built-in engine admits a request into a batch already decoding "
                                   "(continuous batching); false: each batch runs to completion")
@@ -65,10 +64,8 @@ class RolloutConfig:
                           "running rows end; interrupt = running rows stop at the next decode step and their contexts "
                           "are prefilled again under the new weights; inplace = the weights load between two decode "
                           "steps and rows keep their KV. Tokens carry the version that sampled them in every mode. "
-                          "auto = inplace on the built-in engine (never slower than drain in "
-                          "bench/results/weight_swap.json: 1.06x [0.82, 1.36] of its rollout tokens/s in `up`, 1.00x "
-                          "[0.94, 1.07] engine only, 3 interleaved repeats; interrupt 0.96x [0.92, 0.99] engine only), "
-                          "drain on vllm and sglang (drain only)",
+                          "auto = inplace on the built-in engine (measured no slower than drain, and interrupt slightly "
+                          "slower: docs/history.md), drain on vllm and sglang (drain only)",
                           choices=("auto", "drain", "interrupt", "inplace"))
     temperature: float = _f(1.0, "sampling temperature; the trainer scores samples at the same temperature (its "
                             "log-probs, ratios and entropy are the tempered distribution's, as the engine reports)",
