@@ -97,33 +97,11 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	$(BENCH_VENV)/bin/pip install -q "$(TRANSFORMERS)" -e ".[bench,real-model,envs]"
 	touch $@
 
-# Every benchmark, then docs/BENCHMARKS.md from bench/results/*.json (BENCH_ARGS=--quick for a short pass).
-bench: $(BENCH_VENV)/.installed ## every benchmark, then docs/BENCHMARKS.md (BENCH_ARGS=--quick)
-	HF_HUB_OFFLINE=1 $(BPY) bench/dispatch.py $(BENCH_ARGS) --json bench/results/dispatch.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/memory_model.py $(BENCH_ARGS) --json bench/results/memory_model.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/weight_sync.py $(BENCH_ARGS) --json bench/results/weight_sync.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/selector.py $(BENCH_ARGS) --json bench/results/selector.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/engine.py $(BENCH_ARGS) --json bench/results/engine.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/batch_invariant.py $(BENCH_ARGS) --json bench/results/batch_invariant.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/learning.py $(BENCH_ARGS) --json bench/results/learning.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/e2e.py $(BENCH_ARGS) --json bench/results/e2e.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/real_model.py $(BENCH_ARGS) --json bench/results/real_model.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/context_growth.py $(BENCH_ARGS) --json bench/results/context_growth.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/data_mac.py $(BENCH_ARGS) --json bench/results/data_mac.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/supervisor_load.py $(BENCH_ARGS) --json bench/results/supervisor_load.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/fuzz.py $(BENCH_ARGS) --json bench/results/fuzz.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/chaos.py $(BENCH_ARGS) --json bench/results/chaos.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/lora.py $(BENCH_ARGS) --json bench/results/lora.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/rollout_memory.py $(BENCH_ARGS) --json bench/results/rollout_memory.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/real_scale.py $(BENCH_ARGS) --json bench/results/real_scale.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/split_episodes.py --json bench/results/split_episodes.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/weight_swap.py --split-from bench/results/split_episodes.json --json bench/results/weight_swap.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/moe.py $(BENCH_ARGS) --json bench/results/moe.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/eval_overlap.py --json bench/results/eval_overlap.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/sft.py --out bench/results/sft.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/distill.py --out bench/results/distill.json
-	HF_HUB_OFFLINE=1 $(BPY) bench/sandbox.py $(BENCH_ARGS) --json bench/results/sandbox.json
-	$(MAKE) bench-report
+# The benchmarks whose results the README and the docs cite (bench/catalog.py's RELEASE), one at a time, then
+# docs/BENCHMARKS.md and the README's table: ~14 h on 2 cores (`BENCH_ARGS=--list` prints each command's time;
+# --stale runs only the stale ones; --quick a short pass of each, written under build/bench-quick/).
+bench: $(BENCH_VENV)/.installed ## the cited benchmarks, then docs/BENCHMARKS.md (BENCH_ARGS=--list|--stale|--quick)
+	HF_HUB_OFFLINE=1 $(BPY) bench/run.py $(BENCH_ARGS)
 
 # docs/BENCHMARKS.md and the README's results table from bench/results/*.json, each result marked stale when
 # the code it measures changed since it was measured (tests/test_benchmarks_page.py compares byte for byte).

@@ -211,6 +211,50 @@ BENCHMARKS: list[dict[str, Any]] = [
      "files": ["sandbox.json"], "render": render_sandbox},
 ]
 
+# The results the README and the docs cite, and the commands that measure them (`make bench`, `bench/run.py`), in
+# the order they run; `minutes`: their wall time on the 2-core CPU machine the results name (measured),
+# `quick_minutes` with `quick_args` (default `--quick`). A release measures all of them at one commit.
+_E2E = "python bench/e2e.py --json bench/results/e2e.json"
+RELEASE: list[dict[str, Any]] = [
+    {"name": "engine", "command": "python bench/engine.py --json bench/results/engine.json", "minutes": 1, "quick_minutes": 1},
+    {"name": "dispatch", "command": "python bench/dispatch.py --json bench/results/dispatch.json",
+     "minutes": 1, "quick_minutes": 1},
+    {"name": "sandbox", "command": "python bench/sandbox.py --json bench/results/sandbox.json", "minutes": 1, "quick_minutes": 1},
+    {"name": "weight_sync", "command": "python bench/weight_sync.py --json bench/results/weight_sync.json",
+     "minutes": 3, "quick_minutes": 1},
+    {"name": "memory_model", "command": "python bench/memory_model.py --json bench/results/memory_model.json",
+     "minutes": 10, "quick_minutes": 1},
+    {"name": "memory_model", "command": "python bench/memory_model.py --only-real-model --json bench/results/memory_model.json",
+     "minutes": 20, "quick_minutes": 3},
+    {"name": "learning", "command": "python bench/learning.py --minutes 15 --json bench/results/learning.json",
+     "minutes": 16, "quick_minutes": 3},
+    {"name": "oom_recovery", "command": "python bench/oom_recovery.py --json bench/results/oom_recovery.json",
+     "minutes": 20, "quick_minutes": 7, "quick_args": ["--repeats", "1"]},
+    {"name": "openai_endpoint", "command": "python bench/openai_endpoint.py --models default,random,smollm2 "
+                                           "--json bench/results/openai_endpoint.json", "minutes": 20, "quick_minutes": 3},
+    {"name": "context_growth", "command": "python bench/context_growth.py --unbounded --json bench/results/context_growth.json",
+     "minutes": 32, "quick_minutes": 10},
+    {"name": "dispatch_cluster", "command": "sudo python bench/dispatch_cluster.py --json bench/results/dispatch_cluster.json",
+     "minutes": 30, "quick_minutes": 5},
+    {"name": "selector", "command": "python bench/selector.py --json bench/results/selector.json", "minutes": 30,
+     "quick_minutes": 8},
+    {"name": "real_scale", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
+     "minutes": 150, "quick_minutes": 30},
+    {"name": "cost_calibration", "command": "python bench/cost_calibration.py --model-dir ~/.cache/earl_stream/models/smollm2-shape-8h4kv-random "
+     "--json bench/results/cost_model_heads8.json", "minutes": 10, "quick_minutes": 10, "quick_args": []},
+    {"name": "real_scale", "command": "python bench/real_scale.py --setting heads8 "
+                                      "--only adaptive,static:fsdp2,static:dp2+rc,static:tp2,dynamic_sp "
+                                      "--json bench/results/real_scale_heads8.json", "minutes": 180, "quick_minutes": 30},
+    {"name": "lora", "command": "python bench/lora.py --json bench/results/lora.json", "minutes": 90, "quick_minutes": 10},
+    {"name": "e2e", "part": "comparison", "command": f"{_E2E} --part comparison", "minutes": 55, "quick_minutes": 8},
+    {"name": "e2e", "part": "staleness", "command": f"{_E2E} --part staleness", "minutes": 75, "quick_minutes": 5},
+    {"name": "e2e", "part": "smollm2", "command": f"{_E2E} --part smollm2", "minutes": 90, "quick_minutes": 10},
+]
+
+# Results no page cites any more, removed from bench/results/ at 0.3.0: each is in git at the commit named
+# (`git show COMMIT:bench/results/NAME`); docs/history.md says what each measured.
+REMOVED: dict[str, str] = {}
+
 for _bench in BENCHMARKS:
     if _bench["name"] != "engine":
         _bench.setdefault("not_measured", _OTHER_ENGINES)

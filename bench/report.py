@@ -60,12 +60,13 @@ def _git(*args: str) -> tuple[int, str]:
     return done.returncode, done.stdout.strip()
 
 
-def measured_at(data: dict[str, Any], path: Path) -> tuple[str, str]:
-    """(commit, date) a result was measured at: its own provenance when it names a clean checkout, else
-    the commit that first committed the file after its measurement (a later commit that only scrubs a path in
-    it does not make it current), else the one that last wrote it; ("", "") while the file is not committed.
-    A provenance commit this history lacks (work re-committed after a rewrite) counts as a dirty checkout."""
-    prov = data.get("provenance") or {}
+def measured_at(data: dict[str, Any], path: Path, prov: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(commit, date) a result (or one part of it: `prov`, an entry of its `part_provenance`) was measured at: its
+    own provenance when it names a clean checkout, else the commit that first committed the file after its
+    measurement (a later commit that only scrubs a path in it does not make it current), else the one that last
+    wrote it; ("", "") while the file is not committed. A provenance commit this history lacks (work re-committed
+    after a rewrite) counts as a dirty checkout."""
+    prov = (data.get("provenance") or {}) if prov is None else prov
     if prov.get("commit") and not prov.get("dirty") and _git("cat-file", "-e", f"{prov['commit']}^{{commit}}")[0] == 0:
         return prov["commit"], str(prov.get("when", ""))[:10]
     rel = str(path.resolve().relative_to(ROOT))
@@ -79,6 +80,19 @@ def measured_at(data: dict[str, Any], path: Path) -> tuple[str, str]:
         return "", ""
     commit, date = out.split()
     return commit, date
+
+
+def measurements(data: dict[str, Any], path: Path, depends_on: list[str], not_measured: list[str] = ()  # type: ignore[assignment]
+                 ) -> list[tuple[str, str, str, list[str], list[str]]]:
+    """(part, commit, date, measured paths, paths changed since) of the result and of each part it kept from an
+    earlier run (`part_provenance`: a benchmark run one part at a time): a merged file is only as current as its
+    oldest part. The whole result's part is ""."""
+    out = []
+    for part, prov in [("", data.get("provenance") or {}), *sorted((data.get("part_provenance") or {}).items())]:
+        commit, date = measured_at(data, path, prov)
+        deps = list(prov.get("depends_on") or depends_on)
+        out.append((part, commit, date, deps, changed_since(commit, deps, not_measured)))
+    return out
 
 
 def changed_since(commit: str, depends_on: list[str], not_measured: list[str] = ()) -> list[str]:  # type: ignore[assignment]
@@ -119,19 +133,23 @@ def _code_tree(source: str) -> str:
                 isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) and \
                 isinstance(node.body[0].value.value, str):
             node.body = node.body[1:] or [ast.Pass()]
+    # a release's version number is not measured code: bumping it leaves every result current
+    tree.body = [n for n in tree.body if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(
+        n.targets[0], ast.Name) and n.targets[0].id == "__version__" and isinstance(n.value, ast.Constant))]
     return ast.dump(tree)
 
 
 def currency(data: dict[str, Any], path: Path, depends_on: list[str], not_measured: list[str] = ()  # type: ignore[assignment]
              ) -> tuple[str, bool]:
-    """One line on when and at which commit a result was measured and whether the code it measures has
-    changed since (the stale mark), and whether it is stale."""
-    commit, date = measured_at(data, path)
-    if not commit:
+    """One line on when and at which commit a result (and each part it kept from an earlier run) was measured and
+    whether the code it measures has changed since (the stale mark), and whether it is stale."""
+    found = measurements(data, path, depends_on, not_measured)
+    if not found[0][1]:
         return "Measured: not committed yet.", False
-    deps = list((data.get("provenance") or {}).get("depends_on") or depends_on)
-    changed = changed_since(commit, deps, not_measured)
-    where = f"Measured {date} at `{commit[:7]}`"
+    deps = found[0][3]
+    where = "; ".join(f"{f'part `{part}` ' if part else ''}{'m' if part else 'M'}easured {date} at `{commit[:7]}`"
+                      for part, commit, date, _, _ in found)
+    changed = sorted({c for *_, ch in found for c in ch})
     if not changed:
         return f"{where}; the code it measures ({', '.join(f'`{d}`' for d in deps)}) is unchanged since.", False
     shown = ", ".join(f"`{c}`" for c in changed[:6]) + (f" and {len(changed) - 6} more files" if len(changed) > 6 else "")
@@ -250,10 +268,10 @@ def readme_table(results: Path) -> str:
         if not path.exists():
             continue
         data = json.loads(path.read_text())
-        commit, date = measured_at(data, path)
         bench = next((b for b in BENCHMARKS if any(fnmatch.fnmatch(name, f) for f in b["files"])), None)
-        measured = list((data.get("provenance") or {}).get("depends_on") or (bench["depends_on"] if bench else []))
-        changed = changed_since(commit, measured, bench.get("not_measured", []) if bench else [])
+        found = measurements(data, path, bench["depends_on"] if bench else [], bench.get("not_measured", []) if bench else [])
+        _, commit, date = min(found, key=lambda m: m[2] or "9")[:3]  # the oldest part's
+        changed = {c for *_, ch in found for c in ch}
         mark = (f"stale: {len(changed)} file{'s' if len(changed) > 1 else ''} changed" if changed else "yes") if commit else "uncommitted"
         anchor = _slug(bench["title"]) if bench else ""
         rows.append(f"| [`{name}`](docs/BENCHMARKS.md#{anchor}) | {date} `{commit[:7]}` | {mark} |")
