@@ -224,8 +224,11 @@ RELEASE: list[dict[str, Any]] = [
      "minutes": 3, "quick_minutes": 1},
     {"name": "memory_model", "command": "python bench/memory_model.py --json bench/results/memory_model.json",
      "minutes": 10, "quick_minutes": 1},
-    {"name": "memory_model", "command": "python bench/memory_model.py --only-real-model --json bench/results/memory_model.json",
-     "minutes": 20, "quick_minutes": 3},
+    {"name": "memory_model", "command": "python bench/memory_model.py --only-real-model --real-grid " + ",".join(
+        ["dp2:1024", "dp2:2048", "fsdp2:1024", "fsdp2:2048", "fsdp2+rc:4096", "tp2@heads8:1024", "tp2@heads8:2048",
+         "sp2@heads8:1024", "sp2@heads8:2048", "switch:dp2>fsdp2:0"]) + " --json bench/results/memory_model.json",
+     "minutes": 20, "quick_minutes": 3,
+     "quick_command": "python bench/memory_model.py --only-real-model --json bench/results/memory_model.json"},
     {"name": "learning", "command": "python bench/learning.py --minutes 15 --json bench/results/learning.json",
      "minutes": 16, "quick_minutes": 3},
     {"name": "oom_recovery", "command": "python bench/oom_recovery.py --json bench/results/oom_recovery.json",
@@ -240,8 +243,9 @@ RELEASE: list[dict[str, Any]] = [
      "quick_minutes": 8},
     {"name": "real_scale", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
      "minutes": 150, "quick_minutes": 30},
-    {"name": "cost_calibration", "command": "python bench/cost_calibration.py --model-dir ~/.cache/earl_stream/models/smollm2-shape-8h4kv-random "
-     "--json bench/results/cost_model_heads8.json", "minutes": 10, "quick_minutes": 10, "quick_args": []},
+    {"name": "cost_calibration", "command": "python bench/cost_calibration.py "
+     "--model-dir ~/.cache/earl_stream/models/smollm2-shape-8h4kv-random --json bench/results/cost_model_heads8.json",
+     "minutes": 10, "quick_minutes": 10, "quick_args": []},
     {"name": "real_scale", "command": "python bench/real_scale.py --setting heads8 "
                                       "--only adaptive,static:fsdp2,static:dp2+rc,static:tp2,dynamic_sp "
                                       "--json bench/results/real_scale_heads8.json", "minutes": 180, "quick_minutes": 30},
@@ -253,7 +257,39 @@ RELEASE: list[dict[str, Any]] = [
 
 # Results no page cites any more, removed from bench/results/ at 0.3.0: each is in git at the commit named
 # (`git show COMMIT:bench/results/NAME`); docs/history.md says what each measured.
-REMOVED: dict[str, str] = {}
+REMOVED: dict[str, str] = {
+    "algorithms.json": "ec8e9e0",
+    "batch_invariant.json": "ec8e9e0",
+    "chaos.json": "ec8e9e0",
+    "context_growth_glibc_heap.json": "ec8e9e0",
+    "data_mac.json": "ec8e9e0",
+    "dispatch_cluster_500mbit_run2.json": "ec8e9e0",
+    "dispatch_ucx.json": "ec8e9e0",
+    "distill.json": "ec8e9e0",
+    "engine_smollm2.json": "ec8e9e0",
+    "eval_overlap.json": "ec8e9e0",
+    "fuzz.json": "ec8e9e0",
+    "gpu_check.json": "ec8e9e0",
+    "learning_connect_four.json": "ec8e9e0",
+    "lora_sync.json": "ec8e9e0",
+    "moe.json": "ec8e9e0",
+    "openai_endpoint_smollm2.json": "ec8e9e0",
+    "openai_endpoint_smollm2_calculator.json": "ec8e9e0",
+    "policy_audit.json": "ec8e9e0",
+    "real_model.json": "ec8e9e0",
+    "real_model_async_vs_sync.json": "ec8e9e0",
+    "real_model_lr2e-5.json": "ec8e9e0",
+    "real_scale_gpu.json": "ec8e9e0",
+    "real_scale_long.json": "ec8e9e0",
+    "rollout_memory_gpu.json": "ec8e9e0",
+    "rollout_prefill_chunks.json": "ec8e9e0",
+    "sft.json": "ec8e9e0",
+    "smollm2_precision.json": "ec8e9e0",
+    "split_episodes.json": "ec8e9e0",
+    "supervisor_load.json": "ec8e9e0",
+    "vlm.json": "ec8e9e0",
+    "weight_swap.json": "ec8e9e0",
+}
 
 for _bench in BENCHMARKS:
     if _bench["name"] != "engine":

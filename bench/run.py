@@ -36,7 +36,7 @@ def argv_of(run: dict[str, Any], quick: bool, out_dir: Path) -> list[str]:
     """The command of one release run as this interpreter runs it: `python` is this one, a leading `sudo` is
     dropped where this process is root, and with `quick` the run's `quick_args` (default `--quick`) are added and
     its results go under `out_dir`."""
-    words = shlex.split(run["command"])
+    words = shlex.split(run.get("quick_command", run["command"]) if quick else run["command"])
     if words[0] == "sudo":
         words = words[1:] if os.geteuid() == 0 else ["sudo", "-E", *words[1:]]
     at = words.index("python")

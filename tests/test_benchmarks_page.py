@@ -4,6 +4,7 @@ moves them; `make bench-report` refreshes them), so a result or a figure cannot 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -126,3 +127,71 @@ def test_the_comparison_masks_only_the_stale_marks() -> None:
     assert without_marks(fresh) != without_marks(fresh.replace("b83f9ed", "c83f9ed"))
     row = "| [`a.json`](docs/BENCHMARKS.md#a) | 2026-11-26 `b83f9ed` | {} |"
     assert without_marks(row.format("yes")) == without_marks(row.format("stale: 64 files changed"))
+
+
+def test_the_readme_figures_and_the_results_page_are_generated() -> None:
+    """The README's figures and docs/results.md are computed from the results files (bench/figures.py): a
+    re-measured result with other numbers fails here until `make bench-report` rewrites both."""
+    from bench.report import FIGURES_BEGIN, FIGURES_END, figures_table, results_page
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(FIGURES_BEGIN, 1)[1].split(FIGURES_END, 1)[0]
+    assert block == "\n" + figures_table(ROOT / "bench" / "results"), \
+        "the README's figures drifted from bench/results: run `make bench-report`"
+    assert (ROOT / "docs" / "results.md").read_text() == results_page(ROOT / "bench" / "results"), \
+        "docs/results.md drifted from bench/results: run `make bench-report`"
+
+
+def test_a_figure_quotes_the_worst_value_in_its_file() -> None:
+    """The worst column is the worst value of the quantity in the whole file, not of a chosen subset: a row
+    added to a result that is worse than the others becomes the README's worst."""
+    from bench.figures import all_figures
+
+    def load(name: str) -> dict | None:
+        return json.loads(json.dumps(results[name])) if name in results else None
+
+    results = {"openai_endpoint": {"models": {
+        "default": {"tictactoe": {"endpoint_over_builtin_tokens_per_s": 0.48}},
+        "random": {"tictactoe": {"endpoint_over_builtin_tokens_per_s": 0.27},
+                   "calculator": {"endpoint_over_builtin_tokens_per_s": 0.84}}}},
+               "weight_sync": {"full_over_sharded_total_seconds": {"1M_tp2": 7.3, "35M_fsdp2": 2.4, "1M_fsdp2": 4.0},
+                               "repetitions": 5, "ranks": 2, "sizes": {"1M": {}, "35M": {}}, "dtype": "float32"}}
+    figures = {f.figure: f for f in all_figures(load)}
+    endpoint = figures["OpenAI endpoint vs built-in agent loop, tokens/s"]
+    assert endpoint.worst.startswith("0.27 (a random tiny model, tictactoe)") and endpoint.best.startswith("0.84")
+    sync = figures["sharded weight publish + pull vs rank-0 copy"]
+    assert sync.worst == "2.4x (35M, fsdp2)" and sync.best == "7.3x (1M, tp2)"
+    assert set(figures) == {endpoint.figure, sync.figure}  # a missing file: no figure
+
+
+def test_make_bench_measures_every_cited_result_and_no_other() -> None:
+    """`make bench` (bench/run.py, the catalog's RELEASE) writes every result file the README and the docs cite,
+    at most ~15 of them plus the selector's calibration inputs, and every file in bench/results/ is one of them;
+    a result removed from the release names the commit that still holds it."""
+    from bench.catalog import BENCHMARKS, RELEASE, REMOVED
+    from bench.run import output_of
+
+    written = {output_of(r).name for r in RELEASE}
+    names = {b["name"] for b in BENCHMARKS}
+    assert all(r["name"] in names for r in RELEASE)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    cited = {m for p in pages if p.name not in ("history.md", "BENCHMARKS.md")
+             for m in re.findall(r"bench/results/([\w.-]+\.json)", p.read_text())}
+    assert cited <= written, f"cited but not measured by `make bench`: {sorted(cited - written)}"
+    assert len(written) <= 16, sorted(written)
+    present = {p.name for p in (ROOT / "bench" / "results").glob("*.json")}
+    assert present <= written, f"results no page cites (remove them, naming them in REMOVED): {sorted(present - written)}"
+    assert not set(REMOVED) & present
+    history = (ROOT / "docs" / "history.md").read_text()
+    assert all(f"`{name}`" in history and commit in history for name, commit in REMOVED.items())
+
+
+def test_bench_run_quick_writes_outside_the_results() -> None:
+    """`make bench BENCH_ARGS=--quick` checks every command without touching bench/results/."""
+    from bench.catalog import RELEASE
+    from bench.run import QUICK_DIR, argv_of
+
+    for run in RELEASE:
+        words = argv_of(run, True, QUICK_DIR)
+        assert words[0] == sys.executable and not any(w.startswith("bench/results/") for w in words), words
+        assert any(w.startswith(str(QUICK_DIR)) for w in words), words

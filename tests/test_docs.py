@@ -6,7 +6,6 @@ quotes dated with the commit of its result file).
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import shutil
 import subprocess
@@ -111,35 +110,3 @@ def test_the_readme_is_short_and_its_links_resolve() -> None:
     assert not broken, f"README.md links to what does not exist: {broken}"
 
 
-def _measured_at(path: str) -> str | None:
-    """`date commit` a result was measured at, as bench/report.py reads it (its provenance, else git)."""
-    if shutil.which("git") is None:
-        return None
-    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True)
-    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
-        return None
-    sys.path.insert(0, str(ROOT))
-    from bench.report import measured_at
-
-    commit, date = measured_at(json.loads((ROOT / path).read_text()), ROOT / path)
-    return f"{date} {commit}" if commit else None
-
-
-def test_every_readme_result_names_the_date_and_commit_of_its_file() -> None:
-    """Each row of the README's results table cites its result file and the `date commit` it was measured at
-    (its provenance): a result re-measured fails here until the README quotes it."""
-    readme = (ROOT / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith("| ") and "bench/results/" in line]
-    assert len(rows) >= 10, "the README's results table is missing"
-    stale = []
-    for row in rows:
-        cited = re.findall(r"`bench/results/([\w.-]+\.json)` \((\d{4}-\d\d-\d\d) ([0-9a-f]{7,})\)", row)
-        assert cited, f"a results row without `bench/results/X.json` (DATE COMMIT): {row[:120]}"
-        for name, date, commit in cited:
-            assert (ROOT / "bench" / "results" / name).is_file(), name
-            actual = _measured_at(f"bench/results/{name}")
-            if actual is None:
-                pytest.skip("no git history here (not a clone, or a shallow one)")
-            if actual.split()[0] != date or not actual.split()[1].startswith(commit[:7]):
-                stale.append(f"{name}: README says {date} {commit}, measured {actual}")
-    assert not stale, "README results out of date:\n" + "\n".join(stale)
