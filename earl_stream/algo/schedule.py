@@ -47,7 +47,7 @@ def apply_lr(optimizer: torch.optim.Optimizer, factor: float) -> float:
     the trainer takes from `trainer.lr`) times `factor`; returns that lr.
 
     No key is added to the groups: torch.distributed's optimizer state dict maps the keys of the state it
-    loads onto the new optimizer's, and an extra one (an `initial_lr` kept there until session 14) made a
+    loads onto the new optimizer's, and an extra one (an `initial_lr`, which earlier versions kept there) made a
     re-shard to another plan fail with a KeyError; one such key from an older checkpoint is dropped here."""
     lr = float(optimizer.defaults["lr"]) * factor
     for group in optimizer.param_groups:

@@ -157,13 +157,13 @@ class AlgoConfig:
                     "from each sample's reward before the advantages)", choices=("loss", "reward"))
     # 0: where a group's games meet different opponents (envs[].group_seed) a near-deterministic policy still gets
     # advantages, and the bonus spreads mass over the whole vocabulary (illegal replies); it was 0.01 when a
-    # group's games shared one opponent (bench/results/learning_default_15min.json at commit cbeffc5)
+    # group's games shared one opponent (the tuning runs in docs/history.md)
     entropy_coef: float = _f(0.0, "weight of the entropy bonus (keeps groups of one prompt from collapsing to one "
                              "answer, which zeroes their advantages)", minimum=0)
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", minimum=0)
     # cosine to 0.1 x lr at step 400, then constant: the embedded default's policy jitters less once learnt
     # (with the bonus off, second-half minimum 0.904 against 0.865 at a constant lr with it:
-    # bench/results/learning_seed_per_game*.json at commit cbeffc5); a real model's config sets its own (configs/smollm2_arithmetic.yaml)
+    # the tuning runs in docs/history.md); a real model's config sets its own (configs/smollm2_arithmetic.yaml)
     lr_schedule: str = _f("cosine", "learning rate after warm-up: constant, or cosine down to min_lr_ratio x "
                           "trainer.lr at lr_decay_steps, constant after", choices=("constant", "cosine"))
     warmup_steps: int = _f(0, "steps of linear warm-up from 0 to trainer.lr", minimum=0)

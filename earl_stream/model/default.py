@@ -36,8 +36,7 @@ DEFAULT_GAME = "tictactoe"
 _RECIPE = "warm-v4"
 DEFAULT_MODEL_NAME = f"{DEFAULT_GAME}-{_RECIPE}"
 # v4: 1,350 supervised steps (v3: 450). Sampled at temperature 1, its moves are legal 0.984 of the time (0.972),
-# and RL from it holds more of what it learns (bench/results/learning_seed_per_game_cosine400_noent_warm1350.json
-# at commit cbeffc5).
+# and RL from it holds more of what it learns (the tuning runs in docs/history.md).
 DEFAULT_WARM_START_STEPS = 1350
 # A game shown as pictures: a vision-language model's recipe, versioned on its own.
 _VISION_RECIPE = "vlm-warm-v1"

@@ -40,9 +40,10 @@ separately. Checked against the real engine on CPU (fp32, h 256, I 1024, 2 layer
 of n tokens, RSS high-water growth over weights, KV included): 2048 -> 76.4 MB measured, 4096 -> 204 MB (fit:
 24.8 KB per position + 6.1 bytes per query-key pair; the formula gives 23.5 KB and 6: 73.4 and 197 MB); below
 ~1K positions the measured peak carries 4-13 MB the formula does not (allocator and thread scratch: the reserve's).
-In chunks (bench/results/rollout_prefill_chunks.json, 3 runs): C 512 -> 28.1 MiB measured against 20.5 predicted at
-2048, 37.8 against 30.5 at 4096 (whole: 72.7 and 192); C 1024 -> 46.5 / 37.0 and 68.7 / 53.0; the chunked peaks
-carry 7-16 MiB the formula does not (the same scratch, and freed chunks' blocks the allocator keeps resident).
+In chunks (`bench/rollout_memory.py --prefill`, 3 runs at commit 39698bc; the result is in git at ec8e9e0, see
+docs/history.md): C 512 -> 28.1 MiB measured against 20.5 predicted at 2048, 37.8 against 30.5 at 4096 (whole:
+72.7 and 192); C 1024 -> 46.5 / 37.0 and 68.7 / 53.0; the chunked peaks carry 7-16 MiB the formula does not
+(the same scratch, and freed chunks' blocks the allocator keeps resident).
 """
 
 from __future__ import annotations
