@@ -46,7 +46,7 @@ received, the experts' outputs and those coming back (4 e N k h bytes; the recei
 average, a router that sends every token to one rank's experts holds more).
 Not modelled (keep a reserve for them): communication buffers (TP all-reduce, Ulysses all-to-all,
 DDP buckets), the runtime itself, and allocator slack. On CPU, glibc keeps freed blocks unless
-MALLOC_MMAP_THRESHOLD_ is fixed (e.g. 65536); bench/memory_model.py measured +22% RSS without it.
+MALLOC_MMAP_THRESHOLD_ is fixed (e.g. 65536); bench/memory_model.py measures how far RSS rises without it.
 """
 
 from __future__ import annotations
