@@ -387,7 +387,7 @@ def main() -> int:
         result["notes"] = summarise(result)
         write_result(out, result, indent=2, depends_on=DEPENDS_ON)  # kept should a later run fail
     result["machine"] = {"cpus": os.cpu_count(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-                         "note": "shared machine: other sessions' runs and tests may run alongside (each run's "
+                         "note": "shared machine: other jobs' runs and tests may run alongside (each run's "
                                  "load_avg_after); the learning runs are step-bound, so load changes their minutes, "
                                  "not their work"}
     result["notes"] = summarise(result) + [

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU preset check, one command on a machine with a CUDA GPU: builds random weights of Qwen3-1.7B's shape
 # locally (no download), runs `earl-stream up --config configs/gpu_single.yaml --steps 3` on them, and writes
-# bench/results/gpu_preset_check.json (card, steps, samples trained, wall time, peak card memory, trainer plans,
+# build/gpu_preset_check.json (card, steps, samples trained, wall time, peak card memory, trainer plans,
 # decode path). About 3-5 minutes on one H100/H200 (estimated: not yet run); `up` is stopped after 7 minutes.
 # It runs the preset with eval.every=0, algo.dynamic_sampling=false and trainer.groups_per_step=8, which random
 # weights need (scripts/gpu_check.py says why); memory budgets, dtypes and engine are the preset's.

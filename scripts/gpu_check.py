@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds `up` may run (model build excluded)")
     ap.add_argument("--run-dir", default="runs/gpu-preset-check")
-    ap.add_argument("--out", default="bench/results/gpu_preset_check.json")
+    ap.add_argument("--out", default="build/gpu_preset_check.json")
     ap.add_argument("--cpu-smoke", action="store_true", help="check this script on a CPU (tiny model, 1 step)")
     ap.add_argument("--build", metavar="DIR", help=argparse.SUPPRESS)  # the child that builds the model
     args = ap.parse_args()

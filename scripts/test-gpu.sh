@@ -3,7 +3,7 @@
 # embedded default whose trainer (bf16 autocast, NCCL-capable pool) and built-in engine run on CUDA.
 # Checks from the run's logs that both really computed on CUDA and that the run trained every step.
 # Usage: make test-gpu  (or PY=python3 bash scripts/test-gpu.sh where the project is installed already)
-# GPU_RESULT=PATH writes the result elsewhere; GPU_COMMIT=SHA names the commit where git on the host cannot
+# Writes build/gpu_check.json (GPU_RESULT=PATH: elsewhere; a GPU run is history, docs/history.md, not a cited result); GPU_COMMIT=SHA names the commit where git on the host cannot
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -25,7 +25,7 @@ echo "up: $STEPS steps in $(( $(date +%s) - start )) s (model build included)"
 grep -h "computes on\|generates on" "$RUN"/logs/*.log | sed 's/^/  /'
 grep -q "computes on cuda" "$RUN"/logs/*.log || { echo "test-gpu: the trainer did not compute on cuda"; exit 1; }
 grep -q "generates on cuda" "$RUN"/logs/*.log || { echo "test-gpu: the engine did not generate on cuda"; exit 1; }
-"$PY" - "$RUN/summary.json" "$STEPS" "${GPU_RESULT:-bench/results/gpu_check.json}" "$RUN" <<'PYEOF'
+"$PY" - "$RUN/summary.json" "$STEPS" "${GPU_RESULT:-build/gpu_check.json}" "$RUN" <<'PYEOF'
 import datetime, glob, json, os, subprocess, sys
 import torch, transformers
 s = json.load(open(sys.argv[1]))
@@ -42,6 +42,7 @@ result = {"what": "make test-gpu: the gpu-marked tests passed, then `earl-stream
           "up": {k: s.get(k) for k in ("steps", "samples_trained", "samples_produced", "win_rate_last",
                                        "tokens_per_second", "wall_seconds", "samples_lost", "duplicates_detected")}}
 print(result["up"])
+os.makedirs(os.path.dirname(sys.argv[3]) or ".", exist_ok=True)
 json.dump(result, open(sys.argv[3], "w"), indent=1)
 PYEOF
 echo "test-gpu: passed"
