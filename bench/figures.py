@@ -37,6 +37,12 @@ def _ratio(x: dict[str, Any]) -> str:
     return f"{x['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 
+def _span(values: list[int]) -> str:
+    """`low-high` of some token counts, or the one count they all are."""
+    low, high = min(values), max(values)
+    return f"{low:,}" if low == high else f"{low:,}-{high:,}"
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "missed"
 
@@ -74,7 +80,7 @@ def memory_model(load: Load) -> list[Figure]:
         "memory model: error of the predicted peak", f"{max(errors):.1%}", f"{min(errors):.1%}", ("memory_model.json",),
         f"{len(rows)} configurations (`MALLOC_MMAP_THRESHOLD_=65536`; glibc's default: +{glibc:.0%})",
         f"`bench/memory_model.py` (a) and (b): {len(rows)} configurations of 25M/30M-parameter models (fp32, 1 thread, "
-        f"{min(c['seq_len'] for c in rows)}-{max(c['seq_len'] for c in rows):,} tokens, eager and sdpa attention, "
+        f"{_span([c['seq_len'] for c in rows])} tokens, eager and sdpa attention, "
         f"with and without recomputation), one step each, with `MALLOC_MMAP_THRESHOLD_=65536`; under glibc's default "
         f"the measured peak was {glibc:+.0%} against the prediction (freed blocks stay in the heap)"))
     sharded = [c for c in d["sharded"]["configs"] if c["plan"] != "dp1"]
@@ -87,9 +93,8 @@ def memory_model(load: Load) -> list[Figure]:
             f"{best['max_abs_relative_error']:.1%} ({best['plan']}, {best['attn']})", ("memory_model.json",),
             f"{', '.join(sorted({c['plan'] for c in sharded}))} on gloo ranks",
             f"`bench/memory_model.py` (c): {len(sharded)} rows of {', '.join(sorted({c['plan'] for c in sharded}))} on "
-            f"gloo ranks of 25-30M-parameter models, {min(c['seq_len'] for c in sharded):,}-"
-            f"{max(c['seq_len'] for c in sharded):,} tokens, the real `train_step`, `MALLOC_MMAP_THRESHOLD_=65536`; the "
-            f"error of each rank's peak, the worst rank of each row"))
+            f"gloo ranks of 25-30M-parameter models, {_span([c['seq_len'] for c in sharded])} tokens, the real "
+            f"`train_step`, `MALLOC_MMAP_THRESHOLD_=65536`; the error of each rank's peak, the worst rank of each row"))
     real = d.get("real_model")
     if real and real.get("configs"):
         rows = [c for c in real["configs"] if "relative_error" in c]
@@ -101,7 +106,7 @@ def memory_model(load: Load) -> list[Figure]:
             "memory model, SmolLM2-135M per rank",
             f"{-under['relative_error']:.1%} under ({under['case']}); {over['relative_error']:.1%} over ({over['case']})",
             f"{learnt:.2%} under (learnt reserve)" if learnt is not None else "-", ("memory_model.json",),
-            f"{len(rows)} rows, {min(tokens):,}-{max(tokens):,} tokens a micro-batch",
+            f"{len(rows)} rows, {_span(tokens)} tokens a micro-batch",
             f"`bench/memory_model.py --only-real-model`: {len(rows)} rows ({', '.join(c['case'] for c in rows)}) on "
             f"SmolLM2-135M's size (heads8: 8/4 heads, random weights, where tp2 and sp2 need heads divisible by 2), "
             f"2 gloo ranks, fp32, sdpa, `MALLOC_MMAP_THRESHOLD_=65536`, states and one step per rank. Best: each "
