@@ -195,3 +195,27 @@ def test_bench_run_quick_writes_outside_the_results() -> None:
         words = argv_of(run, True, QUICK_DIR)
         assert words[0] == sys.executable and not any(w.startswith("bench/results/") for w in words), words
         assert any(w.startswith(str(QUICK_DIR)) for w in words), words
+
+
+def test_a_merged_result_is_as_current_as_its_oldest_part(tmp_path: Path) -> None:
+    """A result written one part at a time (`part_provenance`) is stale when any part's code changed since that
+    part was measured, even if the file's own provenance is current; each part's date and commit is shown."""
+    from bench.report import currency
+
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    first = subprocess.run(["git", "-C", str(ROOT), "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True,
+                           check=True).stdout.split()[0]
+    now = {"commit": head, "dirty": False, "when": "2026-01-02T00:00:00+00:00", "depends_on": ["earl_stream/config"]}
+    merged = {"provenance": now, "part_provenance": {"old": {**now, "commit": first, "when": "2026-01-01T00:00:00+00:00"}}}
+    line, stale = currency(merged, tmp_path / "x.json", [])
+    assert stale and f"part `old` measured 2026-01-01 at `{first[:7]}`" in line
+    assert currency({"provenance": now, "part_provenance": {"same": now}}, tmp_path / "x.json", [])[1] is False
+
+
+def test_a_version_bump_leaves_a_result_current() -> None:
+    """A release changes `__version__` and nothing a benchmark measures."""
+    from bench.report import same_code
+
+    old = '"""Package."""\n__version__ = "0.2.0"\nX = 1\n'
+    assert same_code(old, old.replace("0.2.0", "0.3.0"))
+    assert not same_code(old, old.replace("X = 1", "X = 2"))
