@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT))
-from bench.catalog import BENCHMARKS, REMOVED  # noqa: E402
+from bench.catalog import BENCHMARKS, RELEASE, REMOVED  # noqa: E402
 from bench.figures import Figure, all_figures  # noqa: E402
 from bench.report_tables import fmt  # noqa: E402
 
@@ -192,8 +192,10 @@ def result_files(bench: dict[str, Any], results: Path) -> list[Path]:
 
 def section(bench: dict[str, Any], results: Path, out_dir: Path) -> tuple[list[str], set[str]]:
     """The page's section of one benchmark and the plot files it shows."""
-    out = [f"## {bench['title']}", "", what_it_measures(ROOT / bench["script"]), "",
-           f"Regenerate: `{bench['command']}`", ""]
+    release = [r["command"] for r in RELEASE if r["name"] == bench["name"]]
+    regenerate = (f"`make bench BENCH_ARGS=\"--only {bench['name']}\"`, i.e. " + "; ".join(f"`{c}`" for c in release)
+                  if release else f"`{bench['command']}`")
+    out = [f"## {bench['title']}", "", what_it_measures(ROOT / bench["script"]), "", f"Regenerate: {regenerate}", ""]
     files, plots = result_files(bench, results), set()
     gone = [f"`git show {REMOVED[n]}:bench/results/{n}`" for n in sorted(REMOVED)
             if any(fnmatch.fnmatch(n, pattern) for pattern in bench["files"])]
