@@ -61,7 +61,7 @@ def learning(load: Load) -> list[Figure]:
         f"{d['budget_minutes']:.0f} min, one run, from {d['start_win_rate']:.3f}; second half {mean2:.2f} "
         f"(goal 0.95: {_met(mean2 >= 0.95)})",
         f"`bench/learning.py`: the embedded default as `make run` trains it (no overrides), {d['budget_minutes']:.0f} "
-        f"minutes, one run, nothing else running, the win rate over the last 512 games; {d['start_win_rate']:.3f} at "
+        f"minutes, one run, the win rate over the last 512 games; {d['start_win_rate']:.3f} at "
         f"the start, {mean2:.3f} averaged over the second half. Goals: 0.9 within 5 minutes "
         f"{_met(t is not None and t <= 300)}, a second-half minimum >= 0.9 {_met(min2 >= 0.9)}, a second-half mean "
         f">= 0.95 {_met(mean2 >= 0.95)}")]
