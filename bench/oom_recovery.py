@@ -5,7 +5,7 @@ recovers from each without a crash, a lost sample or a sample trained twice.
     python bench/oom_recovery.py --json bench/results/oom_recovery.json            # 3 repeats (~20 min each here)
     python bench/oom_recovery.py --repeats 1 --steps 4 --json /tmp/oom_quick.json  # a check (no failure yet)
 
-Each repeat is one `earl-stream up` of configs/smollm2_real_scale.yaml (SmolLM2-135M, a trainer pool of 2
+Each repeat is one `earl-stream up` of bench/oom_recovery.yaml (SmolLM2-135M, a trainer pool of 2
 ranks, key-value recall episodes that grow 8x, ~500 -> ~4,200 tokens, two steps per length) with the trainer
 selector's memory predictions multiplied by `--scale` (`selector.memory_model_scale`, default 0.5: a model that
 under-predicts by half; at 0.6 the plans it chose, dp2 then dp2 with recomputation, all fitted the cap).
@@ -43,10 +43,8 @@ sys.path.insert(0, str(ROOT))
 from bench.provenance import write_result  # noqa: E402
 from bench.stats import mean_ci95  # noqa: E402
 
-CONFIG = ROOT / "configs" / "smollm2_real_scale.yaml"
+CONFIG = ROOT / "bench" / "oom_recovery.yaml"  # the workload, its own file
 SITE = ROOT / "bench" / "real_scale_site"
-# the config's key-value recall, a level every 2 prompt groups (one a step): ~500, ~1,000, ~2,100, ~4,200 tokens
-ENV_PARAMS = "{turns: 1, max_turns: 1, facts_per_turn: 2, filler_words: 430, filler_factor: 2.12, grow_every: 2}"
 _STEP = re.compile(r"step (\d+): loss \S+ grad-norm \S+ reward \S+ \((\d+) samples, (\d+) tokens\) in ([\d.]+)s")
 _ADOPT = re.compile(r"step (\d+): adopted trainer plan v(\d+): (\S+) .*micro-batch (\d+) tokens, recompute (\w+)")
 _LOST = re.compile(r"step (\d+): recovered from the allocation failure under (\S+): trained under plan (\S+), "
@@ -107,7 +105,7 @@ def run_once(args: argparse.Namespace, k: int, out: Path) -> dict[str, Any]:
            "EARL_BENCH_CAP_MODE": "rlimit", "EARL_BENCH_CAP_TAG": f"oom{k}", "MALLOC_MMAP_THRESHOLD_": "65536"}
     cmd = [sys.executable, "-m", "earl_stream", "up", "--config", str(CONFIG), "--steps", str(args.steps),
            "--summary", str(run_dir / "summary.json"), f"run_dir={run_dir}", f"seed={args.seed + k}",
-           f"envs.0.params={ENV_PARAMS}", f"selector.memory_model_scale={args.scale}", "trainer.oom_recovery=on",
+           f"selector.memory_model_scale={args.scale}", "trainer.oom_recovery=on",
            *args.set]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.run_minutes * 60)
