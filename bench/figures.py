@@ -219,14 +219,18 @@ def oom_recovery(load: Load) -> list[Figure]:
     d = load("oom_recovery")
     if d is None:
         return []
-    times = d["recovery_in_step_times"]
+    times = [t for t in d["recovery_in_step_times"] if t is not None]
+    crashed = f"{d['crashes']} of {d['repeats']} runs crashed" if d["crashes"] else ""
+    worst = "; ".join(x for x in (crashed, f"{max(times):.2f} step times" if times else "") if x) or "-"
     return [Figure(
-        "per OOM recovery, memory model 2x low", f"{max(times):.2f} step times", f"{min(times):.2f}",
+        "per OOM recovery, memory model 2x low", worst, f"{min(times):.2f} step times" if times else "-",
         ("oom_recovery.json",), f"SmolLM2, 2 ranks, {d['repeats']} runs, {d['lost']} lost",
         f"`bench/oom_recovery.py`: `{d['settings']['config']}`, {d['settings']['ranks']} trainer ranks each under "
         f"{d['settings']['cap']}, the memory model scaled by {d['settings']['memory_model_scale']} (wrong on purpose), "
         f"{d['settings']['steps']} steps, {d['repeats']} runs: {d['recoveries']} recoveries, {d['crashes']} crashes, "
-        f"{d['lost']} samples lost; seconds lost per recovery {_iv(d['seconds_lost_per_recovery_ci95'], 0, ' s')}")]
+        f"{d['lost']} samples lost"
+        + (f"; seconds lost per recovery {_iv(d['seconds_lost_per_recovery_ci95'], 0, ' s')}"
+           if d.get("seconds_lost_per_recovery_ci95") else ""))]
 
 
 def sandbox(load: Load) -> list[Figure]:
