@@ -43,6 +43,12 @@ def _span(values: list[int]) -> str:
     return f"{low:,}" if low == high else f"{low:,}-{high:,}"
 
 
+def _steps(per_phase: int | list[int]) -> str:
+    """Steps per phase: one number where every phase has the same."""
+    counts = per_phase if isinstance(per_phase, list) else [per_phase]
+    return str(counts[0]) if len(set(counts)) == 1 else ", ".join(map(str, counts))
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "missed"
 
@@ -187,7 +193,7 @@ def dispatch_cluster(load: Load) -> list[Figure]:
                "namespaces as hosts",
                f"`bench/dispatch_cluster.py`: {', '.join(sorted(frac, key=int))} network namespaces as hosts, tc tbf "
                f"links of {link:.0f} Mbit/s standing in for 100 Gbit/s NICs (payloads scaled by "
-               f"1/{1 / d['payload_scale']:.0f}), layouts dp, dp x tp, dp x sp; goal 0.8 "
+               f"1/{max(d['payload_scale'], 1 / d['payload_scale']):.0f}), layouts dp, dp x tp, dp x sp; goal 0.8 "
                f"{_met(bool(d['goal_met_fraction_of_ideal']))}"),
         Figure("weight sync 2 -> 8 rollout hosts, slowest / fastest", f"{sync[slow]:.2f}x ({names.get(slow, slow)})",
                f"{sync[flat]:.2f}x ({names.get(flat, flat)})", ("dispatch_cluster.json",),
@@ -257,7 +263,8 @@ def selector(load: Load) -> list[Figure]:
         "adaptive selector vs best static plan per phase", f"{min(per):.2f}", f"{max(per):.2f}", ("selector.json",),
         f"{crashes} of the {plans} static plans OOM",
         f"`bench/selector.py`: {d['world']} gloo ranks, each under a real memory cap, contexts growing through "
-        f"{', '.join(f'{n:,}' for n in d['phase_max_len'])} tokens, {d['steps_per_phase']} steps a phase; throughput "
+        f"{', '.join(f'{n:,}' for n in d['phase_max_len'])} tokens, {_steps(d['steps_per_phase'])} steps a phase; "
+        f"throughput "
         f"per phase against the best static plan that survived it; plans used: {', '.join(d['plans_used'])}; "
         f"{crashes} of the {plans} static plans ran out of memory, the selector "
         f"{'did too' if d['adaptive_crashed'] else 'did not'}")]
