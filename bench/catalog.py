@@ -238,7 +238,7 @@ RELEASE: list[dict[str, Any]] = [
     {"name": "context_growth", "command": "python bench/context_growth.py --unbounded --json bench/results/context_growth.json",
      "minutes": 32, "quick_minutes": 10},
     {"name": "dispatch_cluster", "command": "sudo python bench/dispatch_cluster.py --json bench/results/dispatch_cluster.json",
-     "minutes": 30, "quick_minutes": 5},
+     "minutes": 8, "quick_minutes": 3},
     {"name": "selector", "command": "python bench/selector.py --json bench/results/selector.json", "minutes": 30,
      "quick_minutes": 8},
     {"name": "real_scale", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
