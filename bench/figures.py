@@ -275,16 +275,27 @@ def context_growth(load: Load) -> list[Figure]:
     if d is None:
         return []
     s = d["settings"]
+    arms = {f"static, cut at {s['limit']} tokens": d.get("static"), "adaptive": d.get("adaptive"),
+            "static without the limit": d.get("static_unbounded")}
+    arms = {k: v for k, v in arms.items() if v}
+
+    def one(name: str) -> str:
+        arm = arms[name]
+        return (f"{name} {arm['final_success']:.2f}" + (f" ({arm['truncated_fraction']:.0%} cut off)"
+                                                        if arm.get("truncated_fraction") else "")
+                + (" (crashed)" if arm.get("crashed") else ""))
+
+    order = sorted(arms, key=lambda k: arms[k]["final_success"])
     return [Figure(
-        "contexts outgrow a static limit (EARL Fig. 1), success",
-        f"static {d['static_final_success']:.2f} ({d['static_truncated_fraction']:.0%} of episodes cut off)",
-        f"adaptive {d['adaptive_final_success']:.2f}, {'crashed' if d['adaptive_crashed'] else 'no crash'}",
-        ("context_growth.json",), f"{s['minutes']:.0f} min a run, one run each",
+        "contexts outgrow a static limit (EARL Fig. 1), final success", one(order[0]),
+        "; ".join(one(k) for k in reversed(order[1:])), ("context_growth.json",), f"{s['minutes']:.0f} min a run",
         f"`bench/context_growth.py`: Tic-Tac-Toe matches growing from {s['games']} to {s['max_games']} games, 2 "
         f"trainer ranks each capped by a memory cgroup ({s['cap_mib']} MiB above its size, {s['reserve_mib']} of it "
-        f"the selector's reserve), {s['minutes']:.0f} minutes a run; the static plan is "
-        f"{', '.join(d['static_plans_used'])} with episodes cut at {s['limit']} tokens; the selector went "
-        f"{' -> '.join(d['plans_used'])}")]
+        f"the selector's reserve), {s['minutes']:.0f} minutes a run, one run per arm; success over the last games. "
+        "Steps: " + ", ".join(f"{k} {v['steps']}" for k, v in arms.items() if "steps" in v)
+        + f"; the static plan is {', '.join(d['static_plans_used'])}; the selector went {' -> '.join(d['plans_used'])}; "
+        "peak MiB above the start: " + ", ".join(f"{k} {v['peak_mib_above_start']}" for k, v in arms.items()
+                                                  if isinstance(v.get("peak_mib_above_start"), (int, float))))]
 
 
 def real_scale(load: Load) -> list[Figure]:
