@@ -37,6 +37,12 @@ def _ratio(x: dict[str, Any]) -> str:
     return f"{x['ratio']:.2f}x [{low:.2f}, {high:.2f}]"
 
 
+def _ends(by: dict[Any, Any], value: Callable[[Any], float] | None = None) -> tuple[Any, Any]:
+    """The keys of the smallest and the largest value (of `value(v)` where given)."""
+    key = (lambda k: value(by[k])) if value else by.__getitem__
+    return min(by, key=key), max(by, key=key)
+
+
 def _span(values: list[int]) -> str:
     """`low-high` of some token counts, or the one count they all are."""
     low, high = min(values), max(values)
@@ -126,7 +132,7 @@ def weight_sync(load: Load) -> list[Figure]:
     if d is None:
         return []
     ratios = d["full_over_sharded_total_seconds"]
-    worst, best = min(ratios, key=ratios.__getitem__), max(ratios, key=ratios.__getitem__)
+    worst, best = _ends(ratios)
     label = {k: k.replace("_", ", ") for k in ratios}
     return [Figure(
         "sharded weight publish + pull vs rank-0 copy", f"{ratios[worst]:.1f}x ({label[worst]})",
@@ -163,13 +169,13 @@ def dispatch(load: Load) -> list[Figure]:
         have = {k: v[key] for k, v in lays.items() if v.get(key)}
         if not have:
             continue
-        worst, best = min(have, key=have.__getitem__), max(have, key=have.__getitem__)
+        worst, best = _ends(have)
         out.append(Figure(
             f"layout-aware pull vs {name}", f"{have[worst]:.1f}x ({worst})", f"{have[best]:.1f}x ({best})",
             ("dispatch.json",), f"{len(have)} layouts, one host",
-            f"`bench/dispatch.py`: 4 producers to 4 consumers on one host, {len(have)} layouts "
-            f"({', '.join(have)}), {d['config'].get('mib', 256)} MiB and more a step, medians of "
-            f"{d['config'].get('reps', 7)}"))
+            f"`bench/dispatch.py`: {d['config']['producers']} producers to {d['config']['consumers']} consumers on one "
+            f"host, {len(have)} layouts ({', '.join(have)}), {d['bytes_per_step'] / 2**20:,.0f} MiB a step, medians of "
+            f"{d['config']['repetitions']}"))
     return out
 
 
@@ -208,7 +214,7 @@ def openai_endpoint(load: Load) -> list[Figure]:
         return []
     ratios = {(m, e): r["endpoint_over_builtin_tokens_per_s"] for m, by in d["models"].items() for e, r in by.items()
               if r.get("endpoint_over_builtin_tokens_per_s") is not None}
-    worst, best = min(ratios, key=ratios.__getitem__), max(ratios, key=ratios.__getitem__)
+    worst, best = _ends(ratios)
     names = {"default": "the 1.1M default", "random": "a random tiny model", "smollm2": "SmolLM2"}
     cases = ", ".join(f"{names.get(m, m)} on {e} {r:.2f}" for (m, e), r in sorted(ratios.items()))
     return [Figure(
@@ -244,7 +250,7 @@ def sandbox(load: Load) -> list[Figure]:
     if d is None:
         return []
     arms = {"environment from a file": d["bwrap_vs_none"], "agent programs": d["agent_bwrap_vs_none"]}
-    worst, best = min(arms, key=lambda k: arms[k]["ratio"]), max(arms, key=lambda k: arms[k]["ratio"])
+    worst, best = _ends(arms, lambda a: a["ratio"])
     return [Figure(
         "sandboxed (bwrap) vs plain, episodes/s", f"{_ratio(arms[worst])} ({worst})", f"{_ratio(arms[best])} ({best})",
         ("sandbox.json",), f"{d['reps']} rounds per mode",
@@ -309,7 +315,7 @@ def real_scale(load: Load) -> list[Figure]:
         x = e2e[name]
         return f"{x['ratio']:.2f}x end to end [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}] ({label[name]}, vs {x['best_static']})"
 
-    worst, best = min(e2e, key=lambda n: e2e[n]["ratio"]), max(e2e, key=lambda n: e2e[n]["ratio"])
+    worst, best = _ends(e2e, lambda x: x["ratio"])
     details = []
     for name, d in runs:
         x = e2e[name]

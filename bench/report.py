@@ -279,11 +279,10 @@ def readme_table(results: Path) -> str:
         path = results / name
         if not path.exists():
             continue
-        data = json.loads(path.read_text())
-        bench = next((b for b in BENCHMARKS if any(fnmatch.fnmatch(name, f) for f in b["files"])), None)
-        found = measurements(data, path, bench["depends_on"] if bench else [], bench.get("not_measured", []) if bench else [])
-        _, commit, date = min(found, key=lambda m: m[2] or "9")[:3]  # the oldest part's
+        found = file_measurements(results, name)
+        _, commit, date = oldest(found)[:3]
         changed = {c for *_, ch in found for c in ch}
+        bench = bench_of(name)
         mark = (f"stale: {len(changed)} file{'s' if len(changed) > 1 else ''} changed" if changed else "yes") if commit else "uncommitted"
         anchor = _slug(bench["title"]) if bench else ""
         rows.append(f"| [`{name}`](docs/BENCHMARKS.md#{anchor}) | {date} `{commit[:7]}` | {mark} |")
@@ -297,12 +296,27 @@ def _loader(results: Path) -> Callable[[str], dict[str, Any] | None]:
     return load
 
 
+def bench_of(name: str) -> dict[str, Any] | None:
+    """The catalog's benchmark that writes the results file `name`."""
+    return next((b for b in BENCHMARKS if any(fnmatch.fnmatch(name, f) for f in b["files"])), None)
+
+
+@functools.cache  # a page cites one file in several figures: its git lookups once per report
+def file_measurements(results: Path, name: str) -> list[tuple[str, str, str, list[str], list[str]]]:
+    """`measurements` of the results file `name` under `results`, with its catalog entry's measured paths."""
+    path, bench = results / name, bench_of(name)
+    return measurements(json.loads(path.read_text()), path, bench["depends_on"] if bench else [],
+                        bench.get("not_measured", []) if bench else [])
+
+
+def oldest(found: list[tuple[str, str, str, list[str], list[str]]]) -> tuple[str, str, str, list[str], list[str]]:
+    """The part measured first (a part not committed yet counts as the newest)."""
+    return min(found, key=lambda m: m[2] or "9")
+
+
 def stamp(results: Path, name: str) -> str:
     """`DATE COMMIT` a result file was measured at (its oldest part's)."""
-    path = results / name
-    bench = next((b for b in BENCHMARKS if any(fnmatch.fnmatch(name, f) for f in b["files"])), None)
-    found = measurements(json.loads(path.read_text()), path, bench["depends_on"] if bench else [])
-    _, commit, date = min(found, key=lambda m: m[2] or "9")[:3]
+    _, commit, date = oldest(file_measurements(results, name))[:3]
     return f"{date} {commit[:7]}" if commit else "not committed"
 
 

@@ -84,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in RELEASE if not args.only or r["name"] in args.only]
     if args.stale:
         runs = [r for r in runs if is_stale(r)]
-    minutes = sum(r["quick_minutes" if args.quick else "minutes"] for r in runs)
+    stated = "quick_minutes" if args.quick else "minutes"
+    minutes = sum(r[stated] for r in runs)
     print(f"{len(runs)} benchmark runs, stated time {minutes:.0f} min ({minutes / 60:.1f} h) on 2 CPU cores"
           f"{' (--quick)' if args.quick else ''}:")
     for r in runs:
-        print(f"  {r['minutes' if not args.quick else 'quick_minutes']:>5.0f} min  {r['command']}")
+        print(f"  {r[stated]:>5.0f} min  {r['command']}")
     if args.list:
         return 0
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             print(f"bench/run.py: {r['name']} failed (exit {done.returncode}) after {took:.1f} min", file=sys.stderr)
             return done.returncode
-        print(f"== {r['name']}: {took:.1f} min (stated {r['quick_minutes' if args.quick else 'minutes']:.0f})")
+        print(f"== {r['name']}: {took:.1f} min (stated {r[stated]:.0f})")
     if not args.quick:
         return subprocess.run([sys.executable, str(ROOT / "bench" / "report.py")], cwd=ROOT).returncode
     return 0
