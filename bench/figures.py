@@ -324,14 +324,16 @@ def real_scale(load: Load) -> list[Figure]:
             f"{x['best_static']} {_iv(x['best_static_seconds'], 1, ' s')}, {x['adaptive_seconds']['n']} repeats each, "
             f"interleaved; the selector's plans by phase: {', '.join(d['plans_used'])}")
     first = runs[0][1]
+    st = first["settings"]
     growth = first["runs"]["adaptive"]["phases"] if "adaptive" in first.get("runs", {}) else []
     tokens = (f"{growth[0]['p99_episode_tokens']} -> {growth[-1]['p99_episode_tokens']:,} tokens" if growth
               else "growing contexts")
     return [Figure(
         "selector at long context vs the best static plan that fits", one(worst), one(best),
         tuple(f"{n}.json" for n, _ in runs), tokens,
-        "`bench/real_scale.py`: SmolLM2-135M's size, 2 trainer ranks each in a 4.5 GiB memory cgroup, `long_recall` "
-        f"episodes {tokens} over 4 phases of 3 steps; each static plan at the token cap its probes found. "
+        f"`bench/real_scale.py`: SmolLM2-135M's size, {st['nproc']} trainer ranks each in a {st['cap_gib']} GiB memory "
+        f"cgroup, `long_recall` episodes {tokens} over {st['levels']} phases of {st['steps_per_phase']} steps; each "
+        "static plan at the token cap its probes found (or was given). "
         + "; ".join(details))]
 
 
@@ -404,16 +406,18 @@ def e2e(load: Load) -> list[Figure]:
     if s and s.get("heldout_at_budget"):
         held, loss = s["heldout_at_budget"], s["loss_tokens_per_s"]
         target = s.get("time_to_target_vs_trl") or {}
-        when = (f"+10 points in <= {target['at_most']:.2f}x TRL's time" if target.get("at_most") is not None
-                else f"+10 points in {target['mean']:.2f}x TRL's time" if target.get("mean") is not None else "")
+        gain, minutes = f"+{s['target_gain'] * 100:.0f} points", f"{s['budget_s'] / 60:.0f}"
+        when = (f"{gain} in <= {target['at_most']:.2f}x TRL's time" if target.get("at_most") is not None
+                else f"{gain} in {target['mean']:.2f}x TRL's time" if target.get("mean") is not None else "")
         out.append(Figure(
-            "SmolLM2-135M vs TRL `GRPOTrainer` (every weight), held-out at 10 min",
+            f"SmolLM2-135M vs TRL `GRPOTrainer` (every weight), held-out at {minutes} min",
             f"{loss['earl_stream']['mean'] / loss['trl']['mean']:.2f}x TRL's loss tokens/s",
             f"held-out {_iv(held['earl_stream'])} vs {_iv(held['trl'])}" + (f"; {when}" if when else ""),
             ("e2e.json",), f"{held['earl_stream']['n']} seeds a system",
             "`bench/e2e.py --part smollm2`: `configs/smollm2_arithmetic.yaml` as shipped against TRL 1.16 "
-            "`GRPOTrainer` training every weight with the same model, task, scorer, lr, groups and sampling, 10 "
-            "minutes a run from launch, seeds interleaved; checkpoints scored afterwards on 200 held-out problems "
+            f"`GRPOTrainer` training every weight with the same model, task, scorer, lr, groups and sampling, {minutes} "
+            f"minutes a run from launch, seeds interleaved; checkpoints scored afterwards on {s['problems']} held-out "
+            "problems "
             f"(greedy); loss tokens/s earl_stream {_iv(loss['earl_stream'], 1)}, TRL {_iv(loss['trl'], 1)} "
             "(dynamic sampling trains only groups whose rewards differ)"))
     return out
