@@ -123,7 +123,10 @@ def _prose_only(commit: str, path: str) -> bool:
 
 def same_code(old: str, new: str) -> bool:
     """Whether two Python sources are the same program: equal syntax trees once every module, class and function
-    docstring is left out (comments and layout are not in the tree). Unparsable source is never the same."""
+    docstring and every help text is left out (comments and layout are not in the tree). A help text is a string
+    passed as `help=` (argparse) or as the second argument of a config field (`earl_stream.config.fields.field`,
+    imported as `_f`): `--help` and the docs show it, nothing computes with it. Unparsable source is never the
+    same."""
     try:
         return _code_tree(old) == _code_tree(new)
     except (SyntaxError, ValueError):
@@ -137,6 +140,14 @@ def _code_tree(source: str) -> str:
                 isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) and \
                 isinstance(node.body[0].value.value, str):
             node.body = node.body[1:] or [ast.Pass()]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg == "help" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
+                    kw.value = ast.Constant("")
+            if isinstance(node.func, ast.Name) and node.func.id == "_f" and len(node.args) >= 2 and \
+                    isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                node.args[1] = ast.Constant("")
     # a release's version number is not measured code: bumping it leaves every result current
     tree.body = [n for n in tree.body if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(
         n.targets[0], ast.Name) and n.targets[0].id == "__version__" and isinstance(n.value, ast.Constant))]

@@ -212,6 +212,20 @@ def test_a_merged_result_is_as_current_as_its_oldest_part(tmp_path: Path) -> Non
     assert currency({"provenance": now, "part_provenance": {"same": now}}, tmp_path / "x.json", [])[1] is False
 
 
+def test_a_help_text_is_prose_like_a_docstring() -> None:
+    """A config field's help (`_f`'s second argument) and an argparse `help=` are shown, never computed with:
+    rewording one leaves a result current; its default, choices or the option's default are code."""
+    from bench.report import same_code
+
+    old = ('x: int = _f(512, "tokens a chunk holds: 38 MiB at 4,096", minimum=0)\n'
+           'ap.add_argument("--reps", type=int, default=3, help="repeats (3: 95% intervals)")\n')
+    assert same_code(old, old.replace("38 MiB at 4,096", "a fifth of the memory").replace("3: 95%", "three"))
+    assert not same_code(old, old.replace("_f(512", "_f(256"))
+    assert not same_code(old, old.replace("minimum=0", "minimum=1"))
+    assert not same_code(old, old.replace("default=3", "default=5"))
+    assert not same_code(old, old.replace('_f(512, "tokens', '_g(512, "tokens'))  # not a config field: its text counts
+
+
 def test_a_version_bump_leaves_a_result_current() -> None:
     """A release changes `__version__` and nothing a benchmark measures."""
     from bench.report import same_code
