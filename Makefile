@@ -98,7 +98,7 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	touch $@
 
 # The benchmarks whose results the README and the docs cite (bench/catalog.py's RELEASE), one at a time, then
-# docs/BENCHMARKS.md and the README's table: ~14 h on 2 cores (`BENCH_ARGS=--list` prints each command's time;
+# docs/BENCHMARKS.md and the README's table: ~13 h on 2 cores (`BENCH_ARGS=--list` prints each command's time;
 # --stale runs only the stale ones; --quick a short pass of each, written under build/bench-quick/).
 bench: $(BENCH_VENV)/.installed ## the cited benchmarks, then docs/BENCHMARKS.md (BENCH_ARGS=--list|--stale|--quick)
 	HF_HUB_OFFLINE=1 $(BPY) bench/run.py $(BENCH_ARGS)
@@ -112,10 +112,16 @@ clean-venv: ## remove .venv
 	rm -rf $(VENV)
 
 clean: ## remove every virtualenv this Makefile made, the docs site and build outputs
-	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-ray .venv-ucx .venv-ecosystems site build earl_stream.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-ray .venv-ucx .venv-ecosystems .venv-deps-lowest .venv-deps-newest site build earl_stream.egg-info
 
 test-wheel: ## build the wheel, install it in a fresh venv outside the repo, run `earl-stream up --steps 3`
 	bash scripts/test-wheel.sh
+
+# The dependency-range tier: the suite's core against the lowest versions pyproject.toml admits (uv's
+# lowest-direct resolution) and against the newest, each in its own environment (.venv-deps-lowest,
+# .venv-deps-newest; torch stays at TORCH_VERSION in both). DEPS=lowest|newest|both.
+test-deps: ## the core tests at the oldest and the newest dependency versions pyproject.toml admits
+	TORCH_VERSION=$(TORCH_VERSION) bash scripts/test-deps.sh $(or $(DEPS),both) $(PYTEST_ARGS)
 
 # Optional tier: the vLLM backend for real on CPU, in its own environment (.venv-vllm, ~2.4 GB). Each tier's
 # environment is layered on .venv (scripts/lib/venv.sh): torch and the test tools are installed once.

@@ -239,18 +239,18 @@ RELEASE: list[dict[str, Any]] = [
      "minutes": 32, "quick_minutes": 10},
     {"name": "dispatch_cluster", "command": "sudo python bench/dispatch_cluster.py --json bench/results/dispatch_cluster.json",
      "minutes": 8, "quick_minutes": 3},
-    {"name": "selector", "command": "python bench/selector.py --json bench/results/selector.json", "minutes": 30,
+    {"name": "selector", "command": "python bench/selector.py --json bench/results/selector.json", "minutes": 10,
      "quick_minutes": 8},
     {"name": "real_scale", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
      "minutes": 150, "quick_minutes": 30},
     {"name": "cost_calibration", "command": "python bench/cost_calibration.py "
      "--model-dir ~/.cache/earl_stream/models/smollm2-shape-8h4kv-random --json bench/results/cost_model_heads8.json",
-     "minutes": 10, "quick_minutes": 10, "quick_args": []},
+     "minutes": 13, "quick_minutes": 13, "quick_args": []},
     {"name": "real_scale", "command": "python bench/real_scale.py --setting heads8 "
                                       "--only adaptive,static:fsdp2,static:dp2+rc,static:tp2,dynamic_sp "
                                       "--json bench/results/real_scale_heads8.json", "minutes": 180, "quick_minutes": 30},
     {"name": "lora", "command": "python bench/lora.py --json bench/results/lora.json", "minutes": 90, "quick_minutes": 10},
-    {"name": "e2e", "part": "comparison", "command": f"{_E2E} --part comparison", "minutes": 55, "quick_minutes": 8},
+    {"name": "e2e", "part": "comparison", "command": f"{_E2E} --part comparison", "minutes": 40, "quick_minutes": 8},
     {"name": "e2e", "part": "staleness", "command": f"{_E2E} --part staleness", "minutes": 75, "quick_minutes": 5},
     {"name": "e2e", "part": "smollm2", "command": f"{_E2E} --part smollm2", "minutes": 90, "quick_minutes": 10},
 ]
