@@ -206,18 +206,27 @@ SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "
            "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
 
 
+# A CPU calibration bench/selector.py measured (2026-11-26, in the "cost_model" key of its results file): a
+# stored calibration with no measured price for FSDP2's repeated gathers, on which the device decides the plan.
+# Written out here, not read from bench/results/selector.json, whose numbers change with each re-measurement.
+CPU_CALIBRATION = {"seconds_per_flop": 1.9446124430454496e-11, "seconds_per_byte": 3.232662672138358e-09,
+                   "seconds_per_score": 5e-12, "fixed_seconds": 0.20942493855937408,
+                   "step_fixed_seconds": 0.14503390873998007, "seconds_per_collective": 0.0}
+
+
 @pytest.mark.parametrize("device, fsdp", [("cpu", False), ("cuda", True)])
 def test_the_cpu_calibration_keeps_dp_where_fsdp_repeats_would_cost(tmp_path: Path, device: str, fsdp: bool) -> None:
-    """bench/real_scale.py's phase 1 (SmolLM2-135M, two ranks, a 4.5 GiB cap, design length 256) with the CPU
-    calibration bench/selector.py measured: on CPU trainers the selector keeps dp2 (measured faster there: FSDP2's
-    per-micro-batch gathers overlap nothing under gloo); on GPUs the same coefficients still pick fsdp2, whose
-    larger micro-batches pay when its gathers overlap compute."""
+    """bench/real_scale.py's phase 1 (SmolLM2-135M, two ranks, a 4.5 GiB cap, design length 256) with a CPU
+    calibration (`CPU_CALIBRATION`): on CPU trainers the selector keeps dp2 (measured faster there: FSDP2's
+    per-micro-batch gathers overlap nothing under gloo, and the CPU prices them); on GPUs the same coefficients
+    still pick fsdp2, whose larger micro-batches pay when its gathers overlap compute."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(SMOLLM2))
+    (tmp_path / "selector.json").write_text(json.dumps({"cost_model": CPU_CALIBRATION}))
     cfg = RunConfig(model=ModelConfig(path=str(tmp_path / "model")), run_dir=str(tmp_path / "run"),
                     trainer=TrainerConfig(nproc=2, device=device, groups_per_step=4, group_size=8),
                     selector=SelectorConfig(initial_seq_len=256, trainer_memory_bytes=int(4.5 * 2**30),
-                                            cost_model_path=str(REPO / "bench" / "results" / "selector.json")))
+                                            cost_model_path=str(tmp_path / "selector.json")))
     planner = Planner(cfg)
     assert planner.trainer is not None and planner.trainer.current is not None
     plan = planner.trainer.current.plan
