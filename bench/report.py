@@ -140,8 +140,7 @@ def _code_tree(source: str) -> str:
                 isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) and \
                 isinstance(node.body[0].value.value, str):
             node.body = node.body[1:] or [ast.Pass()]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
+        elif isinstance(node, ast.Call):
             for kw in node.keywords:
                 if kw.arg == "help" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
                     kw.value = ast.Constant("")

@@ -23,7 +23,9 @@ case $which in
     both) kinds=(lowest newest) ;;
     *) echo "test-deps: choose lowest, newest or both, not '$which'" >&2; exit 2 ;;
 esac
-TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+# shellcheck source=lib/venv.sh
+source scripts/lib/venv.sh  # TORCH_PIN: the Makefile's pin, the default where `make` does not pass one
+TORCH_VERSION=${TORCH_VERSION:-${TORCH_PIN#torch==}}
 # the tests that exercise each direct dependency: the store (pyarrow, pyzmq, msgspec, cryptography), the
 # models (transformers, tokenizers, safetensors, peft, pillow, jinja2's chat templates), the config (pyyaml),
 # metrics (prometheus-client), the CLI (rich) and a whole run of `up` (all of them, matplotlib's plots too)
