@@ -98,7 +98,7 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	touch $@
 
 # The benchmarks whose results the README and the docs cite (bench/catalog.py's RELEASE), one at a time, then
-# docs/BENCHMARKS.md and the README's table: ~13 h on 2 cores (`BENCH_ARGS=--list` prints each command's time;
+# docs/BENCHMARKS.md and the README's table: ~12 h on 2 cores (`BENCH_ARGS=--list` prints each command's time;
 # --stale runs only the stale ones; --quick a short pass of each, written under build/bench-quick/).
 bench: $(BENCH_VENV)/.installed ## the cited benchmarks, then docs/BENCHMARKS.md (BENCH_ARGS=--list|--stale|--quick)
 	HF_HUB_OFFLINE=1 $(BPY) bench/run.py $(BENCH_ARGS)

@@ -242,7 +242,7 @@ RELEASE: list[dict[str, Any]] = [
     {"name": "selector", "command": "python bench/selector.py --json bench/results/selector.json", "minutes": 10,
      "quick_minutes": 8},
     {"name": "real_scale", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
-     "minutes": 150, "quick_minutes": 30},
+     "minutes": 100, "quick_minutes": 30},
     {"name": "cost_calibration", "command": "python bench/cost_calibration.py "
      "--model-dir ~/.cache/earl_stream/models/smollm2-shape-8h4kv-random --json bench/results/cost_model_heads8.json",
      "minutes": 13, "quick_minutes": 13, "quick_args": []},
