@@ -234,7 +234,7 @@ RELEASE: list[dict[str, Any]] = [
     {"name": "oom_recovery", "command": "python bench/oom_recovery.py --json bench/results/oom_recovery.json",
      "minutes": 25, "quick_minutes": 9, "quick_args": ["--repeats", "1"]},
     {"name": "openai_endpoint", "command": "python bench/openai_endpoint.py --models default,random,smollm2 --episodes 16 --reps 3 "
-                                           "--json bench/results/openai_endpoint.json", "minutes": 13, "quick_minutes": 3},
+                                           "--json bench/results/openai_endpoint.json", "minutes": 13, "quick_minutes": 8},
     {"name": "context_growth", "command": "python bench/context_growth.py --unbounded --json bench/results/context_growth.json",
      "minutes": 32, "quick_minutes": 10},
     {"name": "dispatch_cluster", "command": "sudo python bench/dispatch_cluster.py --json bench/results/dispatch_cluster.json",
