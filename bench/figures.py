@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 Load = Callable[[str], "dict[str, Any] | None"]
@@ -26,9 +27,12 @@ class Figure:
 
 
 def _iv(x: dict[str, Any], digits: int = 2, unit: str = "", sign: str = "") -> str:
-    """A mean with its 95% interval: {mean, ci95: [low, high]} or {mean, low, high}; `sign` "+" signs them."""
-    low, high = x["ci95"] if "ci95" in x else (x["low"], x["high"])
+    """A mean with its 95% interval: {mean, ci95: [low, high]} or {mean, low, high}; `sign` "+" signs them. One
+    measurement ({mean, n: 1}) has no interval and says so."""
     fmt = f"{sign}.{digits}f"
+    if "ci95" not in x and "low" not in x:
+        return f"{x['mean']:{fmt}}{unit} (one run, no interval)"
+    low, high = x["ci95"] if "ci95" in x else (x["low"], x["high"])
     return f"{x['mean']:{fmt}}{unit} [{low:{fmt}}, {high:{fmt}}]"
 
 
@@ -304,6 +308,20 @@ def context_growth(load: Load) -> list[Figure]:
                                                   if isinstance(v.get("peak_mib_above_start"), (int, float))))]
 
 
+def _cpu(d: dict[str, Any]) -> str:
+    return ((d.get("provenance") or {}).get("machine") or {}).get("cpu", "")
+
+
+def _calibrated_elsewhere(load: Load, d: dict[str, Any]) -> str:
+    """Where a run's starting cost model (a result file) was calibrated on another CPU than the run's, say so: its
+    seconds per token then describe that CPU, not the one the plans ran on."""
+    model = Path((d.get("settings") or {}).get("cost_model") or "").stem
+    calibration = load(model) if model else None
+    if calibration is None or not _cpu(d) or _cpu(calibration) in ("", _cpu(d)):
+        return ""
+    return f" (on {_cpu(d)}, from a cost model calibrated on {_cpu(calibration)})"
+
+
 def real_scale(load: Load) -> list[Figure]:
     runs = [(name, d) for name in ("real_scale", "real_scale_heads8") if (d := load(name)) is not None]
     if not runs:
@@ -313,7 +331,8 @@ def real_scale(load: Load) -> list[Figure]:
 
     def one(name: str) -> str:
         x = e2e[name]
-        return f"{x['ratio']:.2f}x end to end [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}] ({label[name]}, vs {x['best_static']})"
+        iv = f"[{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]" if "ci95" in x else "(no interval: 1 run of the static plan)"
+        return f"{x['ratio']:.2f}x end to end {iv} ({label[name]}, vs {x['best_static']})"
 
     worst, best = _ends(e2e, lambda x: x["ratio"])
     details = []
@@ -322,7 +341,7 @@ def real_scale(load: Load) -> list[Figure]:
         details.append(
             f"{label[name]} (`{name}.json`): adaptive {_iv(x['adaptive_seconds'], 1, ' s')} against static "
             f"{x['best_static']} {_iv(x['best_static_seconds'], 1, ' s')}, {x['adaptive_seconds']['n']} repeats each, "
-            f"interleaved; the selector's plans by phase: {', '.join(d['plans_used'])}")
+            f"interleaved; the selector's plans by phase: {', '.join(d['plans_used'])}{_calibrated_elsewhere(load, d)}")
     first = runs[0][1]
     st = first["settings"]
     growth = first["runs"]["adaptive"]["phases"] if "adaptive" in first.get("runs", {}) else []

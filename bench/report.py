@@ -324,10 +324,18 @@ def oldest(found: list[tuple[str, str, str, list[str], list[str]]]) -> tuple[str
     return min(found, key=lambda m: m[2] or "9")
 
 
+REFERENCE_CPU = "AMD EPYC"  # the CPU the pages name once; a result measured on another says which
+
+
 def stamp(results: Path, name: str) -> str:
-    """`DATE COMMIT` a result file was measured at (its oldest part's)."""
+    """`DATE COMMIT` a result file was measured at (its oldest part's), and its CPU where that is not
+    `REFERENCE_CPU` (the machines lent to a session differ)."""
     _, commit, date = oldest(file_measurements(results, name))[:3]
-    return f"{date} {commit[:7]}" if commit else "not committed"
+    if not commit:
+        return "not committed"
+    cpu = ((json.loads((results / name).read_text()).get("provenance") or {}).get("machine") or {}).get("cpu", "")
+    other = f", {cpu.replace('(R)', '').replace(' Processor', '')}" if cpu and cpu != REFERENCE_CPU else ""
+    return f"{date} {commit[:7]}{other}"
 
 
 def _cell(text: str) -> str:
@@ -352,7 +360,8 @@ def results_page(results: Path) -> str:
              "intervals (95%, as `[low, high]`) and its conditions. The worst column holds the worst value of the "
              "quantity in the whole result file. The raw numbers and curves are in [Benchmarks](BENCHMARKS.md); "
              "results no page cites any more are in [History](history.md).", "",
-             "2 cores (AMD EPYC) shared with other jobs, 24 GiB, no GPU, unless a row names one; a result is stale "
+             f"2 cores ({REFERENCE_CPU}, unless a row names another CPU) shared with other jobs, 24 GiB, no GPU, "
+             "unless a row names one; a result is stale "
              "once the code it measures changed after the commit that measured it.", "",
              "| figure | worst | best | benchmark and conditions |", "|---|---|---|---|"]
     for f in all_figures(_loader(results)):
