@@ -308,7 +308,8 @@ def context_growth(load: Load) -> list[Figure]:
                                                   if isinstance(v.get("peak_mib_above_start"), (int, float))))]
 
 
-def _cpu(d: dict[str, Any]) -> str:
+def cpu_of(d: dict[str, Any]) -> str:
+    """The CPU a result file names in its provenance ('' if none)."""
     return ((d.get("provenance") or {}).get("machine") or {}).get("cpu", "")
 
 
@@ -317,9 +318,9 @@ def _calibrated_elsewhere(load: Load, d: dict[str, Any]) -> str:
     seconds per token then describe that CPU, not the one the plans ran on."""
     model = Path((d.get("settings") or {}).get("cost_model") or "").stem
     calibration = load(model) if model else None
-    if calibration is None or not _cpu(d) or _cpu(calibration) in ("", _cpu(d)):
+    if calibration is None or not cpu_of(d) or cpu_of(calibration) in ("", cpu_of(d)):
         return ""
-    return f" (on {_cpu(d)}, from a cost model calibrated on {_cpu(calibration)})"
+    return f" (on {cpu_of(d)}, from a cost model calibrated on {cpu_of(calibration)})"
 
 
 def real_scale(load: Load) -> list[Figure]:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT))
 from bench.catalog import BENCHMARKS, RELEASE, REMOVED  # noqa: E402
-from bench.figures import Figure, all_figures  # noqa: E402
+from bench.figures import Figure, all_figures, cpu_of  # noqa: E402
 from bench.report_tables import fmt  # noqa: E402
 
 Renderer = Callable[[dict[str, Any]], list[str]]
@@ -333,7 +333,7 @@ def stamp(results: Path, name: str) -> str:
     _, commit, date = oldest(file_measurements(results, name))[:3]
     if not commit:
         return "not committed"
-    cpu = ((json.loads((results / name).read_text()).get("provenance") or {}).get("machine") or {}).get("cpu", "")
+    cpu = cpu_of(json.loads((results / name).read_text()))
     other = f", {cpu.replace('(R)', '').replace(' Processor', '')}" if cpu and cpu != REFERENCE_CPU else ""
     return f"{date} {commit[:7]}{other}"
 
