@@ -125,7 +125,8 @@ BENCHMARKS: list[dict[str, Any]] = [
                                    "configs/smollm2_arithmetic.yaml"],
      "title": "End-to-end: asynchronous vs synchronous vs TRL", "script": "bench/e2e.py",
      "command": "python bench/e2e.py --json bench/results/e2e.json", "files": ["e2e.json"], "render": render_e2e},
-    {"name": "real_scale", "depends_on": ["earl_stream/supervisor", "earl_stream/workers", "envs/long_recall.py", "bench/real_scale.py"],
+    {"name": "real_scale", "depends_on": ["earl_stream/supervisor", "earl_stream/workers", "envs/long_recall.py",
+                                          "bench/real_scale.py", "bench/real_scale_run.py"],
      "title": "Real scale: SmolLM2-135M under a per-rank memory cap as contexts grow 8x",
      "script": "bench/real_scale.py", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
      "files": ["real_scale.json", "real_scale_heads8.json", "real_scale_gpu.json"], "render": render_real_scale},
@@ -247,14 +248,7 @@ RELEASE: list[dict[str, Any]] = [
      "--model-dir ~/.cache/earl_stream/models/smollm2-shape-8h4kv-random --json bench/results/cost_model_heads8.json",
      "minutes": 13, "quick_minutes": 13, "quick_args": []},
     {"name": "real_scale", "command": "python bench/real_scale.py --setting heads8 "
-                                      "--only adaptive,static:fsdp2,static:dp2+rc,static:tp2,dynamic_sp "
-                                      "--json bench/results/real_scale_heads8.json", "minutes": 120, "quick_minutes": 30},
-    # the five static plans the comparison above does not repeat (dp2 OOMs; the "+rc" and sp2 plans are slower):
-    # one run each, so the static oracle and the per-phase table come from the same commit as the rest
-    {"name": "real_scale", "command": "python bench/real_scale.py --setting heads8 "
-                                      "--only static:dp2,static:fsdp2+rc,static:tp2+rc,static:sp2,static:sp2+rc "
-                                      "--repeats 1 --json bench/results/real_scale_heads8.json",
-     "minutes": 32, "quick_minutes": 15},
+                                      "--json bench/results/real_scale_heads8.json", "minutes": 150, "quick_minutes": 45},
     {"name": "lora", "command": "python bench/lora.py --json bench/results/lora.json", "minutes": 90, "quick_minutes": 10},
     {"name": "e2e", "part": "comparison", "command": f"{_E2E} --part comparison", "minutes": 40, "quick_minutes": 8},
     {"name": "e2e", "part": "staleness", "command": f"{_E2E} --part staleness", "minutes": 75, "quick_minutes": 5},

@@ -19,7 +19,9 @@ its file name.
 
 from __future__ import annotations
 
+import ast
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -116,6 +118,88 @@ def provenance(depends_on: list[str]) -> dict[str, Any]:
     if _checkout()[0] != head:
         out["commit_at_write"] = _checkout()[0]  # the checkout moved on while it ran
     return out
+
+
+def _git_rc(*args: str) -> tuple[int, str]:
+    done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    return done.returncode, done.stdout.strip()
+
+
+def changed_since(commit: str, depends_on: list[str], not_measured: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+    """The measured paths whose code in this checkout differs from `commit` (None-safe: [] if unknown), less
+    the `not_measured` paths inside them (code the benchmark never runs, e.g. another engine). A Python file whose
+    only changes are in docstrings and comments has the same code (`same_code`): the result stays current."""
+    if not commit or not depends_on:
+        return []
+    # a measured path gone since (moved or deleted) shows as changed: git names its deletion
+    rc, out = _git_rc("diff", "--name-only", commit, "--", *depends_on, *(f":(exclude){p}" for p in not_measured))
+    if rc != 0:
+        return []
+    return sorted(p for p in out.splitlines() if not _prose_only(commit, p))
+
+
+@functools.cache  # results measured at one commit share its files: one `git show` each
+def _prose_only(commit: str, path: str) -> bool:
+    """Whether the Python file `path` differs from its version at `commit` in docstrings and comments only."""
+    if not path.endswith(".py") or not (ROOT / path).is_file():
+        return False
+    rc, old = _git_rc("show", f"{commit}:{path}")
+    return rc == 0 and same_code(old, (ROOT / path).read_text())
+
+
+def same_code(old: str, new: str) -> bool:
+    """Whether two Python sources are the same program: equal syntax trees once every module, class and function
+    docstring and every help text is left out (comments and layout are not in the tree). A help text is a string
+    passed as `help=` (argparse) or as the second argument of a config field (`earl_stream.config.fields.field`,
+    imported as `_f`): `--help` and the docs show it, nothing computes with it. Unparsable source is never the
+    same."""
+    try:
+        return _code_tree(old) == _code_tree(new)
+    except (SyntaxError, ValueError):
+        return False
+
+
+def _code_tree(source: str) -> str:
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body and \
+                isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) and \
+                isinstance(node.body[0].value.value, str):
+            node.body = node.body[1:] or [ast.Pass()]
+        elif isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg == "help" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
+                    kw.value = ast.Constant("")
+            if isinstance(node.func, ast.Name) and node.func.id == "_f" and len(node.args) >= 2 and \
+                    isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                node.args[1] = ast.Constant("")
+    # a release's version number is not measured code: bumping it leaves every result current
+    tree.body = [n for n in tree.body if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(
+        n.targets[0], ast.Name) and n.targets[0].id == "__version__" and isinstance(n.value, ast.Constant))]
+    return ast.dump(tree)
+
+
+def run_stamp() -> dict[str, Any]:
+    """Where one run of a benchmark that merges runs into one file (across invocations: `--resume`, `--only`) was
+    measured: the commit its code came from (the HEAD the benchmark started from), whether the tracked code differed
+    from that commit, and the CPU. `other_measurement` reads it back."""
+    head, diff = _STARTED
+    return {"commit": head, "dirty": bool(diff) or _checkout() != _STARTED, "cpu": _cpu_model()}
+
+
+def other_measurement(stamp: dict[str, Any] | None, depends_on: list[str]) -> str:
+    """Why a run stamped `stamp` (`run_stamp`) cannot stand beside runs measured now ("" when it can): no stamp, a
+    dirty checkout, another CPU, or measured code (`depends_on`) that changed since its commit."""
+    if not stamp or not stamp.get("commit"):
+        return "no record of the code it ran"
+    if stamp.get("dirty"):
+        return f"measured from uncommitted changes to {stamp['commit'][:7]}"
+    if stamp.get("cpu") != _cpu_model():
+        return f"measured on another CPU ({stamp.get('cpu')})"
+    if _git_rc("cat-file", "-e", f"{stamp['commit']}^{{commit}}")[0] != 0:
+        return f"measured at {stamp['commit'][:7]}, a commit this history lacks"
+    changed = changed_since(stamp["commit"], depends_on)
+    return f"measured at {stamp['commit'][:7]}; changed since: {', '.join(changed)}" if changed else ""
 
 
 def relative(path: str | Path) -> str:

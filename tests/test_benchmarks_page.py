@@ -80,7 +80,7 @@ def test_code_a_benchmark_never_runs_does_not_make_it_stale() -> None:
     """`not_measured` paths (the vLLM and SGLang engines for a run on the built-in engine) are left out of
     the stale check; the rest of the depends_on folder still counts."""
     from bench.catalog import BENCHMARKS
-    from bench.report import changed_since
+    from bench.provenance import changed_since
 
     real_scale = next(b for b in BENCHMARKS if b["name"] == "real_scale")
     assert "earl_stream/workers/engines/vllm_engine.py" in real_scale["not_measured"]
@@ -97,7 +97,7 @@ def test_code_a_benchmark_never_runs_does_not_make_it_stale() -> None:
 def test_a_change_to_docstrings_and_comments_only_leaves_a_result_current() -> None:
     """The stale check compares code: a module, class or function docstring and comments may change; a string
     that is not a docstring, a statement or a name may not."""
-    from bench.report import same_code
+    from bench.provenance import same_code
 
     old = '"""Module."""\nimport os\n\n\nclass A:\n    """A."""\n\n    def f(self) -> str:\n        """F."""\n        return "x"\n'
     assert same_code(old, old.replace('"""A."""', '"""Another text,\n    on two lines."""').replace("import os", "import os  # why"))
@@ -215,7 +215,7 @@ def test_a_merged_result_is_as_current_as_its_oldest_part(tmp_path: Path) -> Non
 def test_a_help_text_is_prose_like_a_docstring() -> None:
     """A config field's help (`_f`'s second argument) and an argparse `help=` are shown, never computed with:
     rewording one leaves a result current; its default, choices or the option's default are code."""
-    from bench.report import same_code
+    from bench.provenance import same_code
 
     old = ('x: int = _f(512, "tokens a chunk holds: 38 MiB at 4,096", minimum=0)\n'
            'ap.add_argument("--reps", type=int, default=3, help="repeats (3: 95% intervals)")\n')
@@ -228,7 +228,7 @@ def test_a_help_text_is_prose_like_a_docstring() -> None:
 
 def test_a_version_bump_leaves_a_result_current() -> None:
     """A release changes `__version__` and nothing a benchmark measures."""
-    from bench.report import same_code
+    from bench.provenance import same_code
 
     old = '"""Package."""\n__version__ = "0.2.0"\nX = 1\n'
     assert same_code(old, old.replace("0.2.0", "0.3.0"))

@@ -206,3 +206,47 @@ def test_a_rebuilt_summary_keeps_when_and_where_its_runs_were_measured(tmp_path:
     assert prov["summary_rebuilt"]["commit"] and prov["summary_rebuilt"]["when"] != measured["when"]
     fresh = json.loads(write_result(tmp_path / "f.json", {"x": 1}, depends_on=["bench/real_scale.py"]).read_text())
     assert "summary_rebuilt" not in fresh["provenance"] and fresh["provenance"]["when"] != measured["when"]
+
+
+def _run_of(seconds: float | None, crashed: bool = False) -> dict:
+    """A run as real_scale_run.summarize records it, reduced to what the campaign's choices read."""
+    steps = [] if seconds is None else [{"t": 1000.0 + seconds, "seconds": 10.0}]
+    return {"started": True, "crashed": crashed, "stopped": False, "step_log": [{"t": 1010.0, "seconds": 10.0}, *steps]}
+
+
+def test_the_campaign_repeats_the_fastest_static_plans_of_its_first_pass_and_any_that_beats_them() -> None:
+    """bench/real_scale.repeated: adaptive and dynamic_sp always; of the static plans, the `top` fastest end to
+    end in the first pass, and a plan run once whose time beats the fastest repeated plan's mean joins them (so the
+    best static plan the comparison names always has repeats, whatever the machine's ranking)."""
+    from real_scale import next_run, repeated
+
+    kinds = ["adaptive", "dynamic_sp", "static:dp2", "static:fsdp2", "static:tp2", "static:sp2"]
+    runs = {"adaptive": _run_of(400), "dynamic_sp": _run_of(450), "static:dp2": _run_of(None, crashed=True),
+            "static:fsdp2": _run_of(380), "static:tp2": _run_of(390), "static:sp2": _run_of(395)}
+    later: dict = {}
+    assert repeated(kinds, runs, later, 2) == ["adaptive", "dynamic_sp", "static:fsdp2", "static:tp2"]
+    assert repeated(kinds, runs, later, 0) == ["adaptive", "dynamic_sp", "static:fsdp2", "static:tp2", "static:sp2"]
+    # fsdp2's repeats come out slow: sp2's one run (395 s) now beats the fastest repeated mean (tp2, 398 s)
+    later = {"adaptive": [_run_of(400)], "dynamic_sp": [_run_of(450)], "static:fsdp2": [_run_of(430)],
+             "static:tp2": [_run_of(406)]}
+    assert repeated(kinds, runs, later, 2)[-1] == "static:sp2"
+    assert next_run(kinds, runs, later, 3, 2) == ("static:sp2", 1)
+    assert next_run(kinds, runs, later, 1, 2) is None
+
+
+def test_a_resumed_campaign_keeps_only_what_was_measured_at_this_code_on_this_cpu() -> None:
+    """bench/real_scale.keep_this_code: a run (or a probed token cap) recorded at another commit whose measured code
+    differs, on another CPU, from a dirty checkout or with no record is measured again, not merged into the file."""
+    from real_scale import keep_this_code
+
+    from bench.provenance import run_stamp
+
+    here = {**run_stamp(), "dirty": False}  # this commit and CPU (LICENSE, the measured path below, is unchanged)
+    runs = {"adaptive": {"measured": here}, "static:tp2": {"measured": {**here, "cpu": "another CPU"}},
+            "static:sp2": {}, "static:fsdp2": {"measured": {**here, "dirty": True}}}
+    later = {"adaptive": [{"measured": here}, {"measured": {**here, "commit": "0" * 40}}], "static:tp2": [{}]}
+    caps = {"tp2": {"tokens": 2048, "measured": here}, "sp2": {"tokens": 1024}, "fsdp2": {"tokens": 512, "given": True}}
+    dropped = keep_this_code(runs, later, caps, ["LICENSE"])
+    assert list(runs) == ["adaptive"] and later == {"adaptive": [{"measured": here}]}
+    assert set(caps) == {"tp2", "fsdp2"}  # a cap given on the command line has no measurement to check
+    assert len(dropped) == 5 and any("another CPU" in d for d in dropped)
