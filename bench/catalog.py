@@ -243,12 +243,12 @@ RELEASE: list[dict[str, Any]] = [
     {"name": "selector", "command": "python bench/selector.py --json bench/results/selector.json", "minutes": 10,
      "quick_minutes": 8},
     {"name": "real_scale", "command": "python bench/real_scale.py --json bench/results/real_scale.json",
-     "minutes": 100, "quick_minutes": 30},
+     "minutes": 85, "quick_minutes": 30},
     {"name": "cost_calibration", "command": "python bench/cost_calibration.py "
      "--model-dir ~/.cache/earl_stream/models/smollm2-shape-8h4kv-random --json bench/results/cost_model_heads8.json",
      "minutes": 13, "quick_minutes": 13, "quick_args": []},
     {"name": "real_scale", "command": "python bench/real_scale.py --setting heads8 "
-                                      "--json bench/results/real_scale_heads8.json", "minutes": 150, "quick_minutes": 45},
+                                      "--json bench/results/real_scale_heads8.json", "minutes": 180, "quick_minutes": 45},
     {"name": "lora", "command": "python bench/lora.py --json bench/results/lora.json", "minutes": 90, "quick_minutes": 10},
     {"name": "e2e", "part": "comparison", "command": f"{_E2E} --part comparison", "minutes": 40, "quick_minutes": 8},
     {"name": "e2e", "part": "staleness", "command": f"{_E2E} --part staleness", "minutes": 75, "quick_minutes": 5},
