@@ -120,7 +120,8 @@ def provenance(depends_on: list[str]) -> dict[str, Any]:
     return out
 
 
-def _git_rc(*args: str) -> tuple[int, str]:
+def git(*args: str) -> tuple[int, str]:
+    """`git` in the repository: (return code, output)."""
     done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
     return done.returncode, done.stdout.strip()
 
@@ -132,7 +133,7 @@ def changed_since(commit: str, depends_on: list[str], not_measured: list[str] = 
     if not commit or not depends_on:
         return []
     # a measured path gone since (moved or deleted) shows as changed: git names its deletion
-    rc, out = _git_rc("diff", "--name-only", commit, "--", *depends_on, *(f":(exclude){p}" for p in not_measured))
+    rc, out = git("diff", "--name-only", commit, "--", *depends_on, *(f":(exclude){p}" for p in not_measured))
     if rc != 0:
         return []
     return sorted(p for p in out.splitlines() if not _prose_only(commit, p))
@@ -143,7 +144,7 @@ def _prose_only(commit: str, path: str) -> bool:
     """Whether the Python file `path` differs from its version at `commit` in docstrings and comments only."""
     if not path.endswith(".py") or not (ROOT / path).is_file():
         return False
-    rc, old = _git_rc("show", f"{commit}:{path}")
+    rc, old = git("show", f"{commit}:{path}")
     return rc == 0 and same_code(old, (ROOT / path).read_text())
 
 
@@ -196,7 +197,7 @@ def other_measurement(stamp: dict[str, Any] | None, depends_on: list[str]) -> st
         return f"measured from uncommitted changes to {stamp['commit'][:7]}"
     if stamp.get("cpu") != _cpu_model():
         return f"measured on another CPU ({stamp.get('cpu')})"
-    if _git_rc("cat-file", "-e", f"{stamp['commit']}^{{commit}}")[0] != 0:
+    if git("cat-file", "-e", f"{stamp['commit']}^{{commit}}")[0] != 0:
         return f"measured at {stamp['commit'][:7]}, a commit this history lacks"
     changed = changed_since(stamp["commit"], depends_on)
     return f"measured at {stamp['commit'][:7]}; changed since: {', '.join(changed)}" if changed else ""

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT))
 from bench.catalog import BENCHMARKS, RELEASE, REMOVED  # noqa: E402
 from bench.figures import Figure, all_figures, cpu_of  # noqa: E402
-from bench.provenance import changed_since  # noqa: E402
+from bench.provenance import changed_since, git  # noqa: E402
 from bench.report_tables import fmt  # noqa: E402
 
 Renderer = Callable[[dict[str, Any]], list[str]]
@@ -60,11 +59,6 @@ MACHINE_KEYS = ("cpus", "cores", "threads", "torch_threads", "load_avg_before", 
                 "loadavg_1m_before", "loadavg_1m_after", "platform", "cpu", "torch", "gpu", "driver", "cuda")
 
 
-def _git(*args: str) -> tuple[int, str]:
-    done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-    return done.returncode, done.stdout.strip()
-
-
 def measured_at(data: dict[str, Any], path: Path, prov: dict[str, Any] | None = None) -> tuple[str, str]:
     """(commit, date) a result (or one part of it: `prov`, an entry of its `part_provenance`) was measured at: its
     own provenance when it names a clean checkout, else the commit that first committed the file after its
@@ -72,15 +66,15 @@ def measured_at(data: dict[str, Any], path: Path, prov: dict[str, Any] | None = 
     wrote it; ("", "") while the file is not committed. A provenance commit this history lacks (work re-committed
     after a rewrite) counts as a dirty checkout."""
     prov = (data.get("provenance") or {}) if prov is None else prov
-    if prov.get("commit") and not prov.get("dirty") and _git("cat-file", "-e", f"{prov['commit']}^{{commit}}")[0] == 0:
+    if prov.get("commit") and not prov.get("dirty") and git("cat-file", "-e", f"{prov['commit']}^{{commit}}")[0] == 0:
         return prov["commit"], str(prov.get("when", ""))[:10]
     rel = str(path.resolve().relative_to(ROOT))
     if prov.get("when"):
-        rc, out = _git("log", "--reverse", f"--since={prov['when']}", "--format=%H %cs", "--", rel)
+        rc, out = git("log", "--reverse", f"--since={prov['when']}", "--format=%H %cs", "--", rel)
         if rc == 0 and out:
             commit, date = out.splitlines()[0].split()
             return commit, date
-    rc, out = _git("log", "-1", "--format=%H %cs", "--", rel)
+    rc, out = git("log", "-1", "--format=%H %cs", "--", rel)
     if rc != 0 or not out:
         return "", ""
     commit, date = out.split()
