@@ -4,7 +4,7 @@ with its token cap tuned until it fits) and the trainer's per-micro-batch dynami
 
     python bench/real_scale.py --json bench/results/real_scale.json                   # smollm2 setting (~85 min)
     python bench/real_scale.py --resume --json bench/results/real_scale.json          # continue a killed campaign
-    python bench/real_scale.py --setting heads8 --json bench/results/real_scale_heads8.json   # (~180 min)
+    python bench/real_scale.py --setting heads8 --json bench/results/real_scale_heads8.json   # (~155 min)
     python bench/real_scale.py --quick --json /tmp/real_scale_quick.json [--only adaptive,static:fsdp2+rc]
 
 The workload (configs/smollm2_real_scale.yaml, envs/long_recall.py with `facts_last`): a document of filler words,
@@ -73,8 +73,8 @@ token_caps, and repeat_runs (the repeats after the first).
 Budget. The sizes are the smallest the comparison allows: 8 sequences a step, 3 steps a phase, 4 phases growing
 8.6x; a run then trains ~31,500 tokens, ~10.5 minutes at ~60 trained tokens/s (2 cores) with start-up by the
 printed estimate (--rate: the tokens/s to plan with), 5-8 minutes as measured. The smollm2 setting (5 arms, then 3
-repeated twice, 8 probes) took 81 minutes on an Intel Xeon; heads8 (10 arms, then 4 repeated twice, ~24 probes) is
-~180 by the runs and probes measured there, longer than one session: --resume on the same CPU splits it.
+repeated twice, 8 probes) took 81 minutes on an Intel Xeon; heads8 (10 arms, then 4 repeated twice, ~24 probes)
+153 there, in two parts (43 + 110 minutes) joined by --resume on the same CPU.
 Each run records its commit and CPU (`measured`);
 --resume continues a killed campaign (across sessions of a machine lent for less time than a campaign takes), and
 it and --only keep from the file only what was measured at the same measured code on the same CPU: the rest runs
