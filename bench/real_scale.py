@@ -74,7 +74,7 @@ Budget. The sizes are the smallest the comparison allows: 8 sequences a step, 3 
 8.6x; a run then trains ~31,500 tokens, ~10.5 minutes at ~60 trained tokens/s (2 cores) with start-up by the
 printed estimate (--rate: the tokens/s to plan with), 5-8 minutes as measured. The smollm2 setting (5 arms, then 3
 repeated twice, 8 probes) took 81 minutes on an Intel Xeon; heads8 (10 arms, then 4 repeated twice, ~24 probes)
-153 there, in two parts (43 + 110 minutes) joined by --resume on the same CPU.
+took 153 there, in two parts (43 + 110 minutes) joined by --resume on the same CPU.
 Each run records its commit and CPU (`measured`);
 --resume continues a killed campaign (across sessions of a machine lent for less time than a campaign takes), and
 it and --only keep from the file only what was measured at the same measured code on the same CPU: the rest runs
