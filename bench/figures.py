@@ -313,6 +313,18 @@ def cpu_of(d: dict[str, Any]) -> str:
     return ((d.get("provenance") or {}).get("machine") or {}).get("cpu", "")
 
 
+def cpus_of(d: dict[str, Any]) -> dict[str, str]:
+    """The CPU of each part a result file holds, where recorded: "" the run that wrote it, then each part it kept from
+    an earlier run (`part_provenance`), which may have run on another machine."""
+    kept = {part: ((prov or {}).get("machine") or {}).get("cpu", "") for part, prov in (d.get("part_provenance") or {}).items()}
+    return {part: cpu for part, cpu in {"": cpu_of(d), **kept}.items() if cpu}
+
+
+def short_cpu(cpu: str) -> str:
+    """A CPU model as the pages name it ('Intel(R) Xeon(R) Processor' -> 'Intel Xeon')."""
+    return cpu.replace("(R)", "").replace(" Processor", "")
+
+
 def _calibrated_elsewhere(load: Load, d: dict[str, Any]) -> str:
     """Where a run's starting cost model (a result file) was calibrated on another CPU than the run's, say so: its
     seconds per token then describe that CPU, not the one the plans ran on."""
@@ -416,7 +428,8 @@ def e2e(load: Load) -> list[Figure]:
         worst += [f"{order[-1]}: {_iv(reached[order[-1]], 0, ' s')}"] if order else []
         out.append(Figure(
             "`trainer.max_staleness` " + ", ".join(ab) + ": time to a 0.9 win rate", "; ".join(worst),
-            "; ".join(f"{k}: {_iv(reached[k], 0, ' s')}" for k in order[:2]), ("e2e.json",),
+            "; ".join(f"{k}: {_iv(reached[k], 0, ' s')}" for k in order[:min(2, max(1, len(order) - 1))]),
+            ("e2e.json",),  # the best two, leaving the slowest to the worst column where there are three or fewer
             f"{len(next(iter(ab.values()))['seconds_to_target'])} seeds of {d['ablation_seconds']:.0f} s",
             f"`bench/e2e.py --part staleness`: the comparison's asynchronous setting, {d['ablation_seconds']:.0f} s "
             f"after the first step, seeds interleaved; seconds from launch to a 0.9 win rate (last 256 games) per "

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT))
 from bench.catalog import BENCHMARKS, RELEASE, REMOVED  # noqa: E402
-from bench.figures import Figure, all_figures, cpu_of  # noqa: E402
+from bench.figures import Figure, all_figures, cpus_of, short_cpu  # noqa: E402
 from bench.provenance import changed_since, git  # noqa: E402
 from bench.report_tables import fmt  # noqa: E402
 
@@ -102,8 +102,10 @@ def currency(data: dict[str, Any], path: Path, depends_on: list[str], not_measur
     if not found[0][1]:
         return "Measured: not committed yet.", False
     deps = found[0][3]
+    cpus = cpus_of(data)
+    on = {part: f" on {short_cpu(cpu)}" for part, cpu in cpus.items()} if len(set(cpus.values())) > 1 else {}
     where = "; ".join(f"{f'part `{part}` ' if part else ''}{'m' if part else 'M'}easured {date} at `{commit[:7]}`"
-                      for part, commit, date, _, _ in found)
+                      f"{on.get(part, '')}" for part, commit, date, _, _ in found)
     changed = sorted({c for *_, ch in found for c in ch})
     if not changed:
         return f"{where}; the code it measures ({', '.join(f'`{d}`' for d in deps)}) is unchanged since.", False
@@ -124,6 +126,8 @@ def machine_of(d: dict[str, Any]) -> str:
             walk(v, depth + 1)
 
     walk((d.get("provenance") or {}).get("machine", {}), 0)
+    if len(cpus := set(cpus_of(d).values())) > 1:  # parts measured on different machines: the line above names each
+        found["cpu"] = " and ".join(sorted(short_cpu(c) for c in cpus)) + " (by part: above)"
     walk(d.get("machine", d), 0)
     if isinstance(d.get("host"), dict):
         walk(d["host"], 0)
@@ -269,13 +273,13 @@ REFERENCE_CPU = "AMD EPYC"  # the CPU the pages name once; a result measured on 
 
 
 def stamp(results: Path, name: str) -> str:
-    """`DATE COMMIT` a result file was measured at (its oldest part's), and its CPU where that is not
-    `REFERENCE_CPU` (the machines lent to a session differ)."""
+    """`DATE COMMIT` a result file was measured at (its oldest part's), and its CPUs where they are not
+    `REFERENCE_CPU` alone (the machines lent to a session differ; a file's parts may have run on different ones)."""
     _, commit, date = oldest(file_measurements(results, name))[:3]
     if not commit:
         return "not committed"
-    cpu = cpu_of(json.loads((results / name).read_text()))
-    other = f", {cpu.replace('(R)', '').replace(' Processor', '')}" if cpu and cpu != REFERENCE_CPU else ""
+    cpus = sorted(set(cpus_of(json.loads((results / name).read_text())).values()))
+    other = ", " + " and ".join(short_cpu(c) for c in cpus) if cpus and cpus != [REFERENCE_CPU] else ""
     return f"{date} {commit[:7]}{other}"
 
 

@@ -504,6 +504,10 @@ def render_e2e(d: dict[str, Any]) -> list[str]:
            f"{d.get('stats_window_games')} games; target {d.get('target_win_rate')}.", ""]
     if d.get("runs"):
         cores = d.get("core_assignment", {})
+        if "comparison" in (d.get("part_provenance") or {}):  # kept from an earlier run: `core_assignment` is the
+            probes = d.get("thread_probes") or {}             # later part's; the probes are this part's own record
+            cores = {arm: {"all CPUs, not pinned": f"{probes[arm]['chosen']} torch thread(s), the faster in its probe"}
+                     if (probes.get(arm) or {}).get("chosen") else c for arm, c in cores.items()}
         rows = [[arm, len(rs), ci((d.get("samples_per_s") or {}).get(arm)), ci((d.get("loss_tokens_per_s") or {}).get(arm)),
                  ", ".join(fmt(t) for t in (d.get("time_to_target_s") or {}).get(arm, [])),
                  "; ".join(f"{k}: {v}" for k, v in cores.get(arm, {}).items())] for arm, rs in d["runs"].items()]
