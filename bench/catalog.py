@@ -249,7 +249,7 @@ RELEASE: list[dict[str, Any]] = [
      "minutes": 13, "quick_minutes": 13, "quick_args": []},
     {"name": "real_scale", "command": "python bench/real_scale.py --setting heads8 "
                                       "--json bench/results/real_scale_heads8.json", "minutes": 155, "quick_minutes": 45},
-    {"name": "lora", "command": "python bench/lora.py --json bench/results/lora.json", "minutes": 90, "quick_minutes": 10},
+    {"name": "lora", "command": "python bench/lora.py --json bench/results/lora.json", "minutes": 66, "quick_minutes": 10},
     {"name": "e2e", "part": "comparison", "command": f"{_E2E} --part comparison", "minutes": 40, "quick_minutes": 8},
     {"name": "e2e", "part": "staleness", "command": f"{_E2E} --part staleness", "minutes": 66, "quick_minutes": 5},
     {"name": "e2e", "part": "smollm2", "command": f"{_E2E} --part smollm2", "minutes": 90, "quick_minutes": 10},
