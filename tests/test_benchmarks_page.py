@@ -212,7 +212,6 @@ def test_a_merged_result_is_as_current_as_its_oldest_part(tmp_path: Path) -> Non
     assert currency({"provenance": now, "part_provenance": {"same": now}}, tmp_path / "x.json", [])[1] is False
 
 
-
 def test_a_result_whose_parts_ran_on_different_cpus_names_each(tmp_path: Path) -> None:
     """A merged file is not labelled with the CPU of whichever part ran last: the README's stamp names every CPU,
     the page's measured line each part's, and a file measured on the reference CPU alone names none."""
@@ -230,6 +229,7 @@ def test_a_result_whose_parts_ran_on_different_cpus_names_each(tmp_path: Path) -
     assert f"Measured 2026-01-02 at `{head[:7]}` on Intel Xeon; part `comparison` measured 2026-01-02 at " \
            f"`{head[:7]}` on {report.REFERENCE_CPU}" in line
     assert "(by part: above)" in report.machine_of(merged)
+
 
 def test_a_help_text_is_prose_like_a_docstring() -> None:
     """A config field's help (`_f`'s second argument) and an argparse `help=` are shown, never computed with:
