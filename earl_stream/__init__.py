@@ -6,4 +6,4 @@ The public environment API lives here: `StepResult` and the `Environment` protoc
 from earl_stream.env import Environment, StepResult
 
 __all__ = ["Environment", "StepResult", "__version__"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
