@@ -1,6 +1,7 @@
 """The documentation: the configuration and command-line references are what the code declares, the site builds strictly
-(every link and anchor resolves), and the README stays a README (short, its links resolve, each result it
-quotes dated with the commit of its result file).
+(every link and anchor resolves), the README stays a README (short, its links resolve, each result it
+quotes dated with the commit of its result file), pages written by hand quote no measured figure (those are
+generated from the result files) and nothing outside the history names the work that made it.
 """
 
 from __future__ import annotations
@@ -110,3 +111,42 @@ def test_the_readme_is_short_and_its_links_resolve() -> None:
     assert not broken, f"README.md links to what does not exist: {broken}"
 
 
+
+
+MEASURED_FIGURE = re.compile(
+    r"\b\d+(?:\.\d+)?x (?:faster|slower|smaller|larger|more|fewer|less|over|against|speed)"
+    r"|\[[-+]?\d+\.\d+%?, [-+]?\d+\.\d+%?\]")
+GENERATED_PAGES = {"results.md", "BENCHMARKS.md", "cli.md", "configuration.md", "history.md"}
+
+
+def _hand_written_text() -> dict[str, str]:
+    """README outside its generated blocks and every docs page written by hand."""
+    readme = re.sub(r"<!-- (\w+):begin .*?<!-- \1:end -->", "", (ROOT / "README.md").read_text(), flags=re.S)
+    assert "bench/results/" not in readme, "the README's generated blocks were not found"
+    pages = {"README.md": readme}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        if page.name not in GENERATED_PAGES and "benchmarks" not in page.relative_to(ROOT / "docs").parts:
+            pages[str(page.relative_to(ROOT))] = page.read_text()
+    return pages
+
+
+def test_hand_written_pages_quote_no_measured_figure() -> None:
+    """A measured ratio or interval appears only on the pages generated from the result files (README's results
+    block, docs/results.md, docs/BENCHMARKS.md), which the page tests compare with their files: a figure typed by
+    hand would drift from its file unnoticed when the result is measured again."""
+    quoted = [f"{name}: {m.group(0)!r}" for name, text in _hand_written_text().items()
+              for m in MEASURED_FIGURE.finditer(text)]
+    assert not quoted, f"measured figures typed by hand (cite docs/results.md instead): {quoted}"
+
+
+def test_no_issue_numbers_in_docs_docstrings_or_results() -> None:
+    """History lives in CHANGELOG.md and docs/history.md; the code, the other docs and the result files say what
+    is, not which piece of work made it so."""
+    work_log = re.compile(r"\b[Ii]ssues? #?\d+\b|\b[Ss]ession \d+\b")
+    files = [ROOT / "README.md", *(ROOT / "bench" / "results").glob("*.json")]
+    for folder, suffixes in (("earl_stream", {".py"}), ("bench", {".py"}), ("envs", {".py"}),
+                             ("scripts", {".py", ".sh"}), ("configs", {".yaml"}), ("docs", {".md"})):
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in suffixes and p.name != "history.md"]
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)!r}" for p in files
+             for m in work_log.finditer(p.read_text(errors="replace"))]
+    assert not found, f"work-log references outside the history: {found}"
