@@ -24,6 +24,7 @@ class Figure:
     files: tuple[str, ...]  # the results files it comes from (names under bench/results/)
     short: str  # the README's conditions
     details: str  # docs/results.md's benchmark and conditions
+    part: str = ""  # the part of a result measured one part at a time it comes from ("": the whole file)
 
 
 def _iv(x: dict[str, Any], digits: int = 2, unit: str = "", sign: str = "") -> str:
@@ -405,7 +406,7 @@ def e2e(load: Load) -> list[Figure]:
             f"trainer to CPU 1, `max_staleness` 1; its ceiling is what its own pools' CPU seconds per step allow. "
             f"Sync: `max_staleness` 0, every core to each phase"
             + (f"; samples/s async {_iv(rates['async'], 1)}, sync {_iv(rates['sync'], 1)}"
-               if "async" in rates and "sync" in rates else "")))
+               if "async" in rates and "sync" in rates else ""), part="comparison"))
         loss = d.get("loss_tokens_per_s") or {}
         target = (d.get("time_to_target_vs_trl") or {}).get("default_model") or {}
         faster = (f"to {d['target_win_rate']} in <= {target['at_most']:.2f}x the time (TRL never)"
@@ -417,7 +418,7 @@ def e2e(load: Load) -> list[Figure]:
             ("e2e.json",), "TRL trains a game's first move",
             "the same run: TRL 1.16 `GRPOTrainer` in fp32 with the same estimator, group size, groups a step and lr, "
             "no KL, at the thread count its probe found faster. TRL is single-turn: its sample is the game's first "
-            "move; earl_stream trains every move"))
+            "move; earl_stream trains every move", part="comparison"))
     ab = d.get("staleness_ablation")
     if ab:
         mean = {k: v.get("seconds_to_target_mean") or {} for k, v in ab.items()}
@@ -434,7 +435,7 @@ def e2e(load: Load) -> list[Figure]:
             f"`bench/e2e.py --part staleness`: the comparison's asynchronous setting, {d['ablation_seconds']:.0f} s "
             f"after the first step, seeds interleaved; seconds from launch to a 0.9 win rate (last 256 games) per "
             f"seed: " + "; ".join(f"{k}: {', '.join('never' if t is None else f'{t:.0f}' for t in v['seconds_to_target'])}"
-                                  for k, v in ab.items())))
+                                  for k, v in ab.items()), part="staleness"))
     s = d.get("smollm2")
     if s and s.get("heldout_at_budget"):
         held, loss = s["heldout_at_budget"], s["loss_tokens_per_s"]
@@ -452,7 +453,7 @@ def e2e(load: Load) -> list[Figure]:
             f"minutes a run from launch, seeds interleaved; checkpoints scored afterwards on {s['problems']} held-out "
             "problems "
             f"(greedy); loss tokens/s earl_stream {_iv(loss['earl_stream'], 1)}, TRL {_iv(loss['trl'], 1)} "
-            "(dynamic sampling trains only groups whose rewards differ)"))
+            "(dynamic sampling trains only groups whose rewards differ)", part="smollm2"))
     return out
 
 

@@ -272,13 +272,19 @@ def oldest(found: list[tuple[str, str, str, list[str], list[str]]]) -> tuple[str
 REFERENCE_CPU = "AMD EPYC"  # the CPU the pages name once; a result measured on another says which
 
 
-def stamp(results: Path, name: str) -> str:
-    """`DATE COMMIT` a result file was measured at (its oldest part's), and its CPUs where they are not
-    `REFERENCE_CPU` alone (the machines lent to a session differ; a file's parts may have run on different ones)."""
-    _, commit, date = oldest(file_measurements(results, name))[:3]
+def stamp(results: Path, name: str, part: str = "") -> str:
+    """`DATE COMMIT` a result file was measured at (its oldest part's, or the named `part`'s: a part it kept from an
+    earlier run, else the last run's), and its CPUs where they are not `REFERENCE_CPU` alone (the machines lent to a
+    session differ; a file's parts may have run on different ones)."""
+    data, found = json.loads((results / name).read_text()), file_measurements(results, name)
+    by_part = cpus_of(data)
+    if part:
+        key = part if part in (data.get("part_provenance") or {}) else ""
+        found, by_part = [m for m in found if m[0] == key], {key: by_part[key]} if key in by_part else {}
+    _, commit, date = oldest(found)[:3]
     if not commit:
         return "not committed"
-    cpus = sorted(set(cpus_of(json.loads((results / name).read_text())).values()))
+    cpus = sorted(set(by_part.values()))
     other = ", " + " and ".join(short_cpu(c) for c in cpus) if cpus and cpus != [REFERENCE_CPU] else ""
     return f"{date} {commit[:7]}{other}"
 
@@ -292,7 +298,7 @@ def figures_table(results: Path, figures: list[Figure] | None = None) -> str:
     figures = all_figures(_loader(results)) if figures is None else figures
     rows = ["| figure | worst | best | result (date commit), conditions |", "|---|---|---|---|"]
     for f in figures:
-        files = ", ".join(f"`bench/results/{n}` ({stamp(results, n)})" for n in f.files)
+        files = ", ".join(f"`bench/results/{n}` ({stamp(results, n, f.part)})" for n in f.files)
         rows.append(f"| {_cell(f.figure)} | {_cell(f.worst)} | {_cell(f.best)} | {files}: {_cell(f.short)} |")
     return "\n".join(rows) + "\n"
 
@@ -310,7 +316,7 @@ def results_page(results: Path) -> str:
              "once the code it measures changed after the commit that measured it.", "",
              "| figure | worst | best | benchmark and conditions |", "|---|---|---|---|"]
     for f in all_figures(_loader(results)):
-        files = ", ".join(f"`bench/results/{n}` ({stamp(results, n)})" for n in f.files)
+        files = ", ".join(f"`bench/results/{n}` ({stamp(results, n, f.part)})" for n in f.files)
         lines.append(f"| {_cell(f.figure)} | {_cell(f.worst)} | {_cell(f.best)} | {_cell(f.details)}. {files} |")
     return "\n".join(lines) + "\n"
 

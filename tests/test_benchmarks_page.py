@@ -231,6 +231,21 @@ def test_a_result_whose_parts_ran_on_different_cpus_names_each(tmp_path: Path) -
     assert "(by part: above)" in report.machine_of(merged)
 
 
+def test_a_figure_from_one_part_is_stamped_with_that_parts_date_and_cpu(tmp_path: Path) -> None:
+    """A figure computed from one part of a merged file names when and where that part ran: a part kept from an
+    earlier run its own provenance, any other part the last run's; a figure of the whole file its oldest part."""
+    from bench import report
+
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    last = {"commit": head, "dirty": False, "when": "2026-01-02T00:00:00+00:00", "depends_on": ["earl_stream/config"],
+            "machine": {"cpu": "Intel(R) Xeon(R) Processor"}}
+    kept = {**last, "when": "2026-01-01T00:00:00+00:00", "machine": {"cpu": report.REFERENCE_CPU}}
+    (tmp_path / "m.json").write_text(json.dumps({"provenance": last, "part_provenance": {"comparison": kept}}))
+    assert report.stamp(tmp_path, "m.json", "comparison") == f"2026-01-01 {head[:7]}"
+    assert report.stamp(tmp_path, "m.json", "staleness") == f"2026-01-02 {head[:7]}, Intel Xeon"
+    assert report.stamp(tmp_path, "m.json") == f"2026-01-01 {head[:7]}, {report.REFERENCE_CPU} and Intel Xeon"
+
+
 def test_a_help_text_is_prose_like_a_docstring() -> None:
     """A config field's help (`_f`'s second argument) and an argparse `help=` are shown, never computed with:
     rewording one leaves a result current; its default, choices or the option's default are code."""
