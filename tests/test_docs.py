@@ -111,8 +111,6 @@ def test_the_readme_is_short_and_its_links_resolve() -> None:
     assert not broken, f"README.md links to what does not exist: {broken}"
 
 
-
-
 MEASURED_FIGURE = re.compile(
     r"\b\d+(?:\.\d+)?x (?:faster|slower|smaller|larger|more|fewer|less|over|against|speed)"
     r"|\[[-+]?\d+\.\d+%?, [-+]?\d+\.\d+%?\]")
